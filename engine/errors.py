@@ -1,0 +1,15 @@
+"""Errors the engine raises at its boundary; the service layer maps them to status codes."""
+
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """A request field is out of range. `field` names it (maps to gRPC INVALID_ARGUMENT / HTTP 400)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class OverloadedError(RuntimeError):
+    """The waiting queue is full (maps to gRPC RESOURCE_EXHAUSTED / HTTP 429)."""

@@ -1,0 +1,114 @@
+"""Per-sequence KV block tables over a shared `kvstore.BlockPool`, with prefix caching.
+
+Layout of one sequence (block_size 4, 10 tokens, 3 of them new this step):
+
+    token index   0 1 2 3 | 4 5 6 7 | 8 9 . .
+    block_ids     [ b0    ] [ b1    ] [ b2    ]
+    computed      x x x x   x x x
+    new this step                 n   n n
+    hashed        h0        h1                 only full blocks are hashed and cached
+
+Invariants (asserted where they are enforced):
+- a sequence's `block_ids` cover at least its computed tokens; each id holds one reference of the pool;
+- `block_hashes[i]` is the chained hash of block i, present only for full blocks;
+- every block is freed exactly once, by `free`, which also empties the table.
+
+Pure Python: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from kvstore.block_pool import BlockPool
+from kvstore.hashing import hash_block
+
+from engine.sequence import Sequence
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, root_hash: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.root_hash = root_hash
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_caching)
+
+    # --- hashing ----------------------------------------------------------------------------------------------
+    def update_block_hashes(self, seq: Sequence) -> None:
+        """Extend `seq.block_hashes` to every full block of its current tokens."""
+        num_full = seq.num_tokens // self.block_size
+        if len(seq.block_hashes) >= num_full:
+            return
+        token_ids = seq.token_ids
+        parent = seq.block_hashes[-1] if seq.block_hashes else self.root_hash
+        for i in range(len(seq.block_hashes), num_full):
+            extra = (seq.cache_salt,) if i == 0 and seq.cache_salt else ()
+            parent = hash_block(parent, token_ids[i * self.block_size:(i + 1) * self.block_size], extra)
+            seq.block_hashes.append(parent)
+
+    # --- prefix cache lookup ----------------------------------------------------------------------------------
+    def get_computed_blocks(self, seq: Sequence) -> list[int]:
+        """Blocks of the longest cached prefix of `seq` (no side effects).
+
+        At least one token is always left to compute, so the last position's logits exist to sample from.
+        """
+        if not self.enable_caching or seq.num_computed_tokens:
+            return []
+        self.update_block_hashes(seq)
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hit_ids: list[int] = []
+        for block_hash in seq.block_hashes[:max_blocks]:
+            block_id = self.pool.get_cached_block(block_hash)
+            if block_id is None:
+                break
+            hit_ids.append(block_id)
+        return hit_ids
+
+    # --- allocation -------------------------------------------------------------------------------------------
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, computed_block_ids: list[int] = ()) -> bool:
+        needed = self._num_new_blocks(seq, num_new_tokens, computed_block_ids)
+        # A cache hit on a block nobody references takes it off the free list, so it counts against free blocks.
+        num_evictable_hits = sum(1 for b in computed_block_ids if self.pool.get_ref_count(b) == 0)
+        return self.pool.can_allocate(needed + num_evictable_hits)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, computed_block_ids: list[int] = ()) -> None:
+        """Give `seq` blocks for `num_new_tokens` more tokens after its computed ones (plus the cached hits).
+
+        Callers check `can_allocate` first; a shortfall here is a bug.
+        """
+        if computed_block_ids:
+            assert not seq.block_ids, "prefix hits are only taken by a sequence that holds no blocks"
+            self.pool.touch(computed_block_ids)
+            seq.block_ids.extend(computed_block_ids)
+            seq.num_computed_tokens = len(computed_block_ids) * self.block_size
+            seq.num_registered_blocks = len(computed_block_ids)
+        needed = self._num_new_blocks(seq, num_new_tokens, ())
+        if needed > 0:
+            seq.block_ids.extend(self.pool.allocate(needed))
+
+    def _num_new_blocks(self, seq: Sequence, num_new_tokens: int, computed_block_ids) -> int:
+        num_computed = len(computed_block_ids) * self.block_size if computed_block_ids else seq.num_computed_tokens
+        num_have = len(computed_block_ids) if computed_block_ids else len(seq.block_ids)
+        return self.num_blocks_needed(num_computed + num_new_tokens) - num_have
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register every block of `seq` that is full and computed, so later requests can reuse it."""
+        if not self.enable_caching:
+            return
+        self.update_block_hashes(seq)
+        num_full_computed = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        for i in range(seq.num_registered_blocks, num_full_computed):
+            self.pool.cache_block(seq.block_ids[i], seq.block_hashes[i])
+        seq.num_registered_blocks = max(seq.num_registered_blocks, num_full_computed)
+
+    def free(self, seq: Sequence) -> None:
+        """Release all of `seq`'s blocks, tail first so a sequence's last blocks are evicted before its prefix."""
+        self.pool.free(list(reversed(seq.block_ids)))
+        seq.block_ids = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+
+    def slot(self, seq: Sequence, position: int) -> int:
+        """Physical slot (block_id * block_size + offset) of token `position` of `seq`."""
+        return seq.block_ids[position // self.block_size] * self.block_size + position % self.block_size

@@ -1,0 +1,96 @@
+"""Offline API: `LLM(model=...).generate(prompts, SamplingParams(...))` and `LLM.chat(messages, ...)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.sequence import TokenLogprob
+from engine.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class CompletionOutput:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int
+
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Generates completions in this process. Keyword arguments are `EngineConfig` fields."""
+
+    def __init__(self, model: str = "default", progress: bool = True, **engine_kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), progress=progress)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        """Run every prompt (text, or a list of token ids) to completion together; outputs keep the input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
+
+        seqs = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                seqs.append(self.engine.add_request(f"offline-{next(self._ids)}", token_ids, params, cache_salt))
+            while self.engine.has_unfinished():
+                self.engine.step()
+        except BaseException:
+            for seq in seqs:
+                self.engine.abort(seq.request_id)
+            raise
+        return [RequestOutput(
+            request_id=seq.request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=seq.prompt_token_ids,
+            outputs=[CompletionOutput(self.tokenizer.decode(seq.output_token_ids), list(seq.output_token_ids),
+                                      seq.finish_reason.value, list(seq.output_logprobs))],
+            num_cached_tokens=seq.num_cached_tokens,
+        ) for prompt, seq in zip(prompts, seqs)]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Generate one completion, yielding text as it is produced (never a broken UTF-8 character)."""
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        seq = self.engine.add_request(f"offline-{next(self._ids)}", token_ids, sampling_params or SamplingParams())
+        detok = IncrementalDetokenizer(self.tokenizer, token_ids)
+        try:
+            while not seq.is_finished:
+                for out in self.engine.step():
+                    if out.seq is seq:
+                        delta = detok.add(out.new_token_ids)
+                        if delta:
+                            yield delta
+        finally:
+            self.engine.abort(seq.request_id)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template (generation prompt added) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations]
+        return self.generate(prompts, sampling_params)

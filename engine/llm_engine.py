@@ -1,0 +1,134 @@
+"""The engine loop: requests in, one scheduled step at a time, token deltas out.
+
+`LLMEngine.step()` schedules, runs the model once and returns what changed for each request. Workers drive
+it from their service loop; the offline `LLM` drives it until every request finishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.kv_cache_manager import KVCacheManager
+from engine.loader import LoadedModel, load_model
+from engine.model_fetch import resolve_model_path
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import FinishReason, Sequence, TokenLogprob
+from kvstore.hashing import root_hash
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    """What one step did for one request: tokens appended (0 or 1) and whether it is finished."""
+
+    seq: Sequence
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob]
+    finished: bool
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = True, loaded: LoadedModel | None = None) -> None:
+        """Load `config.model` (or take an already `loaded` model) and size the KV cache."""
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        if loaded is None:
+            loaded = load_model(resolve_model_path(config.model), torch.float32, progress=progress)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.fingerprint = loaded.fingerprint
+        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        self.runner = ModelRunner(loaded.config, loaded.weights, config, self.max_model_len)
+        del loaded
+        capacity = self.runner.num_blocks * config.block_size
+        if capacity < self.max_model_len:
+            if config.max_model_len is not None:
+                raise ValueError(f"KV cache holds {capacity} tokens, fewer than max_model_len={self.max_model_len}: "
+                                 "raise kv_cache_memory or lower max_model_len")
+            log.warning("KV cache holds %d tokens: max_model_len lowered from %d to fit", capacity,
+                        self.max_model_len)
+            self.max_model_len = capacity
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, root_hash(self.fingerprint),
+                                 config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting,
+                            self.max_model_len),
+            self.kv, self.model_config.eos_token_ids)
+        self._seed_rng = random.Random(config.seed)
+        self._requests: dict[str, Sequence] = {}
+
+    # --- requests ---------------------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError naming the first bad field."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        vocab = self.model_config.vocab_size
+        for token_id in prompt_token_ids:
+            if not 0 <= token_id < vocab:
+                raise InvalidRequestError("prompt_token_ids", f"{token_id} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"has {len(prompt_token_ids)} tokens; the context holds {self.max_model_len} "
+                          "(prompt plus at least one generated token)")
+        params.validate(vocab)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> Sequence:
+        if request_id in self._requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        self.validate(prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        seq = Sequence(request_id, list(prompt_token_ids), params, seed, cache_salt)
+        self.scheduler.add(seq)
+        self._requests[request_id] = seq
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.scheduler.abort(request_id)
+        self._requests.pop(request_id, None)
+        return seq is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- one step ---------------------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        out = self.scheduler.schedule()
+        if not out.chunks:
+            return []
+        sampled, logprobs = self.runner.execute(out)
+        for request_id, lp in logprobs.items():
+            self._requests[request_id].output_logprobs.append(lp)
+        finished = {id(s) for s in self.scheduler.update(out, sampled)}
+        results = []
+        for chunk in out.chunks:
+            seq = chunk.seq
+            token_id = sampled.get(seq.request_id)
+            if token_id is None:
+                continue
+            done = id(seq) in finished
+            if done:
+                self._requests.pop(seq.request_id, None)
+            results.append(StepOutput(seq, [token_id], [logprobs[seq.request_id]] if seq.request_id in logprobs
+                                      else [], done))
+        return results
+
+    def stats(self) -> dict[str, int]:
+        pool = self.kv.pool
+        return {"num_blocks": pool.num_blocks, "free_blocks": pool.get_num_free_blocks(),
+                "used_blocks": pool.get_num_used_blocks(), "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting), "preemptions": self.scheduler.num_preemptions}
+
+
+__all__ = ["LLMEngine", "StepOutput", "FinishReason"]

@@ -1,0 +1,138 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+
+The model is a flat batch of tokens from many sequences ("varlen"): no padding, no per-sequence tensors.
+Attention metadata says where each sequence's tokens are and which KV blocks hold its context. Every
+kernel call goes through `kernels`, which picks Triton on CUDA and the torch reference elsewhere.
+
+Weights use Hugging Face names and the HF "rotate_half" RoPE layout (the GGUF loader un-permutes q/k).
+q/k/v and gate/up are fused into single matrices at load time: one GEMM each instead of three and two.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+from engine.config import ModelConfig, RopeScaling
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the batch's tokens go in the paged cache and what they attend to."""
+
+    slot_mapping: torch.Tensor     # [num_tokens] int64: cache slot each new token's K/V is written to
+    block_tables: torch.Tensor     # [batch, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor         # [batch] int32: context length of each sequence including its new tokens
+    query_start_loc: torch.Tensor  # [batch + 1] int32: offsets of each sequence's tokens in the flat batch
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor       # [hidden]
+    qkv: torch.Tensor              # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None  # [(num_heads + 2 * num_kv_heads) * head_dim]
+    o: torch.Tensor                # [hidden, num_heads * head_dim]
+    post_norm: torch.Tensor        # [hidden]
+    gate_up: torch.Tensor          # [2 * intermediate, hidden]
+    down: torch.Tensor             # [hidden, intermediate]
+
+
+def rope_cos_sin_cache(head_dim: int, max_position: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """[max_position, head_dim] float32: cos of each (position, frequency) then sin, the layout kernels expect."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is not None:
+        inv_freq = _llama3_scale(inv_freq, scaling)
+    freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device, max_position: int) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise KeyError(f"checkpoint has no tensor {name!r}")
+            return weights[name].to(device=device, dtype=dtype)
+
+        self.embed = w("model.embed_tokens.weight")
+        self.lm_head = self.embed if config.tie_word_embeddings or "lm_head.weight" not in weights \
+            else w("lm_head.weight")
+        self.final_norm = w("model.norm.weight")
+        self.layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            bias = None
+            if config.attention_bias:
+                bias = torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"), w(a + "v_proj.bias")])
+            self.layers.append(_Layer(
+                input_norm=w(p + "input_layernorm.weight"),
+                qkv=torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
+                qkv_bias=bias,
+                o=w(a + "o_proj.weight"),
+                post_norm=w(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                down=w(p + "mlp.down_proj.weight"),
+            ))
+        self.cos_sin_cache = rope_cos_sin_cache(config.head_dim, max_position, config.rope_theta,
+                                                config.rope_scaling).to(device)
+        self.scale = config.head_dim ** -0.5
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [num_tokens]; kv_cache: [layers, 2, blocks, block_size, kv_heads, head_dim].
+
+        Returns the final-norm hidden states [num_tokens, hidden].
+        """
+        c = self.config
+        q_size = c.num_heads * c.head_dim
+        kv_size = c.num_kv_heads * c.head_dim
+        num_tokens = input_ids.shape[0]
+        h = F.embedding(input_ids, self.embed)                      # [T, hidden]
+        residual = None
+        for i, layer in enumerate(self.layers):
+            if residual is None:
+                residual = h
+                x = kernels.rms_norm(h, layer.input_norm, c.rms_norm_eps)
+            else:
+                x, residual = kernels.rms_norm(h, layer.input_norm, c.rms_norm_eps, residual=residual)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)             # [T, q_size + 2 * kv_size]
+            q = qkv[:, :q_size].view(num_tokens, c.num_heads, c.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(num_tokens, c.num_kv_heads, c.head_dim)
+            v = qkv[:, q_size + kv_size:].view(num_tokens, c.num_kv_heads, c.head_dim)
+            kernels.rotary_embedding(positions, q, k, self.cos_sin_cache)
+            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]      # [blocks, block_size, kv_heads, head_dim]
+            kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            attn = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                           meta.query_start_loc, self.scale)  # [T, heads, head_dim]
+            h = F.linear(attn.reshape(num_tokens, q_size), layer.o)
+            x, residual = kernels.rms_norm(h, layer.post_norm, c.rms_norm_eps, residual=residual)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)  # [T, intermediate] each
+            h = F.linear(F.silu(gate) * up, layer.down)
+        out, _ = kernels.rms_norm(h, self.final_norm, c.rms_norm_eps, residual=residual)
+        return out
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, hidden] -> logits [n, vocab] in float32."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,104 @@
+"""Runs one scheduled step: builds the flat batch and its attention metadata, runs the model, samples.
+
+Owns the device state of a worker: the model's weights and the paged KV cache tensor
+`[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]` (K at index 0, V at 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.model import AttentionMetadata, LlamaModel
+from engine.sampler import SamplingRow, sample
+from engine.scheduler import SchedulerOutput
+from engine.sequence import TokenLogprob
+
+log = logging.getLogger(__name__)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def free_device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def num_kv_blocks_for(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype,
+                      device: torch.device) -> int:
+    """Blocks that fit the configured KV budget (see EngineConfig.kv_cache_memory*)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    budget = config.kv_cache_memory
+    if budget is None:
+        budget = int(free_device_memory(device) * config.kv_cache_memory_fraction)
+    bytes_per_block = model_config.kv_bytes_per_token(dtype.itemsize) * config.block_size
+    return budget // bytes_per_block
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], config: EngineConfig,
+                 max_model_len: int) -> None:
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.block_size = config.block_size
+        self.model = LlamaModel(model_config, weights, self.dtype, self.device, max_position=max_model_len)
+        self.num_blocks = num_kv_blocks_for(config, model_config, self.dtype, self.device)
+        c = model_config
+        bytes_per_token = c.kv_bytes_per_token(self.dtype.itemsize)
+        log.info("KV cache: %d bytes/token (%s), %d blocks of %d tokens = %d tokens, %.1f MiB",
+                 bytes_per_token, str(self.dtype).removeprefix("torch."), self.num_blocks, self.block_size,
+                 self.num_blocks * self.block_size, self.num_blocks * self.block_size * bytes_per_token / 2**20)
+        # Never read before written: the scheduler only attends to slots this worker filled.
+        self.kv_cache = torch.empty(c.num_layers, 2, self.num_blocks, self.block_size, c.num_kv_heads,
+                                    c.head_dim, dtype=self.dtype, device=self.device)
+
+    def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
+        """Run `out`'s chunks; returns the sampled token (and logprobs when asked) of every sampling chunk."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_start_loc = [0]
+        sample_rows: list[int] = []
+        sampling: list[SamplingRow] = []
+        bs = self.block_size
+        for chunk in out.chunks:
+            seq = chunk.seq
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + chunk.num_new_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(seq.block_ids[p // bs] * bs + p % bs for p in range(start, end))
+            seq_lens.append(end)
+            query_start_loc.append(query_start_loc[-1] + chunk.num_new_tokens)
+            if chunk.samples:
+                sample_rows.append(query_start_loc[-1] - 1)
+                sampling.append(SamplingRow(seq.params, seq.seed, seq.prompt_token_ids, seq.output_token_ids))
+        max_blocks = max(len(c.seq.block_ids) for c in out.chunks)
+        block_tables = [c.seq.block_ids + [0] * (max_blocks - len(c.seq.block_ids)) for c in out.chunks]
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(block_tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
+        )
+        hidden = self.model.forward(torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                                    torch.tensor(positions, dtype=torch.int64, device=dev), self.kv_cache, meta)
+        if not sample_rows:
+            return {}, {}
+        logits = self.model.compute_logits(hidden[sample_rows]).cpu()
+        token_ids, logprobs = sample(logits, sampling)
+        sampled_chunks = [c for c in out.chunks if c.samples]
+        sampled = {c.seq.request_id: t for c, t in zip(sampled_chunks, token_ids)}
+        sampled_logprobs = {c.seq.request_id: lp for c, lp in zip(sampled_chunks, logprobs) if lp is not None}
+        return sampled, sampled_logprobs

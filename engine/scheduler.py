@@ -1,0 +1,168 @@
+"""Iteration-level scheduler: continuous batching, chunked prefill, preemption by recompute.
+
+Every step gets a token budget (`max_num_batched_tokens`). Running sequences are served first, in arrival
+order: a decoding sequence takes 1 token, a sequence still prefilling takes the next chunk of its prompt.
+Then waiting sequences join (FCFS) while budget, `max_num_seqs` and KV blocks allow; a prompt longer than
+the remaining budget is split into chunks across steps. When a running sequence needs a block and none is
+free, the most recently arrived running sequence is preempted: its blocks are freed and it goes back to the
+front of the waiting queue, to be recomputed (prompt + tokens generated so far) when blocks are available
+again. Nothing joins from the waiting queue in a step that preempted.
+
+Pure Python: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.errors import OverloadedError
+from engine.kv_cache_manager import KVCacheManager
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_waiting: int
+    max_model_len: int
+
+
+@dataclass
+class ScheduledChunk:
+    """`num_new_tokens` tokens of `seq`, starting at its `num_computed_tokens`, run this step."""
+
+    seq: Sequence
+    num_new_tokens: int
+    samples: bool = field(init=False)
+    """This chunk reaches the end of the sequence's tokens, so its last position yields the next token."""
+
+    def __post_init__(self) -> None:
+        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, eos_token_ids: tuple[int, ...]) -> None:
+        self.config = config
+        self.kv = kv
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._num_arrivals = 0
+        self.num_preemptions = 0
+        """Preemptions since start (a metric: a high rate means the KV cache is too small for the load)."""
+
+    # --- queue management -------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        if len(self.waiting) >= self.config.max_waiting:
+            raise OverloadedError(f"waiting queue is full ({self.config.max_waiting} requests); retry later")
+        seq.arrival_order = self._num_arrivals
+        self._num_arrivals += 1
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish `request_id` with reason ABORT and free its blocks; None when it is not here."""
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self._finish(seq, FinishReason.ABORT)
+                    return seq
+        return None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step ---------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.can_allocate(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self.kv.allocate(seq, num_new)
+                out.chunks.append(ScheduledChunk(seq, num_new))
+                budget -= num_new
+                i += 1
+        if out.preempted:
+            if not self.running and not out.chunks:
+                raise RuntimeError("a single sequence does not fit in the KV cache; capacity < max_model_len")
+            return out
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            hit_block_ids = self.kv.get_computed_blocks(seq)
+            num_computed = len(hit_block_ids) * self.kv.block_size
+            num_new = min(seq.num_tokens - num_computed, budget)
+            if not self.kv.can_allocate(seq, num_new, hit_block_ids):
+                break
+            self.kv.allocate(seq, num_new, hit_block_ids)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_computed
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.chunks.append(ScheduledChunk(seq, num_new))
+            budget -= num_new
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Advance the scheduled sequences by the step's results; returns the sequences that finished.
+
+        `sampled` maps request_id -> new token id for every chunk that `samples`.
+        """
+        finished = []
+        for chunk in out.chunks:
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_new_tokens
+            if chunk.samples:
+                seq.output_token_ids.append(sampled[seq.request_id])
+            self.kv.cache_full_blocks(seq)
+            reason = self._stop_reason(seq) if chunk.samples else None
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    # --- helpers ----------------------------------------------------------------------------------------------
+    def _stop_reason(self, seq: Sequence) -> FinishReason | None:
+        token_id = seq.output_token_ids[-1]
+        if token_id in seq.params.stop_token_ids:
+            return FinishReason.STOP
+        if not seq.params.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.STOP
+        if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

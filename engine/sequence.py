@@ -1,0 +1,81 @@
+"""One request's state inside the engine: tokens, KV blocks, progress and outcome.
+
+Pure data; the scheduler and the KV cache manager move it between states:
+
+    WAITING --schedule--> RUNNING --finish/abort--> FINISHED
+       ^                      |
+       +------ preempt -------+   (blocks freed, num_computed_tokens reset: recomputed when rescheduled)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"          # an end-of-sequence or stop token
+    LENGTH = "length"      # max_tokens or the context length reached
+    ABORT = "abort"        # cancelled by the caller
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of a sampled token and the top alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    """Seed of the request's random stream (the request's own, or one the engine drew)."""
+    cache_salt: str | None = None
+    arrival_order: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    """KV blocks in logical order; block i holds tokens [i*block_size, (i+1)*block_size)."""
+    block_hashes: list[int] = field(default_factory=list)
+    """Chained hashes of the full blocks of token_ids computed so far (prefix caching keys)."""
+    num_registered_blocks: int = 0
+    """Leading blocks already offered to the prefix cache (each block is offered once)."""
+    num_computed_tokens: int = 0
+    """Tokens whose K/V are in the cache (the rest are computed by the next scheduled chunks)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache when the request was first scheduled."""
+    num_preemptions: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
