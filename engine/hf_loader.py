@@ -1,0 +1,210 @@
+"""Loading a Hugging Face model directory: config.json, *.safetensors, tokenizer.json, tokenizer_config.json.
+
+Supported `architectures`: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (Qwen2 always has q/k/v
+biases). Weights come from `model.safetensors`, from the shards listed in `model.safetensors.index.json`, or
+from every `*.safetensors` file in the directory, and are returned under their own (Hugging Face) names, so
+the result has the same structure as the GGUF loader's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig, RopeScaling
+from engine.loader import LoadedModel, ModelLoadError, check_weights
+from engine.tokenizer import Tokenizer
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+"""config.json `architectures[0]` values this loader accepts -> ModelConfig.architecture."""
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed by the model
+_SAMPLE_BYTES = 1 << 20
+
+
+def load_hf_directory(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True) -> LoadedModel:
+    """Load a Hugging Face model directory: config, weights (HF names, `dtype`, CPU), tokenizer, fingerprint.
+
+    Raises ModelLoadError naming the file and the key or tensor that is missing, malformed or unsupported.
+    """
+    path = Path(path)
+    config_json = _read_json(path / "config.json")
+    tokenizer = load_hf_tokenizer(path)
+    eos_ids = _eos_token_ids(path, config_json, tokenizer)
+    try:
+        config = config_from_hf(config_json, eos_token_ids=eos_ids)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path / 'config.json'}: {exc}") from exc
+    files = safetensors_files(path)
+    weights = _read_weights(files, config, dtype, progress)
+    check_weights(weights, config, path)
+    return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, fingerprint=hf_fingerprint(path, files))
+
+
+def config_from_hf(config: Mapping[str, Any], eos_token_ids: tuple[int, ...] | list[int] = ()) -> ModelConfig:
+    """Build a ModelConfig from a parsed config.json; `eos_token_ids` replaces its eos_token_id when given.
+
+    A sliding attention window shorter than max_position_embeddings (Mistral 7B v0.1) caps
+    max_position_embeddings at the window, since within it full attention is exactly the windowed one.
+    Raises ValueError naming the key at fault.
+    """
+    architectures = config.get("architectures") or []
+    arch = ARCHITECTURES.get(architectures[0] if architectures else None)
+    if arch is None:
+        raise ValueError(f"architectures {architectures!r} is not supported (supported: {sorted(ARCHITECTURES)})")
+
+    def required(key: str) -> Any:
+        if config.get(key) is None:
+            raise ValueError(f"key {key} is missing")
+        return config[key]
+
+    if config.get("mlp_bias"):
+        raise ValueError("mlp_bias = true is not supported")
+    if arch != "qwen2" and config.get("attention_bias"):
+        raise ValueError("attention_bias = true is not supported for Llama/Mistral (it adds an o_proj bias)")
+    hidden = int(required("hidden_size"))
+    num_heads = int(required("num_attention_heads"))
+    max_positions = int(config.get("max_position_embeddings") or 4096)
+    window = config.get("sliding_window")
+    if window and (arch != "qwen2" or config.get("use_sliding_window")):
+        max_positions = min(max_positions, int(window))
+    rope = dict(config.get("rope_parameters") or {})  # transformers 5 nests rope settings here
+    rope_theta = float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    eos = tuple(eos_token_ids) or _ids(config.get("eos_token_id"))
+    bos = config.get("bos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(required("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(required("intermediate_size")),
+        num_layers=int(required("num_hidden_layers")),
+        num_heads=num_heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+        head_dim=int(config.get("head_dim") or hidden // num_heads),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6 if arch == "qwen2" else 1e-5)),
+        rope_theta=rope_theta,
+        rope_scaling=_rope_scaling(config.get("rope_scaling") or rope),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=arch == "qwen2",
+        bos_token_id=int(bos) if isinstance(bos, int) else None,
+        eos_token_ids=eos,
+    )
+
+
+def _rope_scaling(scaling: Mapping[str, Any]) -> RopeScaling | None:
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (only llama3 is)")
+    return RopeScaling(factor=float(scaling["factor"]),
+                       low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+                       high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+                       original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)))
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if isinstance(value, int):
+        return (value,)
+    if isinstance(value, list):
+        return tuple(int(v) for v in value)
+    return ()
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ModelLoadError(f"{path} is missing") from exc
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: cannot be read as JSON: {exc}") from exc
+
+
+def load_hf_tokenizer(path: str | Path) -> Tokenizer:
+    """Only the tokenizer of a Hugging Face directory (tokenizer.json, tokenizer_config.json, chat_template.jinja)."""
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file():
+        raise ModelLoadError(f"{path / 'tokenizer.json'} is missing (only fast tokenizers are supported)")
+    tokenizer_config = _read_json(path / "tokenizer_config.json") if (path / "tokenizer_config.json").is_file() else {}
+    if not tokenizer_config.get("chat_template") and (path / "chat_template.jinja").is_file():
+        # Newer transformers save the template next to tokenizer_config.json instead of inside it.
+        tokenizer_config["chat_template"] = (path / "chat_template.jinja").read_text(encoding="utf-8")
+    try:
+        return Tokenizer.from_file(path / "tokenizer.json", tokenizer_config)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+
+
+def _eos_token_ids(path: Path, config_json: Mapping[str, Any], tokenizer: Tokenizer) -> tuple[int, ...]:
+    """generation_config.json's eos ids, then config.json's, the tokenizer's EOS and the chat turn terminator."""
+    generation = _read_json(path / "generation_config.json") if (path / "generation_config.json").is_file() else {}
+    ids = [*_ids(generation.get("eos_token_id")), *_ids(config_json.get("eos_token_id")),
+           tokenizer.eos_token_id, tokenizer.chat_end_token_id()]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The safetensors files of a directory: the index's shards, else model.safetensors, else all *.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index}: weight_map is missing")
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise ModelLoadError(f"{index} lists {file.name}, which is missing")
+        return files
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weights (PyTorch .bin checkpoints are not supported)")
+    return files
+
+
+def _read_weights(files: list[Path], config: ModelConfig, dtype: torch.dtype, progress: bool
+                  ) -> dict[str, torch.Tensor]:
+    from tqdm import tqdm
+
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in tqdm(list(f.keys()), desc=f"loading {file.name}", unit="tensor", disable=not progress):
+                    if name.endswith(_IGNORED_SUFFIXES):
+                        continue
+                    if name == "lm_head.weight" and config.tie_word_embeddings:
+                        continue  # a tied checkpoint may store the shared matrix twice
+                    if name in weights:
+                        raise ModelLoadError(f"{file}: tensor {name} appears in more than one file")
+                    weights[name] = f.get_tensor(name).to(dtype)
+        except ModelLoadError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            raise ModelLoadError(f"{file}: cannot be read as safetensors: {exc}") from exc
+    return weights
+
+
+def hf_fingerprint(path: Path, files: list[Path]) -> str:
+    """Hex sha256 of config.json, tokenizer.json, and each safetensors file's header, size and first/last MiB."""
+    digest = hashlib.sha256(b"pdserve-hf-v1\0")
+    for name in ("config.json", "tokenizer.json"):
+        digest.update(name.encode() + b"\0" + (path / name).read_bytes())
+    for file in files:
+        size = file.stat().st_size
+        digest.update(file.name.encode() + b"\0" + size.to_bytes(8, "little"))
+        with open(file, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            digest.update(f.read(min(header_len, size)))
+            digest.update(f.read(_SAMPLE_BYTES))
+            f.seek(max(8 + header_len, size - _SAMPLE_BYTES))
+            digest.update(f.read(_SAMPLE_BYTES))
+    return digest.hexdigest()
