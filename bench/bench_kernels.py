@@ -1,0 +1,283 @@
+"""Kernel micro-benchmarks on one CUDA device, each next to a torch peer and the device's own ceilings.
+
+Measures (bf16, CUDA events, warmup, L2 flushed before every timed call so bytes come from HBM):
+  decode attention   achieved GB/s = bytes actually read (K/V of every token, q, block tables) / kernel time,
+                     at 1k/8k/32k context x batch 1/32/128, SmolLM2-135M-like (9q/3kv x 64) and Llama-3-8B-like
+                     (32q/8kv x 128); peer: F.scaled_dot_product_attention on contiguous K/V.
+  prefill attention  TFLOP/s of causal attention (4 * B * Hq * D * S(S+1)/2 flops); peer: SDPA is_causal.
+  block gather/scatter (plain and fused int8) GB/s = bytes read + written; peer: the torch reference.
+  ceilings           device copy bandwidth (a large tensor copy, read + write) and bf16 matmul TFLOP/s, used for
+                     the "% of copy" / "% of matmul" ratio columns.
+Writes one markdown report to $OUT/kernels.md when OUT is set, else bench/results/kernels.md. Without CUDA it says
+so and exits 0. `--smoke` runs tiny shapes on CPU through the torch reference to check this script itself.
+Benchmarks measure and report; they never pass or fail on speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import kernels  # noqa: E402
+from kernels import reference as ref  # noqa: E402
+
+MODELS = {"SmolLM2-135M (9q/3kv x 64)": (9, 3, 64), "Llama-3-8B (32q/8kv x 128)": (32, 8, 128)}
+LAYOUTS = {"SmolLM2-135M (30 L, 3kv x 64)": (30, 3, 64), "Llama-3-8B (32 L, 8kv x 128)": (32, 8, 128)}
+BLOCK_SIZE = 16
+
+
+class Bench:
+    """Times a callable: median of per-call times, each call preceded by an L2 flush (CUDA)."""
+
+    def __init__(self, device: torch.device, budget_s: float, target_ms: float):
+        self.device = device
+        self.deadline = time.monotonic() + budget_s
+        self.target_ms = target_ms
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+
+    def time_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def _once(self, fn) -> float:
+        if self.device.type != "cuda":
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e3
+        self.flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    def ms(self, fn, warmup: int = 2) -> float:
+        for _ in range(warmup):
+            fn()
+        first = self._once(fn)
+        iters = int(min(50, max(3, self.target_ms / max(first, 1e-3))))
+        return statistics.median([first] + [self._once(fn) for _ in range(iters - 1)])
+
+
+def _fmt(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _sdpa(q, k, v, **kw):
+    """SDPA with native GQA when this torch has it (no K/V copy); else K/V repeated once, outside the timing."""
+    try:
+        F.scaled_dot_product_attention(q[:, :, :1], k[:, :, :1], v[:, :, :1], enable_gqa=True)
+        return lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+    except TypeError:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        return lambda: F.scaled_dot_product_attention(q, k, v, **kw)
+
+
+# ------------------------------------------------------------------------------------------------ ceilings
+def measure_ceilings(bench: Bench, dtype: torch.dtype, smoke: bool) -> tuple[float, float]:
+    numel = (1 << 20) if smoke else (1 << 30)  # 2 GiB of bf16 on GPU
+    x = torch.empty(numel, dtype=dtype, device=bench.device).normal_()
+    y = torch.empty_like(x)
+    copy_gbs = 2 * x.numel() * x.element_size() / (bench.ms(lambda: y.copy_(x)) * 1e6)
+    del x, y
+    n = 256 if smoke else 8192
+    a = torch.randn(n, n, dtype=dtype, device=bench.device)
+    b = torch.randn(n, n, dtype=dtype, device=bench.device)
+    matmul_tflops = 2 * n ** 3 / (bench.ms(lambda: a @ b) * 1e9)
+    return copy_gbs, matmul_tflops
+
+
+# ------------------------------------------------------------------------------------------------ decode
+def bench_decode(bench: Bench, dtype, contexts, batches, copy_gbs) -> list[list[str]]:
+    rows = []
+    elt = torch.tensor([], dtype=dtype).element_size()
+    for model, (num_heads, num_kv_heads, head_dim) in MODELS.items():
+        for ctx in contexts:
+            for batch in batches:
+                if bench.time_left() < 0:
+                    rows.append([model, str(ctx), str(batch), "skipped: time budget spent"] + [""] * 5)
+                    continue
+                dev = bench.device
+                scale = head_dim ** -0.5
+                num_blocks = batch * ctx // BLOCK_SIZE
+                # kv: [2, num_blocks, block_size, Hkv, D]; blocks of a sequence scattered over the pool
+                kv = torch.empty(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, dtype=dtype, device=dev).normal_()
+                block_tables = torch.randperm(num_blocks, device=dev).view(batch, -1).to(torch.int32)
+                seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+                qsl = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+                q = torch.randn(batch, num_heads, head_dim, dtype=dtype, device=dev)
+                kv_bytes = 2 * batch * ctx * num_kv_heads * head_dim * elt
+                read_bytes = kv_bytes + q.numel() * elt + block_tables.numel() * 4
+                t_paged = bench.ms(lambda: kernels.paged_attention(q, kv[0], kv[1], block_tables, seq_lens, qsl, scale,
+                                                                   max_query_len=1, max_seq_len=ctx))
+                splits = "-"
+                if dev.type == "cuda":
+                    from kernels.triton_decode_attention import _default_num_splits
+                    splits = str(_default_num_splits(batch, num_kv_heads, ctx, dev))
+                del kv, block_tables
+                # peer: q [B, Hq, 1, D] against contiguous K/V [B, Hkv, ctx, D]
+                k = torch.empty(batch, num_kv_heads, ctx, head_dim, dtype=dtype, device=dev).normal_()
+                v = torch.empty_like(k).normal_()
+                t_sdpa = bench.ms(_sdpa(q[:, :, None, :], k, v, scale=scale))
+                del k, v
+                gbs_paged = read_bytes / (t_paged * 1e6)
+                gbs_sdpa = read_bytes / (t_sdpa * 1e6)
+                rows.append([model, str(ctx), str(batch), splits, _fmt(t_paged * 1e3), _fmt(gbs_paged),
+                             _fmt(100 * gbs_paged / copy_gbs), _fmt(t_sdpa * 1e3), _fmt(gbs_sdpa)])
+                print("decode", rows[-1], flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ prefill
+def bench_prefill(bench: Bench, dtype, shapes, matmul_tflops) -> list[list[str]]:
+    rows = []
+    for model, (num_heads, num_kv_heads, head_dim) in MODELS.items():
+        for batch, seq in shapes:
+            if bench.time_left() < 0:
+                rows.append([model, str(batch), str(seq), "skipped: time budget spent"] + [""] * 4)
+                continue
+            dev = bench.device
+            scale = head_dim ** -0.5
+            num_blocks = batch * seq // BLOCK_SIZE
+            kv = torch.empty(2, num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, dtype=dtype, device=dev).normal_()
+            block_tables = torch.randperm(num_blocks, device=dev).view(batch, -1).to(torch.int32)
+            seq_lens = torch.full((batch,), seq, dtype=torch.int32, device=dev)
+            qsl = torch.arange(0, batch * seq + 1, seq, dtype=torch.int32, device=dev)
+            q = torch.randn(batch * seq, num_heads, head_dim, dtype=dtype, device=dev)
+            flops = 4 * batch * num_heads * head_dim * seq * (seq + 1) / 2
+            t_paged = bench.ms(lambda: kernels.paged_attention(q, kv[0], kv[1], block_tables, seq_lens, qsl, scale,
+                                                               max_query_len=seq, max_seq_len=seq))
+            del kv
+            q4 = q.view(batch, seq, num_heads, head_dim).transpose(1, 2).contiguous()  # [B, Hq, S, D]
+            k = torch.randn(batch, num_kv_heads, seq, head_dim, dtype=dtype, device=dev)
+            v = torch.randn_like(k)
+            t_sdpa = bench.ms(_sdpa(q4, k, v, is_causal=True, scale=scale))
+            del q4, k, v
+            tf_paged, tf_sdpa = flops / (t_paged * 1e9), flops / (t_sdpa * 1e9)
+            rows.append([model, str(batch), str(seq), _fmt(t_paged, 3), _fmt(tf_paged),
+                         _fmt(100 * tf_paged / matmul_tflops), _fmt(t_sdpa, 3), _fmt(tf_sdpa)])
+            print("prefill", rows[-1], flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ blocks
+def bench_blocks(bench: Bench, dtype, num_blocks_moved: int, copy_gbs: float) -> list[list[str]]:
+    rows = []
+    for layout, (num_layers, num_kv_heads, head_dim) in LAYOUTS.items():
+        if bench.time_left() < 0:
+            rows.append([layout, "skipped: time budget spent"] + [""] * 5)
+            continue
+        dev = bench.device
+        pool = 2 * num_blocks_moved
+        # kv_cache: [L, 2, pool, block_size, Hkv, D]
+        kv_cache = torch.empty(num_layers, 2, pool, BLOCK_SIZE, num_kv_heads, head_dim, dtype=dtype,
+                               device=dev).normal_()
+        block_ids = torch.randperm(pool, device=dev)[:num_blocks_moved]
+        staging = kernels.gather_blocks(kv_cache, block_ids)
+        data, scales = kernels.gather_blocks_int8(kv_cache, block_ids)
+        nbytes = staging.numel() * staging.element_size()
+        int8_bytes = data.numel() + scales.numel() * 4
+        cases = [
+            ("gather", 2 * nbytes, lambda: kernels.gather_blocks(kv_cache, block_ids),
+             lambda: ref.gather_blocks_ref(kv_cache, block_ids)),
+            ("scatter", 2 * nbytes, lambda: kernels.scatter_blocks(staging, kv_cache, block_ids),
+             lambda: ref.scatter_blocks_ref(staging, kv_cache, block_ids)),
+            ("gather+int8", nbytes + int8_bytes, lambda: kernels.gather_blocks_int8(kv_cache, block_ids),
+             lambda: ref.gather_blocks_int8_ref(kv_cache, block_ids)),
+            ("int8+scatter", nbytes + int8_bytes,
+             lambda: kernels.scatter_blocks_int8(data, scales, kv_cache, block_ids),
+             lambda: ref.scatter_blocks_int8_ref(data, scales, kv_cache, block_ids)),
+        ]
+        for op, moved, fn, peer in cases:
+            t, t_ref = bench.ms(fn), bench.ms(peer)
+            gbs = moved / (t * 1e6)
+            rows.append([layout, op, str(num_blocks_moved), _fmt(nbytes / 2**20), _fmt(t * 1e3), _fmt(gbs),
+                         _fmt(100 * gbs / copy_gbs), _fmt(moved / (t_ref * 1e6))])
+            print("blocks", rows[-1], flush=True)
+        del kv_cache, staging, data, scales
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU via the torch reference")
+    parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new cases after this long")
+    parser.add_argument("--out", type=Path, default=None, help="report path (default $OUT/kernels.md or "
+                                                               "bench/results/kernels.md; smoke: no file)")
+    args = parser.parse_args(argv)
+
+    if args.smoke:
+        device, dtype = torch.device("cpu"), torch.float32
+        contexts, batches, prefill_shapes, moved = [64, 256], [1, 4], [(1, 64), (2, 128)], 8
+    elif not torch.cuda.is_available():
+        print("bench_kernels: no CUDA device available; nothing measured (use --smoke to check the script on CPU)")
+        return 0
+    else:
+        device, dtype = torch.device("cuda"), torch.bfloat16
+        contexts, batches, prefill_shapes, moved = [1024, 8192, 32768], [1, 32, 128], [
+            (1, 1024), (1, 4096), (1, 16384), (8, 2048)], 512
+    bench = Bench(device, args.budget_s, target_ms=5 if args.smoke else 150)
+
+    started = time.monotonic()
+    copy_gbs, matmul_tflops = measure_ceilings(bench, dtype, args.smoke)
+    print(f"ceilings: copy {copy_gbs:,.0f} GB/s, matmul {matmul_tflops:,.1f} TFLOP/s", flush=True)
+    decode = bench_decode(bench, dtype, contexts, batches, copy_gbs)
+    prefill = bench_prefill(bench, dtype, prefill_shapes, matmul_tflops)
+    blocks = bench_blocks(bench, dtype, moved, copy_gbs)
+
+    backend = "triton" if device.type == "cuda" and kernels.triton_available() else "torch reference"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    report = "\n\n".join([
+        f"# Kernel benchmarks\n\n{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} on {name}; "
+        f"torch {torch.__version__}, triton {triton_version}; dtype {str(dtype).removeprefix('torch.')}, "
+        f"block_size {BLOCK_SIZE}; backend `{backend}`; "
+        f"L2 flushed before each timed call; median of up to 50 calls; {time.monotonic() - started:.0f} s in all.",
+        f"## Device ceilings\n\n" + _table(["copy GB/s (read+write)", "bf16 matmul TFLOP/s"],
+                                           [[_fmt(copy_gbs, 0), _fmt(matmul_tflops)]]),
+        "## Decode attention (paged, one token per sequence)\n\nGB/s = K/V + q + block-table bytes read / time; "
+        "SDPA reads the same K/V from contiguous [B, Hkv, ctx, D] tensors.\n\n" + _table(
+            ["model", "ctx", "batch", "splits", "paged µs", "paged GB/s", "% of copy", "SDPA µs", "SDPA GB/s"],
+            decode),
+        "## Prefill attention (causal, whole prompt new)\n\n" + _table(
+            ["model", "batch", "seq", "paged ms", "paged TFLOP/s", "% of matmul", "SDPA ms", "SDPA TFLOP/s"], prefill),
+        "## Block gather/scatter (KV transfer staging)\n\nGB/s = bytes read + written / time; int8 rows read bf16 "
+        "and write int8 + scales (or the reverse).\n\n" + _table(
+            ["layout", "op", "blocks", "staging MiB", "µs", "GB/s", "% of copy", "torch ref GB/s"], blocks),
+    ]) + "\n"
+    print("\n" + report)
+    out = args.out
+    if out is None and not args.smoke:
+        out = Path(os.environ["OUT"]) / "kernels.md" if os.environ.get("OUT") else ROOT / "bench/results/kernels.md"
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(report)
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

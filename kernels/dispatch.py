@@ -1,0 +1,153 @@
+"""The one dispatch point: Triton kernels for CUDA tensors when triton imports, the torch reference otherwise.
+
+`set_backend("torch")` pins the reference everywhere (debugging, A/B); `set_backend("triton")` forces the
+Triton kernels even on CPU tensors (only meaningful under TRITON_INTERPRET=1, which the kernel tests use).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels import reference as ref
+
+_BACKENDS = ("auto", "torch", "triton")
+_backend = "auto"
+
+
+def set_backend(name: str) -> None:
+    """Select "auto" (default: Triton on CUDA), "torch" (reference always) or "triton" (Triton always)."""
+    global _backend
+    if name not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {name!r}")
+    _backend = name
+
+
+def get_backend() -> str:
+    return _backend
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """True when triton and our kernel modules import (checked once)."""
+    try:
+        import triton  # noqa: F401
+
+        from kernels import (triton_block_copy, triton_decode_attention, triton_kv_write,  # noqa: F401
+                             triton_norm_rope, triton_prefill_attention)
+    except Exception:  # ImportError, or a triton without a usable backend
+        return False
+    return True
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    if _backend == "torch":
+        return False
+    if _backend == "triton":
+        return True
+    return t.is_cuda and triton_available()
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    # key, value: [num_tokens, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; slot_mapping: [num_tokens]
+    if _use_triton(key):
+        from kernels.triton_kv_write import write_kv_triton
+        write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        ref.write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
+                    max_query_len: int | None = None, max_seq_len: int | None = None) -> torch.Tensor:
+    """Varlen causal attention over paged KV. max_query_len / max_seq_len are optional host-side hints that
+    spare the Triton path a device->host sync; they must be upper bounds when given."""
+    # query: [num_query_tokens, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]
+    # block_tables: [B, max_blocks_per_seq] int32; seq_lens: [B] int32; query_start_loc: [B+1] int32
+    if not _use_triton(query):
+        return ref.paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    batch = seq_lens.shape[0]
+    if query.shape[0] == 0:
+        return torch.empty_like(query)
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if batch else 0
+    if max_query_len == 1 and query.shape[0] == batch:
+        from kernels.triton_decode_attention import decode_attention_triton
+        return decode_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, scale,
+                                       max_seq_len=max_seq_len)
+    from kernels.triton_prefill_attention import prefill_attention_triton
+    return prefill_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                    max_query_len=max_query_len)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    # x, residual: [T, H]; weight: [H]
+    if _use_triton(x):
+        from kernels.triton_norm_rope import rms_norm_triton
+        return rms_norm_triton(x, weight, eps, residual)
+    return ref.rms_norm_ref(x, weight, eps, residual)
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> None:
+    # positions: [T]; query: [T, Hq, D]; key: [T, Hkv, D]; cos_sin_cache: [max_position, rot_dim] fp32
+    if _use_triton(query):
+        from kernels.triton_norm_rope import rotary_embedding_triton
+        rotary_embedding_triton(positions, query, key, cos_sin_cache)
+    else:
+        ref.rotary_embedding_ref(positions, query, key, cos_sin_cache)
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]; block_ids: [n] -> [n, L, 2, block_size, Hkv, D]
+    if _use_triton(kv_cache):
+        from kernels.triton_block_copy import gather_blocks_triton
+        return gather_blocks_triton(kv_cache, block_ids)
+    return ref.gather_blocks_ref(kv_cache, block_ids)
+
+
+def scatter_blocks(staging: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
+    # staging: [n, L, 2, block_size, Hkv, D]; kv_cache: [L, 2, num_blocks, block_size, Hkv, D]
+    if _use_triton(kv_cache):
+        from kernels.triton_block_copy import scatter_blocks_triton
+        scatter_blocks_triton(staging, kv_cache, block_ids)
+    else:
+        ref.scatter_blocks_ref(staging, kv_cache, block_ids)
+
+
+def quantize_blocks_int8(staging: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # staging: [n, L, 2, block_size, Hkv, D] -> (int8 same shape, fp32 scales [n, L, 2, Hkv])
+    if _use_triton(staging):
+        from kernels.triton_block_copy import quantize_blocks_int8_triton
+        return quantize_blocks_int8_triton(staging)
+    return ref.quantize_blocks_int8_ref(staging)
+
+
+def dequantize_blocks_int8(data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # data: [n, L, 2, block_size, Hkv, D] int8; scales: [n, L, 2, Hkv] -> [n, L, 2, block_size, Hkv, D] dtype
+    if _use_triton(data):
+        from kernels.triton_block_copy import dequantize_blocks_int8_triton
+        return dequantize_blocks_int8_triton(data, scales, dtype)
+    return ref.dequantize_blocks_int8_ref(data, scales, dtype)
+
+
+def gather_blocks_int8(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_blocks_int8(gather_blocks(...)) in one pass on the Triton path."""
+    # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]; block_ids: [n] -> (int8 staging, fp32 [n, L, 2, Hkv])
+    if _use_triton(kv_cache):
+        from kernels.triton_block_copy import gather_blocks_int8_triton
+        return gather_blocks_int8_triton(kv_cache, block_ids)
+    return ref.gather_blocks_int8_ref(kv_cache, block_ids)
+
+
+def scatter_blocks_int8(data: torch.Tensor, scales: torch.Tensor, kv_cache: torch.Tensor,
+                        block_ids: torch.Tensor) -> None:
+    """scatter_blocks(dequantize_blocks_int8(...)) in one pass on the Triton path."""
+    # data: [n, L, 2, block_size, Hkv, D] int8; scales: [n, L, 2, Hkv]; kv_cache: [L, 2, num_blocks, block_size, Hkv, D]
+    if _use_triton(kv_cache):
+        from kernels.triton_block_copy import scatter_blocks_int8_triton
+        scatter_blocks_int8_triton(data, scales, kv_cache, block_ids)
+    else:
+        ref.scatter_blocks_int8_ref(data, scales, kv_cache, block_ids)

@@ -1,0 +1,210 @@
+"""Pure-torch reference of every kernel; also the CPU production path of the engine.
+
+Each function here defines the semantics its Triton twin is tested against, so it favours clarity, but it is
+vectorized (no per-token Python loops) because the CPU engine runs on it. Numerics: every reduction (softmax,
+RMS, rotary products, int8 scales) is computed in fp32; results are stored in the storage dtype.
+
+Layouts (one KV tensor per worker):
+    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache = kv_cache[l, 0], v_cache = kv_cache[l, 1]: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot of a token = block_id * block_size + offset_in_block
+    staging (wire format): [n, num_layers, 2, block_size, num_kv_heads, head_dim], contiguous
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+INT8_MAX = 127.0
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --------------------------------------------------------------------------------------------------- KV write
+def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Store each token's K/V at its slot; slot -1 marks padding and is skipped."""
+    # key, value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64
+    # k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    block_size = k_cache.shape[1]
+    valid = slot_mapping >= 0  # [num_tokens] bool
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    slots = slot_mapping.long()
+    block_ids = torch.div(slots, block_size, rounding_mode="floor")  # [n]
+    offsets = slots - block_ids * block_size  # [n]
+    k_cache[block_ids, offsets] = key.to(k_cache.dtype)  # k_cache[b, o]: [n, num_kv_heads, head_dim]
+    v_cache[block_ids, offsets] = value.to(v_cache.dtype)
+
+
+# --------------------------------------------------------------------------------------------------- attention
+def _gather_seq_kv(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Contiguous [seq_len, num_kv_heads, head_dim] fp32 copy of one sequence's K or V."""
+    # cache: [num_blocks, block_size, num_kv_heads, head_dim]; block_table_row: [max_blocks_per_seq]
+    num_blocks_seq = _cdiv(seq_len, cache.shape[1])
+    blocks = cache[block_table_row[:num_blocks_seq].long()]  # [nb, block_size, Hkv, D]
+    return blocks.flatten(0, 1)[:seq_len].float()  # [seq_len, Hkv, D]
+
+
+def _decode_attention_batched(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                              scale: float) -> torch.Tensor:
+    """One query token per sequence: gather K/V padded to max_seq_len, mask by length, one SDPA call."""
+    # query: [n, Hq, D]; block_tables: [n, max_blocks]; seq_lens: [n] (each >= 1)
+    n, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    num_blocks_max = _cdiv(max_seq_len, block_size)
+    seq_lens = seq_lens.to(torch.long)
+    block_ids = block_tables[:, :num_blocks_max].long()  # [n, nb]
+    # Table entries past a sequence's last block are padding with any value: point them at block 0.
+    blocks_used = torch.div(seq_lens + block_size - 1, block_size, rounding_mode="floor")  # [n]
+    in_use = torch.arange(num_blocks_max, device=query.device)[None, :] < blocks_used[:, None]  # [n, nb]
+    block_ids = torch.where(in_use, block_ids, torch.zeros_like(block_ids))
+    padded_len = num_blocks_max * block_size
+    # k_cache[block_ids]: [n, nb, block_size, Hkv, D] -> [n, Hkv, padded_len, D]
+    k = k_cache[block_ids].flatten(1, 2).transpose(1, 2).float()
+    v = v_cache[block_ids].flatten(1, 2).transpose(1, 2).float()
+    # GQA without copying K/V per query head: the `group` query heads of a kv head act as `group` query rows.
+    q = query.view(n, num_kv_heads, group, head_dim).float()  # [n, Hkv, G, D]
+    mask = torch.arange(padded_len, device=query.device)[None, :] < seq_lens[:, None]  # [n, padded_len]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)  # [n, Hkv, G, D]
+    return out.reshape(n, num_heads, head_dim)
+
+
+def _prefill_attention_one(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of q_len new tokens that sit at the end of a seq_len-long contiguous K/V."""
+    # query: [q_len, Hq, D]; k, v: [seq_len, Hkv, D] fp32
+    q_len, num_heads, head_dim = query.shape
+    seq_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    # Fold each kv group's query heads into the row axis: [Hkv, G * q_len, D]; K/V stay [Hkv, seq_len, D].
+    q = query.float().view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(
+        num_kv_heads, group * q_len, head_dim)
+    rows = torch.arange(q_len, device=query.device) + (seq_len - q_len)  # absolute position of each query
+    mask = torch.arange(seq_len, device=query.device)[None, :] <= rows[:, None]  # [q_len, seq_len]
+    out = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask.repeat(group, 1), scale=scale)  # [Hkv, G*q_len, D]
+    return out.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+
+
+def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """Varlen causal attention over paged KV (GQA/MQA); new tokens of seq b end at position seq_lens[b]-1.
+
+    Sequences whose new tokens are all single (decode) run as one padded batch; the rest (prefill, prefix
+    hits, chunks) run one sequence at a time. Sequences with no new tokens are skipped.
+    """
+    # query: [num_query_tokens, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]
+    # block_tables: [B, max_blocks_per_seq] int32; seq_lens: [B] int32; query_start_loc: [B+1] int32
+    num_query_tokens = query.shape[0]
+    out = torch.empty_like(query)  # [num_query_tokens, Hq, D]
+    if num_query_tokens == 0:
+        return out
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    q_lens = [starts[b + 1] - starts[b] for b in range(len(lens))]
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, lens)):
+        if q_len > seq_len or q_len < 0:
+            raise ValueError(f"sequence {b}: query length {q_len} not in [0, seq_len={seq_len}]")
+    decode_ids = [b for b, q_len in enumerate(q_lens) if q_len == 1]
+    if decode_ids:
+        if len(decode_ids) == len(lens):
+            rows, tables, dec_lens = query_start_loc[:-1].long(), block_tables, seq_lens
+        else:
+            sel = torch.tensor(decode_ids, device=query.device)
+            rows = query_start_loc[:-1].long()[sel]
+            tables, dec_lens = block_tables[sel], seq_lens[sel]
+        max_len = max(lens[b] for b in decode_ids)
+        out[rows] = _decode_attention_batched(query[rows], k_cache, v_cache, tables, dec_lens, max_len,
+                                              scale).to(query.dtype)
+    for b, q_len in enumerate(q_lens):
+        if q_len <= 1:
+            continue
+        k = _gather_seq_kv(k_cache, block_tables[b], lens[b])  # [seq_len, Hkv, D]
+        v = _gather_seq_kv(v_cache, block_tables[b], lens[b])
+        out[starts[b]:starts[b + 1]] = _prefill_attention_one(query[starts[b]:starts[b + 1]], k, v,
+                                                              scale).to(query.dtype)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- norm, rope
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm in fp32; with `residual`, normalizes x + residual and also returns that sum (in x.dtype)."""
+    # x, residual: [T, H]; weight: [H]
+    if residual is not None:
+        x = (x.float() + residual.float()).to(x.dtype)  # the new residual stream, as stored
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
+    normed = normed.to(x.dtype)
+    return normed if residual is None else (normed, x)
+
+
+def _rotate_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    # x: [T, heads, head_dim]; cos, sin: [T, 1, rot_dim // 2] fp32
+    half = cos.shape[-1]
+    x1 = x[..., :half].float()
+    x2 = x[..., half:2 * half].float()
+    out1 = x1 * cos - x2 * sin
+    out2 = x2 * cos + x1 * sin
+    x[..., :half] = out1.to(x.dtype)
+    x[..., half:2 * half] = out2.to(x.dtype)
+
+
+def rotary_embedding_ref(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                         cos_sin_cache: torch.Tensor) -> None:
+    """NeoX / HF rotate_half RoPE, in place on query and key. rot_dim = cos_sin_cache.shape[1] (<= head_dim)."""
+    # positions: [T] int64; query: [T, Hq, D]; key: [T, Hkv, D]; cos_sin_cache: [max_position, rot_dim] fp32
+    half = cos_sin_cache.shape[1] // 2
+    cos_sin = cos_sin_cache[positions.long()].float()  # [T, rot_dim]
+    cos = cos_sin[:, None, :half]  # [T, 1, rot_dim/2]
+    sin = cos_sin[:, None, half:]
+    _rotate_in_place(query, cos, sin)
+    _rotate_in_place(key, cos, sin)
+
+
+# --------------------------------------------------------------------------------------------------- blocks
+def gather_blocks_ref(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Copy the given blocks of every layer into one contiguous staging buffer (the wire format)."""
+    # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]; block_ids: [n] int64
+    picked = kv_cache.index_select(2, block_ids.long())  # [L, 2, n, block_size, Hkv, D]
+    return picked.permute(2, 0, 1, 3, 4, 5).contiguous()  # [n, L, 2, block_size, Hkv, D]
+
+
+def scatter_blocks_ref(staging: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """Inverse of gather_blocks: write staging block i into cache block block_ids[i] of every layer."""
+    # staging: [n, L, 2, block_size, Hkv, D]; kv_cache: [L, 2, num_blocks, block_size, Hkv, D]
+    kv_cache.index_copy_(2, block_ids.long(), staging.permute(1, 2, 0, 3, 4, 5).to(kv_cache.dtype))
+
+
+def quantize_blocks_int8_ref(staging: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per (block, layer, K/V, kv head): scale = absmax / 127, q = round_half_even(x / scale)."""
+    # staging: [n, L, 2, block_size, Hkv, D] -> data int8 same shape, scales fp32 [n, L, 2, Hkv]
+    x = staging.float()
+    scales = x.abs().amax(dim=(3, 5)) / INT8_MAX  # [n, L, 2, Hkv]
+    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))  # all-zero head -> q = 0
+    data = torch.round(x * inv[:, :, :, None, :, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return data, scales
+
+
+def dequantize_blocks_int8_ref(data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of quantize_blocks_int8: data * scale, in `dtype`."""
+    # data: [n, L, 2, block_size, Hkv, D] int8; scales: [n, L, 2, Hkv] fp32
+    return (data.float() * scales[:, :, :, None, :, None]).to(dtype)
+
+
+def gather_blocks_int8_ref(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gather_blocks then quantize_blocks_int8 (the Triton twin fuses them: cache blocks read once)."""
+    # kv_cache: [L, 2, num_blocks, block_size, Hkv, D] -> (int8 [n, L, 2, block_size, Hkv, D], fp32 [n, L, 2, Hkv])
+    return quantize_blocks_int8_ref(gather_blocks_ref(kv_cache, block_ids))
+
+
+def scatter_blocks_int8_ref(data: torch.Tensor, scales: torch.Tensor, kv_cache: torch.Tensor,
+                            block_ids: torch.Tensor) -> None:
+    """dequantize_blocks_int8 then scatter_blocks, in kv_cache's dtype."""
+    # data: [n, L, 2, block_size, Hkv, D] int8; scales: [n, L, 2, Hkv]
+    scatter_blocks_ref(dequantize_blocks_int8_ref(data, scales, kv_cache.dtype), kv_cache, block_ids)
