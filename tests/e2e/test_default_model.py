@@ -1,0 +1,134 @@
+"""The real default model through the offline engine, checked against Hugging Face transformers."""
+
+import pytest
+import torch
+
+from engine.errors import InvalidRequestError
+from engine.model import AttentionMetadata
+from engine.sampling_params import SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea, there lived",
+]
+# Measured max |logit difference| vs transformers in float32: 1.5e-5 to 2.5e-5 on logits of magnitude ~20;
+# the bound leaves room for other BLAS builds.
+LOGIT_ATOL = 1e-3
+
+
+def engine_last_logits(llm, token_ids: list[int]) -> torch.Tensor:
+    """Prefill `token_ids` into scratch blocks of the engine's own cache and return the last-position logits."""
+    runner = llm.engine.runner
+    n = len(token_ids)
+    num_blocks = -(-n // runner.block_size)
+    block_ids = list(range(runner.num_blocks - num_blocks, runner.num_blocks))   # any blocks will do
+    slots = [block_ids[p // runner.block_size] * runner.block_size + p % runner.block_size for p in range(n)]
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots), block_tables=torch.tensor([block_ids], dtype=torch.int32),
+                             seq_lens=torch.tensor([n], dtype=torch.int32),
+                             query_start_loc=torch.tensor([0, n], dtype=torch.int32))
+    hidden = runner.model.forward(torch.tensor(token_ids), torch.arange(n), runner.kv_cache, meta)
+    return runner.model.compute_logits(hidden[-1:])[0]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_last_logits_match_transformers(llm, hf_model, prompt):
+    ids = llm.tokenizer.encode(prompt)
+    with torch.inference_mode():
+        expected = hf_model(torch.tensor([ids])).logits[0, -1].float()
+    ours = engine_last_logits(llm, ids)
+    assert torch.argmax(ours) == torch.argmax(expected)
+    print(f"max |logit diff| vs transformers: {(ours - expected).abs().max().item():.2e}")
+    assert (ours - expected).abs().max().item() < LOGIT_ATOL
+
+
+def test_32_greedy_tokens_match_transformers(llm, hf_model):
+    for prompt in PROMPTS:
+        ids = llm.tokenizer.encode(prompt)
+        ours = llm.generate([ids], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))[0]
+        assert ours.outputs[0].token_ids == hf_greedy(hf_model, ids, 32)
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """Plain argmax decoding with transformers' KV cache (generate's min_new_tokens would mask EOS instead)."""
+    out, past, step_ids = [], None, torch.tensor([ids])
+    with torch.inference_mode():
+        for _ in range(n):
+            res = model(step_ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            token = int(torch.argmax(res.logits[0, -1]))
+            out.append(token)
+            step_ids = torch.tensor([[token]])
+    return out
+
+
+def test_capital_of_france_is_paris(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(max_tokens=32, temperature=0.0))[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"
+
+
+BATCH_PROMPTS = [
+    "The quick brown fox",
+    "In 1492, Columbus",
+    "Water boils at",
+    "The best way to learn programming is",
+    "Photosynthesis is the process by which",
+    "import numpy as np\n",
+    "My favourite food is",
+    "The three primary colours are",
+]
+
+
+def test_batch_invariance_of_greedy_tokens(llm):
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    together = [o.outputs[0].token_ids for o in llm.generate(BATCH_PROMPTS, params)]
+    alone = [llm.generate(p, params)[0].outputs[0].token_ids for p in BATCH_PROMPTS]
+    assert together == alone
+
+
+def test_preemption_under_a_small_pool_gives_same_tokens(llm, default_model_path):
+    from engine.llm import LLM
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    roomy = [o.outputs[0].token_ids for o in llm.generate(BATCH_PROMPTS, params)]
+    small = LLM(model=str(default_model_path), dtype="float32", num_kv_blocks=10, max_model_len=160,
+                enable_prefix_caching=False, progress=False)
+    tight = small.generate(BATCH_PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in tight] == roomy
+    assert small.engine.stats()["preemptions"] > 0
+    assert small.engine.stats()["used_blocks"] == 0
+
+
+def test_prefix_cache_hit_reports_cached_tokens_and_same_tokens(llm):
+    shared = ("You are a meticulous assistant. Answer briefly and precisely, citing the facts you rely on. "
+              "Never invent details you are not sure about. If a question is ambiguous, say which reading "
+              "you chose and why, then answer that reading in one or two sentences.")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    ids = llm.tokenizer.encode(shared)
+    assert len(ids) >= 48
+    first = llm.generate([ids[:48] + llm.tokenizer.encode(" Question one?")], params)[0]
+    second_ids = ids[:48] + llm.tokenizer.encode(" What is two plus two?")
+    warm = llm.generate([second_ids], params)[0]
+    assert warm.num_cached_tokens == 48
+    llm.engine.kv.pool.clear_cache()
+    cold = llm.generate([second_ids], params)[0]
+    assert cold.num_cached_tokens == 0
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert first.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("prompt, params, field", [
+    ("", SamplingParams(), "prompt"),
+    ("word " * 9000, SamplingParams(), "prompt"),
+    ("Hi", SamplingParams(temperature=-0.5), "temperature"),
+    ("Hi", SamplingParams(top_p=0.0), "top_p"),
+    ("Hi", SamplingParams(top_p=1.01), "top_p"),
+    ("Hi", SamplingParams(max_tokens=0), "max_tokens"),
+])
+def test_bad_input_names_the_field(llm, prompt, params, field):
+    with pytest.raises(InvalidRequestError) as e:
+        llm.generate(prompt, params)
+    assert e.value.field == field and field in str(e.value)
+    assert not llm.engine.has_unfinished()
