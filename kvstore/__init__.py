@@ -1,0 +1,10 @@
+"""KV cache bookkeeping shared by gateway and workers.
+
+block_pool      block ref counts, prefix caching, LRU eviction, KV events (pure)
+hashing         chained, process-independent block hashes (pure)
+local_index     in-process prefix index and the types every index shares (pure)
+index           prefix index on Redis + the worker-side IndexPublisher (key schema in its docstring)
+embedded_redis  a real redis-server child process for the embedded default and tests
+
+Nothing is imported here, so ``import kvstore.block_pool`` stays free of redis.
+"""

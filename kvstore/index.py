@@ -1,0 +1,532 @@
+"""Prefix index on Redis: which worker holds which KV blocks, and each worker's load.
+
+Key schema (P = ``key_prefix``, default "pdserve"; hex = ``block_hash_hex``, 32 chars):
+
+    P:worker:{id}           HASH   worker_id role endpoints(JSON) epoch capacity_blocks free_blocks
+                                   running waiting; PEXPIRE worker_ttl_s, refreshed by each heartbeat
+    P:epoch:{id}            STRING INCR counter, no TTL: each register (and each AllBlocksCleared)
+                                   takes the next epoch, so a restarted worker never reuses one
+    P:role:{role}           HASH   worker_id -> epoch; may name dead workers until a sweep sees them
+    P:blocks:{id}:{epoch}   SET    hexes of the blocks that worker epoch holds; no TTL, UNLINKed
+                                   (freed off the main thread) when the epoch ends
+
+Algorithms (each a Lua script: atomic, one round trip; needs Redis >= 6.2 for SMISMEMBER):
+- register: epoch = INCR P:epoch:{id}; UNLINK the previous epoch's set; record written with its TTL.
+- publish(id, epoch, events): refused (WorkerNotRegistered) unless the record exists with that
+  epoch. BlockStored = SADD, BlockRemoved = SREM on P:blocks:{id}:{epoch}. AllBlocksCleared: the
+  worker takes a new epoch and its old set is UNLINKed (O(1)); the new epoch is returned and must
+  be used from then on.
+- sweep (in every lookup of a role, and in collect_garbage): a P:role member whose record is
+  missing, or has another epoch or role, is dead: HDEL it and UNLINK its set. So entries of a dead
+  worker or an old epoch never count, and are freed lazily.
+- lookup(hashes, role): for each live worker, SMISMEMBER its set with the hashes in order, in
+  chunks of 16, 32, ... up to 4000, stopping at the first miss: its count of LEADING blocks.
+  Returns every live worker with its count and load fields, as one JSON string.
+Targets one Redis (or a primary), not Redis Cluster: scripts build their keys from a prefix.
+
+Failure contract: ``match``/``lookup``/``list_workers`` never raise on Redis errors; they return None
+("no information") within ~2 x lookup_timeout_s (connect + read, no retries), and after a failure a
+circuit breaker answers None at once for breaker_cooldown_s. Worker-side calls raise
+IndexUnavailable or WorkerNotRegistered; ``IndexPublisher`` (below) absorbs them, re-registers
+and re-publishes the worker's full cached set once Redis answers again.
+The URL carries AUTH/ACL and transport: redis://user:pass@host:6379/0, rediss:// (TLS; e.g.
+?ssl_cert_reqs=required&ssl_ca_certs=/path), unix:///path/redis.sock?db=0&password=...
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvstore.block_pool import AllBlocksCleared, BlockStored, KVEvent
+from kvstore.local_index import ROLES, PrefixMatch, WorkerInfo, WorkerNotRegistered
+
+log = logging.getLogger(__name__)
+
+__all__ = ["IndexPublisher", "IndexUnavailable", "PrefixIndex", "PrefixMatch", "WorkerInfo", "WorkerNotRegistered"]
+
+_REGISTER = """
+local P, id, role = ARGV[1], ARGV[2], ARGV[3]
+local wkey = P .. ':worker:' .. id
+local old_role = redis.call('HGET', wkey, 'role')
+local epoch = redis.call('INCR', P .. ':epoch:' .. id)
+redis.call('UNLINK', P .. ':blocks:' .. id .. ':' .. (epoch - 1))
+if old_role and old_role ~= role then redis.call('HDEL', P .. ':role:' .. old_role, id) end
+redis.call('DEL', wkey)
+redis.call('HSET', wkey, 'worker_id', id, 'role', role, 'endpoints', ARGV[4], 'epoch', epoch,
+  'capacity_blocks', ARGV[5], 'free_blocks', ARGV[6], 'running', ARGV[7], 'waiting', ARGV[8])
+redis.call('PEXPIRE', wkey, ARGV[9])
+redis.call('HSET', P .. ':role:' .. role, id, epoch)
+return epoch
+"""
+
+# Returns 1 (done), 0 (no record), -1 (epoch superseded).
+_HEARTBEAT = """
+local wkey = ARGV[1] .. ':worker:' .. ARGV[2]
+local cur = redis.call('HGET', wkey, 'epoch')
+if not cur then return 0 end
+if cur ~= ARGV[3] then return -1 end
+redis.call('HSET', wkey, 'free_blocks', ARGV[4], 'running', ARGV[5], 'waiting', ARGV[6])
+redis.call('PEXPIRE', wkey, ARGV[7])
+return 1
+"""
+
+_DEREGISTER = """
+local P, id, epoch = ARGV[1], ARGV[2], ARGV[3]
+local wkey = P .. ':worker:' .. id
+local rec = redis.call('HMGET', wkey, 'epoch', 'role')
+if rec[1] ~= epoch then return 0 end
+redis.call('DEL', wkey)
+redis.call('HDEL', P .. ':role:' .. rec[2], id)
+redis.call('UNLINK', P .. ':blocks:' .. id .. ':' .. epoch)
+return 1
+"""
+
+# Hashes travel as one string of concatenated 32-char hexes (cheaper to encode and to pass than one
+# argument each) that the scripts cut with string.sub. unpack() is chunked: Lua's C stack takes at
+# most ~8000 values.
+_HEXES = """
+local function hexes(blob)
+  local out = {}
+  for i = 1, #blob / 32 do out[i] = string.sub(blob, 32 * i - 31, 32 * i) end
+  return out
+end
+"""
+
+# ARGV: P, id, epoch, then ops: 'S'|'R' blob, 'C' ''. Returns the epoch after, 0, or -1.
+_PUBLISH = _HEXES + """
+local P, id, epoch = ARGV[1], ARGV[2], ARGV[3]
+local wkey = P .. ':worker:' .. id
+local cur = redis.call('HGET', wkey, 'epoch')
+if not cur then return 0 end
+if cur ~= epoch then return -1 end
+for i = 4, #ARGV, 2 do
+  local op, set = ARGV[i], P .. ':blocks:' .. id .. ':' .. epoch
+  if op == 'C' then
+    redis.call('UNLINK', set)
+    epoch = tostring(redis.call('INCR', P .. ':epoch:' .. id))
+    redis.call('HSET', wkey, 'epoch', epoch)
+    redis.call('HSET', P .. ':role:' .. redis.call('HGET', wkey, 'role'), id, epoch)
+  else
+    local cmd, hs = op == 'S' and 'SADD' or 'SREM', hexes(ARGV[i + 1])
+    for j = 1, #hs, 4000 do redis.call(cmd, set, unpack(hs, j, math.min(j + 3999, #hs))) end
+  end
+end
+return tonumber(epoch)
+"""
+
+# Live members of the roles in ARGV[3 .. 2+ARGV[2]]; dead ones are removed and their sets UNLINKed.
+_SWEEP = """
+local function live_workers(P, nroles)
+  local ids, epochs, recs, num_dead = {}, {}, {}, 0
+  for r = 3, 2 + nroles do
+    local role, rkey = ARGV[r], P .. ':role:' .. ARGV[r]
+    local members = redis.call('HGETALL', rkey)
+    for k = 1, #members, 2 do
+      local id, ep = members[k], members[k + 1]
+      local rec = redis.call('HMGET', P .. ':worker:' .. id, 'role', 'epoch', 'endpoints',
+        'capacity_blocks', 'free_blocks', 'running', 'waiting')
+      if rec[1] == role and rec[2] == ep then
+        ids[#ids + 1], epochs[#epochs + 1], recs[#recs + 1] = id, ep, rec
+      else
+        redis.call('HDEL', rkey, id)
+        redis.call('UNLINK', P .. ':blocks:' .. id .. ':' .. ep)
+        num_dead = num_dead + 1
+      end
+    end
+  end
+  return ids, epochs, recs, num_dead
+end
+"""
+
+# ARGV: P, nroles, roles..., blob. Returns JSON (one bulk string parses far faster client-side than a
+# nested reply): per live worker [id, count, role, epoch, endpoints, capacity, free, running, waiting].
+_LOOKUP = _SWEEP + """
+local P, nroles = ARGV[1], tonumber(ARGV[2])
+local ids, epochs, recs = live_workers(P, nroles)
+local blob = ARGV[3 + nroles]
+local n, hs = #blob / 32, {}
+local out = {}
+for k = 1, #ids do
+  local set = P .. ':blocks:' .. ids[k] .. ':' .. epochs[k]
+  local count, j, size = 0, 1, 16
+  while j <= n do
+    local stop = math.min(j + size - 1, n)
+    for i = #hs + 1, stop do hs[i] = string.sub(blob, 32 * i - 31, 32 * i) end
+    local hits = redis.call('SMISMEMBER', set, unpack(hs, j, stop))
+    local m = 1
+    while hits[m] == 1 do m = m + 1 end
+    count = count + m - 1
+    if m <= #hits then break end
+    j, size = stop + 1, math.min(2 * size, 4000)
+  end
+  local rec = recs[k]
+  out[k] = {ids[k], count, rec[1], rec[2], rec[3], rec[4], rec[5], rec[6], rec[7]}
+end
+if #out == 0 then return '[]' end
+return cjson.encode(out)
+"""
+
+# ARGV: P, nroles, roles... Returns the number of dead workers removed.
+_COLLECT_GARBAGE = _SWEEP + """
+local ids, epochs, recs, num_dead = live_workers(ARGV[1], tonumber(ARGV[2]))
+return num_dead
+"""
+
+
+class IndexUnavailable(Exception):
+    """Redis could not be reached or refused the call (a worker-side call; lookups return None)."""
+
+
+class CircuitBreaker:
+    """After a failure, ``allow()`` is False for ``cooldown_s``; then calls are tried again."""
+
+    def __init__(self, cooldown_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cooldown_s = cooldown_s
+        self._clock = clock
+        self._open_until = 0.0
+
+    def allow(self) -> bool:
+        return self._clock() >= self._open_until
+
+    def record_success(self) -> None:
+        self._open_until = 0.0
+
+    def record_failure(self) -> None:
+        self._open_until = self._clock() + self.cooldown_s
+
+
+def hex_blob(block_hashes: Iterable[int]) -> str:
+    """Concatenated ``block_hash_hex`` of each hash, built in one pass."""
+    return b"".join(h.to_bytes(16, "big") for h in block_hashes).hex()
+
+
+def encode_events(events: Iterable[KVEvent]) -> list[str]:
+    """Events as the publish script's op list: 'S'|'R' hex_blob, 'C' ''."""
+    args: list[str] = []
+    for event in events:
+        if isinstance(event, AllBlocksCleared):
+            args += ("C", "")
+        else:
+            args += ("S" if isinstance(event, BlockStored) else "R", hex_blob(event.block_hashes))
+    return args
+
+
+class PrefixIndex:
+    """Client of the Redis prefix index; thread-safe (redis-py pools). Schema in the module doc."""
+
+    def __init__(self, url: str, *, key_prefix: str = "pdserve", worker_ttl_s: float = 10.0,
+                 lookup_timeout_s: float = 0.05, write_timeout_s: float = 1.0,
+                 breaker_cooldown_s: float = 0.5) -> None:
+        if worker_ttl_s <= 0:
+            raise ValueError(f"worker_ttl_s must be positive, got {worker_ttl_s}")
+        self.key_prefix = key_prefix
+        self.worker_ttl_s = worker_ttl_s
+        no_retry = Retry(NoBackoff(), 0)
+        self._read = redis.Redis.from_url(
+            url, socket_connect_timeout=lookup_timeout_s, socket_timeout=lookup_timeout_s,
+            retry=no_retry, decode_responses=True)
+        self._write = redis.Redis.from_url(
+            url, socket_connect_timeout=write_timeout_s, socket_timeout=write_timeout_s,
+            retry=no_retry, decode_responses=True)
+        self._register = self._write.register_script(_REGISTER)
+        self._heartbeat = self._write.register_script(_HEARTBEAT)
+        self._deregister = self._write.register_script(_DEREGISTER)
+        self._publish = self._write.register_script(_PUBLISH)
+        self._collect_garbage = self._write.register_script(_COLLECT_GARBAGE)
+        self._lookup = self._read.register_script(_LOOKUP)
+        self._breaker = CircuitBreaker(breaker_cooldown_s)
+        self.num_lookup_failures = 0     # lookups that hit a Redis error
+        self.num_short_circuited = 0     # lookups answered None by the open breaker
+
+    def close(self) -> None:
+        self._read.close()
+        self._write.close()
+
+    # Worker side: raise IndexUnavailable / WorkerNotRegistered.
+
+    def register(self, worker: WorkerInfo) -> int:
+        """Write the worker record (TTL worker_ttl_s) under a new epoch, which is returned."""
+        return self._call(self._register, worker.worker_id, worker.role, json.dumps(worker.endpoints),
+                          worker.capacity_blocks, worker.free_blocks, worker.running, worker.waiting,
+                          self._ttl_ms())
+
+    def heartbeat(self, worker_id: str, epoch: int, free_blocks: int, running: int, waiting: int) -> None:
+        """Refresh the record's TTL and load fields."""
+        status = self._call(self._heartbeat, worker_id, epoch, free_blocks, running, waiting, self._ttl_ms())
+        _check_status(status, worker_id, epoch)
+
+    def deregister(self, worker_id: str, epoch: int) -> None:
+        """Remove the worker now if ``epoch`` is current; its entries become garbage."""
+        self._call(self._deregister, worker_id, epoch)
+
+    def publish(self, worker_id: str, epoch: int, events: Iterable[KVEvent]) -> int:
+        """Apply the events atomically, in order; returns the worker's epoch afterwards."""
+        status = self._call(self._publish, worker_id, epoch, *encode_events(events))
+        _check_status(status, worker_id, epoch)
+        return status
+
+    def collect_garbage(self) -> int:
+        """Sweep dead workers of every role (lookups sweep only their role); returns how many."""
+        return self._call(self._collect_garbage, len(ROLES), *ROLES)
+
+    # Router side: never raise on Redis errors; None means "no information".
+
+    def match(self, block_hashes: Sequence[int], role: str | None = None) -> list[PrefixMatch] | None:
+        """Every live worker of ``role`` (None: all), sorted by id, with its leading cached blocks."""
+        roles = _roles(role)
+        if not self._breaker.allow():
+            self.num_short_circuited += 1
+            return None
+        try:
+            raw = self._lookup(args=[self.key_prefix, len(roles), *roles, hex_blob(block_hashes)])
+        except (redis.RedisError, OSError) as exc:
+            self.num_lookup_failures += 1
+            if self._breaker.allow():
+                log.warning("prefix index unavailable, routing without it for %.1fs: %s",
+                            self._breaker.cooldown_s, exc)
+            self._breaker.record_failure()
+            return None
+        self._breaker.record_success()
+        matches = [PrefixMatch(_worker_from_row(row), row[1]) for row in json.loads(raw)]
+        return sorted(matches, key=lambda m: m.worker.worker_id)
+
+    def lookup(self, block_hashes: Sequence[int], role: str | None = None) -> dict[str, int] | None:
+        """``{worker_id: leading cached blocks}`` for every live worker of ``role``; None if unknown."""
+        matches = self.match(block_hashes, role)
+        return None if matches is None else {m.worker.worker_id: m.num_cached_blocks for m in matches}
+
+    def list_workers(self, role: str | None = None) -> list[WorkerInfo] | None:
+        matches = self.match((), role)
+        return None if matches is None else [m.worker for m in matches]
+
+    def _call(self, script, *args):
+        try:
+            return script(args=[self.key_prefix, *args])
+        except (redis.RedisError, OSError) as exc:
+            raise IndexUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+    def _ttl_ms(self) -> int:
+        return max(1, int(self.worker_ttl_s * 1000))
+
+
+def _roles(role: str | None) -> tuple[str, ...]:
+    if role is None:
+        return ROLES
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES} or None, got {role!r}")
+    return (role,)
+
+
+def _check_status(status: int, worker_id: str, epoch: int) -> None:
+    if status == 0:
+        raise WorkerNotRegistered(f"worker {worker_id!r} has no record (expired or deregistered)")
+    if status == -1:
+        raise WorkerNotRegistered(f"worker {worker_id!r} epoch {epoch} is superseded")
+
+
+def _worker_from_row(row: list) -> WorkerInfo:
+    worker_id, _, role, epoch, endpoints, capacity_blocks, free_blocks, running, waiting = row
+    return WorkerInfo(worker_id=worker_id, role=role, endpoints=json.loads(endpoints), epoch=int(epoch),
+                      capacity_blocks=int(capacity_blocks), free_blocks=int(free_blocks),
+                      running=int(running), waiting=int(waiting))
+
+
+class IndexPublisher:
+    """Keeps one worker's entries in a prefix index current, from a daemon thread; never blocks serving.
+
+    The engine thread calls ``submit(pool.take_events())`` and ``set_load(...)``; both only take a short
+    lock. Every ``flush_interval_s`` the thread registers if needed, publishes pending events (chunks of
+    at most ``max_hashes_per_call`` hashes, each atomic), heartbeats every ``heartbeat_interval_s``
+    (default worker_ttl_s / 3) and collects garbage every ``gc_interval_s``.
+
+    The publisher mirrors the worker's cached hash set from the events it is given (seed it with
+    ``initial_hashes=pool.get_cached_hashes()`` if the pool cached blocks before), so it never reads
+    the pool from its own thread. Any failure (Redis down, record expired, epoch superseded, more than
+    ``max_pending_hashes`` pending) drops the pending events, counted in ``num_dropped_events``; the
+    next successful cycle registers under a new epoch and re-publishes the full mirrored set.
+    Retries back off from 50 ms to 2 s. Works with ``LocalPrefixIndex`` too.
+    """
+
+    _MIN_BACKOFF_S = 0.05
+    _MAX_BACKOFF_S = 2.0
+
+    def __init__(self, index: PrefixIndex, worker: WorkerInfo, *, initial_hashes: Iterable[int] = (),
+                 flush_interval_s: float = 0.05, heartbeat_interval_s: float | None = None,
+                 max_pending_hashes: int = 65536, max_hashes_per_call: int = 4096,
+                 gc_interval_s: float = 5.0) -> None:
+        self._index = index
+        self.flush_interval_s = flush_interval_s
+        self.heartbeat_interval_s = heartbeat_interval_s or (getattr(index, "worker_ttl_s", None) or 3.0) / 3
+        self.max_pending_hashes = max_pending_hashes
+        self.max_hashes_per_call = max_hashes_per_call
+        self.gc_interval_s = gc_interval_s
+        self._lock = threading.Lock()       # guards _worker, _mirror, _pending*, _synced, counters
+        self._io_lock = threading.Lock()    # one sync cycle at a time
+        self._worker = worker
+        self._mirror: set[int] = set(initial_hashes)
+        self._pending: list[KVEvent] = []
+        self._num_pending_hashes = 0
+        self._synced = False
+        self.epoch: int | None = None
+        self._next_attempt = self._next_heartbeat = self._next_gc = 0.0
+        self._backoff_s = self._MIN_BACKOFF_S
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.num_published_events = 0       # events applied one by one
+        self.num_dropped_events = 0         # events not applied one by one (a full re-publish covers them)
+        self.num_republishes = 0            # registrations followed by a full re-publish
+
+    @property
+    def synced(self) -> bool:
+        """True while registered and every submitted event is published or pending."""
+        with self._lock:
+            return self._synced
+
+    def start(self) -> IndexPublisher:
+        self._thread = threading.Thread(target=self._run, name=f"index-publisher-{self._worker.worker_id}",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, deregister: bool = True) -> None:
+        """Stop the thread; then deregister (entries become garbage) or flush a last time."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._io_lock:
+            if not deregister:
+                self._sync_once(force=True)
+            elif self.synced and self.epoch is not None:
+                try:
+                    self._index.deregister(self._worker.worker_id, self.epoch)
+                except IndexUnavailable:
+                    pass
+
+    def __enter__(self) -> IndexPublisher:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def submit(self, events: Iterable[KVEvent]) -> None:
+        """Queue the pool's events (non-blocking, thread-safe) and update the mirrored cached set."""
+        with self._lock:
+            for event in events:
+                if isinstance(event, AllBlocksCleared):
+                    self._mirror.clear()
+                elif isinstance(event, BlockStored):
+                    self._mirror.update(event.block_hashes)
+                else:
+                    self._mirror.difference_update(event.block_hashes)
+                if self._synced:
+                    self._pending.append(event)
+                    self._num_pending_hashes += max(1, len(getattr(event, "block_hashes", ())))
+                else:
+                    self.num_dropped_events += 1
+            if self._num_pending_hashes > self.max_pending_hashes:
+                self._drop_pending_locked()
+
+    def set_load(self, free_blocks: int, running: int, waiting: int) -> None:
+        """Load fields sent with the next heartbeat (or registration)."""
+        with self._lock:
+            self._worker = dataclasses.replace(self._worker, free_blocks=free_blocks,
+                                               running=running, waiting=waiting)
+
+    def flush(self) -> bool:
+        """Run one sync cycle now (ignoring retry backoff); True when every event submitted before
+        the call is in the index."""
+        with self._io_lock:
+            return self._sync_once(force=True)
+
+    def _run(self) -> None:
+        while True:
+            with self._io_lock:
+                try:
+                    self._sync_once(force=False)
+                except Exception:  # a bug must not kill the thread or serving; resync later
+                    log.exception("index publisher cycle failed")
+                    self._on_failure(time.monotonic())
+            if self._stop.wait(self.flush_interval_s):
+                return
+
+    def _sync_once(self, force: bool) -> bool:
+        now = time.monotonic()
+        batch: list[KVEvent] = []
+        try:
+            if not self.synced:
+                if not force and now < self._next_attempt:
+                    return False
+                self._resync(now)
+            with self._lock:
+                batch, self._pending, self._num_pending_hashes = self._pending, [], 0
+                worker = self._worker
+            self._publish(batch)
+            batch = []
+            if now >= self._next_heartbeat:
+                self._index.heartbeat(worker.worker_id, self.epoch, worker.free_blocks,
+                                      worker.running, worker.waiting)
+                self._next_heartbeat = now + self.heartbeat_interval_s
+            if now >= self._next_gc:
+                self._index.collect_garbage()
+                self._next_gc = now + self.gc_interval_s
+        except (IndexUnavailable, WorkerNotRegistered) as exc:
+            if self.synced:
+                log.warning("prefix index sync of %s lost, will re-register: %s", self._worker.worker_id, exc)
+            self.num_dropped_events += len(batch)
+            self._on_failure(now)
+            return False
+        self._backoff_s = self._MIN_BACKOFF_S
+        return self.synced
+
+    def _resync(self, now: float) -> None:
+        with self._lock:
+            worker = self._worker
+        self.epoch = self._index.register(worker)
+        with self._lock:
+            snapshot = tuple(self._mirror)
+            self._synced = True
+        self._publish([BlockStored(snapshot)])
+        self.num_republishes += 1
+        self._next_heartbeat = now + self.heartbeat_interval_s
+
+    def _publish(self, events: list[KVEvent]) -> None:
+        for chunk in _chunk_events(events, self.max_hashes_per_call):
+            self.epoch = self._index.publish(self._worker.worker_id, self.epoch, chunk)
+            self.num_published_events += len(chunk)
+
+    def _on_failure(self, now: float) -> None:
+        with self._lock:
+            self._drop_pending_locked()
+        self._next_attempt = now + self._backoff_s
+        self._backoff_s = min(2 * self._backoff_s, self._MAX_BACKOFF_S)
+
+    def _drop_pending_locked(self) -> None:
+        self.num_dropped_events += len(self._pending)
+        self._pending, self._num_pending_hashes, self._synced = [], 0, False
+
+
+def _chunk_events(events: list[KVEvent], max_hashes: int) -> Iterable[list[KVEvent]]:
+    """Split into lists of at most ``max_hashes`` hashes (large events are split), order kept."""
+    chunk: list[KVEvent] = []
+    size = 0
+    for event in events:
+        hashes = getattr(event, "block_hashes", None)
+        pieces = [event] if not hashes else [type(event)(hashes[i:i + max_hashes])
+                                              for i in range(0, len(hashes), max_hashes)]
+        for piece in pieces:
+            piece_size = max(1, len(getattr(piece, "block_hashes", ())))
+            if chunk and size + piece_size > max_hashes:
+                yield chunk
+                chunk, size = [], 0
+            chunk.append(piece)
+            size += piece_size
+    if chunk:
+        yield chunk
