@@ -3,7 +3,8 @@
 block_pool      block ref counts, prefix caching, LRU eviction, KV events (pure)
 hashing         chained, process-independent block hashes (pure)
 local_index     in-process prefix index and the types every index shares (pure)
-index           prefix index on Redis + the worker-side IndexPublisher (key schema in its docstring)
+index           prefix index on Redis (key schema in its docstring)
+index_publisher the worker-side IndexPublisher: events, heartbeats, re-publish on reconnect
 embedded_redis  a real redis-server child process for the embedded default and tests
 
 Nothing is imported here, so ``import kvstore.block_pool`` stays free of redis.

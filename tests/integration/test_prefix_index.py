@@ -8,7 +8,8 @@ import redis
 from kvstore.block_pool import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored
 from kvstore.embedded_redis import EmbeddedRedis
 from kvstore.hashing import block_hash_hex, hash_prompt_blocks, root_hash
-from kvstore.index import IndexPublisher, IndexUnavailable, PrefixIndex
+from kvstore.index import IndexUnavailable, PrefixIndex
+from kvstore.index_publisher import IndexPublisher
 from kvstore.local_index import LocalPrefixIndex, WorkerInfo, WorkerNotRegistered
 
 ROOT = root_hash("test-model")
