@@ -65,8 +65,10 @@ _ROPE_FREQS = "rope_freqs.weight"
 _SAMPLE_BYTES = 1 << 20
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True) -> LoadedModel:
-    """Load a GGUF file: config, weights (HF names, `dtype`, CPU), tokenizer and fingerprint.
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True,
+              with_weights: bool = True) -> LoadedModel:
+    """Load a GGUF file: config, weights (HF names, `dtype`, CPU; none when not `with_weights`), tokenizer and
+    fingerprint.
 
     Raises ModelLoadError naming the file and the metadata key or tensor that is missing, malformed or unsupported.
     """
@@ -88,7 +90,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bo
                                   rope_freqs=rope_freqs)
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
-    weights = convert_tensors(reader, config, dtype=dtype, progress=progress, path=path)
+    weights = convert_tensors(reader, config, dtype=dtype, progress=progress, path=path) if with_weights else {}
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer,
                        fingerprint=gguf_fingerprint(path, reader.data_offset))
 

@@ -28,8 +28,10 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints sav
 _SAMPLE_BYTES = 1 << 20
 
 
-def load_hf_directory(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True) -> LoadedModel:
-    """Load a Hugging Face model directory: config, weights (HF names, `dtype`, CPU), tokenizer, fingerprint.
+def load_hf_directory(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True,
+                      with_weights: bool = True) -> LoadedModel:
+    """Load a Hugging Face model directory: config, weights (HF names, `dtype`, CPU; none when not
+    `with_weights`), tokenizer, fingerprint.
 
     Raises ModelLoadError naming the file and the key or tensor that is missing, malformed or unsupported.
     """
@@ -42,8 +44,10 @@ def load_hf_directory(path: str | Path, dtype: torch.dtype = torch.float32, prog
     except ValueError as exc:
         raise ModelLoadError(f"{path / 'config.json'}: {exc}") from exc
     files = safetensors_files(path)
-    weights = _read_weights(files, config, dtype, progress)
-    check_weights(weights, config, path)
+    weights = {}
+    if with_weights:
+        weights = _read_weights(files, config, dtype, progress)
+        check_weights(weights, config, path)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, fingerprint=hf_fingerprint(path, files))
 
 

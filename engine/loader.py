@@ -54,10 +54,13 @@ class LoadedModel:
     the same checkpoint on any machine; the load dtype is not part of it."""
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True) -> LoadedModel:
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True,
+               with_weights: bool = True) -> LoadedModel:
     """Load a `.gguf` file or a Hugging Face model directory.
 
     `dtype` is the floating dtype of every returned weight; `progress` shows a tqdm bar while converting.
+    `with_weights=False` reads no tensor data (weights is empty): config, tokenizer and fingerprint are what a
+    gateway needs.
     Raises ModelLoadError when the path is neither, or the checkpoint is malformed or unsupported.
     """
     # Imported here because each loader builds LoadedModel and raises ModelLoadError from this module.
@@ -68,11 +71,11 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, progress: b
     if not dtype.is_floating_point:
         raise ModelLoadError(f"dtype must be a floating point torch dtype, got {dtype}")
     if path.is_dir():
-        return load_hf_directory(path, dtype=dtype, progress=progress)
+        return load_hf_directory(path, dtype=dtype, progress=progress, with_weights=with_weights)
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model directory")
-        return load_gguf(path, dtype=dtype, progress=progress)
+        return load_gguf(path, dtype=dtype, progress=progress, with_weights=with_weights)
     raise ModelLoadError(f"{path}: no such file or directory")
 
 
