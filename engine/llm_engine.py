@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, OverloadedError
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import LoadedModel, load_model
 from engine.model_fetch import resolve_model_path
@@ -67,6 +67,8 @@ class LLMEngine:
             self.kv, self.model_config.eos_token_ids)
         self._seed_rng = random.Random(config.seed)
         self._requests: dict[str, Sequence] = {}
+        self._reserved: dict[str, Sequence] = {}
+        self._held: dict[str, Sequence] = {}
 
     # --- requests ---------------------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -84,20 +86,80 @@ class LLMEngine:
         params.validate(vocab)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None) -> Sequence:
-        if request_id in self._requests:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
-        self.validate(prompt_token_ids, params)
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        seq = Sequence(request_id, list(prompt_token_ids), params, seed, cache_salt)
+                    cache_salt: str | None = None, seed: int | None = None, hold_blocks: bool = False) -> Sequence:
+        """Queue a request. `seed` overrides params.seed (a gateway draws one so that two workers sample one
+        stream); `hold_blocks` keeps its KV blocks after it finishes, until `release`."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt, seed)
+        seq.hold_blocks = hold_blocks
         self.scheduler.add(seq)
         self._requests[request_id] = seq
         return seq
 
+    def _new_sequence(self, request_id, prompt_token_ids, params, cache_salt, seed) -> Sequence:
+        if request_id in self._requests or request_id in self._reserved or request_id in self._held:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        return Sequence(request_id, list(prompt_token_ids), params, seed, cache_salt)
+
+    # --- disaggregation: reservations (decode side) and held blocks (prefill side) ------------------------------
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                cache_salt: str | None = None, seed: int | None = None) -> Sequence:
+        """Allocate blocks for a whole prompt whose KV another worker computes, reusing this worker's own
+        cached prefix. The sequence holds `block_ids`; the first `num_computed_tokens // block_size` of them
+        were cache hits and need no transfer. Raises OverloadedError when the blocks are not there."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt, seed)
+        hit_block_ids = self.kv.get_computed_blocks(seq)
+        num_new = seq.num_tokens - len(hit_block_ids) * self.kv.block_size
+        if not self.kv.can_allocate(seq, num_new, hit_block_ids):
+            raise OverloadedError(f"no room for {seq.num_tokens} prompt tokens in the KV cache")
+        self.kv.allocate(seq, num_new, hit_block_ids)
+        seq.num_cached_tokens = seq.num_computed_tokens
+        self._reserved[request_id] = seq
+        return seq
+
+    def start_reserved(self, request_id: str, first_token_id: int | None = None,
+                       first_logprob: TokenLogprob | None = None) -> StepOutput | None:
+        """Start decoding a reservation. With `first_token_id`, the prompt's KV has been written into its blocks
+        and the first token sampled elsewhere; without, this worker computes the rest of the prompt itself.
+        Returns the finished StepOutput when the first token already ends the request, else None."""
+        seq = self._reserved.pop(request_id, None)
+        if seq is None:
+            raise KeyError(f"no reservation for request {request_id!r}")
+        self._requests[request_id] = seq
+        if first_token_id is None:
+            self.scheduler.adopt(seq)
+            return None
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.output_token_ids.append(first_token_id)
+        if first_logprob is not None:
+            seq.output_logprobs.append(first_logprob)
+        self.kv.cache_full_blocks(seq)
+        reason = self.scheduler.stop_reason(seq)
+        if reason is None:
+            self.scheduler.adopt(seq)
+            return None
+        self.scheduler.finish(seq, reason)
+        self._requests.pop(request_id)
+        return StepOutput(seq, [], [], True)
+
+    def release(self, request_id: str) -> bool:
+        """Free the blocks a finished `hold_blocks` request kept (exactly once)."""
+        seq = self._held.pop(request_id, None)
+        if seq is None:
+            return False
+        self.kv.free(seq)
+        return True
+
     def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is (waiting, running, reserved, held); its blocks are freed once."""
         seq = self.scheduler.abort(request_id)
         self._requests.pop(request_id, None)
-        return seq is not None
+        reserved = self._reserved.pop(request_id, None)
+        if reserved is not None:
+            self.kv.free(reserved)
+        return seq is not None or reserved is not None or self.release(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -120,6 +182,8 @@ class LLMEngine:
             done = id(seq) in finished
             if done:
                 self._requests.pop(seq.request_id, None)
+                if seq.hold_blocks:
+                    self._held[seq.request_id] = seq
             results.append(StepOutput(seq, [token_id], [logprobs[seq.request_id]] if seq.request_id in logprobs
                                       else [], done))
         return results
@@ -128,7 +192,8 @@ class LLMEngine:
         pool = self.kv.pool
         return {"num_blocks": pool.num_blocks, "free_blocks": pool.get_num_free_blocks(),
                 "used_blocks": pool.get_num_used_blocks(), "running": len(self.scheduler.running),
-                "waiting": len(self.scheduler.waiting), "preemptions": self.scheduler.num_preemptions}
+                "waiting": len(self.scheduler.waiting), "reserved": len(self._reserved), "held": len(self._held),
+                "preemptions": self.scheduler.num_preemptions}
 
 
 __all__ = ["LLMEngine", "StepOutput", "FinishReason"]

@@ -77,12 +77,21 @@ class Scheduler:
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
-                    self._finish(seq, FinishReason.ABORT)
+                    self.finish(seq, FinishReason.ABORT)
                     return seq
         return None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def adopt(self, seq: Sequence) -> None:
+        """Run `seq`, which already holds blocks for its computed tokens (a reservation whose KV arrived, or
+        whose prompt the decode worker prefills itself), from the next step on."""
+        assert seq.block_ids and seq.num_computed_tokens < seq.num_tokens
+        seq.arrival_order = self._num_arrivals
+        self._num_arrivals += 1
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     # --- one step ---------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -137,15 +146,16 @@ class Scheduler:
             if chunk.samples:
                 seq.output_token_ids.append(sampled[seq.request_id])
             self.kv.cache_full_blocks(seq)
-            reason = self._stop_reason(seq) if chunk.samples else None
+            reason = self.stop_reason(seq) if chunk.samples else None
             if reason is not None:
                 self.running.remove(seq)
-                self._finish(seq, reason)
+                self.finish(seq, reason)
                 finished.append(seq)
         return finished
 
     # --- helpers ----------------------------------------------------------------------------------------------
-    def _stop_reason(self, seq: Sequence) -> FinishReason | None:
+    def stop_reason(self, seq: Sequence) -> FinishReason | None:
+        """Why `seq` must stop after its last token, or None to go on."""
         token_id = seq.output_token_ids[-1]
         if token_id in seq.params.stop_token_ids:
             return FinishReason.STOP
@@ -162,7 +172,8 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        self.kv.free(seq)
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if reason is FinishReason.ABORT or not seq.hold_blocks:
+            self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

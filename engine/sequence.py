@@ -58,6 +58,9 @@ class Sequence:
     num_cached_tokens: int = 0
     """Prompt tokens found in the prefix cache when the request was first scheduled."""
     num_preemptions: int = 0
+    hold_blocks: bool = False
+    """Keep the KV blocks when the sequence finishes (a prefill worker still has to send them); the owner
+    releases them with LLMEngine.release. An aborted sequence always frees its blocks."""
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
 

@@ -1,0 +1,181 @@
+"""Runs an `LLMEngine` on one thread and lets other threads (gRPC handlers) use it safely.
+
+The engine is not thread-safe, so only the loop thread touches it. Other threads:
+- `call(fn)` runs `fn(engine)` on the loop thread between two steps and returns its result (or raises);
+- `open_stream(request_id, fn)` does the same and registers a `RequestStream` first, which then receives
+  every `StepOutput` of that request until it finishes; closing the stream early aborts the request.
+
+Between steps the loop also runs `on_idle(engine)` hooks at most every `housekeeping_interval_s` (lease
+expiry, publishing KV events to the prefix index, load reports). If a step raises, every open stream gets
+the error and the loop keeps serving (the failed requests are aborted so their blocks are freed).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import TypeVar
+
+from engine.llm_engine import LLMEngine, StepOutput
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_END = object()
+
+
+class RequestStream:
+    """The outputs of one request, in order. Iterate to consume; `close()` aborts the request if running."""
+
+    def __init__(self, loop: EngineLoop, request_id: str) -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._queue: queue.Queue = queue.Queue()
+        self.finished = False
+
+    def _put(self, item) -> None:
+        self._queue.put(item)
+
+    def get(self, timeout: float | None = None) -> StepOutput | None:
+        """Next output; None when the request has finished. Raises queue.Empty on timeout, or the step's error."""
+        if self.finished:
+            return None
+        item = self._queue.get(timeout=timeout)
+        if item is _END:
+            self.finished = True
+            return None
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        return item
+
+    def __iter__(self) -> Iterator[StepOutput]:
+        while (out := self.get()) is not None:
+            yield out
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._loop.abort(self.request_id)
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, housekeeping_interval_s: float = 0.05) -> None:
+        self.engine = engine
+        self.housekeeping_interval_s = housekeeping_interval_s
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}
+        self._idle_hooks: list[Callable[[LLMEngine], None]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._next_housekeeping = 0.0
+        self.num_step_errors = 0
+
+    # --- other threads --------------------------------------------------------------------------------------
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    def add_housekeeping(self, hook: Callable[[LLMEngine], None]) -> None:
+        """Run `hook(engine)` on the loop thread every housekeeping interval (register before start)."""
+        self._idle_hooks.append(hook)
+
+    def call(self, fn: Callable[[LLMEngine], T], timeout: float | None = None) -> T:
+        future: Future = Future()
+        self._commands.put((fn, future, None))
+        return future.result(timeout)
+
+    def open_stream(self, request_id: str, fn: Callable[[LLMEngine], StepOutput | None]) -> RequestStream:
+        """Register a stream for `request_id`, then run `fn(engine)` (which adds or starts that request).
+        `fn` may return a StepOutput that already finishes the request; it goes to the stream."""
+        stream = RequestStream(self, request_id)
+        future: Future = Future()
+        self._commands.put((fn, future, stream))
+        future.result()
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        return self.call(lambda engine: self._abort(engine, request_id))
+
+    # --- loop thread ----------------------------------------------------------------------------------------
+    def _abort(self, engine: LLMEngine, request_id: str) -> bool:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream._put(_END)
+        return engine.abort(request_id)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = self.engine.has_unfinished()
+            self._run_commands(block=not busy)
+            if self._stop.is_set():
+                break
+            if self.engine.has_unfinished():
+                self._step()
+            self._housekeeping()
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=self.housekeeping_interval_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            fn, future, stream = item
+            if stream is not None:
+                self._streams[stream.request_id] = stream
+            try:
+                result = fn(self.engine)
+            except BaseException as exc:  # handed to the caller, never kills the loop
+                if stream is not None:
+                    self._streams.pop(stream.request_id, None)
+                future.set_exception(exc)
+            else:
+                if stream is not None and isinstance(result, StepOutput):
+                    self._dispatch([result])
+                future.set_result(result)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            self.num_step_errors += 1
+            log.exception("engine step failed; failing its %d open requests", len(self._streams))
+            for request_id, stream in list(self._streams.items()):
+                self.engine.abort(request_id)
+                stream._put(exc)
+            self._streams.clear()
+            return
+        self._dispatch(outputs)
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.seq.request_id)
+            if stream is None:
+                continue
+            stream._put(out)
+            if out.finished:
+                stream._put(_END)
+                del self._streams[out.seq.request_id]
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        if now < self._next_housekeeping:
+            return
+        self._next_housekeeping = now + self.housekeeping_interval_s
+        for hook in self._idle_hooks:
+            try:
+                hook(self.engine)
+            except Exception:
+                log.exception("housekeeping hook %r failed", hook)
