@@ -1,0 +1,165 @@
+"""Same-host KV data path over POSIX shared memory (multiprocessing.shared_memory).
+
+Lifecycle of one transfer (the grpc stream carries only the manifest, naming the segment):
+
+    sender    OutgoingSegment(n)  creates "pdkv_<pid>_<random>" (unique per transfer), writes the payload
+    sender    Push(manifest{transport="shm", shm_name})
+    receiver  attach_segment(name) maps it, verifies digests, scatters straight from it, closes (never unlinks)
+    sender    unlinks once Push returns, whatever happened (OutgoingSegment is a context manager)
+
+Only the creator tracks the segment with Python's resource_tracker, so a crashed sender's segment is still
+removed when its tracker exits. The receiver maps the segment without registering it (``track=False`` on
+Python >= 3.13; a direct shm_open + mmap before): on 3.10-3.12 ``SharedMemory(name)`` registers every attach,
+and unregistering afterwards is wrong when sender and receiver share one tracker (one process, or children of
+one multiprocessing parent): it would drop the sender's registration and make its unlink warn.
+
+The sender picks the shm transport only when the target's ``host_id()`` equals its own (``choose_transport``);
+the choice is explicit and reported, a receiver that cannot open the segment rejects the transfer.
+"""
+from __future__ import annotations
+
+import functools
+import mmap
+import os
+import platform
+import secrets
+import socket
+import sys
+import uuid
+from multiprocessing import shared_memory
+
+import torch
+
+SEGMENT_PREFIX = "pdkv_"
+
+
+def new_segment_name() -> str:
+    # Short: macOS caps POSIX shm names at 31 bytes.
+    return f"{SEGMENT_PREFIX}{os.getpid():x}_{secrets.token_hex(6)}"
+
+
+class OutgoingSegment:
+    """A sender-owned segment of `nbytes` (the payload). Unlinked by close(), which is idempotent."""
+
+    def __init__(self, nbytes: int) -> None:
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        self.nbytes = nbytes
+        while True:
+            try:  # a zero-byte segment cannot be mapped; an empty payload still gets a (1-byte) segment
+                self._shm = shared_memory.SharedMemory(name=new_segment_name(), create=True, size=max(1, nbytes))
+                break
+            except FileExistsError:
+                continue
+        self.name = self._shm.name
+        self._closed = False
+
+    def write(self, offset: int, data) -> None:
+        """Copy `data` (bytes-like, or a 1-D uint8 CPU tensor) to payload offset `offset`."""
+        view = memoryview(data.numpy() if isinstance(data, torch.Tensor) else data).cast("B")
+        if offset < 0 or offset + len(view) > self.nbytes:
+            raise ValueError(f"write of {len(view)} bytes at {offset} overflows the {self.nbytes}-byte payload")
+        self._shm.buf[offset:offset + len(view)] = view
+
+    def flip_byte(self, offset: int) -> None:
+        """Test hook: invert one payload byte."""
+        self._shm.buf[offset] ^= 0xFF
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._shm.close()
+        finally:
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> OutgoingSegment:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AttachedSegment:
+    """A receiver's read/write mapping of a sender's segment; never unlinks, never registers it for cleanup."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        if sys.version_info >= (3, 13):
+            self._shm = shared_memory.SharedMemory(name=name, track=False)
+            self._mmap = None
+            self.buf = self._shm.buf
+        elif os.name == "posix":
+            import _posixshmem  # what SharedMemory itself uses
+
+            self._shm = None
+            fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+            try:
+                self._mmap = mmap.mmap(fd, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+            self.buf = memoryview(self._mmap)
+        else:  # Windows: no resource tracker for shared memory
+            self._shm = shared_memory.SharedMemory(name=name)
+            self._mmap = None
+            self.buf = self._shm.buf
+
+    @property
+    def size(self) -> int:
+        """Mapped bytes (may exceed the payload: sizes round up to pages on some systems)."""
+        return len(self.buf)
+
+    def close(self) -> None:
+        """Unmap. While tensors still view the mapping (e.g. held by an exception's traceback) the unmap is
+        left to garbage collection instead of raising."""
+        try:
+            self.buf.release()
+            if self._shm is not None:
+                self._shm.close()
+            else:
+                self._mmap.close()
+        except BufferError:
+            pass
+
+    def __enter__(self) -> AttachedSegment:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def attach_segment(name: str) -> AttachedSegment:
+    """Map the sender's segment `name`. FileNotFoundError when there is none on this host."""
+    return AttachedSegment(name)
+
+
+def segment_exists(name: str) -> bool:
+    try:
+        attach_segment(name).close()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def host_id() -> str:
+    """Identity of the shared-memory domain this process lives in: equal for two processes exactly when one
+    can open the other's segments. Linux: the kernel's boot id (one per machine and boot) and the device of
+    the /dev/shm mount (containers without a shared /dev/shm differ). Elsewhere: hostname and MAC address."""
+    if sys.platform.startswith("linux"):
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot_id = f.read().strip()
+            return f"linux:{boot_id}:{os.stat('/dev/shm').st_dev:x}"
+        except OSError:
+            pass
+    return f"{platform.system().lower()}:{socket.gethostname()}:{uuid.getnode():x}"
+
+
+def choose_transport(target_host_id: str, *, allow_shm: bool = True) -> str:
+    """"shm" when the target shares this host's shared memory (and shm is allowed), else "grpc"."""
+    return "shm" if allow_shm and target_host_id and target_host_id == host_id() else "grpc"
