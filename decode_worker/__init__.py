@@ -1,0 +1,1 @@
+"""Decode worker: reserves KV blocks, receives prompt KV over KvTransfer, decodes in a continuous batch."""

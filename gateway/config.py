@@ -1,0 +1,39 @@
+"""Gateway configuration (frozen, validated; flags are mapped onto it by the CLI only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model: str
+    """Model path or "default": the gateway reads its tokenizer, chat template, limits and fingerprint (no weights)."""
+    redis_url: str
+    """Prefix index and worker registry (redis://[user:pass@]host:port/db, rediss://, unix://)."""
+    host: str = "127.0.0.1"
+    """Address the public gRPC server binds."""
+    port: int = 50051
+    """Port of the public gRPC server (0 picks a free one)."""
+    block_size: int = 16
+    """KV block size in tokens; must equal the workers' (checked against their registration)."""
+    max_inflight: int = 256
+    """Requests admitted at once; one more gets RESOURCE_EXHAUSTED."""
+    local_prefill_threshold: int = 32
+    """When fewer prompt tokens than this are missing from the chosen decode worker's cache, it prefills
+    them itself instead of involving a prefill worker (conditional disaggregation)."""
+    lease_ms: int = 30_000
+    """How long a decode worker keeps a reservation whose KV has not arrived."""
+    prefill_attempts: int = 2
+    """Prefill workers tried for one request before falling back to local prefill on the decode worker."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM: how long in-flight requests may take to finish before the server stops."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"GatewayConfig.port must be in [0, 65535], got {self.port}")
+        for name in ("block_size", "max_inflight", "lease_ms", "prefill_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GatewayConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.local_prefill_threshold < 0:
+            raise ValueError(f"GatewayConfig.local_prefill_threshold must be >= 0, got {self.local_prefill_threshold}")

@@ -1,0 +1,142 @@
+"""What both worker roles share: the gRPC server (health, reflection, message limits, graceful stop), the
+engine loop's registration in the prefix index, and waiting for SIGTERM."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.errors import InvalidRequestError, OverloadedError
+from engine.sampling_params import SamplingParams
+from engine.llm_engine import LLMEngine
+from kvstore.index import PrefixIndex
+from kvstore.index_publisher import IndexPublisher
+from kvstore.local_index import WorkerInfo
+from kvstore.shm import host_id
+from kvstore.transfer_service import GRPC_OPTIONS
+from protos.convert import sampling_from_pb
+from protos.pdserve.v1 import worker_pb2
+
+
+@dataclass(frozen=True)
+class WorkerRequestData:
+    """A tokenized, validated request as the gateway sends it to a worker (WorkerRequest in worker.proto)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    seed: int
+
+
+def request_from_pb(pb: worker_pb2.WorkerRequest) -> WorkerRequestData:
+    return WorkerRequestData(pb.request_id, list(pb.prompt_token_ids), sampling_from_pb(pb.sampling),
+                             pb.cache_salt or None, pb.seed)
+
+
+class PreconditionError(Exception):
+    """The request is valid but the worker's state does not allow it (e.g. a reservation that expired)."""
+
+
+_STATUS = [(InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT), (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+           (PreconditionError, grpc.StatusCode.FAILED_PRECONDITION)]
+
+
+@contextlib.contextmanager
+def status_on_error(context: grpc.ServicerContext) -> Iterator[None]:
+    """The one mapping of worker exceptions to gRPC status codes; anything else is INTERNAL."""
+    try:
+        yield
+    except Exception as exc:
+        for exc_type, code in _STATUS:
+            if isinstance(exc, exc_type):
+                context.abort(code, str(exc))
+        context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+class WorkerServer:
+    """A grpc.server with the health and reflection services, bound to host:port (0 picks a free port)."""
+
+    def __init__(self, host: str, port: int, max_workers: int = 64) -> None:
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+                                  options=GRPC_OPTIONS)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._service_names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {host}:{port}")
+
+    def add(self, add_fn: Callable, servicer, service_name: str) -> None:
+        """Register `servicer` with its generated `add_*_to_server` function under its full service name."""
+        add_fn(servicer, self.server)
+        self._service_names.append(service_name)
+
+    def start(self) -> None:
+        reflection.enable_server_reflection(self._service_names, self.server)
+        self.server.start()
+        self.set_serving(True)
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self._service_names]:
+            self.health.set(name, status)
+
+    def stop(self, grace_s: float) -> None:
+        """NOT_SERVING first (balancers stop sending), then let in-flight RPCs finish for up to grace_s."""
+        self.set_serving(False)
+        self.server.stop(grace_s).wait()
+
+
+def wait_for_termination(on_stop: Callable[[], None]) -> None:
+    """Block until SIGTERM or SIGINT, then run `on_stop` (main thread only)."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    on_stop()
+
+
+class Registration:
+    """Keeps a worker's record and cached blocks in the prefix index, fed from the engine loop.
+
+    `on_housekeeping(engine)` runs on the engine loop thread: it drains the pool's KV events (always, so they
+    never pile up) and hands them, with the load, to an IndexPublisher thread that talks to Redis. Without a
+    redis_url the worker runs unregistered and the events are dropped.
+    """
+
+    def __init__(self, redis_url: str | None, worker_id: str, role: str, endpoint: str, engine: LLMEngine,
+                 ttl_s: float) -> None:
+        stats = engine.stats()
+        self.worker = WorkerInfo(worker_id, role, endpoints={
+            "grpc": endpoint, "host_id": host_id(), "block_size": str(engine.config.block_size),
+            "fingerprint": engine.fingerprint}, capacity_blocks=stats["num_blocks"], free_blocks=stats["free_blocks"])
+        self.publisher = None
+        if redis_url:
+            self.publisher = IndexPublisher(PrefixIndex(redis_url, worker_ttl_s=ttl_s), self.worker,
+                                            initial_hashes=engine.kv.pool.get_cached_hashes())
+
+    def start(self) -> None:
+        if self.publisher is not None:
+            self.publisher.start()
+
+    def on_housekeeping(self, engine: LLMEngine) -> None:
+        events = engine.kv.pool.take_events()
+        if self.publisher is not None:
+            if events:
+                self.publisher.submit(events)
+            stats = engine.stats()
+            self.publisher.set_load(stats["free_blocks"], stats["running"], stats["waiting"])
+
+    def stop(self) -> None:
+        """Leave the index (deregister) so the gateway stops routing here."""
+        if self.publisher is not None:
+            self.publisher.stop(deregister=True)

@@ -1,0 +1,51 @@
+"""gRPC servicer of the prefill worker: unpack, call PrefillWorker, pack. Status mapping: worker_runtime."""
+
+from __future__ import annotations
+
+import grpc
+
+from pdserve.worker_runtime import request_from_pb, status_on_error
+from prefill_worker.worker import PrefillWorker, RequestAborted, TransferTargetData
+from protos.convert import logprob_to_pb
+from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+MAX_PREFILL_S = 600.0
+"""Longest a prefill (queueing, compute and KV push) may take when the caller set no deadline."""
+
+
+def target_from_pb(pb: worker_pb2.TransferTarget) -> TransferTargetData:
+    return TransferTargetData(pb.endpoint, pb.handle, pb.num_cached_blocks, list(pb.block_ids), pb.host_id)
+
+
+class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, worker: PrefillWorker, worker_id: str, epoch: callable) -> None:
+        self.worker = worker
+        self.worker_id = worker_id
+        self.epoch = epoch
+
+    def Prefill(self, request, context):
+        req = request_from_pb(request.request)
+        context.add_callback(lambda: self.worker.abort(req.request_id) if not context.is_active() else None)
+        remaining = min(context.time_remaining() or MAX_PREFILL_S, MAX_PREFILL_S)  # no deadline: a huge value
+        try:
+            with status_on_error(context):
+                r = self.worker.prefill(req, target_from_pb(request.target), remaining)
+        except RequestAborted as exc:
+            context.abort(grpc.StatusCode.CANCELLED, str(exc))
+        response = worker_pb2.PrefillResponse(
+            first_token_id=r.first_token_id, cached_tokens=r.cached_tokens, computed_tokens=r.computed_tokens,
+            transfer_bytes=r.transfer_bytes, transfer_ms=r.transfer_ms, transport=r.transport,
+            prefill_ms=r.prefill_ms)
+        if r.first_logprob is not None:
+            response.first_logprob.CopyFrom(logprob_to_pb(r.first_logprob))
+        return response
+
+    def Abort(self, request, context):
+        return worker_pb2.AbortResponse(found=self.worker.abort(request.request_id))
+
+    def Stats(self, request, context):
+        s = self.worker.stats()
+        return worker_pb2.WorkerStats(
+            worker_id=self.worker_id, role="prefill", epoch=self.epoch(), num_blocks=s["num_blocks"],
+            free_blocks=s["free_blocks"], used_blocks=s["used_blocks"], running=s["running"], waiting=s["waiting"],
+            transfer_errors=s["transfer_errors"], preemptions=s["preemptions"])

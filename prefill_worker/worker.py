@@ -1,0 +1,126 @@
+"""The prefill worker's request handling: prefill in the batched engine, push the KV the decode worker lacks.
+
+One request (DESIGN section 3, step 5):
+
+    add_request(max_tokens=1, hold_blocks) ─▶ engine batch (chunked, prefix cache) ─▶ first token sampled
+    ─▶ push blocks [num_cached_blocks:] of the prompt to the decode worker's reservation (shm or grpc)
+    ─▶ release the held blocks (always, exactly once: success, rejected transfer or abort)
+
+The push runs on the gRPC handler's thread while the engine keeps stepping other requests; it reads only
+blocks this request holds. Sending overlaps gathering (the sender prepares the next group of blocks while
+one is on the wire); sending layer by layer during the forward pass is not done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass
+
+from engine.engine_loop import EngineLoop
+from engine.errors import InvalidRequestError
+from engine.sequence import TokenLogprob
+from kvstore.shm import host_id
+from kvstore.transfer import KvLayoutSpec
+from kvstore.transfer_service import FaultInjection, KvSender, TransferFailed
+from pdserve.worker_runtime import PreconditionError, WorkerRequestData
+from prefill_worker.config import PrefillWorkerConfig
+
+
+@dataclass(frozen=True)
+class TransferTargetData:
+    endpoint: str
+    handle: str
+    num_cached_blocks: int
+    block_ids: list[int]
+    host_id: str
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token_id: int
+    first_logprob: TokenLogprob | None
+    cached_tokens: int
+    computed_tokens: int
+    transfer_bytes: int
+    transfer_ms: float
+    transport: str
+    prefill_ms: float
+
+
+class RequestAborted(Exception):
+    """The request was aborted while it was being prefilled."""
+
+
+class TransferRejectedError(PreconditionError):
+    """The decode worker refused the KV; nothing was committed there."""
+
+
+class PrefillWorker:
+    def __init__(self, loop: EngineLoop, config: PrefillWorkerConfig) -> None:
+        self.loop = loop
+        self.config = config
+        engine = loop.engine
+        self.layout = KvLayoutSpec.from_cache(engine.runner.kv_cache, engine.fingerprint)
+        self.sender = KvSender(chunk_bytes=config.chunk_bytes)
+        self.host_id = host_id()
+        self._lock = threading.Lock()
+        self._pushing: set[str] = set()
+        self._faults_left = config.fault_corrupt_transfers
+        self.num_transfer_failures = 0
+
+    def prefill(self, req: WorkerRequestData, target: TransferTargetData, timeout_s: float) -> PrefillResult:
+        start = time.perf_counter()
+        params = dataclasses.replace(req.params, max_tokens=1)
+        rid = req.request_id
+        stream = self.loop.open_stream(rid, lambda e: e.add_request(rid, req.prompt_token_ids, params,
+                                                                    req.cache_salt, req.seed, hold_blocks=True))
+        try:
+            out = stream.get()
+            if out is None:
+                raise RequestAborted(f"request {rid!r} was aborted during prefill")
+            seq = out.seq
+            prefill_ms = (time.perf_counter() - start) * 1000
+            src_block_ids = seq.block_ids[target.num_cached_blocks:]
+            if len(src_block_ids) != len(target.block_ids):
+                raise InvalidRequestError("target.block_ids", f"{len(target.block_ids)} destination blocks for "
+                                          f"{len(src_block_ids)} blocks the decode worker lacks")
+            with self._lock:
+                self._pushing.add(rid)
+                fault = FaultInjection(0) if self._faults_left > 0 and src_block_ids else None
+                self._faults_left -= fault is not None
+            try:
+                stats = self.sender.push(
+                    target.endpoint, request_id=rid, handle=target.handle, layout=self.layout,
+                    kv_cache=self.loop.engine.runner.kv_cache, src_block_ids=src_block_ids,
+                    dst_block_ids=target.block_ids, transport=self._transport(target), codec=self.config.codec,
+                    timeout_s=max(timeout_s - (time.perf_counter() - start), 0.001), fault=fault)
+            except TransferFailed as exc:
+                self.num_transfer_failures += 1
+                raise TransferRejectedError(f"KV transfer to {target.endpoint} failed: {exc}") from exc
+            finally:
+                with self._lock:
+                    self._pushing.discard(rid)
+        finally:
+            stream.close()  # aborts the finished request: its held blocks are released here, exactly once
+        return PrefillResult(out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None,
+                             seq.num_cached_tokens, seq.num_prompt_tokens - seq.num_cached_tokens,
+                             stats.num_bytes, stats.elapsed_ms, stats.transport, prefill_ms)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop the request. During its push the blocks stay held until the push ends (they are being read)."""
+        with self._lock:
+            if request_id in self._pushing:
+                return True
+        return self.loop.abort(request_id)
+
+    def stats(self) -> dict[str, int]:
+        stats = self.loop.call(lambda e: e.stats())
+        stats["transfer_errors"] = self.num_transfer_failures
+        return stats
+
+    def _transport(self, target: TransferTargetData) -> str:
+        if self.config.transport != "auto":
+            return self.config.transport
+        return "shm" if target.host_id == self.host_id else "grpc"

@@ -1,0 +1,63 @@
+"""Conversions between pdserve.v1 messages and the engine's plain dataclasses (the protobuf edge).
+
+Services call these at their boundary; nothing inside the engine, kvstore or routing sees a protobuf type.
+"""
+
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import FinishReason, TokenLogprob
+from protos.pdserve.v1 import common_pb2
+
+_FINISH_TO_PB = {None: common_pb2.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+                 FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH, FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT}
+_FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
+
+
+def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields take SamplingParams' defaults. Not validated here: call .validate()."""
+    d = SamplingParams()
+    return SamplingParams(
+        max_tokens=pb.max_tokens if pb.HasField("max_tokens") else d.max_tokens,
+        temperature=pb.temperature if pb.HasField("temperature") else d.temperature,
+        top_k=pb.top_k,
+        top_p=pb.top_p if pb.HasField("top_p") else d.top_p,
+        min_p=pb.min_p,
+        seed=pb.seed if pb.HasField("seed") else None,
+        repetition_penalty=pb.repetition_penalty if pb.HasField("repetition_penalty") else d.repetition_penalty,
+        presence_penalty=pb.presence_penalty,
+        frequency_penalty=pb.frequency_penalty,
+        stop_token_ids=tuple(pb.stop_token_ids),
+        ignore_eos=pb.ignore_eos,
+        logprobs=pb.logprobs if pb.HasField("logprobs") else None,
+    )
+
+
+def sampling_to_pb(p: SamplingParams, stop: tuple[str, ...] = ()) -> common_pb2.SamplingParams:
+    pb = common_pb2.SamplingParams(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, stop_token_ids=list(p.stop_token_ids), stop=list(stop),
+        ignore_eos=p.ignore_eos)
+    if p.seed is not None:
+        pb.seed = p.seed
+    if p.logprobs is not None:
+        pb.logprobs = p.logprobs
+    return pb
+
+
+def logprob_to_pb(lp: TokenLogprob) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                   top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+def logprob_from_pb(pb: common_pb2.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(pb.token_id, pb.logprob, [(t.token_id, t.logprob) for t in pb.top])
+
+
+def finish_reason_to_pb(reason: FinishReason | None) -> int:
+    return _FINISH_TO_PB[reason]
+
+
+def finish_reason_from_pb(value: int) -> FinishReason | None:
+    return _FINISH_FROM_PB[value]

@@ -1,0 +1,173 @@
+"""Prefill and decode workers over real gRPC sockets (tiny random Llama, so no checkpoint is loaded):
+the disaggregated path gives the single-engine tokens over both KV transports, and every failure path
+returns the workers' blocks to idle."""
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from decode_worker.config import DecodeWorkerConfig
+from decode_worker.server import start_server as start_decode
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.server import start_server as start_prefill
+from protos.convert import sampling_to_pb
+from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from tests.unit.engine.tiny_model import run, tiny_engine
+
+ENGINE = EngineConfig(model="tiny-random", num_kv_blocks=256, block_size=4, dtype="float32")
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPT = list(range(3, 40))
+
+
+def start_pair(transport="auto", faults=0):
+    d = start_decode(DecodeWorkerConfig("d0", None, max_lease_ms=60_000), ENGINE, engine=tiny_engine())
+    p = start_prefill(PrefillWorkerConfig("p0", None, transport=transport, fault_corrupt_transfers=faults), ENGINE,
+                      engine=tiny_engine())
+    return p, d
+
+
+def stubs(p, d):
+    pc, dc = grpc.insecure_channel(f"127.0.0.1:{p.port}"), grpc.insecure_channel(f"127.0.0.1:{d.port}")
+    return worker_pb2_grpc.PrefillWorkerStub(pc), worker_pb2_grpc.DecodeWorkerStub(dc)
+
+
+def worker_request(rid, prompt=PROMPT, params=GREEDY, seed=5):
+    return worker_pb2.WorkerRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_pb(params),
+                                    seed=seed)
+
+
+def disaggregated(pstub, dstub, rid, prompt=PROMPT, params=GREEDY):
+    res = dstub.Reserve(worker_pb2.ReserveRequest(request=worker_request(rid, prompt, params), lease_ms=30_000))
+    pre = pstub.Prefill(worker_pb2.PrefillRequest(request=worker_request(rid, prompt, params), target=res.target))
+    tokens = [pre.first_token_id]
+    for msg in dstub.Decode(worker_pb2.DecodeRequest(request_id=rid, handle=res.target.handle,
+                                                     first_token_id=pre.first_token_id)):
+        tokens.extend(msg.token_ids)
+    return tokens, pre, msg
+
+
+def wait_idle(stub, timeout_s=10.0):
+    """Poll Stats until nothing holds a block (bounded; returns the last Stats)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = stub.Stats(worker_pb2.StatsRequest())
+        if stats.used_blocks == 0 and stats.running == 0 and stats.reserved == 0 or time.monotonic() > deadline:
+            return stats
+
+
+@pytest.fixture
+def pair():
+    p, d = start_pair()
+    yield (p, d, *stubs(p, d))
+    p.stop(0)
+    d.stop(0)
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_disaggregated_tokens_equal_single_engine(transport):
+    p, d = start_pair(transport)
+    try:
+        pstub, dstub = stubs(p, d)
+        params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=5, ignore_eos=True)
+        expected = run(tiny_engine(), [PROMPT], [params])[0]
+        tokens, pre, last = disaggregated(pstub, dstub, "r1", params=params)
+        assert tokens == expected
+        assert pre.transport == transport and pre.transfer_bytes > 0
+        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert wait_idle(dstub).used_blocks == 0 and wait_idle(pstub).used_blocks == 0
+    finally:
+        p.stop(0)
+        d.stop(0)
+
+
+def test_delta_transfer_sends_only_blocks_the_decode_worker_lacks(pair):
+    _, _, pstub, dstub = pair
+    _, first, _ = disaggregated(pstub, dstub, "a", PROMPT + [50, 51])
+    _, second, _ = disaggregated(pstub, dstub, "b", PROMPT + [60, 61, 62])
+    assert second.cached_tokens == 36                 # the prefill worker's own prefix cache
+    assert second.transfer_bytes < first.transfer_bytes / 4   # decode worker held 9 of 10 blocks
+    assert run(tiny_engine(), [PROMPT + [60, 61, 62]], [GREEDY])[0] == disaggregated(
+        pstub, dstub, "c", PROMPT + [60, 61, 62])[0]
+
+
+def test_local_prefill_on_the_decode_worker(pair):
+    _, _, _, dstub = pair
+    res = dstub.Reserve(worker_pb2.ReserveRequest(request=worker_request("loc"), lease_ms=30_000))
+    tokens = [t for m in dstub.Decode(worker_pb2.DecodeRequest(request_id="loc", handle=res.target.handle,
+                                                               prefill_locally=True)) for t in m.token_ids]
+    assert tokens == run(tiny_engine(), [PROMPT], [GREEDY])[0]
+
+
+def test_corrupted_chunk_is_rejected_and_counted_and_nothing_leaks():
+    p, d = start_pair("grpc", faults=1)
+    try:
+        pstub, dstub = stubs(p, d)
+        res = dstub.Reserve(worker_pb2.ReserveRequest(request=worker_request("bad"), lease_ms=30_000))
+        with pytest.raises(grpc.RpcError) as e:
+            pstub.Prefill(worker_pb2.PrefillRequest(request=worker_request("bad"), target=res.target))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "digest" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:   # the reservation was released with the rejected transfer
+            list(dstub.Decode(worker_pb2.DecodeRequest(request_id="bad", handle=res.target.handle, first_token_id=1)))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert wait_idle(dstub).transfer_errors == 1
+        assert wait_idle(dstub).used_blocks == 0 and wait_idle(pstub).used_blocks == 0
+        tokens, _, _ = disaggregated(pstub, dstub, "good")      # only the first transfer was corrupted
+        assert tokens == run(tiny_engine(), [PROMPT], [GREEDY])[0]
+    finally:
+        p.stop(0)
+        d.stop(0)
+
+
+def test_cancel_mid_stream_and_deadline_release_blocks(pair):
+    _, _, pstub, dstub = pair
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    res = dstub.Reserve(worker_pb2.ReserveRequest(request=worker_request("c1", params=long), lease_ms=30_000))
+    call = dstub.Decode(worker_pb2.DecodeRequest(request_id="c1", handle=res.target.handle, prefill_locally=True))
+    next(call)
+    call.cancel()
+    res = dstub.Reserve(worker_pb2.ReserveRequest(request=worker_request("c2", params=long), lease_ms=30_000))
+    with pytest.raises(grpc.RpcError) as e:
+        for _ in dstub.Decode(worker_pb2.DecodeRequest(request_id="c2", handle=res.target.handle,
+                                                       prefill_locally=True), timeout=0.3):
+            pass
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_idle(dstub).used_blocks == 0
+
+
+def test_expired_lease_releases_the_reservation():
+    d = start_decode(DecodeWorkerConfig("d1", None, max_lease_ms=50), ENGINE, engine=tiny_engine())
+    try:
+        dstub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(f"127.0.0.1:{d.port}"))
+        dstub.Reserve(worker_pb2.ReserveRequest(request=worker_request("slow"), lease_ms=10_000))
+        stats = wait_idle(dstub)
+        assert stats.reserved == 0 and stats.used_blocks == 0
+    finally:
+        d.stop(0)
+
+
+def test_concurrent_requests_all_complete(pair):
+    _, _, pstub, dstub = pair
+    prompts = [[7 + i, 8, 9] + PROMPT[: 10 + i] for i in range(12)]
+    results = {}
+
+    def one(i):
+        results[i] = disaggregated(pstub, dstub, f"cc{i}", prompts[i])[0]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [results[i] for i in range(12)] == run(tiny_engine(), prompts, [GREEDY] * 12)
+
+
+def test_bad_request_is_invalid_argument_and_reserves_nothing(pair):
+    _, _, _, dstub = pair
+    with pytest.raises(grpc.RpcError) as e:
+        dstub.Reserve(worker_pb2.ReserveRequest(request=worker_request("x", prompt=[]), lease_ms=1000))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in e.value.details()
+    assert wait_idle(dstub).used_blocks == 0
