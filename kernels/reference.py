@@ -171,8 +171,8 @@ def rotary_embedding_ref(positions: torch.Tensor, query: torch.Tensor, key: torc
 def gather_blocks_ref(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Copy the given blocks of every layer into one contiguous staging buffer (the wire format)."""
     # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]; block_ids: [n] int64
-    picked = kv_cache.index_select(2, block_ids.long())  # [L, 2, n, block_size, Hkv, D]
-    return picked.permute(2, 0, 1, 3, 4, 5).contiguous()  # [n, L, 2, block_size, Hkv, D]
+    # Indexing the block axis moved to the front copies once, straight into the staging layout.
+    return kv_cache.permute(2, 0, 1, 3, 4, 5)[block_ids.long()]  # [n, L, 2, block_size, Hkv, D]
 
 
 def scatter_blocks_ref(staging: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:

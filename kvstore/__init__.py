@@ -6,6 +6,9 @@ local_index     in-process prefix index and the types every index shares (pure)
 index           prefix index on Redis (key schema in its docstring)
 index_publisher the worker-side IndexPublisher: events, heartbeats, re-publish on reconnect
 embedded_redis  a real redis-server child process for the embedded default and tests
+transfer        KV transfer codec: manifest, per-block digests, raw/int8 payloads, validation (no grpc)
+shm             same-host shared-memory data path and the host identity that decides when it applies
+transfer_service  KvTransfer servicer (decode side) and KvSender (prefill side) over gRPC
 
 Nothing is imported here, so ``import kvstore.block_pool`` stays free of redis.
 """
