@@ -22,6 +22,9 @@ from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2,
 
 log = logging.getLogger(__name__)
 
+STOP_GRACE_S = 15.0
+"""On SIGTERM, how long in-flight requests may take to finish (below `pdserve up`'s 20 s stop timeout)."""
+
 
 @dataclass
 class DecodeServerHandle:
@@ -64,4 +67,4 @@ def start_server(config: DecodeWorkerConfig, engine_config: EngineConfig,
 
 def serve(config: DecodeWorkerConfig, engine_config: EngineConfig) -> None:
     handle = start_server(config, engine_config)
-    wait_for_termination(lambda: handle.stop(grace_s=30.0))
+    wait_for_termination(lambda: handle.stop(grace_s=STOP_GRACE_S))

@@ -57,8 +57,10 @@ class ModelRunner:
         log.info("KV cache: %d bytes/token (%s), %d blocks of %d tokens = %d tokens, %.1f MiB",
                  bytes_per_token, str(self.dtype).removeprefix("torch."), self.num_blocks, self.block_size,
                  self.num_blocks * self.block_size, self.num_blocks * self.block_size * bytes_per_token / 2**20)
-        # Never read before written: the scheduler only attends to slots this worker filled.
-        self.kv_cache = torch.empty(c.num_layers, 2, self.num_blocks, self.block_size, c.num_kv_heads,
+        # Zeroed, not empty: attention masks the slots past a sequence's length, but a masked slot still enters
+        # the P @ V product with weight 0, and 0 * NaN is NaN. Recycled memory can hold NaN bit patterns;
+        # after this every slot only ever holds K/V values.
+        self.kv_cache = torch.zeros(c.num_layers, 2, self.num_blocks, self.block_size, c.num_kv_heads,
                                     c.head_dim, dtype=self.dtype, device=self.device)
 
     def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprob]]:

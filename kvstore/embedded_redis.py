@@ -68,6 +68,11 @@ class EmbeddedRedis:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     @property
+    def pid(self) -> int | None:
+        """Process id of the running redis-server (the leader of its own process group), else None."""
+        return self._process.pid if self.running else None
+
+    @property
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 

@@ -66,8 +66,9 @@ class WorkerServer:
     """A grpc.server with the health and reflection services, bound to host:port (0 picks a free port)."""
 
     def __init__(self, host: str, port: int, max_workers: int = 64) -> None:
+        # No SO_REUSEPORT: a port already in use must fail the start, not be shared with another server.
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-                                  options=GRPC_OPTIONS)
+                                  options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)])
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
@@ -118,7 +119,7 @@ class Registration:
         stats = engine.stats()
         self.worker = WorkerInfo(worker_id, role, endpoints={
             "grpc": endpoint, "host_id": host_id(), "block_size": str(engine.config.block_size),
-            "fingerprint": engine.fingerprint}, capacity_blocks=stats["num_blocks"], free_blocks=stats["free_blocks"])
+            "fingerprint": engine.fingerprint, "max_model_len": str(engine.max_model_len)}, capacity_blocks=stats["num_blocks"], free_blocks=stats["free_blocks"])
         self.publisher = None
         if redis_url:
             self.publisher = IndexPublisher(PrefixIndex(redis_url, worker_ttl_s=ttl_s), self.worker,

@@ -20,6 +20,9 @@ from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+STOP_GRACE_S = 15.0
+"""On SIGTERM, how long in-flight requests may take to finish (below `pdserve up`'s 20 s stop timeout)."""
+
 
 @dataclass
 class PrefillServerHandle:
@@ -60,4 +63,4 @@ def start_server(config: PrefillWorkerConfig, engine_config: EngineConfig,
 
 def serve(config: PrefillWorkerConfig, engine_config: EngineConfig) -> None:
     handle = start_server(config, engine_config)
-    wait_for_termination(lambda: handle.stop(grace_s=30.0))
+    wait_for_termination(lambda: handle.stop(grace_s=STOP_GRACE_S))
