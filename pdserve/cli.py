@@ -1,90 +1,205 @@
-"""The `pdserve` command line. Flags and environment variables are read here and nowhere else.
+"""pdserve: LLM serving with disaggregated prefill and decode.
 
-    pdserve fetch-model                      download and verify the default model (no-op when present)
-    pdserve generate "PROMPT" [options]      complete a raw prompt, streaming the text
-    pdserve chat ["MESSAGE"] [options]       one chat turn (or an interactive session without MESSAGE)
+    pdserve up [--prefill N] [--decode M] [--once "MESSAGE"]   the whole cluster on this machine
+    pdserve gateway --redis-url URL [...]                      the public gRPC API
+    pdserve prefill-worker | decode-worker [...]               one worker
+    pdserve generate "PROMPT" [--target HOST:PORT] [...]       complete a raw prompt through a gateway
+    pdserve chat ["MESSAGE"] [--target HOST:PORT] [...]        chat through a gateway (interactive without MESSAGE)
+    pdserve health HOST:PORT [--service NAME]                  exit 0 when SERVING, 1 otherwise
+    pdserve fetch-model                                        download and verify the default model
 
-Environment: PDSERVE_HOME sets the model cache directory (default ~/.cache/pdserve).
+Exit codes: 0 success, 1 a server or the local cluster failed, 2 bad flags or a failed request,
+130 interrupted (Ctrl-C). Environment: PDSERVE_HOME, the model cache (default ~/.cache/pdserve).
 """
+
+# Flags are read here and in cli_args, nowhere else; PDSERVE_HOME only through engine.model_fetch.default_home.
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
+import threading
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
-from engine.config import DTYPES
+from pdserve import cli_args
+from pdserve.cli_args import UsageError
 
+if TYPE_CHECKING:
+    from pdserve.client import Chunk, Client, Completion
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default="default",
-                   help="a .gguf file, a Hugging Face directory, or 'default' (SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", choices=DTYPES)
-    g.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion in tokens")
-    g.add_argument("--kv-cache-memory", type=int, default=512 * 2**20, help="KV-cache budget in bytes")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--threads", type=int, default=None, help="CPU threads for this process")
+_SERVER_COMMANDS = ("gateway", "prefill-worker", "decode-worker")
 
 
-def _sampling_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+# ------------------------------------------------------------------------------------------------ servers
+def _exit_with_parent(fd: int | None) -> None:
+    """Started by `pdserve up`: SIGTERM ourselves (a graceful stop) once the launcher's end of the pipe closes,
+    which happens when the launcher exits however it exits."""
+    if fd is None:
+        return
+
+    def watch() -> None:
+        while os.read(fd, 1):
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n\n")[0])
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    sub = parser.add_subparsers(dest="command", required=True)
+def cmd_gateway(args: argparse.Namespace) -> int:
+    config = cli_args.gateway_config(args)
+    _exit_with_parent(args.parent_pipe_fd)
+    from gateway.server import serve
 
-    sub.add_parser("fetch-model", help="download and verify the default model")
-
-    gen = sub.add_parser("generate", help="complete a raw prompt")
-    gen.add_argument("prompt")
-    _engine_args(gen)
-    _sampling_args(gen)
-
-    chat = sub.add_parser("chat", help="chat with the model")
-    chat.add_argument("message", nargs="?", help="one message; omit for an interactive session")
-    chat.add_argument("--system", default=None, help="system prompt")
-    _engine_args(chat)
-    _sampling_args(chat)
-    return parser
+    serve(config)
+    return 0
 
 
-def _make_llm(args: argparse.Namespace):
-    from engine.llm import LLM
+def cmd_prefill_worker(args: argparse.Namespace) -> int:
+    from prefill_worker.config import PrefillWorkerConfig
 
-    return LLM(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-               kv_cache_memory=args.kv_cache_memory, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads)
+    config = cli_args.worker_config(PrefillWorkerConfig, "prefill", args)
+    engine_config = cli_args.engine_config(args)
+    _exit_with_parent(args.parent_pipe_fd)
+    from prefill_worker.server import serve
 
-
-def _sampling(args: argparse.Namespace):
-    from engine.sampling_params import SamplingParams
-
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, seed=args.seed,
-                          repetition_penalty=args.repetition_penalty)
+    serve(config, engine_config)
+    return 0
 
 
-def _print_stream(chunks) -> str:
-    text = []
-    for delta in chunks:
-        text.append(delta)
-        sys.stdout.write(delta)
+def cmd_decode_worker(args: argparse.Namespace) -> int:
+    from decode_worker.config import DecodeWorkerConfig
+
+    config = cli_args.worker_config(DecodeWorkerConfig, "decode", args)
+    engine_config = cli_args.engine_config(args)
+    _exit_with_parent(args.parent_pipe_fd)
+    from decode_worker.server import serve
+
+    serve(config, engine_config)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ local cluster
+def _raise_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds through LocalCluster.__exit__, which stops every process
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from pdserve.launcher import LocalCluster
+
+    config = cli_args.cluster_config(args)
+    signal.signal(signal.SIGTERM, _raise_exit)
+    _err(f"pdserve: starting Redis, {config.num_prefill} prefill and {config.num_decode} decode worker(s) and "
+         f"the gateway (model {config.engine.model}) ...")
+    with LocalCluster(config) as cluster:
+        rows = [("gateway", cluster.gateway_target), *cluster.workers.items(), ("redis", cluster.redis_url),
+                ("logs", str(cluster.run_dir))]
+        width = max(len(name) for name, _ in rows)
+        _err("\n".join(f"  {name:<{width}}  {value}" for name, value in rows))
+        if args.once is not None:
+            return _chat_once(cluster.gateway_target, args)
+        _err(f"pdserve: serving on {cluster.gateway_target}; Ctrl-C stops everything")
+        try:
+            exited = cluster.wait()
+        except KeyboardInterrupt:
+            _err("pdserve: stopping ...")
+            raise
+        assert exited is not None
+        name, code = exited
+        cluster.keep_run_dir = True
+        log_path = cluster.log_paths.get(name)
+        _err(f"pdserve: error: {name} exited with code {code}" + (f"; see {log_path}" if log_path else ""))
+        return 1
+
+
+def _chat_once(target: str, args: argparse.Namespace) -> int:
+    from pdserve.client import Client
+
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        {"role": "user", "content": args.once}]
+    with Client(target) as client, client.chat(messages, max_tokens=args.max_tokens, temperature=0.0) as stream:
+        _print_stream(stream)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ clients
+def _print_stream(chunks: Iterable[Chunk], stats: bool = False) -> Completion:
+    """Write each chunk's text as it arrives; returns the whole completion."""
+    from pdserve.client import collect
+
+    def echo() -> Iterator[Chunk]:
+        for chunk in chunks:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            yield chunk
+
+    try:
+        completion = collect(echo())
+    finally:
+        sys.stdout.write("\n")
         sys.stdout.flush()
-    sys.stdout.write("\n")
-    return "".join(text)
+    if stats:
+        _err(_format_stats(completion))
+    return completion
+
+
+def _format_stats(c: Completion) -> str:
+    parts = [f"finish={c.finish_reason}"]
+    if c.usage:
+        u = c.usage
+        parts.append(f"prompt={u.prompt_tokens} completion={u.completion_tokens} cached={u.cached_tokens}")
+    if c.timings:
+        t = c.timings
+        parts.append(f"queue={t.queue_ms:.1f}ms prefill={t.prefill_ms:.1f}ms transfer={t.transfer_ms:.1f}ms "
+                     f"({t.transport}, {t.transfer_bytes} B) ttft={t.ttft_ms:.1f}ms")
+    return "[" + " ".join(parts) + "]"
+
+
+def _client(args: argparse.Namespace) -> Client:
+    from pdserve.client import Client
+
+    return Client(args.target, timeout=args.timeout)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    options = cli_args.generate_options(args)
+    with _client(args) as client, client.generate(args.prompt, **options) as stream:
+        _print_stream(stream, args.stats)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    options = cli_args.generate_options(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    with _client(args) as client:
+        def turn(text: str) -> None:
+            messages.append({"role": "user", "content": text})
+            with client.chat(messages, **options) as stream:
+                answer = _print_stream(stream, args.stats)
+            messages.append({"role": "assistant", "content": answer.text})
+
+        if args.message is not None:
+            turn(args.message)
+            return 0
+        while True:
+            try:
+                text = input("> ")
+            except EOFError:
+                print()
+                return 0
+            if text.strip():
+                turn(text)
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    from pdserve import health
+
+    status = health.status(args.target, args.service, args.timeout)
+    print(status)
+    return 0 if status == health.SERVING else 1
 
 
 def cmd_fetch_model(args: argparse.Namespace) -> int:
@@ -94,49 +209,32 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    llm = _make_llm(args)
-    _print_stream(llm.stream(args.prompt, _sampling(args)))
-    return 0
+COMMANDS = {"up": cmd_up, "gateway": cmd_gateway, "prefill-worker": cmd_prefill_worker,
+            "decode-worker": cmd_decode_worker, "generate": cmd_generate, "chat": cmd_chat, "health": cmd_health,
+            "fetch-model": cmd_fetch_model}
 
 
-def cmd_chat(args: argparse.Namespace) -> int:
-    llm = _make_llm(args)
-    params = _sampling(args)
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-
-    def turn(text: str) -> None:
-        messages.append({"role": "user", "content": text})
-        prompt = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        messages.append({"role": "assistant", "content": _print_stream(llm.stream(prompt, params))})
-
-    if args.message is not None:
-        turn(args.message)
-        return 0
-    while True:
-        try:
-            text = input("> ")
-        except EOFError:
-            return 0
-        if text.strip():
-            turn(text)
-
-
-COMMANDS = {"fetch-model": cmd_fetch_model, "generate": cmd_generate, "chat": cmd_chat}
+def _err(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+    args = cli_args.parse_args(argv, description=__doc__)
+    verbose = args.verbose or args.command in _SERVER_COMMANDS
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from engine.errors import InvalidRequestError
     from engine.model_fetch import ModelFetchError
+    from pdserve.client import PdserveError
+    from pdserve.launcher import ClusterError
 
     try:
         return COMMANDS[args.command](args)
-    except (InvalidRequestError, ModelFetchError) as e:
-        print(f"pdserve: error: {e}", file=sys.stderr)
+    except (UsageError, PdserveError, ModelFetchError) as exc:
+        _err(f"pdserve: error: {exc}")
         return 2
+    except ClusterError as exc:
+        _err(f"pdserve: error: {exc}")
+        return 1
     except KeyboardInterrupt:
         return 130
 

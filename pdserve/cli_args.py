@@ -1,0 +1,291 @@
+"""The `pdserve` argument parser and the mapping of its flags onto the config dataclasses.
+
+A config flag's argparse `dest` is the dataclass field's name and its default is the field's default, so an
+omitted flag leaves the dataclass default and `build_config` maps a namespace onto a config field by field.
+Flag names are the field names with dashes, except the few in `_FLAG_NAMES`. `engine_flags` is the inverse
+for the engine (the launcher uses it to start workers with the same engine settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import socket
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+from engine.config import DTYPES, EngineConfig
+from gateway.config import GatewayConfig
+from decode_worker.config import DecodeWorkerConfig
+from prefill_worker.config import CODECS, TRANSPORTS, PrefillWorkerConfig
+
+C = TypeVar("C")
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+_FLAG_NAMES = {"num_threads": "--threads", "enable_prefix_caching": "--no-prefix-caching",
+               "drain_timeout_s": "--drain-timeout", "worker_ttl_s": "--worker-ttl", "num_prefill": "--prefill",
+               "num_decode": "--decode", "num_cpus": "--cpus", "start_timeout_s": "--start-timeout",
+               "stop_timeout_s": "--stop-timeout"}
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+GATEWAY_TUNING = ("max_inflight", "local_prefill_threshold", "lease_ms", "prefill_attempts", "max_prefill_load",
+                  "drain_timeout_s", "served_model_name")
+"""GatewayConfig fields `pdserve up` passes through to its gateway."""
+
+
+class UsageError(Exception):
+    """A flag value the configs reject; the message names the flag and the field."""
+
+
+def flag_for(field_name: str) -> str:
+    """The command-line flag of a config field."""
+    return _FLAG_NAMES.get(field_name, "--" + field_name.replace("_", "-"))
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count: plain ("536870912") or with a binary unit ("512M", "512MiB", "2g", "1.5G")."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 536870912, 512M, 2G)")
+    return int(float(match[1]) * _UNITS[match[2].lower()])
+
+
+def _default(cls: type, name: str) -> Any:
+    field = {f.name: f for f in dataclasses.fields(cls)}[name]
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return None
+
+
+def _arg(group: Any, cls: type | None, name: str, help: str, **kwargs: Any) -> argparse.Action:
+    """A flag for field `name` of `cls`, defaulting to the field's default (unless `default` is given)."""
+    if "default" not in kwargs:
+        kwargs["default"] = _default(cls, name) if cls is not None else None
+    default = kwargs["default"]
+    flag = flag_for(name)
+    if kwargs.get("action") is None:
+        if default is not None:
+            help = f"{help} (default: {default})"
+        if "choices" not in kwargs:
+            bytes_flag = kwargs.get("type") is parse_bytes
+            kwargs.setdefault("metavar", "BYTES" if bytes_flag else flag.lstrip("-").replace("-", "_").upper())
+    return group.add_argument(flag, dest=name, help=help, **kwargs)
+
+
+def build_config(cls: type[C], args: argparse.Namespace, **overrides: Any) -> C:
+    """`cls` from the namespace's attributes named like its fields (plus `overrides`); a value the config
+    rejects becomes a UsageError naming the flag."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    try:
+        return cls(**{**values, **overrides})
+    except ValueError as exc:
+        match = re.search(r"\b[A-Z]\w*Config\.(\w+)", str(exc))
+        raise UsageError(f"argument {flag_for(match[1])}: {exc}" if match else str(exc)) from None
+
+
+# -------------------------------------------------------------------------------------------- argument groups
+def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Flags of every EngineConfig field; returns their actions."""
+    g = parser.add_argument_group("engine")
+    E = EngineConfig
+    return [
+        _arg(g, E, "model", "a .gguf file, a Hugging Face directory, or 'default' (SmolLM2-135M-Instruct)",
+             default="default"),
+        _arg(g, E, "dtype", "compute and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)", choices=DTYPES),
+        _arg(g, E, "device", "torch device: cpu, cuda, cuda:1"),
+        _arg(g, E, "max_model_len", "longest prompt + completion in tokens (default: the model's)", type=int),
+        _arg(g, E, "kv_cache_memory", "KV-cache budget in bytes, e.g. 512M or 2G "
+             "(default: --kv-cache-memory-fraction of free memory)", type=parse_bytes),
+        _arg(g, E, "kv_cache_memory_fraction", "fraction of free device memory for the KV cache when "
+             "--kv-cache-memory is not given", type=float),
+        _arg(g, E, "num_kv_blocks", "exact number of KV blocks, overriding both memory settings", type=int),
+        _arg(g, E, "block_size", "tokens per KV block (a power of two)", type=int),
+        _arg(g, E, "max_num_seqs", "most sequences running in one step", type=int),
+        _arg(g, E, "max_num_batched_tokens", "token budget of one step", type=int),
+        _arg(g, E, "max_waiting", "bound of the waiting queue; beyond it requests are rejected", type=int),
+        _arg(g, E, "enable_prefix_caching", "disable reuse of cached prefix blocks", action="store_false"),
+        _arg(g, E, "num_threads", "CPU threads of this process (default: torch's)", type=int),
+        _arg(g, E, "seed", "seed of requests that set none", type=int),
+    ]
+
+
+def engine_flags(config: EngineConfig) -> list[str]:
+    """Flags that parse back to `config` (only fields that differ from the defaults)."""
+    flags: list[str] = []
+    for action in add_engine_args(argparse.ArgumentParser(add_help=False)):
+        value = getattr(config, action.dest)
+        if value == action.default:
+            continue
+        flags += [action.option_strings[0]] if action.nargs == 0 else [action.option_strings[0], str(value)]
+    return flags
+
+
+def _add_server_args(p: argparse.ArgumentParser, cls: type, port_help: str) -> None:
+    p.add_argument("--parent-pipe-fd", type=int, default=None, help=argparse.SUPPRESS)
+    g = p.add_argument_group("server")
+    _arg(g, cls, "host", "address to bind")
+    _arg(g, cls, "port", port_help, type=int)
+
+
+def _add_worker_args(p: argparse.ArgumentParser, cls: type) -> None:
+    _add_server_args(p, cls, "port to bind (0 picks a free one, which is registered)")
+    g = p.add_argument_group("worker")
+    _arg(g, cls, "worker_id", "id in the prefix index, unique in the deployment (default: ROLE-HOSTNAME-PID)")
+    _arg(g, cls, "redis_url", "prefix index and registry, redis://host:port/db (default: run unregistered)")
+    _arg(g, cls, "advertise_host", "host other processes reach this worker at (default: --host)")
+    _arg(g, cls, "worker_ttl_s", "registration TTL in seconds", type=float)
+    add_engine_args(p)
+
+
+def _add_gateway_tuning(g: Any, defaults: bool) -> None:
+    G = GatewayConfig
+    kw = {} if defaults else {"default": None}
+    _arg(g, G, "max_inflight", "requests admitted at once; one more gets RESOURCE_EXHAUSTED", type=int, **kw)
+    _arg(g, G, "local_prefill_threshold", "prefill on the decode worker when fewer prompt tokens than this "
+         "are uncached (0: always use a prefill worker)", type=int, **kw)
+    _arg(g, G, "lease_ms", "how long a decode worker holds a reservation whose KV has not arrived", type=int, **kw)
+    _arg(g, G, "prefill_attempts", "prefill workers tried before prefilling on the decode worker", type=int, **kw)
+    _arg(g, G, "max_prefill_load", "running + waiting requests at which a prefill worker counts as saturated",
+         type=int, **kw)
+    _arg(g, G, "drain_timeout_s", "seconds in-flight requests get to finish on SIGTERM", type=float, **kw)
+    _arg(g, G, "served_model_name", "model name ListModels reports (default: the model file's name)", **kw)
+
+
+def _add_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"gateway host:port (default {DEFAULT_TARGET})")
+    p.add_argument("--timeout", type=float, default=None, help="deadline of each request in seconds")
+    p.add_argument("--model", default="", help="served model name (default: the gateway's default)")
+    p.add_argument("--cache-salt", default="", help="share cached prefixes only with requests of this salt")
+    p.add_argument("--stats", action="store_true", help="print usage and timings to stderr after each answer")
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--top-k", type=int)
+    g.add_argument("--min-p", type=float)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--repetition-penalty", type=float)
+    g.add_argument("--presence-penalty", type=float)
+    g.add_argument("--frequency-penalty", type=float)
+    g.add_argument("--stop", action="append", default=[], help="a string that ends generation (repeatable)")
+    g.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append", default=[],
+                   help="a token id that ends generation (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    g.add_argument("--logprobs", type=int, help="ask for log-probabilities with this many alternatives")
+
+
+_OPTION_DESTS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
+                 "presence_penalty", "frequency_penalty", "stop", "stop_token_ids", "ignore_eos", "logprobs",
+                 "cache_salt", "model")
+
+
+def generate_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The client's GenerateOptions from the sampling flags that were given (or have a CLI default)."""
+    options = {name: getattr(args, name) for name in _OPTION_DESTS if hasattr(args, name)}
+    return {name: value for name, value in options.items()
+            if not (value is None or value is False or value == "" or value == [])}
+
+
+# -------------------------------------------------------------------------------------------- configs
+def gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    return build_config(GatewayConfig, args)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return build_config(EngineConfig, args)
+
+
+def worker_config(cls: type[C], role: str, args: argparse.Namespace) -> C:
+    """A PrefillWorkerConfig or DecodeWorkerConfig; without --worker-id the id is ROLE-HOSTNAME-PID."""
+    worker_id = args.worker_id if args.worker_id is not None else f"{role}-{socket.gethostname()}-{os.getpid()}"
+    return build_config(cls, args, worker_id=worker_id)
+
+
+def cluster_config(args: argparse.Namespace) -> Any:
+    """`pdserve up`'s LocalClusterConfig; gateway tuning flags are checked here, then passed through."""
+    from pdserve.launcher import LocalClusterConfig
+
+    engine = engine_config(args)
+    tuning = {name: getattr(args, name) for name in GATEWAY_TUNING if getattr(args, name) is not None}
+    build_config(GatewayConfig, argparse.Namespace(), model=engine.model, redis_url="redis://", **tuning)
+    gateway_args = tuple(item for name, value in tuning.items() for item in (flag_for(name), str(value)))
+    return build_config(LocalClusterConfig, args, engine=engine, gateway_args=gateway_args)
+
+
+# -------------------------------------------------------------------------------------------- parser
+def build_parser(description: str = "") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level (servers always do)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    sub.add_parser("fetch-model", help="download and verify the default model")
+
+    up = sub.add_parser("up", help="run the whole cluster locally (Redis, workers, gateway)")
+    g = up.add_argument_group("cluster")
+    from pdserve.launcher import LocalClusterConfig as L
+
+    _arg(g, L, "num_prefill", "prefill worker processes", type=int)
+    _arg(g, L, "num_decode", "decode worker processes", type=int)
+    _arg(g, L, "host", "address the gateway binds")
+    _arg(g, L, "port", "gateway port (0 picks a free one)", type=int)
+    _arg(g, L, "transport", "KV transport between workers", choices=TRANSPORTS)
+    _arg(g, L, "codec", "KV wire codec", choices=CODECS)
+    _arg(g, L, "redis_url", "use this Redis instead of starting one")
+    _arg(g, L, "run_dir", "keep the processes' logs here (default: a temporary directory)")
+    _arg(g, L, "num_cpus", "CPUs divided among the workers when --threads is not given (default: all)", type=int)
+    _arg(g, L, "start_timeout_s", "seconds the whole start may take", type=float)
+    _arg(g, L, "stop_timeout_s", "seconds each stop stage waits before SIGKILL", type=float)
+    _add_gateway_tuning(up.add_argument_group("gateway"), defaults=False)
+    add_engine_args(up)
+    once = up.add_argument_group("once")
+    once.add_argument("--once", metavar="MESSAGE", help="send this chat message, print the answer, and stop")
+    once.add_argument("--system", default=None, help="system prompt for --once")
+    once.add_argument("--max-tokens", type=int, default=256, help="most tokens of the --once answer (default 256)")
+
+    gateway = sub.add_parser("gateway", help="run the gateway (public gRPC API)")
+    _add_server_args(gateway, GatewayConfig, "port of the public gRPC API (0 picks a free one)")
+    g = gateway.add_argument_group("gateway")
+    _arg(g, GatewayConfig, "redis_url", "prefix index and worker registry, redis://host:port/db", required=True)
+    _arg(g, GatewayConfig, "model", "model path or 'default' (tokenizer and limits only; no weights)",
+         default="default")
+    _arg(g, GatewayConfig, "block_size", "KV block size in tokens; must equal the workers'", type=int)
+    _arg(g, GatewayConfig, "max_model_len", "longest prompt + completion admitted; set it to the workers' value "
+         "when they run with a smaller context (default: the model's)", type=int)
+    _add_gateway_tuning(g, defaults=True)
+
+    prefill = sub.add_parser("prefill-worker", help="run a prefill worker")
+    _add_worker_args(prefill, PrefillWorkerConfig)
+    g = prefill.add_argument_group("kv transfer")
+    _arg(g, PrefillWorkerConfig, "transport", "KV data path to decode workers", choices=TRANSPORTS)
+    _arg(g, PrefillWorkerConfig, "codec", "KV wire format (int8 is lossy)", choices=CODECS)
+    _arg(g, PrefillWorkerConfig, "chunk_bytes", "payload bytes per gRPC message, 1M..4M", type=parse_bytes)
+    prefill.add_argument("--fault-corrupt-transfers", dest="fault_corrupt_transfers", type=int,  # tests only
+                         default=_default(PrefillWorkerConfig, "fault_corrupt_transfers"), help=argparse.SUPPRESS)
+
+    decode = sub.add_parser("decode-worker", help="run a decode worker")
+    _add_worker_args(decode, DecodeWorkerConfig)
+    _arg(decode.add_argument_group("decode"), DecodeWorkerConfig, "max_lease_ms",
+         "upper bound of a reservation's lease", type=int)
+
+    gen = sub.add_parser("generate", help="complete a raw prompt through a gateway, streaming the text")
+    gen.add_argument("prompt")
+    _add_client_args(gen)
+
+    chat = sub.add_parser("chat", help="chat through a gateway (interactive without MESSAGE)")
+    chat.add_argument("message", nargs="?", help="one message; omit for an interactive session")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _add_client_args(chat)
+
+    health = sub.add_parser("health", help="exit 0 when TARGET answers grpc.health.v1 SERVING, else 1")
+    health.add_argument("target", help="host:port")
+    health.add_argument("--service", default="", help="service name (default: the whole server)")
+    health.add_argument("--timeout", type=float, default=2.0, help="seconds (default 2)")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None, description: str = "") -> argparse.Namespace:
+    return build_parser(description).parse_args(argv)

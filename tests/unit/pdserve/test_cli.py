@@ -1,0 +1,158 @@
+"""`pdserve` flags map onto the config dataclasses exactly; bad values exit 2 naming the flag and the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+
+import pytest
+
+from decode_worker.config import DecodeWorkerConfig
+from engine.config import EngineConfig
+from gateway.config import GatewayConfig
+from pdserve import cli, cli_args
+from pdserve.launcher import LocalClusterConfig
+from prefill_worker.config import PrefillWorkerConfig
+
+ENGINE_FLAGS = ["--model", "/models/x.gguf", "--dtype", "bfloat16", "--device", "cuda:1", "--max-model-len", "4096",
+                "--kv-cache-memory", "256M", "--kv-cache-memory-fraction", "0.5", "--num-kv-blocks", "300",
+                "--block-size", "32", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+                "--max-waiting", "10", "--no-prefix-caching", "--threads", "3", "--seed", "7"]
+ENGINE = EngineConfig(model="/models/x.gguf", dtype="bfloat16", device="cuda:1", max_model_len=4096,
+                      kv_cache_memory=256 * 2**20, kv_cache_memory_fraction=0.5, num_kv_blocks=300, block_size=32,
+                      max_num_seqs=8, max_num_batched_tokens=512, max_waiting=10, enable_prefix_caching=False,
+                      num_threads=3, seed=7)
+
+
+def parse(*argv: str):
+    return cli_args.parse_args(list(argv))
+
+
+def assert_every_field_differs_from_default(config) -> None:
+    """Guards the tests below: a field added to a config without a flag makes them fail."""
+    default_values = {f.name: cli_args._default(type(config), f.name) for f in dataclasses.fields(config)}
+    same = [name for name, default in default_values.items() if getattr(config, name) == default]
+    assert same == [], f"test config leaves {same} at the default"
+
+
+def test_gateway_flags_map_onto_every_field():
+    args = parse("gateway", "--host", "0.0.0.0", "--port", "6000", "--redis-url", "redis://r:1/2", "--model",
+                 "/m.gguf", "--block-size", "32", "--max-inflight", "9", "--local-prefill-threshold", "0",
+                 "--lease-ms", "500", "--prefill-attempts", "3", "--drain-timeout", "2.5", "--max-model-len", "1024",
+                 "--served-model-name", "smol", "--max-prefill-load", "4")
+    config = cli_args.gateway_config(args)
+    expected = GatewayConfig(model="/m.gguf", redis_url="redis://r:1/2", host="0.0.0.0", port=6000, block_size=32,
+                             max_inflight=9, local_prefill_threshold=0, lease_ms=500, prefill_attempts=3,
+                             drain_timeout_s=2.5, max_model_len=1024, served_model_name="smol", max_prefill_load=4)
+    assert config == expected
+    assert_every_field_differs_from_default(dataclasses.replace(config, model="x", redis_url="y"))
+
+
+def test_gateway_defaults_are_the_dataclass_defaults():
+    config = cli_args.gateway_config(parse("gateway", "--redis-url", "redis://r:1/0"))
+    assert config == GatewayConfig(model="default", redis_url="redis://r:1/0")
+
+
+def test_prefill_worker_flags_map_onto_worker_and_engine_configs():
+    args = parse("prefill-worker", "--worker-id", "p7", "--host", "0.0.0.0", "--port", "7001", "--advertise-host",
+                 "p7.svc", "--redis-url", "redis://r:1/0", "--worker-ttl", "4", "--transport", "grpc", "--codec",
+                 "int8", "--chunk-bytes", "1M", "--fault-corrupt-transfers", "2", *ENGINE_FLAGS)
+    config = cli_args.worker_config(PrefillWorkerConfig, "prefill", args)
+    assert config == PrefillWorkerConfig(worker_id="p7", redis_url="redis://r:1/0", host="0.0.0.0", port=7001,
+                                         advertise_host="p7.svc", transport="grpc", codec="int8",
+                                         chunk_bytes=2**20, worker_ttl_s=4.0, fault_corrupt_transfers=2)
+    assert_every_field_differs_from_default(dataclasses.replace(config, worker_id="x"))
+    assert cli_args.engine_config(args) == ENGINE
+    assert_every_field_differs_from_default(ENGINE)
+
+
+def test_decode_worker_flags_map_onto_worker_and_engine_configs():
+    args = parse("decode-worker", "--worker-id", "d1", "--host", "0.0.0.0", "--port", "7002", "--advertise-host",
+                 "d1.svc", "--redis-url", "redis://r:1/0", "--worker-ttl", "5", "--max-lease-ms", "900",
+                 *ENGINE_FLAGS)
+    config = cli_args.worker_config(DecodeWorkerConfig, "decode", args)
+    assert config == DecodeWorkerConfig(worker_id="d1", redis_url="redis://r:1/0", host="0.0.0.0", port=7002,
+                                        advertise_host="d1.svc", max_lease_ms=900, worker_ttl_s=5.0)
+    assert_every_field_differs_from_default(dataclasses.replace(config, worker_id="x"))
+    assert cli_args.engine_config(args) == ENGINE
+
+
+def test_worker_defaults_unregistered_with_a_host_and_pid_id():
+    args = parse("decode-worker")
+    assert cli_args.worker_config(DecodeWorkerConfig, "decode", args) == DecodeWorkerConfig(
+        worker_id=f"decode-{socket.gethostname()}-{os.getpid()}", redis_url=None)
+    assert cli_args.engine_config(args) == EngineConfig(model="default")
+
+
+def test_engine_flags_parse_back_to_the_same_config():
+    assert cli_args.engine_flags(EngineConfig(model="default")) == []
+    args = parse("prefill-worker", *cli_args.engine_flags(ENGINE))
+    assert cli_args.engine_config(args) == ENGINE
+
+
+def test_up_maps_onto_local_cluster_config():
+    args = parse("up", "--prefill", "2", "--decode", "3", "--host", "0.0.0.0", "--port", "0", "--transport", "shm",
+                 "--codec", "int8", "--kv-cache-memory", "128M", "--local-prefill-threshold", "0",
+                 "--drain-timeout", "1.5", "--run-dir", "/tmp/r", "--cpus", "6", "--start-timeout", "60",
+                 "--stop-timeout", "3", "--redis-url", "redis://r:1/0", "--once", "Hi", "--max-tokens", "9")
+    assert cli_args.cluster_config(args) == LocalClusterConfig(
+        num_prefill=2, num_decode=3, host="0.0.0.0", port=0, engine=EngineConfig(model="default",
+                                                                              kv_cache_memory=128 * 2**20),
+        transport="shm", codec="int8", gateway_args=("--local-prefill-threshold", "0", "--drain-timeout", "1.5"),
+        redis_url="redis://r:1/0", run_dir="/tmp/r", num_cpus=6, start_timeout_s=60.0, stop_timeout_s=3.0)
+    assert (args.once, args.max_tokens) == ("Hi", 9)
+    assert cli_args.cluster_config(parse("up")) == LocalClusterConfig()
+
+
+def test_client_flags_send_only_what_was_given():
+    options = cli_args.generate_options(parse("generate", "hi", "--stop", "\n", "--stop", "END", "--top-k", "5"))
+    assert options == {"max_tokens": 256, "temperature": 0.0, "top_k": 5, "stop": ["\n", "END"]}
+    options = cli_args.generate_options(parse(
+        "chat", "--temperature", "0.7", "--top-p", "0.9", "--min-p", "0.1", "--seed", "3", "--repetition-penalty",
+        "1.1", "--presence-penalty", "0.5", "--frequency-penalty", "-0.5", "--stop-token-id", "2", "--ignore-eos",
+        "--logprobs", "2", "--max-tokens", "4", "--cache-salt", "tenant", "--model", "m"))
+    assert options == {"max_tokens": 4, "temperature": 0.7, "top_p": 0.9, "min_p": 0.1, "seed": 3,
+                       "repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+                       "stop_token_ids": [2], "ignore_eos": True, "logprobs": 2, "cache_salt": "tenant",
+                       "model": "m"}
+
+
+@pytest.mark.parametrize("text, expected", [("536870912", 536870912), ("512M", 512 * 2**20), ("512MiB", 512 * 2**20),
+                                            ("2g", 2 * 2**30), ("1.5G", 3 * 2**29), ("64k", 65536)])
+def test_parse_bytes(text, expected):
+    assert cli_args.parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("argv, flag, field", [
+    (["prefill-worker", "--block-size", "3"], "--block-size", "EngineConfig.block_size"),
+    (["decode-worker", "--threads", "0"], "--threads", "EngineConfig.num_threads"),
+    (["decode-worker", "--worker-id", ""], "--worker-id", "DecodeWorkerConfig.worker_id"),
+    (["prefill-worker", "--chunk-bytes", "8M"], "--chunk-bytes", "PrefillWorkerConfig.chunk_bytes"),
+    (["gateway", "--redis-url", "redis://r", "--port", "70000"], "--port", "GatewayConfig.port"),
+    (["gateway", "--redis-url", "redis://r", "--max-inflight", "0"], "--max-inflight", "GatewayConfig.max_inflight"),
+    (["up", "--decode", "0"], "--decode", "LocalClusterConfig.num_decode"),
+    (["up", "--prefill-attempts", "0"], "--prefill-attempts", "GatewayConfig.prefill_attempts"),
+    (["gateway", "--redis-url", "redis://r", "--max-model-len", "1"], "--max-model-len", "GatewayConfig.max_model_len"),
+    (["up", "--kv-cache-memory-fraction", "1.5"], "--kv-cache-memory-fraction",
+     "EngineConfig.kv_cache_memory_fraction"),
+])
+def test_values_the_configs_reject_exit_2_naming_flag_and_field(argv, flag, field, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith(f"pdserve: error: argument {flag}: {field} ")
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["decode-worker", "--kv-cache-memory", "lots"], "--kv-cache-memory"),
+    (["prefill-worker", "--transport", "pigeon"], "--transport"),
+    (["gateway", "--redis-url", "redis://r", "--port", "http"], "--port"),
+    (["gateway"], "--redis-url"),
+    (["generate", "hi", "--temperature", "warm"], "--temperature"),
+])
+def test_malformed_flags_exit_2_naming_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exc_info:
+        cli.main(argv)
+    assert exc_info.value.code == 2
+    assert flag in capsys.readouterr().err
