@@ -28,12 +28,28 @@ class GatewayConfig:
     """Prefill workers tried for one request before falling back to local prefill on the decode worker."""
     drain_timeout_s: float = 30.0
     """On SIGTERM: how long in-flight requests may take to finish before the server stops."""
+    max_model_len: int | None = None
+    """Longest prompt + completion in tokens the gateway admits; None takes the model's max_position_embeddings.
+    Set it to the workers' value when they run with a smaller context (else they refuse long prompts themselves)."""
+    served_model_name: str | None = None
+    """Name ListModels reports and requests may give in `model`; None uses the model file's or directory's name
+    (the `model` value itself is always accepted too)."""
+    max_prefill_load: int = 16
+    """A prefill worker whose load (running + waiting as last reported, or this gateway's own prefills in flight
+    on it when more) reaches this is saturated: it is not chosen; when all are, decode workers prefill locally."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"GatewayConfig.port must be in [0, 65535], got {self.port}")
-        for name in ("block_size", "max_inflight", "lease_ms", "prefill_attempts"):
+        for name in ("block_size", "max_inflight", "lease_ms", "prefill_attempts", "max_prefill_load"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GatewayConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.local_prefill_threshold < 0:
             raise ValueError(f"GatewayConfig.local_prefill_threshold must be >= 0, got {self.local_prefill_threshold}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"GatewayConfig.max_model_len must be >= 2 (a prompt token and a generated one), "
+                             f"got {self.max_model_len}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"GatewayConfig.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.served_model_name == "":
+            raise ValueError("GatewayConfig.served_model_name must be None or a non-empty name")

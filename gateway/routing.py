@@ -1,0 +1,207 @@
+"""Routing decisions (pure): which decode worker D, which prefill worker P, and when D prefills locally.
+
+Inputs are the prefix index's answer (every live worker with the number of LEADING prompt blocks it holds and
+its load as of its last heartbeat), the gateway's own count of requests in flight on each worker (heartbeats are
+up to a third of the TTL old; a burst would otherwise land on one worker), and the workers this gateway saw fail
+recently ("suspects": ranked after every other worker, never dropped, in case they are all that is left).
+
+A worker takes part only when it registered `endpoints["grpc"]` and its `endpoints["block_size"]` and
+`endpoints["fingerprint"]` equal the gateway's: block hashes, and the KV itself, mean nothing across models or
+block sizes (`incompatibility` says why one is ignored).
+
+    load(w)       = max(w.running + w.waiting, in-flight requests of this gateway on w)
+
+    decode score  = cached_blocks - decode_load_penalty_blocks x load
+                    order: fits first (free_blocks + cached_blocks >= blocks for prompt + 1 token; the
+                    free count is stale, so one that looks full stays as a fallback), then score, then
+                    free_blocks, then worker_id.
+                    A cached block on D only saves moving it (delta transfer); a running sequence slows
+                    every step of D, hence the exchange rate (default: 1 sequence = 4 blocks).
+
+    prefill score = cached_tokens - prefill_load_penalty_tokens x load
+                    then worker_id. P's cached prefix is compute it skips; each prompt ahead of ours
+                    costs about one prompt of compute (default 256 tokens).
+                    saturated (left out): load >= max_prefill_load.
+
+    round-robin   (RoutingPolicy.mode, a baseline for benchmarks) ignores prefix hits and load: workers in
+                    worker_id order, rotated by the caller's turn counter; suspects still go last and
+                    saturated prefill workers are still left out.
+
+    local prefill on D when: the prompt tokens D lacks < local_prefill_threshold ("short"),
+                    or no compatible prefill worker is alive ("no_prefill_worker"),
+                    or every one is saturated ("saturated").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Set
+from dataclasses import dataclass
+
+from kvstore.local_index import PrefixMatch, WorkerInfo
+
+ROUTING_MODES = ("prefix", "round-robin")
+LOCAL_SHORT = "short"
+LOCAL_NO_PREFILL_WORKER = "no_prefill_worker"
+LOCAL_SATURATED = "saturated"
+
+
+@dataclass(frozen=True)
+class RoutingPolicy:
+    """The gateway's identity (what workers must match) and the routing weights."""
+
+    block_size: int
+    """KV block size in tokens; workers registering another one are ignored."""
+    fingerprint: str
+    """Model fingerprint; workers registering another one are ignored."""
+    local_prefill_threshold: int = 32
+    """D prefills itself when fewer prompt tokens than this are missing from its cache."""
+    max_prefill_load: int = 16
+    """A prefill worker whose load reaches this is saturated and not chosen."""
+    prefill_load_penalty_tokens: int = 256
+    """Cached prefix tokens one unit of prefill-worker load is worth."""
+    decode_load_penalty_blocks: int = 4
+    """Cached prefix blocks one unit of decode-worker load is worth."""
+    mode: str = "prefix"
+    """"prefix" (the scores above) or "round-robin" (see the module doc)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ROUTING_MODES:
+            raise ValueError(f"RoutingPolicy.mode must be one of {ROUTING_MODES}, got {self.mode!r}")
+        if self.block_size < 1:
+            raise ValueError(f"RoutingPolicy.block_size must be >= 1, got {self.block_size}")
+        for name in ("local_prefill_threshold", "prefill_load_penalty_tokens", "decode_load_penalty_blocks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RoutingPolicy.{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_prefill_load < 1:
+            raise ValueError(f"RoutingPolicy.max_prefill_load must be >= 1, got {self.max_prefill_load}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A worker that may take the request, with what the ranking used."""
+
+    worker: WorkerInfo
+    num_cached_blocks: int
+    """Leading prompt blocks the index says it holds."""
+    load: int
+    """max(running + waiting, this gateway's in-flight requests on it)."""
+    score: int
+    """Blocks (decode) or tokens (prefill); higher is better."""
+
+    @property
+    def worker_id(self) -> str:
+        return self.worker.worker_id
+
+    @property
+    def endpoint(self) -> str:
+        """host:port of its gRPC services."""
+        return self.worker.endpoints["grpc"]
+
+
+@dataclass(frozen=True)
+class PrefillRanking:
+    """Prefill workers able to take the request, best first, and how many were left out as saturated."""
+
+    candidates: tuple[Candidate, ...]
+    num_saturated: int
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """Where the prompt is prefilled: on `candidates` in order (remote), or on D itself (local, with a reason)."""
+
+    local: bool
+    reason: str
+    """"" when remote; else LOCAL_SHORT, LOCAL_NO_PREFILL_WORKER or LOCAL_SATURATED."""
+    candidates: tuple[Candidate, ...] = ()
+
+
+def incompatibility(worker: WorkerInfo, policy: RoutingPolicy) -> str | None:
+    """Why `worker` cannot serve this gateway's requests, or None when it can."""
+    endpoints = worker.endpoints
+    if not endpoints.get("grpc"):
+        return "registered no grpc endpoint"
+    if endpoints.get("block_size") != str(policy.block_size):
+        return f"block_size {endpoints.get('block_size')!r} != gateway's {policy.block_size}"
+    if endpoints.get("fingerprint") != policy.fingerprint:
+        return f"model fingerprint {endpoints.get('fingerprint')!r} != gateway's {policy.fingerprint!r}"
+    return None
+
+
+def _load(worker: WorkerInfo, inflight: Mapping[str, int]) -> int:
+    return max(worker.running + worker.waiting, inflight.get(worker.worker_id, 0))
+
+
+def _eligible(matches: Iterable[PrefixMatch], role: str, policy: RoutingPolicy) -> list[PrefixMatch]:
+    return [m for m in matches if m.worker.role == role and incompatibility(m.worker, policy) is None]
+
+
+def blocks_needed(num_prompt_tokens: int, block_size: int) -> int:
+    """Blocks a decode worker allocates at Reserve: the prompt plus the first generated token."""
+    return -(-(num_prompt_tokens + 1) // block_size)
+
+
+def _rotated(candidates: list[Candidate], turn: int, suspects: Set[str]) -> list[Candidate]:
+    ordered = sorted(candidates, key=lambda c: c.worker_id)
+    if ordered:
+        k = turn % len(ordered)
+        ordered = ordered[k:] + ordered[:k]
+    return sorted(ordered, key=lambda c: c.worker_id in suspects)      # stable: keeps the rotation
+
+
+def rank_decode_workers(matches: Iterable[PrefixMatch], policy: RoutingPolicy, num_prompt_tokens: int,
+                        inflight: Mapping[str, int] | None = None, suspects: Set[str] = frozenset(),
+                        turn: int = 0) -> list[Candidate]:
+    """Compatible decode workers, best first (order in the module doc); empty when none is alive.
+    `turn` matters in round-robin mode only: the caller counts it up once per request."""
+    inflight = inflight or {}
+    needed = blocks_needed(num_prompt_tokens, policy.block_size)
+    ranked = []
+    for m in _eligible(matches, "decode", policy):
+        load = _load(m.worker, inflight)
+        score = m.num_cached_blocks - policy.decode_load_penalty_blocks * load
+        ranked.append(Candidate(m.worker, m.num_cached_blocks, load, score))
+    if policy.mode == "round-robin":
+        return _rotated(ranked, turn, suspects)
+
+    def key(c: Candidate):
+        fits = c.worker.free_blocks + c.num_cached_blocks >= needed
+        return (c.worker_id in suspects, not fits, -c.score, -c.worker.free_blocks, c.worker_id)
+
+    return sorted(ranked, key=key)
+
+
+def rank_prefill_workers(matches: Iterable[PrefixMatch], policy: RoutingPolicy,
+                         inflight: Mapping[str, int] | None = None, suspects: Set[str] = frozenset(),
+                         turn: int = 0) -> PrefillRanking:
+    """Compatible, unsaturated prefill workers, best first (order in the module doc); `turn` as for
+    rank_decode_workers."""
+    inflight = inflight or {}
+    ranked = []
+    num_saturated = 0
+    for m in _eligible(matches, "prefill", policy):
+        load = _load(m.worker, inflight)
+        if load >= policy.max_prefill_load:
+            num_saturated += 1
+            continue
+        score = m.num_cached_blocks * policy.block_size - policy.prefill_load_penalty_tokens * load
+        ranked.append(Candidate(m.worker, m.num_cached_blocks, load, score))
+    if policy.mode == "round-robin":
+        return PrefillRanking(tuple(_rotated(ranked, turn, suspects)), num_saturated)
+    ranked.sort(key=lambda c: (c.worker_id in suspects, -c.score, c.worker_id))
+    return PrefillRanking(tuple(ranked), num_saturated)
+
+
+def plan_prefill(num_prompt_tokens: int, num_cached_tokens_on_decode: int, ranking: PrefillRanking,
+                 policy: RoutingPolicy) -> PrefillPlan:
+    """Remote prefill on ranking's candidates, or local on D (conditional disaggregation, reasons in module doc).
+
+    `num_cached_tokens_on_decode` is what D's Reserve reported it already holds (authoritative, unlike the
+    index's view).
+    """
+    missing = num_prompt_tokens - num_cached_tokens_on_decode
+    if missing < policy.local_prefill_threshold:
+        return PrefillPlan(True, LOCAL_SHORT)
+    if not ranking.candidates:
+        return PrefillPlan(True, LOCAL_SATURATED if ranking.num_saturated else LOCAL_NO_PREFILL_WORKER)
+    return PrefillPlan(False, "", ranking.candidates)

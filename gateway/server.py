@@ -1,0 +1,366 @@
+"""The gateway's grpc.aio server: pdserve.v1.Generation, grpc.health.v1, reflection, graceful drain.
+
+    serve(config)          blocking; SIGTERM/SIGINT drains: health NOT_SERVING, new RPCs refused, in-flight ones
+                           get up to drain_timeout_s to finish (then they are cancelled and their workers aborted)
+    start_server(config)   the same server on a background thread, for tests and embedding -> GatewayHandle
+
+Status codes are decided in one place, `status_of` (applied to every Generation RPC by
+`ErrorMappingInterceptor`):
+
+    InvalidRequestError          INVALID_ARGUMENT    "field: message"
+    Overloaded / OverloadedError RESOURCE_EXHAUSTED  message says when to retry; trailing "retry-after-ms"
+    NoWorkerAvailable            UNAVAILABLE         (retryable)
+    WorkerFailed                 UNAVAILABLE         (retryable)
+    DeadlineExceeded             DEADLINE_EXCEEDED
+    anything else                INTERNAL            (logged with its traceback)
+
+Workers are discovered through the prefix index (`WorkerDirectory`); while Redis is unreachable the last
+known worker list is used with no prefix information (routing by load only). Each response stream's trailing
+metadata names the workers that served it (pdserve-decode-worker, pdserve-prefill-workers,
+pdserve-local-prefill).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.errors import InvalidRequestError, OverloadedError
+from engine.loader import load_model
+from engine.model_fetch import resolve_model_path
+from engine.tokenizer import Tokenizer
+from gateway.config import GatewayConfig
+from gateway.orchestrator import (RETRY_AFTER_MS, ChannelPool, DeadlineExceeded, NoWorkerAvailable, Orchestrator,
+                                  OutputChunk, RequestTrace, WorkerFailed)
+from gateway.routing import RoutingPolicy, incompatibility
+from gateway.validation import GenerationRequest, ModelSpec, validate_chat, validate_generate
+from kvstore.hashing import root_hash
+from kvstore.index import PrefixIndex
+from kvstore.local_index import PrefixMatch, WorkerInfo
+from protos.convert import finish_reason_to_pb, logprob_to_pb
+from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+# ------------------------------------------------------------------------------------------------ status mapping
+def status_of(exc: Exception) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """(status code, details, extra trailing metadata) for an exception raised while serving a request."""
+    if isinstance(exc, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc), ()
+    if isinstance(exc, OverloadedError):
+        retry_ms = getattr(exc, "retry_after_ms", RETRY_AFTER_MS)
+        return (grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry after {retry_ms} ms",
+                (("retry-after-ms", str(retry_ms)),))
+    if isinstance(exc, (NoWorkerAvailable, WorkerFailed)):
+        return grpc.StatusCode.UNAVAILABLE, str(exc), ()
+    if isinstance(exc, DeadlineExceeded):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc), ()
+    log.error("internal error", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", ()
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    code, details, metadata = status_of(exc)
+    await context.abort(code, details, tuple(context.trailing_metadata() or ()) + metadata)
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Turns exceptions escaping a Generation handler into their status (`status_of`)."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or not handler_call_details.method.startswith(f"/{_SERVICE}/"):
+            return handler
+        if handler.unary_stream is not None:
+            behavior = handler.unary_stream
+
+            async def unary_stream(request, context):
+                try:
+                    async for response in behavior(request, context):
+                        yield response
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as exc:
+                    await _abort(context, exc)
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer,
+                                                        handler.response_serializer)
+        if handler.unary_unary is not None:
+            behavior = handler.unary_unary
+
+            async def unary_unary(request, context):
+                try:
+                    return await behavior(request, context)
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as exc:
+                    await _abort(context, exc)
+
+            return grpc.unary_unary_rpc_method_handler(unary_unary, handler.request_deserializer,
+                                                       handler.response_serializer)
+        return handler
+
+
+# ------------------------------------------------------------------------------------------------ discovery
+class WorkerDirectory:
+    """Prefix matches from the Redis index, falling back to the last known workers (no prefix hits) while the
+    index is unreachable; lookups are bounded by the index's own timeout (kvstore.index)."""
+
+    def __init__(self, index: PrefixIndex, policy: RoutingPolicy) -> None:
+        self._index = index
+        self._policy = policy
+        self._last_known: list[WorkerInfo] = []
+        self._seen: set[tuple[str, int]] = set()
+
+    async def match(self, block_hashes: Sequence[int]) -> list[PrefixMatch]:
+        matches = await asyncio.to_thread(self._index.match, list(block_hashes))
+        if matches is None:
+            return [PrefixMatch(worker, 0) for worker in self._last_known]
+        self._last_known = [m.worker for m in matches]
+        self._warn_incompatible(self._last_known)
+        return matches
+
+    def _warn_incompatible(self, workers: Sequence[WorkerInfo]) -> None:
+        for worker in workers:
+            if (worker.worker_id, worker.epoch) in self._seen:
+                continue
+            self._seen.add((worker.worker_id, worker.epoch))
+            reason = incompatibility(worker, self._policy)
+            if reason is not None:
+                log.warning("ignoring %s worker %s: %s", worker.role, worker.worker_id, reason)
+
+    def close(self) -> None:
+        self._index.close()
+
+
+# ------------------------------------------------------------------------------------------------ servicer
+def chunk_to_pb(request_id: str, chunk: OutputChunk) -> generation_pb2.GenerateResponse:
+    pb = generation_pb2.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.token_ids,
+                                         logprobs=[logprob_to_pb(lp) for lp in chunk.logprobs],
+                                         finish_reason=finish_reason_to_pb(chunk.finish_reason))
+    if chunk.usage is not None:
+        u = chunk.usage
+        pb.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                                               cached_tokens=u.cached_tokens))
+    if chunk.timings is not None:
+        t = chunk.timings
+        pb.timings.CopyFrom(generation_pb2.Timings(queue_ms=t.queue_ms, prefill_ms=t.prefill_ms,
+                                                   transfer_ms=t.transfer_ms, ttft_ms=t.ttft_ms,
+                                                   transport=t.transport, transfer_bytes=t.transfer_bytes))
+    return pb
+
+
+class ActiveCalls:
+    """Generation RPCs whose status has not been sent yet. The drain waits for these (health Watch streams
+    never end by themselves, so grpc's own grace period cannot tell them apart)."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def track(self, context: grpc.aio.ServicerContext) -> None:
+        self._count += 1
+        self._idle.clear()
+        context.add_done_callback(self._done)
+
+    def _done(self, _context) -> None:
+        self._count -= 1
+        if self._count == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True when every tracked call finished within timeout_s."""
+        if self._idle.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    """Thin: validate, run through the orchestrator, pack. Errors are mapped by ErrorMappingInterceptor."""
+
+    def __init__(self, model: ModelSpec, tokenizer: Tokenizer, orchestrator: Orchestrator) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.orchestrator = orchestrator
+        self.active = ActiveCalls()
+
+    async def Generate(self, request, context):
+        arrival = time.monotonic()
+        self.active.track(context)
+        req = validate_generate(request, self.model, self.tokenizer, self.orchestrator.running_ids)
+        async for response in self._run(req, context, arrival):
+            yield response
+
+    async def Chat(self, request, context):
+        arrival = time.monotonic()
+        self.active.track(context)
+        req = validate_chat(request, self.model, self.tokenizer, self.orchestrator.running_ids)
+        async for response in self._run(req, context, arrival):
+            yield response
+
+    async def ListModels(self, request, context):
+        return generation_pb2.ListModelsResponse(models=[generation_pb2.ModelInfo(
+            name=self.model.name, max_model_len=self.model.max_model_len, fingerprint=self.model.fingerprint)])
+
+    async def _run(self, req: GenerationRequest, context, arrival: float):
+        remaining = context.time_remaining()
+        deadline = arrival + remaining if remaining is not None else None
+        trace = RequestTrace()
+        try:
+            with self.orchestrator.admit(req.request_id):
+                async for chunk in self.orchestrator.generate(req, deadline=deadline, arrival=arrival, trace=trace):
+                    yield chunk_to_pb(req.request_id, chunk)
+        finally:
+            context.set_trailing_metadata(trace.metadata())
+
+
+# ------------------------------------------------------------------------------------------------ server
+def load_model_spec(config: GatewayConfig) -> tuple[ModelSpec, Tokenizer]:
+    """Read the model's config, tokenizer and fingerprint (no weights)."""
+    path = Path(resolve_model_path(config.model, progress=False))
+    loaded = load_model(path, with_weights=False, progress=False)
+    max_len = loaded.config.max_position_embeddings
+    if config.max_model_len is not None:
+        max_len = min(max_len, config.max_model_len)
+    name = config.served_model_name or path.stem
+    spec = ModelSpec(name=name, max_model_len=max_len, vocab_size=loaded.config.vocab_size,
+                     fingerprint=loaded.fingerprint, aliases=frozenset({config.model, str(path)}))
+    return spec, loaded.tokenizer
+
+
+@dataclass
+class _Parts:
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    servicer: GenerationServicer
+    orchestrator: Orchestrator
+    directory: WorkerDirectory
+    port: int
+
+
+async def _start(config: GatewayConfig, model: ModelSpec, tokenizer: Tokenizer) -> _Parts:
+    policy = RoutingPolicy(block_size=config.block_size, fingerprint=model.fingerprint,
+                           local_prefill_threshold=config.local_prefill_threshold,
+                           max_prefill_load=config.max_prefill_load)
+    directory = WorkerDirectory(PrefixIndex(config.redis_url), policy)
+    orchestrator = Orchestrator(policy, root_hash(model.fingerprint), tokenizer, directory.match, ChannelPool(),
+                                lease_ms=config.lease_ms, prefill_attempts=config.prefill_attempts,
+                                max_inflight=config.max_inflight)
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()])
+    servicer = GenerationServicer(model, tokenizer, orchestrator)
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {config.host}:{config.port}")
+    await server.start()
+    for name in ("", _SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("gateway serving %s on %s:%d (max_model_len %d)", model.name, config.host, port, model.max_model_len)
+    return _Parts(server, health_servicer, servicer, orchestrator, directory, port)
+
+
+async def _drain(parts: _Parts, grace_s: float) -> None:
+    """NOT_SERVING, refuse new RPCs, let in-flight Generation calls finish for up to grace_s, then cancel what
+    is left (health watches, overdue requests: their workers are aborted) and release everything."""
+    await parts.health.enter_graceful_shutdown()
+    stopping = asyncio.create_task(parts.server.stop(grace_s))     # refuses new RPCs from now on
+    if not await parts.servicer.active.wait_idle(grace_s):
+        log.warning("drain: %d requests still running after %.1fs; cancelling them",
+                    len(parts.orchestrator.running_ids), grace_s)
+    await parts.server.stop(0)
+    await stopping
+    await parts.orchestrator.close()
+    parts.directory.close()
+
+
+def serve(config: GatewayConfig) -> None:
+    """Run the gateway until SIGTERM or SIGINT, then drain (see module doc)."""
+    model, tokenizer = load_model_spec(config)
+
+    async def main() -> None:
+        parts = await _start(config, model, tokenizer)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("draining: %d requests in flight, up to %.1fs", len(parts.orchestrator.running_ids),
+                 config.drain_timeout_s)
+        await _drain(parts, config.drain_timeout_s)
+
+    asyncio.run(main())
+
+
+class GatewayHandle:
+    """A gateway running on its own thread and event loop (`start_server`)."""
+
+    def __init__(self, parts: _Parts, loop: asyncio.AbstractEventLoop, thread: threading.Thread,
+                 drain_timeout_s: float) -> None:
+        self._parts = parts
+        self._loop = loop
+        self._thread = thread
+        self._drain_timeout_s = drain_timeout_s
+        self.port = parts.port
+
+    @property
+    def num_inflight(self) -> int:
+        """Requests admitted and not finished."""
+        return len(self._parts.orchestrator.running_ids)
+
+    def get_inflight(self, worker_id: str) -> int:
+        """This gateway's requests on a worker right now (see Orchestrator.get_inflight)."""
+        return self._parts.orchestrator.get_inflight(worker_id)
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Drain (as on SIGTERM) for up to grace_s (default: drain_timeout_s), then stop the loop. Idempotent."""
+        if not self._thread.is_alive():
+            return
+        grace = self._drain_timeout_s if grace_s is None else grace_s
+        asyncio.run_coroutine_threadsafe(_drain(self._parts, grace), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+
+
+def start_server(config: GatewayConfig, model: tuple[ModelSpec, Tokenizer] | None = None) -> GatewayHandle:
+    """Start the gateway on a background thread; returns once it is bound (`handle.port`).
+
+    `model` skips reading the checkpoint again when the caller already has (ModelSpec, Tokenizer)."""
+    model_spec, tokenizer = model or load_model_spec(config)
+    loop = asyncio.new_event_loop()
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_forever()
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+    thread = threading.Thread(target=run, name="gateway", daemon=True)
+    thread.start()
+    try:
+        parts = asyncio.run_coroutine_threadsafe(_start(config, model_spec, tokenizer), loop).result()
+    except BaseException:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        raise
+    return GatewayHandle(parts, loop, thread, config.drain_timeout_s)

@@ -1,0 +1,221 @@
+"""Public requests (GenerateRequest, ChatRequest) -> a validated, tokenized `GenerationRequest` (pure).
+
+Every rejection is an `engine.errors.InvalidRequestError` whose `field` is the request's own field path, so the
+server maps it to INVALID_ARGUMENT "field: message":
+
+    request_id          longer than MAX_REQUEST_ID_CHARS, not printable, or already running on this gateway
+    model               not the served model's name (empty means the default)
+    prompt              unset, empty, or too long: prompt tokens >= max_model_len (the context must hold the
+                        prompt plus at least one generated token)
+    token_ids           an id outside [0, vocab_size)
+    messages            empty, too long after the chat template, or the template refused them
+    messages[i].role    not one of CHAT_ROLES
+    sampling.<name>     a SamplingParams field out of range (SamplingParams.validate), or a float not finite
+    sampling.stop[i]    an empty stop string (it would match everywhere); sampling.stop: too many / too long
+    cache_salt          longer than MAX_CACHE_SALT_CHARS
+
+Protobuf messages are read by attribute only (nothing here imports protobuf, grpc or torch); text prompts and
+chat renderings are tokenized as the offline `engine.llm.LLM` does, so the same prompt gives the same ids.
+A request without a seed gets one drawn here: prefill and decode workers then sample one random stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import secrets
+import uuid
+from collections.abc import Callable, Container
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+MAX_REQUEST_ID_CHARS = 256
+MAX_CACHE_SALT_CHARS = 256
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+CHAT_ROLES = ("system", "user", "assistant")
+DEFAULT_MAX_TOKENS = 16
+"""max_tokens when the request leaves it unset (as common.proto documents)."""
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the gateway knows of the served model (read from its checkpoint; no weights)."""
+
+    name: str
+    """Name ListModels reports; requests may also leave `model` empty or use one of `aliases`."""
+    max_model_len: int
+    """Longest prompt + completion in tokens."""
+    vocab_size: int
+    """Rows of the embedding: valid token ids are [0, vocab_size)."""
+    fingerprint: str
+    """Checkpoint identity; workers must register the same one."""
+    aliases: frozenset[str] = frozenset()
+    """Other names accepted in `model` (e.g. the path or "default" it was started with)."""
+
+    def accepts(self, model: str) -> bool:
+        return model == "" or model == self.name or model in self.aliases
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A request ready for the workers: id, prompt token ids, sampling (seed always set) and the gateway's
+    own stop strings."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    """Validated; `seed` is never None."""
+    stop: tuple[str, ...] = ()
+    """Stop strings, applied by the gateway to the detokenized text (never sent to workers)."""
+    cache_salt: str = ""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+def new_request_id() -> str:
+    """A fresh id for a request that came without one."""
+    return f"req-{uuid.uuid4().hex}"
+
+
+def draw_seed() -> int:
+    """A seed in [0, 2**63), the range SamplingParams accepts."""
+    return secrets.randbits(63)
+
+
+def sampling_from_pb(pb, vocab_size: int | None = None) -> tuple[SamplingParams, tuple[str, ...]]:
+    """common.proto SamplingParams -> (validated SamplingParams with the proto's defaults, stop strings).
+
+    The seed stays None when unset (drawn later, once the whole request is valid)."""
+    for name in _FLOAT_FIELDS:
+        value = getattr(pb, name)
+        if not math.isfinite(value):
+            raise InvalidRequestError(f"sampling.{name}", f"must be a finite number, got {value}")
+    stop = tuple(pb.stop)
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    for i, s in enumerate(stop):
+        if not s:
+            raise InvalidRequestError(f"sampling.stop[{i}]", "must not be empty")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise InvalidRequestError(f"sampling.stop[{i}]",
+                                      f"has {len(s)} characters; at most {MAX_STOP_STRING_CHARS}")
+    params = SamplingParams(
+        max_tokens=pb.max_tokens if pb.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
+        temperature=pb.temperature if pb.HasField("temperature") else 1.0,
+        top_k=pb.top_k,
+        top_p=pb.top_p if pb.HasField("top_p") else 1.0,
+        min_p=pb.min_p,
+        seed=pb.seed if pb.HasField("seed") else None,
+        repetition_penalty=pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0,
+        presence_penalty=pb.presence_penalty,
+        frequency_penalty=pb.frequency_penalty,
+        stop_token_ids=tuple(pb.stop_token_ids),
+        ignore_eos=pb.ignore_eos,
+        logprobs=pb.logprobs if pb.HasField("logprobs") else None,
+    )
+    try:
+        params.validate(vocab_size)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"sampling.{exc.field}", str(exc).partition(": ")[2]) from exc
+    return params, stop
+
+
+def validate_generate(pb, model: ModelSpec, tokenizer: Tokenizer, running: Container[str] = (),
+                      seed_source: Callable[[], int] = draw_seed) -> GenerationRequest:
+    """Validate a generation.proto GenerateRequest and tokenize its prompt (no chat template).
+
+    `running`: request ids in flight on this gateway (a caller-chosen id must not be among them).
+    """
+    request_id = _request_id(pb.request_id, running)
+    _check_model(pb.model, model)
+    _check_cache_salt(pb.cache_salt)
+    sampling, stop = sampling_from_pb(pb.sampling, model.vocab_size)
+    kind = pb.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidRequestError("prompt", "must be set: text or token_ids")
+    if kind == "text":
+        if not pb.text:
+            raise InvalidRequestError("prompt", "must not be empty")
+        prompt_token_ids = tokenizer.encode(pb.text)
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "tokenizes to no tokens")
+    else:
+        prompt_token_ids = list(pb.token_ids.ids)
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        for i, token_id in enumerate(prompt_token_ids):
+            if token_id >= model.vocab_size:
+                raise InvalidRequestError("token_ids", f"token_ids[{i}] = {token_id} is outside the vocabulary "
+                                                       f"[0, {model.vocab_size})")
+    _check_length("prompt", len(prompt_token_ids), model)
+    return _finish(request_id, prompt_token_ids, sampling, stop, pb.cache_salt, seed_source)
+
+
+def validate_chat(pb, model: ModelSpec, tokenizer: Tokenizer, running: Container[str] = (),
+                  seed_source: Callable[[], int] = draw_seed) -> GenerationRequest:
+    """Validate a generation.proto ChatRequest, render it with the model's chat template (generation prompt
+    added) and tokenize it. `running` as in validate_generate."""
+    request_id = _request_id(pb.request_id, running)
+    _check_model(pb.model, model)
+    _check_cache_salt(pb.cache_salt)
+    sampling, stop = sampling_from_pb(pb.sampling, model.vocab_size)
+    if not pb.messages:
+        raise InvalidRequestError("messages", "must not be empty")
+    messages = []
+    for i, message in enumerate(pb.messages):
+        if message.role not in CHAT_ROLES:
+            raise InvalidRequestError(f"messages[{i}].role", f"must be one of {CHAT_ROLES}, got {message.role!r}")
+        messages.append({"role": message.role, "content": message.content})
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except ValueError as exc:
+        field, _, detail = str(exc).partition(" ")
+        if field.startswith("messages[") and detail:
+            raise InvalidRequestError(field, detail) from exc
+        raise InvalidRequestError("messages", str(exc)) from exc
+    prompt_token_ids = tokenizer.encode(text)
+    _check_length("messages", len(prompt_token_ids), model, " after the chat template")
+    return _finish(request_id, prompt_token_ids, sampling, stop, pb.cache_salt, seed_source)
+
+
+def _request_id(request_id: str, running: Container[str]) -> str:
+    if not request_id:
+        return new_request_id()
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError("request_id", f"has {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
+    if not request_id.isprintable():
+        raise InvalidRequestError("request_id", "must be printable characters only")
+    if request_id in running:
+        raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+    return request_id
+
+
+def _check_model(name: str, model: ModelSpec) -> None:
+    if not model.accepts(name):
+        raise InvalidRequestError("model", f"{name!r} is not served here; ListModels names {model.name!r}")
+
+
+def _check_cache_salt(cache_salt: str) -> None:
+    if len(cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError("cache_salt", f"has {len(cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}")
+
+
+def _check_length(field: str, num_tokens: int, model: ModelSpec, where: str = "") -> None:
+    if num_tokens >= model.max_model_len:
+        raise InvalidRequestError(field, f"has {num_tokens} tokens{where}; the context holds {model.max_model_len} "
+                                         "(prompt plus at least one generated token)")
+
+
+def _finish(request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, stop: tuple[str, ...],
+            cache_salt: str, seed_source: Callable[[], int]) -> GenerationRequest:
+    if sampling.seed is None:
+        sampling = dataclasses.replace(sampling, seed=seed_source())
+    return GenerationRequest(request_id, tuple(prompt_token_ids), sampling, stop, cache_salt)

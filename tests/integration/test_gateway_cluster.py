@@ -1,0 +1,580 @@
+"""The gateway in front of real worker processes: a real redis-server, two prefill workers and one decode worker
+(each its own process loading the default model), real gRPC over sockets.
+
+Outputs are compared with the offline engine (`engine.llm.LLM`, prefix caching off: always a cold run) with the
+same thread count as the workers, so greedy tokens must be identical. Block accounting is checked through each
+worker's Stats with a bounded wait, never with timing assertions. Test order matters only at the end: the last
+test kills a prefill worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from gateway.config import GatewayConfig
+from gateway.server import load_model_spec, start_server
+from kvstore.embedded_redis import EmbeddedRedis
+from kvstore.hashing import hash_prompt_blocks, root_hash
+from kvstore.index import PrefixIndex
+from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+KV_CACHE_MEMORY = 128 << 20
+MAX_MODEL_LEN = 2048
+BLOCK_SIZE = 16
+START_TIMEOUT_S = 180.0
+IDLE_TIMEOUT_S = 30.0
+RPC_TIMEOUT_S = 120.0
+
+# A worker process: serve() until SIGTERM, configured from JSON (no CLI flags involved). It kills itself when
+# its stdin closes, so no worker outlives a test process that died without cleaning up.
+WORKER_MAIN = r"""
+import json, logging, os, signal, sys, threading
+threading.Thread(target=lambda: (sys.stdin.read(), os.kill(os.getpid(), signal.SIGKILL)), daemon=True).start()
+logging.basicConfig(level=logging.WARNING, format="%(asctime)s {} %(name)s %(levelname)s %(message)s")
+role, worker_kwargs, engine_kwargs = json.loads(sys.argv[1])
+from engine.config import EngineConfig
+if role == "prefill":
+    from prefill_worker.config import PrefillWorkerConfig as Config
+    from prefill_worker.server import serve
+else:
+    from decode_worker.config import DecodeWorkerConfig as Config
+    from decode_worker.server import serve
+serve(Config(**worker_kwargs), EngineConfig(**engine_kwargs))
+"""
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "To make a cup of tea, first",
+    "The largest planet in our solar system is",
+    "In machine learning, overfitting means",
+    "My favourite programming language is",
+    "Translate to French: Good morning, how are you?",
+]
+LONG_PREFIX = ("You are a meticulous assistant. Answer with care, cite what you know, and say so when you do not "
+               "know. The user works on distributed systems, likes short answers, and reads them on a phone. ") * 3
+
+
+def greedy(max_tokens: int = 16, **kwargs) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs)
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]
+    last: generation_pb2.GenerateResponse
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def prefill_workers(self) -> list[str]:
+        value = self.metadata["pdserve-prefill-workers"]
+        return value.split(",") if value else []
+
+
+def collect(call) -> Result:
+    chunks = list(call)
+    assert chunks and chunks[-1].finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+    assert all(c.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
+    return Result("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], chunks[-1],
+                  {m.key: m.value for m in call.trailing_metadata()})
+
+
+class Cluster:
+    """Worker processes registered in one redis-server, plus in-process gateways in front of them."""
+
+    def __init__(self, model_path: Path, redis: EmbeddedRedis) -> None:
+        self.model_path = model_path
+        self.redis = redis
+        self.index = PrefixIndex(redis.url, lookup_timeout_s=1.0)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.gateways = []
+        self.model = None
+
+    def start_worker(self, role: str, worker_id: str, **worker_kwargs) -> None:
+        engine = dict(model=str(self.model_path), kv_cache_memory=KV_CACHE_MEMORY, num_threads=1,
+                      block_size=BLOCK_SIZE)
+        args = json.dumps([role, dict(worker_id=worker_id, redis_url=self.redis.url, **worker_kwargs), engine])
+        self.procs[worker_id] = subprocess.Popen([sys.executable, "-c", WORKER_MAIN.replace("{}", worker_id), args],
+                                                 cwd=REPO, stdin=subprocess.PIPE)
+
+    def wait_registered(self, *worker_ids: str) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            live = {w.worker_id for w in self.index.list_workers() or []}
+            if set(worker_ids) <= live:
+                return
+            for worker_id in worker_ids:
+                assert self.procs[worker_id].poll() is None, f"worker {worker_id} exited"
+            assert time.monotonic() < deadline, f"workers {set(worker_ids) - live} did not register"
+            time.sleep(0.2)
+
+    def stop_worker(self, worker_id: str, kill: bool = False) -> None:
+        proc = self.procs.pop(worker_id)
+        proc.kill() if kill else proc.terminate()
+        try:
+            proc.wait(60)
+        finally:
+            proc.stdin.close()
+
+    def gateway(self, **overrides):
+        config = GatewayConfig(model=str(self.model_path), redis_url=self.redis.url, port=0,
+                               block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, drain_timeout_s=5.0,
+                               lease_ms=60_000,       # outlives every bounded wait here: a leaked reservation shows
+                               **{"local_prefill_threshold": 0, **overrides})
+        if self.model is None:
+            self.model = load_model_spec(config)
+        handle = start_server(config, self.model)
+        self.gateways.append(handle)
+        return handle
+
+    def endpoint(self, worker_id: str) -> str:
+        return next(w.endpoints["grpc"] for w in self.index.list_workers() if w.worker_id == worker_id)
+
+    def stats(self, worker_id: str) -> worker_pb2.WorkerStats:
+        with grpc.insecure_channel(self.endpoint(worker_id)) as channel:
+            stub_type = worker_pb2_grpc.DecodeWorkerStub if worker_id.startswith("d") else \
+                worker_pb2_grpc.PrefillWorkerStub
+            return stub_type(channel).Stats(worker_pb2.StatsRequest(), timeout=10)
+
+    def wait_idle(self, *worker_ids: str) -> dict[str, worker_pb2.WorkerStats]:
+        """Poll Stats until no worker holds a block, a sequence or a reservation (bounded); the last Stats."""
+        worker_ids = worker_ids or tuple(self.procs)
+        deadline = time.monotonic() + IDLE_TIMEOUT_S
+        while True:
+            stats = {w: self.stats(w) for w in worker_ids}
+            busy = {w: s for w, s in stats.items() if s.used_blocks or s.running or s.waiting or s.reserved}
+            if not busy and all(g.num_inflight == 0 for g in self.gateways) or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        """Stop everything, whatever fails: gateways, then workers (SIGTERM; SIGKILL after 30 s)."""
+        try:
+            for handle in self.gateways:
+                handle.stop(0)
+        finally:
+            procs, self.procs = list(self.procs.values()), {}
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                proc.stdin.close()
+            self.index.close()
+
+
+def assert_idle(stats: dict[str, worker_pb2.WorkerStats]) -> None:
+    for worker_id, s in stats.items():
+        assert (s.used_blocks, s.running, s.waiting, s.reserved) == (0, 0, 0, 0), f"{worker_id} busy: {s}"
+
+
+class Reference:
+    """The offline engine with the workers' settings and no prefix caching: every answer is a cold run."""
+
+    def __init__(self, model_path: Path) -> None:
+        self.llm = LLM(model=str(model_path), progress=False, kv_cache_memory=KV_CACHE_MEMORY, num_threads=1,
+                       enable_prefix_caching=False, max_model_len=MAX_MODEL_LEN)
+        self._cache = {}
+
+    def __call__(self, prompt, max_tokens=16, ignore_eos=False) -> tuple[str, list[int]]:
+        """(text, token ids) of the greedy completion of `prompt` (text or token ids)."""
+        key = (prompt if isinstance(prompt, str) else tuple(prompt), max_tokens, ignore_eos)
+        if key not in self._cache:
+            out = self.llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                           ignore_eos=ignore_eos))[0].outputs[0]
+            self._cache[key] = (out.text, out.token_ids)
+        return self._cache[key]
+
+
+@pytest.fixture(scope="module")
+def cluster(default_model_path):
+    with EmbeddedRedis() as redis:
+        cluster = Cluster(default_model_path, redis)
+        try:
+            for role, worker_id in (("prefill", "p0"), ("prefill", "p1"), ("decode", "d0")):
+                cluster.start_worker(role, worker_id)
+            cluster.reference = Reference(default_model_path)   # loads while the workers load
+            cluster.wait_registered("p0", "p1", "d0")
+            yield cluster
+        finally:
+            cluster.close()
+
+
+@pytest.fixture(scope="module")
+def reference(cluster) -> Reference:
+    return cluster.reference
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster):
+    """Disaggregates every request while a prefill worker lives (local_prefill_threshold 0)."""
+    return cluster.gateway()
+
+
+@pytest.fixture(scope="module")
+def stub(gateway):
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        yield generation_pb2_grpc.GenerationStub(channel)
+
+
+def generate(stub, prompt, sampling=None, **fields) -> Result:
+    request = generation_pb2.GenerateRequest(sampling=sampling or greedy(), **fields)
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids[:] = prompt
+    return collect(stub.Generate(request, timeout=RPC_TIMEOUT_S))
+
+
+# ------------------------------------------------------------------------------------------------ basics
+def test_health_and_list_models(gateway, stub, cluster):
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    assert status.status == health_pb2.HealthCheckResponse.SERVING
+    models = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=10).models
+    assert [(m.name, m.max_model_len) for m in models] == [(cluster.model[0].name, MAX_MODEL_LEN)]
+    assert models[0].fingerprint == cluster.model[0].fingerprint
+
+
+def test_greedy_output_equals_offline_engine_with_prefill_on_p_and_decode_on_d(stub, reference, cluster):
+    for prompt in PROMPTS:
+        result = generate(stub, prompt)
+        text, token_ids = reference(prompt)
+        assert (result.text, result.token_ids) == (text, token_ids), prompt
+        usage, timings = result.last.usage, result.last.timings
+        assert usage.prompt_tokens == len(cluster.model[1].encode(prompt))
+        assert usage.completion_tokens == len(token_ids)
+        assert timings.transport in ("shm", "grpc") and timings.transfer_bytes > 0
+        assert result.metadata["pdserve-decode-worker"] == "d0"
+        assert result.metadata["pdserve-local-prefill"] == ""
+        assert len(result.prefill_workers) == 1 and result.prefill_workers[0] in ("p0", "p1")
+        assert timings.ttft_ms > 0 and timings.prefill_ms > 0
+    assert_idle(cluster.wait_idle())
+
+
+def test_token_id_prompt_and_chat_equal_offline_engine(stub, reference):
+    ids = reference.llm.tokenizer.encode(PROMPTS[2])
+    assert generate(stub, ids).token_ids == reference(ids)[1]
+    messages = [{"role": "user", "content": "Name two colors."}]
+    chat = collect(stub.Chat(generation_pb2.ChatRequest(
+        messages=[generation_pb2.ChatMessage(**m) for m in messages], sampling=greedy(24)), timeout=RPC_TIMEOUT_S))
+    expected = reference.llm.chat(messages, SamplingParams(max_tokens=24, temperature=0.0))[0].outputs[0]
+    assert (chat.text, chat.token_ids) == (expected.text, expected.token_ids)
+
+
+def test_stop_string_truncates_text_and_frees_the_decode_worker(stub, reference, cluster):
+    text, token_ids = reference(PROMPTS[0], max_tokens=32, ignore_eos=True)
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    result = generate(stub, PROMPTS[0], greedy(32, ignore_eos=True, stop=[stop]))
+    assert result.text == text[:text.index(stop)]
+    assert result.last.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert result.token_ids == token_ids[:len(result.token_ids)] and len(result.token_ids) < 32
+    assert_idle(cluster.wait_idle())
+
+
+def test_local_prefill_when_the_missing_part_is_short(cluster, reference):
+    local_gateway = cluster.gateway(local_prefill_threshold=10_000)
+    with grpc.insecure_channel(f"127.0.0.1:{local_gateway.port}") as channel:
+        result = generate(generation_pb2_grpc.GenerationStub(channel), PROMPTS[3])
+    assert result.token_ids == reference(PROMPTS[3])[1]
+    assert result.last.timings.transport == "local" and result.last.timings.transfer_bytes == 0
+    assert result.metadata["pdserve-local-prefill"] == "short" and result.prefill_workers == []
+
+
+# ------------------------------------------------------------------------------------------------ prefix caching
+def prefill_directly(cluster, prefill_worker: str, token_ids: list[int]) -> None:
+    """Prefill `token_ids` on one chosen prefill worker (Reserve on d0, Prefill, Abort), bypassing routing."""
+    request = worker_pb2.WorkerRequest(request_id=f"warm-{prefill_worker}", prompt_token_ids=token_ids,
+                                       sampling=greedy(1), seed=1)
+    with grpc.insecure_channel(cluster.endpoint("d0")) as dc, \
+            grpc.insecure_channel(cluster.endpoint(prefill_worker)) as pc:
+        decode, prefill = worker_pb2_grpc.DecodeWorkerStub(dc), worker_pb2_grpc.PrefillWorkerStub(pc)
+        target = decode.Reserve(worker_pb2.ReserveRequest(request=request, lease_ms=30_000), timeout=10).target
+        prefill.Prefill(worker_pb2.PrefillRequest(request=request, target=target), timeout=RPC_TIMEOUT_S)
+        decode.Abort(worker_pb2.AbortRequest(request_id=request.request_id), timeout=10)
+
+
+def test_shared_prefix_is_routed_to_the_prefill_worker_holding_it(stub, reference, cluster):
+    # Put the prefix on p1 only. With equal loads ties go to p0, so only the prefix hit can send the next
+    # request to p1.
+    tokenizer = cluster.model[1]
+    prefill_directly(cluster, "p1", tokenizer.encode(LONG_PREFIX + "Question: what is a mutex?"))
+    hashes = hash_prompt_blocks(tokenizer.encode(LONG_PREFIX), BLOCK_SIZE, root_hash(cluster.model[0].fingerprint))
+    deadline = time.monotonic() + IDLE_TIMEOUT_S      # the worker publishes its blocks asynchronously
+    while cluster.index.lookup(hashes, role="prefill")["p1"] < len(hashes) - 1:
+        assert time.monotonic() < deadline, "the prefix never showed up in the index"
+        time.sleep(0.1)
+    assert cluster.index.lookup(hashes, role="prefill")["p0"] == 0
+
+    prompt = LONG_PREFIX + "Question: what is a semaphore?"
+    result = generate(stub, prompt)
+    assert result.prefill_workers == ["p1"]
+    assert result.last.usage.cached_tokens >= BLOCK_SIZE * (len(hashes) - 1)
+    assert result.last.usage.cached_tokens % BLOCK_SIZE == 0
+    assert result.token_ids == reference(prompt)[1]      # a cache hit gives the cold run's tokens
+    assert_idle(cluster.wait_idle())
+
+
+def test_delta_transfer_sends_fewer_bytes_when_d_holds_the_prefix(stub, reference, cluster):
+    prefix = "Context: " + LONG_PREFIX.replace("assistant", "helper")
+    first = generate(stub, prefix + "Q: define latency.")
+    cluster.wait_idle("d0")                          # its blocks are cached on D once it finished
+    second_prompt = prefix + "Q: define bandwidth."
+    second = generate(stub, second_prompt)
+    assert second.last.usage.prompt_tokens >= first.last.usage.prompt_tokens - 2
+    assert 0 < second.last.timings.transfer_bytes < first.last.timings.transfer_bytes / 3
+    assert second.token_ids == reference(second_prompt)[1]
+
+
+# ------------------------------------------------------------------------------------------------ concurrency
+def test_32_concurrent_streams_complete_correctly(gateway, reference, cluster):
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
+    expected = [reference(p)[1] for p in prompts]
+
+    async def run_all():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+            aio_stub = generation_pb2_grpc.GenerationStub(channel)
+
+            async def one(prompt):
+                chunks = [c async for c in aio_stub.Generate(
+                    generation_pb2.GenerateRequest(text=prompt, sampling=greedy()), timeout=RPC_TIMEOUT_S)]
+                return [t for c in chunks for t in c.token_ids], chunks[-1]
+
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    results = asyncio.run(run_all())
+    assert [tokens for tokens, _ in results] == expected
+    assert all(last.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED for _, last in results)
+    assert_idle(cluster.wait_idle())
+
+
+# ------------------------------------------------------------------------------------------------ cancel / deadline
+def test_client_cancel_mid_stream_returns_both_workers_to_idle(stub, cluster):
+    call = stub.Generate(generation_pb2.GenerateRequest(text=PROMPTS[5], sampling=greedy(400, ignore_eos=True)),
+                         timeout=RPC_TIMEOUT_S)
+    for _ in range(3):
+        next(call)
+    assert cluster.stats("d0").running == 1
+    call.cancel()
+    assert_idle(cluster.wait_idle())
+
+
+def test_deadline_on_a_long_generation_returns_both_workers_to_idle(stub, cluster):
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(generation_pb2.GenerateRequest(text=PROMPTS[6], sampling=greedy(2000, ignore_eos=True)),
+                           timeout=1.0))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_idle(cluster.wait_idle())
+
+
+def test_no_leak_after_100_random_cancels(gateway, cluster):
+    rng = random.Random(2024)
+
+    async def run_all():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+            aio_stub = generation_pb2_grpc.GenerationStub(channel)
+
+            async def one(i):
+                prompt = (LONG_PREFIX if i % 5 == 0 else "") + PROMPTS[i % len(PROMPTS)] + f" ({i})"
+                call = aio_stub.Generate(generation_pb2.GenerateRequest(
+                    text=prompt, sampling=greedy(64, ignore_eos=True)), timeout=RPC_TIMEOUT_S)
+                if rng.random() < 0.4:       # cancel before the first token: during Reserve or Prefill
+                    await asyncio.sleep(rng.uniform(0.0, 0.3))
+                else:                        # cancel mid-stream
+                    num_chunks = rng.randint(1, 10)
+                    async for _ in call:
+                        num_chunks -= 1
+                        if num_chunks == 0:
+                            break
+                call.cancel()
+
+            for wave in range(4):
+                await asyncio.gather(*(one(wave * 25 + i) for i in range(25)))
+
+    asyncio.run(run_all())
+    assert_idle(cluster.wait_idle())
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("fields, field_name", [
+    (dict(text=""), "prompt"),
+    (dict(token_ids=generation_pb2.TokenIds(ids=[1] * MAX_MODEL_LEN)), "prompt"),
+    (dict(text="hello", sampling=common_pb2.SamplingParams(top_p=1.5)), "sampling.top_p"),
+    (dict(text="hello", sampling=common_pb2.SamplingParams(temperature=-1.0)), "sampling.temperature"),
+    (dict(token_ids=generation_pb2.TokenIds(ids=[1, 49152])), "token_ids"),
+    (dict(text="hello", sampling=common_pb2.SamplingParams(stop=[""])), "sampling.stop[0]"),
+])
+def test_bad_input_is_invalid_argument_and_never_reaches_a_worker(stub, cluster, fields, field_name):
+    before = cluster.wait_idle()
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(generation_pb2.GenerateRequest(**fields), timeout=RPC_TIMEOUT_S))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(field_name + ": ")
+    assert cluster.wait_idle() == before
+
+
+def test_over_max_inflight_is_resource_exhausted_with_a_retry_hint(cluster):
+    small = cluster.gateway(max_inflight=1)
+    with grpc.insecure_channel(f"127.0.0.1:{small.port}") as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        running = stub.Generate(generation_pb2.GenerateRequest(text=PROMPTS[0], sampling=greedy(200, ignore_eos=True)),
+                                timeout=RPC_TIMEOUT_S)
+        next(running)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(generation_pb2.GenerateRequest(text=PROMPTS[1]), timeout=RPC_TIMEOUT_S))
+        running.cancel()
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry after" in info.value.details()
+    assert int(dict(info.value.trailing_metadata())["retry-after-ms"]) > 0
+    assert_idle(cluster.wait_idle())
+
+
+def test_no_decode_worker_is_unavailable(cluster):
+    with EmbeddedRedis() as empty:
+        config = GatewayConfig(model=str(cluster.model_path), redis_url=empty.url, port=0)
+        handle = start_server(config, cluster.model)
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+                with pytest.raises(grpc.RpcError) as info:
+                    list(generation_pb2_grpc.GenerationStub(channel).Generate(
+                        generation_pb2.GenerateRequest(text=PROMPTS[0]), timeout=RPC_TIMEOUT_S))
+        finally:
+            handle.stop(0)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "decode worker" in info.value.details()
+
+
+# ------------------------------------------------------------------------------------------------ drain
+GATEWAY_MAIN = r"""
+import json, logging, sys
+logging.basicConfig(level=logging.WARNING)
+from gateway.config import GatewayConfig
+from gateway.server import serve
+serve(GatewayConfig(**json.loads(sys.argv[1])))
+"""
+
+
+def test_sigterm_drains_in_flight_streams_then_exits(cluster, reference):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = dict(model=str(cluster.model_path), redis_url=cluster.redis.url, port=port, block_size=BLOCK_SIZE,
+                  max_model_len=MAX_MODEL_LEN, local_prefill_threshold=0, drain_timeout_s=60.0)
+    proc = subprocess.Popen([sys.executable, "-c", GATEWAY_MAIN, json.dumps(config)], cwd=REPO)
+    try:
+        fast_retry = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 200)]
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=fast_retry) as channel:
+            grpc.channel_ready_future(channel).result(timeout=START_TIMEOUT_S)
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""),
+                                                              timeout=RPC_TIMEOUT_S)
+            assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            call = generation_pb2_grpc.GenerationStub(channel).Generate(generation_pb2.GenerateRequest(
+                text=PROMPTS[1], sampling=greedy(40, ignore_eos=True)), timeout=RPC_TIMEOUT_S)
+            first = next(call)
+            proc.send_signal(signal.SIGTERM)
+            assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            rest = list(call)
+            assert [*first.token_ids, *(t for c in rest for t in c.token_ids)] == \
+                reference(PROMPTS[1], max_tokens=40, ignore_eos=True)[1]
+            assert rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert proc.wait(RPC_TIMEOUT_S) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert_idle(cluster.wait_idle())
+
+
+# ------------------------------------------------------------------------------------------------ failures
+def test_redis_stalled_routes_by_load_with_the_last_known_workers(stub, reference, cluster):
+    generate(stub, PROMPTS[4])                      # the gateway knows the workers
+    cluster.redis.pause()
+    try:
+        result = generate(stub, PROMPTS[7])
+    finally:
+        cluster.redis.resume()
+    assert result.token_ids == reference(PROMPTS[7])[1]
+    assert result.last.timings.transport in ("shm", "grpc")
+
+
+def test_corrupted_transfer_is_rejected_counted_and_recomputed(cluster, stub, reference):
+    # Every transfer of p-bad is corrupted after its digests were computed. With equal (zero) prefix hits and
+    # loads the tie goes to the lowest worker id, and "p-bad" sorts before "p0".
+    cluster.start_worker("prefill", "p-bad", fault_corrupt_transfers=1000)
+    cluster.wait_registered("p-bad")
+    try:
+        errors_before = cluster.stats("d0").transfer_errors
+        prompt = "A corrupted chunk must never be decoded: " + PROMPTS[8]
+        result = generate(stub, prompt)
+        assert result.prefill_workers[0] == "p-bad" and result.prefill_workers[1] in ("p0", "p1")
+        assert result.token_ids == reference(prompt)[1]
+        assert cluster.stats("d0").transfer_errors == errors_before + 1
+
+        once = cluster.gateway(prefill_attempts=1)   # no second prefill worker: D recomputes the prompt itself
+        with grpc.insecure_channel(f"127.0.0.1:{once.port}") as channel:
+            prompt = "Recompute locally after a bad transfer: " + PROMPTS[9]
+            local = generate(generation_pb2_grpc.GenerationStub(channel), prompt)
+        assert local.prefill_workers == ["p-bad"] and local.metadata["pdserve-local-prefill"] == "prefill_failed"
+        assert local.last.timings.transport == "local"
+        assert local.token_ids == reference(prompt)[1]
+        assert cluster.stats("d0").transfer_errors == errors_before + 2
+        assert cluster.stats("p-bad").transfer_errors == 2
+        assert_idle(cluster.wait_idle())
+    finally:
+        cluster.stop_worker("p-bad")
+
+
+def test_killing_a_prefill_worker_mid_run_later_requests_still_succeed(gateway, reference, cluster):
+    # Cold prompts (no cached prefix anywhere): the gateway alternates them over p0 and p1 by its own counts.
+    prompts = [f"Item {i}: " + LONG_PREFIX + PROMPTS[i % len(PROMPTS)] for i in range(6)]
+    expected = [reference(p, max_tokens=8)[1] for p in prompts]
+
+    async def run_all():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+            aio_stub = generation_pb2_grpc.GenerationStub(channel)
+
+            async def one(prompt):
+                call = aio_stub.Generate(generation_pb2.GenerateRequest(text=prompt, sampling=greedy(8)),
+                                         timeout=RPC_TIMEOUT_S)
+                chunks = [c async for c in call]
+                metadata = dict(await call.trailing_metadata())
+                return [t for c in chunks for t in c.token_ids], metadata["pdserve-prefill-workers"]
+
+            tasks = [asyncio.create_task(one(p)) for p in prompts]
+            deadline = time.monotonic() + IDLE_TIMEOUT_S
+            while gateway.get_inflight("p1") == 0:       # kill p1 while Prefill RPCs of ours are on it
+                assert time.monotonic() < deadline, "no prefill went to p1"
+                await asyncio.sleep(0.005)
+            cluster.stop_worker("p1", kill=True)
+            return await asyncio.gather(*tasks)
+
+    results = asyncio.run(run_all())
+    assert [tokens for tokens, _ in results] == expected
+    assert "p1,p0" in [tried for _, tried in results]        # prefills moved off the dead worker
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        later = [generate(generation_pb2_grpc.GenerationStub(channel), p) for p in PROMPTS[:4]]
+    assert [r.token_ids for r in later] == [reference(p)[1] for p in PROMPTS[:4]]
+    assert all(r.prefill_workers[-1] == "p0" for r in later)
+    assert_idle(cluster.wait_idle("p0", "d0"))
