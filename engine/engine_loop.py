@@ -27,6 +27,10 @@ T = TypeVar("T")
 _END = object()
 
 
+class LoopStopped(RuntimeError):
+    """The engine loop stopped (worker shutting down) before this call or request could complete."""
+
+
 class RequestStream:
     """The outputs of one request, in order. Iterate to consume; `close()` aborts the request if running."""
 
@@ -59,7 +63,10 @@ class RequestStream:
     def close(self) -> None:
         if not self.finished:
             self.finished = True
-            self._loop.abort(self.request_id)
+            try:
+                self._loop.abort(self.request_id)
+            except LoopStopped:
+                pass  # shutting down: the engine and its blocks go away with the loop
 
 
 class EngineLoop:
@@ -70,6 +77,7 @@ class EngineLoop:
         self._streams: dict[str, RequestStream] = {}
         self._idle_hooks: list[Callable[[LLMEngine], None]] = []
         self._stop = threading.Event()
+        self._submit_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._next_housekeeping = 0.0
         self.num_step_errors = 0
@@ -80,9 +88,21 @@ class EngineLoop:
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
+        """Stop the loop; callers still waiting on it (commands, streams) get LoopStopped instead of hanging."""
+        with self._submit_lock:
+            self._stop.set()
         self._commands.put(None)
         self._thread.join(timeout)
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[1].set_exception(LoopStopped("the engine loop has stopped"))
+        for stream in list(self._streams.values()):
+            stream._put(LoopStopped("the engine loop stopped before the request finished"))
+        self._streams.clear()
 
     def add_housekeeping(self, hook: Callable[[LLMEngine], None]) -> None:
         """Run `hook(engine)` on the loop thread every housekeeping interval (register before start)."""
@@ -90,8 +110,14 @@ class EngineLoop:
 
     def call(self, fn: Callable[[LLMEngine], T], timeout: float | None = None) -> T:
         future: Future = Future()
-        self._commands.put((fn, future, None))
+        self._submit((fn, future, None))
         return future.result(timeout)
+
+    def _submit(self, item) -> None:
+        with self._submit_lock:  # never enqueue after stop() drained the queue
+            if self._stop.is_set():
+                raise LoopStopped("the engine loop has stopped")
+            self._commands.put(item)
 
     def open_stream(self, request_id: str, fn: Callable[[LLMEngine], StepOutput | None]) -> RequestStream:
         """Register a stream for `request_id`, then run `fn(engine)` (which adds or starts that request).

@@ -34,6 +34,9 @@ class GatewayConfig:
     served_model_name: str | None = None
     """Name ListModels reports and requests may give in `model`; None uses the model file's or directory's name
     (the `model` value itself is always accepted too)."""
+    routing: str = "prefix"
+    """"prefix": choose workers by cached prefix and load (gateway/routing.py); "round-robin": ignore both
+    (a baseline for benchmarks)."""
     max_prefill_load: int = 16
     """A prefill worker whose load (running + waiting as last reported, or this gateway's own prefills in flight
     on it when more) reaches this is saturated: it is not chosen; when all are, decode workers prefill locally."""
@@ -44,6 +47,8 @@ class GatewayConfig:
         for name in ("block_size", "max_inflight", "lease_ms", "prefill_attempts", "max_prefill_load"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GatewayConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.routing not in ("prefix", "round-robin"):
+            raise ValueError(f"GatewayConfig.routing must be 'prefix' or 'round-robin', got {self.routing!r}")
         if self.local_prefill_threshold < 0:
             raise ValueError(f"GatewayConfig.local_prefill_threshold must be >= 0, got {self.local_prefill_threshold}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -192,6 +192,15 @@ def _invalid_from_status(err: grpc.aio.AioRpcError) -> InvalidRequestError:
     return InvalidRequestError(field_name, message) if sep else InvalidRequestError("request", err.details() or "")
 
 
+def check_context(req: GenerationRequest, decode_ranked: list[Candidate]) -> None:
+    """Refuse a prompt no decode worker can hold: workers lower their context to what their KV cache fits and
+    register it, which the gateway's own limit (from the model file) cannot know."""
+    contexts = [int(c.worker.endpoints["max_model_len"]) for c in decode_ranked if "max_model_len" in c.worker.endpoints]
+    if contexts and req.num_prompt_tokens >= max(contexts):
+        raise InvalidRequestError("prompt", f"has {req.num_prompt_tokens} tokens; the decode workers hold at most "
+                                            f"{max(contexts)} (prompt plus at least one generated token)")
+
+
 class Orchestrator:
     """Runs requests across the workers; owns the per-worker in-flight counts and the suspects list."""
 
@@ -363,6 +372,7 @@ class _Run:
                                             orch.take_turn("decode"))
         if not decode_ranked:
             raise NoWorkerAvailable("no live decode worker serves this model")
+        check_context(req, decode_ranked)
         await self._reserve(decode_ranked)
 
         # Ranked now, not before Reserve: with no await between ranking and _prefill counting its choice, a

@@ -259,7 +259,7 @@ class _Parts:
 async def _start(config: GatewayConfig, model: ModelSpec, tokenizer: Tokenizer) -> _Parts:
     policy = RoutingPolicy(block_size=config.block_size, fingerprint=model.fingerprint,
                            local_prefill_threshold=config.local_prefill_threshold,
-                           max_prefill_load=config.max_prefill_load)
+                           max_prefill_load=config.max_prefill_load, mode=config.routing)
     directory = WorkerDirectory(PrefixIndex(config.redis_url), policy)
     orchestrator = Orchestrator(policy, root_hash(model.fingerprint), tokenizer, directory.match, ChannelPool(),
                                 lease_ms=config.lease_ms, prefill_attempts=config.prefill_attempts,

@@ -29,7 +29,7 @@ _FLAG_NAMES = {"num_threads": "--threads", "enable_prefix_caching": "--no-prefix
                "num_decode": "--decode", "num_cpus": "--cpus", "start_timeout_s": "--start-timeout",
                "stop_timeout_s": "--stop-timeout"}
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-GATEWAY_TUNING = ("max_inflight", "local_prefill_threshold", "lease_ms", "prefill_attempts", "max_prefill_load",
+GATEWAY_TUNING = ("max_inflight", "local_prefill_threshold", "lease_ms", "prefill_attempts", "max_prefill_load", "routing",
                   "drain_timeout_s", "served_model_name")
 """GatewayConfig fields `pdserve up` passes through to its gateway."""
 
@@ -150,6 +150,8 @@ def _add_gateway_tuning(g: Any, defaults: bool) -> None:
     _arg(g, G, "prefill_attempts", "prefill workers tried before prefilling on the decode worker", type=int, **kw)
     _arg(g, G, "max_prefill_load", "running + waiting requests at which a prefill worker counts as saturated",
          type=int, **kw)
+    _arg(g, G, "routing", "worker choice: by cached prefix and load, or round-robin (a benchmark baseline)",
+         choices=("prefix", "round-robin"), **kw)
     _arg(g, G, "drain_timeout_s", "seconds in-flight requests get to finish on SIGTERM", type=float, **kw)
     _arg(g, G, "served_model_name", "model name ListModels reports (default: the model file's name)", **kw)
 

@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.errors import InvalidRequestError, OverloadedError
 from engine.sampling_params import SamplingParams
+from engine.engine_loop import LoopStopped
 from engine.llm_engine import LLMEngine
 from kvstore.index import PrefixIndex
 from kvstore.index_publisher import IndexPublisher
@@ -47,7 +48,7 @@ class PreconditionError(Exception):
 
 
 _STATUS = [(InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT), (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-           (PreconditionError, grpc.StatusCode.FAILED_PRECONDITION)]
+           (PreconditionError, grpc.StatusCode.FAILED_PRECONDITION), (LoopStopped, grpc.StatusCode.UNAVAILABLE)]
 
 
 @contextlib.contextmanager

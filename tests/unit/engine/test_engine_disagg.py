@@ -97,3 +97,18 @@ def test_reserve_without_room_is_overload_and_leaks_nothing():
         engine.reserve("b", list(range(1, 60)), PARAMS[0])      # 15 more do not fit
     engine.abort("a")
     assert engine.stats()["used_blocks"] == 0
+
+
+def test_engine_loop_stop_fails_waiting_callers_instead_of_hanging():
+    from engine.engine_loop import EngineLoop, LoopStopped
+
+    loop = EngineLoop(tiny_engine()).start()
+    stream = loop.open_stream("s", lambda e: e.add_request("s", list(range(1, 9)), SamplingParams(max_tokens=500)))
+    assert stream.get(timeout=30) is not None
+    loop.stop()
+    with pytest.raises(LoopStopped):
+        while stream.get(timeout=30) is not None:
+            pass
+    with pytest.raises(LoopStopped):
+        loop.call(lambda e: e.stats())
+    stream.close()
