@@ -124,7 +124,7 @@ def test_corrupted_chunk_is_rejected_and_counted_and_nothing_leaks():
 
 def test_cancel_mid_stream_and_deadline_release_blocks(pair):
     _, _, pstub, dstub = pair
-    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=950, temperature=0.0, ignore_eos=True)   # far longer than the deadline
     res = dstub.Reserve(worker_pb2.ReserveRequest(request=worker_request("c1", params=long), lease_ms=30_000))
     call = dstub.Decode(worker_pb2.DecodeRequest(request_id="c1", handle=res.target.handle, prefill_locally=True))
     next(call)

@@ -108,7 +108,7 @@ def test_prefix_cache_hit_gives_same_tokens_as_cold_run():
 
 @pytest.mark.parametrize("prompt, params, field", [
     ([], GREEDY, "prompt"),
-    ([1] * 300, GREEDY, "prompt"),
+    ([1] * 1100, GREEDY, "prompt"),            # the 256 blocks of 4 hold 1024 tokens
     ([1, 2, TINY.vocab_size], GREEDY, "prompt_token_ids"),
     ([1, 2], SamplingParams(temperature=-1), "temperature"),
     ([1, 2], SamplingParams(top_p=0), "top_p"),

@@ -8,7 +8,7 @@ from engine.loader import LoadedModel
 
 TINY = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-                   max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=None, eos_token_ids=(0,))
+                   max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=None, eos_token_ids=(0,))
 
 
 def tiny_weights(config: ModelConfig = TINY, seed: int = 0) -> dict[str, torch.Tensor]:
