@@ -31,14 +31,16 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
-from engine.errors import InvalidRequestError, OverloadedError
+from engine.errors import InvalidRequestError
 from engine.sequence import FinishReason, TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from gateway.routing import Candidate, RoutingPolicy, plan_prefill, rank_decode_workers, rank_prefill_workers
+from gateway.request_types import (DeadlineExceeded, NoWorkerAvailable, OutputChunk, Overloaded, RequestTrace,
+                                    Timings, Usage, WorkerFailed)
 from gateway.stop_strings import StopStringMatcher
 from gateway.validation import GenerationRequest
 from kvstore.hashing import hash_prompt_blocks
@@ -52,91 +54,12 @@ CONTROL_TIMEOUT_S = 5.0
 """Longest wait for Reserve, Abort and Stats (they do no compute; a worker that takes longer is unwell)."""
 SUSPECT_S = 5.0
 """A worker that was unreachable is ranked last for this long (its index record outlives it by up to its TTL)."""
-RETRY_AFTER_MS = 500
-"""Back-off suggested to callers turned away with RESOURCE_EXHAUSTED."""
 CHANNEL_OPTIONS = [
     # Reconnect quickly to a restarted worker instead of grpc's default back-off of up to 2 minutes.
     ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 2000),
     ("grpc.max_receive_message_length", 8 << 20),
 ]
-
-
-# ------------------------------------------------------------------------------------------------------ errors
-class NoWorkerAvailable(Exception):
-    """No live, compatible decode worker could take the request (UNAVAILABLE; retryable)."""
-
-
-class Overloaded(OverloadedError):
-    """Every decode worker is full, or the gateway is at max_inflight (RESOURCE_EXHAUSTED)."""
-
-    def __init__(self, message: str, retry_after_ms: int = RETRY_AFTER_MS) -> None:
-        super().__init__(message)
-        self.retry_after_ms = retry_after_ms
-
-
-class DeadlineExceeded(Exception):
-    """The caller's deadline passed (DEADLINE_EXCEEDED)."""
-
-
-class WorkerFailed(Exception):
-    """The decode worker failed after the request started (UNAVAILABLE; the caller may retry)."""
-
-
-# ------------------------------------------------------------------------------------------------------ outputs
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    """Prompt tokens whose KV came from a prefix cache: P's hit when P prefilled, D's when D did."""
-
-
-@dataclass(frozen=True)
-class Timings:
-    """Milliseconds, as in generation.proto Timings. How each is measured here:
-
-    queue_ms     arrival -> D's Reserve answered, plus the part of the Prefill RPC that P reported neither as
-                 prefill nor as transfer (P's queueing and the RPC overhead)
-    prefill_ms   P's reported prefill time; local: Decode sent -> first token back (includes D's queueing)
-    transfer_ms  P's reported push time (0 when local)
-    ttft_ms      arrival -> the first token handed to the client stream
-    """
-
-    queue_ms: float
-    prefill_ms: float
-    transfer_ms: float
-    ttft_ms: float
-    transport: str
-    transfer_bytes: int
-
-
-@dataclass(frozen=True)
-class OutputChunk:
-    """New text and token ids since the previous chunk; the last chunk has finish_reason, usage, timings."""
-
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprob, ...] = ()
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
-    timings: Timings | None = None
-
-
-@dataclass
-class RequestTrace:
-    """Where a request went (filled in as it happens; the server reports it as trailing metadata)."""
-
-    decode_worker: str = ""
-    prefill_workers: list[str] = field(default_factory=list)
-    """Every prefill worker tried, in order; the last one succeeded unless local_reason is set."""
-    local_reason: str = ""
-    """Why D prefilled locally: a routing.LOCAL_* reason, or "prefill_failed"."""
-
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("pdserve-decode-worker", self.decode_worker),
-                ("pdserve-prefill-workers", ",".join(self.prefill_workers)),
-                ("pdserve-local-prefill", self.local_reason))
 
 
 # ------------------------------------------------------------------------------------------------------ channels

@@ -40,8 +40,9 @@ from engine.loader import load_model
 from engine.model_fetch import resolve_model_path
 from engine.tokenizer import Tokenizer
 from gateway.config import GatewayConfig
-from gateway.orchestrator import (RETRY_AFTER_MS, ChannelPool, DeadlineExceeded, NoWorkerAvailable, Orchestrator,
-                                  OutputChunk, RequestTrace, WorkerFailed)
+from gateway.orchestrator import ChannelPool, Orchestrator
+from gateway.request_types import (RETRY_AFTER_MS, DeadlineExceeded, NoWorkerAvailable, OutputChunk, RequestTrace,
+                                   WorkerFailed)
 from gateway.routing import RoutingPolicy, incompatibility
 from gateway.validation import GenerationRequest, ModelSpec, validate_chat, validate_generate
 from kvstore.hashing import root_hash
