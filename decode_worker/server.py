@@ -8,8 +8,6 @@ for tests and embedding.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.service import DecodeWorkerServicer
 from decode_worker.worker import DecodeWorker
@@ -17,7 +15,7 @@ from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from kvstore.transfer_service import KvTransferServicer
-from pdserve.worker_runtime import Registration, WorkerServer, wait_for_termination
+from pdserve.worker_runtime import Registration, WorkerHandle, WorkerServer, wait_for_termination
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -26,25 +24,8 @@ STOP_GRACE_S = 15.0
 """On SIGTERM, how long in-flight requests may take to finish (below `pdserve up`'s 20 s stop timeout)."""
 
 
-@dataclass
-class DecodeServerHandle:
-    server: WorkerServer
-    loop: EngineLoop
-    worker: DecodeWorker
-    registration: Registration
-
-    @property
-    def port(self) -> int:
-        return self.server.port
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        self.registration.stop()
-        self.server.stop(grace_s)
-        self.loop.stop()
-
-
 def start_server(config: DecodeWorkerConfig, engine_config: EngineConfig,
-                 engine: LLMEngine | None = None) -> DecodeServerHandle:
+                 engine: LLMEngine | None = None) -> WorkerHandle:
     engine = engine or LLMEngine(engine_config, progress=False)
     loop = EngineLoop(engine)
     worker = DecodeWorker(loop, config.max_lease_ms)
@@ -62,7 +43,7 @@ def start_server(config: DecodeWorkerConfig, engine_config: EngineConfig,
     server.start()
     registration.start()
     log.info("decode worker %s serving on %s", config.worker_id, endpoint)
-    return DecodeServerHandle(server, loop, worker, registration)
+    return WorkerHandle(server, loop, worker, registration)
 
 
 def serve(config: DecodeWorkerConfig, engine_config: EngineConfig) -> None:

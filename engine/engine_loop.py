@@ -12,6 +12,7 @@ the error and the loop keeps serving (the failed requests are aborted so their b
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -63,10 +64,8 @@ class RequestStream:
     def close(self) -> None:
         if not self.finished:
             self.finished = True
-            try:
+            with contextlib.suppress(LoopStopped):  # shutting down: engine and blocks go away with the loop
                 self._loop.abort(self.request_id)
-            except LoopStopped:
-                pass  # shutting down: the engine and its blocks go away with the loop
 
 
 class EngineLoop:

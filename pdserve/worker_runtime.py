@@ -142,3 +142,23 @@ class Registration:
         """Leave the index (deregister) so the gateway stops routing here."""
         if self.publisher is not None:
             self.publisher.stop(deregister=True)
+
+
+@dataclass
+class WorkerHandle:
+    """A running worker: its gRPC server, engine loop, role object (PrefillWorker / DecodeWorker) and registration."""
+
+    server: WorkerServer
+    loop: object
+    worker: object
+    registration: Registration
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Leave the index, finish in-flight RPCs for up to grace_s, then stop the engine loop."""
+        self.registration.stop()
+        self.server.stop(grace_s)
+        self.loop.stop()

@@ -7,12 +7,10 @@ prefills, stop). `start_server` returns a running handle for tests and embedding
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
-from pdserve.worker_runtime import Registration, WorkerServer, wait_for_termination
+from pdserve.worker_runtime import Registration, WorkerHandle, WorkerServer, wait_for_termination
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.service import PrefillWorkerServicer
 from prefill_worker.worker import PrefillWorker
@@ -24,25 +22,8 @@ STOP_GRACE_S = 15.0
 """On SIGTERM, how long in-flight requests may take to finish (below `pdserve up`'s 20 s stop timeout)."""
 
 
-@dataclass
-class PrefillServerHandle:
-    server: WorkerServer
-    loop: EngineLoop
-    worker: PrefillWorker
-    registration: Registration
-
-    @property
-    def port(self) -> int:
-        return self.server.port
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        self.registration.stop()
-        self.server.stop(grace_s)
-        self.loop.stop()
-
-
 def start_server(config: PrefillWorkerConfig, engine_config: EngineConfig,
-                 engine: LLMEngine | None = None) -> PrefillServerHandle:
+                 engine: LLMEngine | None = None) -> WorkerHandle:
     engine = engine or LLMEngine(engine_config, progress=False)
     loop = EngineLoop(engine)
     worker = PrefillWorker(loop, config)
@@ -58,7 +39,7 @@ def start_server(config: PrefillWorkerConfig, engine_config: EngineConfig,
     server.start()
     registration.start()
     log.info("prefill worker %s serving on %s", config.worker_id, endpoint)
-    return PrefillServerHandle(server, loop, worker, registration)
+    return WorkerHandle(server, loop, worker, registration)
 
 
 def serve(config: PrefillWorkerConfig, engine_config: EngineConfig) -> None:
