@@ -202,6 +202,12 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if status == health.SERVING else 1
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pdserve.bench.cli import run
+
+    return run(args)
+
+
 def cmd_fetch_model(args: argparse.Namespace) -> int:
     from engine.model_fetch import fetch_default_model
 
@@ -211,7 +217,7 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
 
 COMMANDS = {"up": cmd_up, "gateway": cmd_gateway, "prefill-worker": cmd_prefill_worker,
             "decode-worker": cmd_decode_worker, "generate": cmd_generate, "chat": cmd_chat, "health": cmd_health,
-            "fetch-model": cmd_fetch_model}
+            "fetch-model": cmd_fetch_model, "bench": cmd_bench}
 
 
 def _err(text: str) -> None:

@@ -226,6 +226,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
 
     sub.add_parser("fetch-model", help="download and verify the default model")
 
+    from pdserve.bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
+
     up = sub.add_parser("up", help="run the whole cluster locally (Redis, workers, gateway)")
     g = up.add_argument_group("cluster")
     from pdserve.launcher import LocalClusterConfig as L

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Build llama.cpp's llama-server (benchmark peer only, never a pdserve dependency) from the llama.cpp sources
+# vendored in the llama-cpp-python sdist, into a git-ignored directory.
+#
+#   bash bench/build_llama_server.sh [DEST]        # DEST defaults to bench/peers
+#   -> DEST/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server
+#
+# Needs cmake, a C/C++ compiler and pip (PyPI). No other network access: the web UI is not built and curl/SSL
+# model downloading is off. About 10 minutes on 2 cores. JOBS=N overrides the parallel build jobs.
+set -euo pipefail
+
+VERSION=0.3.36
+DEST=${1:-bench/peers}
+JOBS=${JOBS:-$(nproc)}
+mkdir -p "$DEST"
+DEST=$(cd "$DEST" && pwd)
+SRC="$DEST/llama_cpp_python-$VERSION/vendor/llama.cpp"
+BIN="$SRC/build/bin/llama-server"
+
+if [[ -x "$BIN" ]]; then
+    echo "already built: $BIN"
+    exit 0
+fi
+if [[ ! -d "$SRC" ]]; then
+    python -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$DEST"
+    tar -xzf "$DEST/llama_cpp_python-$VERSION.tar.gz" -C "$DEST"
+fi
+cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+    -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DGGML_NATIVE=ON \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+cmake --build "$SRC/build" --target llama-server -j "$JOBS"
+echo "built: $BIN"
+"$BIN" --version 2>&1 | tail -n 2 || true

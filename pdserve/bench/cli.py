@@ -1,0 +1,235 @@
+"""`pdserve bench`: load-test one server, or run the side-by-side CPU suite.
+
+    pdserve bench --target HOST:PORT | --openai-url URL  [--workload random|shared-prefix|multi-turn]
+                  [--num-prompts N] [--input-len L] [--output-len L] [--request-rate R|inf]
+                  [--max-concurrency C] [--seed S] [--goodput ttft:MS tpot:MS] [--out DIR]
+    pdserve bench --suite cpu [--llama-server PATH] [--threads 2] [--out DIR]
+
+Flags (and the one environment variable, PDSERVE_LLAMA_SERVER, the default of --llama-server) are read here
+only. Importing this module imports nothing but argparse; the benchmark modules load when a command runs.
+`pdserve.cli` wires it in with `add_parser(subparsers)` and calls `run(args)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+WORKLOADS = ("random", "shared-prefix", "multi-turn")
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a rate: {text!r} (requests per second, or inf)") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"the request rate must be > 0 (or inf), got {text}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the `bench` subcommand to `subparsers` and return its parser."""
+    p = subparsers.add_parser(
+        "bench", help="benchmark a pdserve gateway or an OpenAI-compatible server; --suite cpu compares peers",
+        description=__doc__.split("\n\n")[0] + " Metrics follow vLLM's benchmark_serving definitions.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    target = p.add_argument_group("what to benchmark (one of)")
+    what = target.add_mutually_exclusive_group(required=True)
+    what.add_argument("--target", metavar="HOST:PORT", help="a pdserve gateway (gRPC)")
+    what.add_argument("--openai-url", metavar="URL", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8080 "
+                      "(streams /v1/completions with token-id prompts)")
+    what.add_argument("--suite", choices=("cpu",), help="the side-by-side suite: llama-server, transformers and "
+                      "pdserve in three shapes on this machine")
+    target.add_argument("--served-model", default="default", help="`model` field of OpenAI requests")
+    target.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
+                        help="extra fields of every OpenAI request body, e.g. '{\"cache_prompt\": true}'")
+
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", choices=WORKLOADS, default="random")
+    w.add_argument("--num-prompts", type=_positive, default=64,
+                   help="requests (shared-prefix: in all; multi-turn: conversations)")
+    w.add_argument("--input-len", type=_positive, default=128, help="prompt tokens, chat template included "
+                   "(shared-prefix: the unique user part; multi-turn: each user message)")
+    w.add_argument("--output-len", type=_positive, default=64, help="tokens generated per request (EOS ignored)")
+    w.add_argument("--range-ratio", type=float, default=0.0,
+                   help="random: lengths uniform in [L x (1 - r), L x (1 + r)]")
+    w.add_argument("--prefix-len", type=_positive, default=512, help="shared-prefix: system prompt tokens")
+    w.add_argument("--num-groups", type=_positive, default=4, help="shared-prefix: distinct system prompts")
+    w.add_argument("--num-turns", type=_positive, default=4, help="multi-turn: turns per conversation")
+    w.add_argument("--model", default="default",
+                   help="model whose tokenizer and chat template frame the prompts ('default': SmolLM2-135M)")
+    w.add_argument("--no-chat-template", action="store_true", help="send bare random token ids")
+    w.add_argument("--seed", type=int, default=0)
+
+    a = p.add_argument_group("arrivals")
+    a.add_argument("--request-rate", type=_rate, default=math.inf,
+                   help="Poisson arrivals per second; inf sends all at once")
+    a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
+    a.add_argument("--max-concurrency", type=_positive, default=None, help="most requests in flight")
+    a.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
+
+    o = p.add_argument_group("output")
+    o.add_argument("--goodput", nargs="+", default=[], metavar="NAME:MS",
+                   help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
+    o.add_argument("--out", type=Path, default=None, help="results directory (default bench/results/<date>)")
+    o.add_argument("--label", default=None, help="name of the run in results and plots")
+    o.add_argument("--no-progress", action="store_true")
+
+    s = p.add_argument_group("suite")
+    s.add_argument("--llama-server", default=os.environ.get("PDSERVE_LLAMA_SERVER"), metavar="PATH",
+                   help="llama-server binary (env PDSERVE_LLAMA_SERVER; default: what "
+                   "bench/build_llama_server.sh built in bench/peers)")
+    s.add_argument("--threads", type=_positive, default=2, help="CPU threads given to every system")
+    s.add_argument("--systems", nargs="+", default=None, metavar="SYSTEM",
+                   help="run only these systems (default: all)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `pdserve bench`; returns the exit code (0 ok, 1 a run failed, 2 bad flags)."""
+    if args.suite:
+        return _run_suite(args)
+    return _run_one(args)
+
+
+def _raise_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _err(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _run_suite(args: argparse.Namespace) -> int:
+    import logging
+
+    from pdserve.bench import suite
+    from pdserve.bench.peers import PeerError, find_llama_server
+
+    systems = tuple(args.systems or suite.SYSTEMS)
+    llama_server = None
+    if suite.LLAMA_SERVER in systems:
+        try:
+            llama_server = find_llama_server(args.llama_server)
+        except PeerError as exc:
+            _err(f"pdserve bench: error: {exc} (or leave it out with --systems)")
+            return 2
+    try:
+        config = suite.SuiteConfig(out_dir=args.out or suite.default_out_dir(), llama_server=llama_server,
+                                   model=args.model, threads=args.threads, systems=systems, seed=args.seed,
+                                   progress=not args.no_progress)
+    except ValueError as exc:
+        _err(f"pdserve bench: error: {exc}")
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, _raise_exit)  # unwind, so that every server the suite started is stopped
+    results = suite.run_suite(config)
+    report = config.out_dir / "report.md"
+    print(report.read_text())
+    _err(f"pdserve bench: wrote {config.out_dir}/results.json, report.md and plots "
+         f"({results.meta['suite_wall_s'] / 60:.1f} min)")
+    return 1 if results.errors else 0
+
+
+def _workload(args: argparse.Namespace):
+    from pdserve.bench import workloads
+
+    kw = {"seed": args.seed}
+    if not args.no_chat_template:
+        from engine.loader import load_model
+        from engine.model_fetch import resolve_model_path
+
+        tokenizer = load_model(resolve_model_path(args.model), with_weights=False).tokenizer
+        kw["fmt"] = workloads.TemplateFormat(
+            lambda messages: tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+            lambda text: tokenizer.encode(text, add_special_tokens=False))
+        kw["token_range"] = (max(tokenizer.all_special_ids, default=-1) + 1, tokenizer.vocab_size)
+    if args.workload == "random":
+        return workloads.random_workload(args.num_prompts, args.input_len, args.output_len,
+                                         range_ratio=args.range_ratio, **kw)
+    if args.workload == "shared-prefix":
+        per_group = max(1, args.num_prompts // args.num_groups)
+        return workloads.shared_prefix_workload(args.num_groups, per_group, args.prefix_len, args.input_len,
+                                                args.output_len, **kw).requests
+    return workloads.multi_turn_workload(args.num_prompts, args.num_turns, args.input_len, args.output_len, **kw)
+
+
+def _run_one(args: argparse.Namespace) -> int:
+    from pdserve.bench import plots
+    from pdserve.bench.backends import OpenAIBackend, PdserveBackend
+    from pdserve.bench.metrics import parse_slos
+    from pdserve.bench.runner import RunConfig, run, write_json
+
+    try:
+        slos = parse_slos(args.goodput)
+        config = RunConfig(request_rate=args.request_rate, max_concurrency=args.max_concurrency,
+                           burstiness=args.burstiness, seed=args.seed, warmup=not args.no_warmup,
+                           progress=not args.no_progress)
+        requests = _workload(args)
+    except ValueError as exc:
+        _err(f"pdserve bench: error: {exc}")
+        return 2
+    if args.target:
+        backend = PdserveBackend(args.target)
+    else:
+        backend = OpenAIBackend(args.openai_url, model=args.served_model, extra_body=args.extra_body)
+    label = args.label or f"{args.workload}-{'inf' if math.isinf(args.request_rate) else args.request_rate}"
+    result = run(backend, requests, config, label=label, slos_ms=slos)
+    result.meta = {"target": args.target or args.openai_url, "workload": args.workload,
+                   "argv": sys.argv[1:], "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    print(format_summary(result))
+    out = args.out or Path("bench/results") / datetime.date.today().isoformat()
+    stem = f"bench-{label}-{time.strftime('%H%M%S')}"
+    write_json(out / f"{stem}.json", [result])
+    plots.plot_latency_cdfs({label: result.records}, out / f"{stem}.png", label)
+    _err(f"pdserve bench: wrote {out / stem}.json and .png")
+    if result.summary.failed:
+        errors = sorted({r.error for r in result.records if r.error})
+        _err(f"pdserve bench: {result.summary.failed} request(s) failed: " + "; ".join(errors[:3]))
+        return 1
+    return 0
+
+
+def format_summary(result) -> str:
+    """The run's metrics as a text block like vLLM's benchmark_serving prints."""
+    s = result.summary
+    lines = [f"{' Serving Benchmark Result ':=^60}",
+             f"{'Successful requests:':<40}{s.completed:<10}",
+             f"{'Failed requests:':<40}{s.failed:<10}",
+             f"{'Benchmark duration (s):':<40}{s.duration_s:<10.2f}",
+             f"{'Total input tokens:':<40}{s.total_input_tokens:<10}",
+             f"{'Total generated tokens:':<40}{s.total_output_tokens:<10}",
+             f"{'Request throughput (req/s):':<40}{s.request_throughput:<10.2f}"]
+    if s.goodput is not None:
+        lines.append(f"{'Request goodput (req/s):':<40}{s.goodput:<10.2f}")
+    lines += [f"{'Output token throughput (tok/s):':<40}{s.output_throughput:<10.2f}",
+              f"{'Total token throughput (tok/s):':<40}{s.total_token_throughput:<10.2f}"]
+    if s.cached_tokens is not None:
+        lines.append(f"{'Cached prompt tokens:':<40}{s.cached_tokens:<10}")
+    for name, title in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"),
+                        ("itl_ms", "Inter-token Latency"), ("e2el_ms", "End-to-end Latency")):
+        stats = getattr(s, name)
+        key = name.split("_")[0].upper()
+        lines += [f"{title:-^60}", f"{f'Mean {key} (ms):':<40}{stats.mean:<10.2f}",
+                  f"{f'Median {key} (ms):':<40}{stats.median:<10.2f}"]
+        lines += [f"{f'P{q[1:]} {key} (ms):':<40}{v:<10.2f}" for q, v in stats.percentiles.items()]
+    lines.append("=" * 60)
+    return "\n".join(lines)

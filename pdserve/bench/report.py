@@ -1,0 +1,293 @@
+"""The suite's markdown report (pasted into BENCHMARKS.md): machine, command, how each system was configured,
+one table per scenario with the ratios against each peer, the batch-1 roofline, and the issue's goals. Pure:
+formats what the suite measured."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from pdserve.bench.metrics import RequestRecord, Summary, percentile
+
+REPEAT = " (repeat)"  # as in suite.py (not imported: this module stays free of the suite's imports)
+
+if TYPE_CHECKING:
+    from pdserve.bench.suite import SuiteResults
+
+PEERS = ("llama-server", "transformers")
+PDSERVE = ("pdserve-engine", "pdserve-1p1d")
+
+
+def _f(value: float | None, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    return f"{value:,.{digits}f}"
+
+
+def _x(ratio: float | None) -> str:
+    return "—" if ratio is None or not math.isfinite(ratio) else f"{ratio:.2f}x"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def cold_and_cached(requests: Sequence, records: Sequence[RequestRecord]) -> tuple[list[float], list[float]]:
+    """TTFTs (ms) of the first request of each session (cold) and of the later ones (cached prefix)."""
+    seen: set = set()
+    cold, cached = [], []
+    for request, record in zip(requests, records):
+        if not (record.success and record.chunk_times_s):
+            continue
+        (cached if request.session_id in seen else cold).append(record.ttft_s * 1e3)
+        seen.add(request.session_id)
+    return cold, cached
+
+
+def render(results: SuiteResults, pngs: Mapping[str, str]) -> str:
+    cfg, meta = results.config, results.meta
+    machine = meta["machine"]
+    weights = meta["weights"]
+    bandwidth = meta["copy_bandwidth_bytes_per_s"]
+    roof_stored = bandwidth / weights["stored"]
+    roof_f32 = bandwidth / weights["float32"]
+    command = f"pdserve bench --suite cpu --threads {cfg.threads}"
+    if cfg.llama_server is not None:
+        command += " --llama-server PATH/TO/llama-server"
+    lines = [
+        f"### Serving suite ({meta['date']}, CPU, {cfg.threads} threads per system)",
+        "",
+        f"- Machine: {machine['cpu']}, {machine['logical_cpus']} logical CPUs, "
+        f"{_f(machine['memory_gib'])} GiB, {machine['os']}, Python {machine['python']}, torch {machine['torch']}; "
+        f"load average {machine['load_average'][0]:.2f} at the start, {meta['load_average_end'][0]:.2f} at the end "
+        "(a shared machine: compare ratios within this run, not absolute figures across runs)",
+        f"- Command: `{command}` (whole suite {meta['suite_wall_s'] / 60:.1f} min)",
+        f"- Model: `{meta['model'].rsplit('/', 1)[-1]}`; every system gets the same token ids (chat template "
+        "rendered once, sent as raw completions), greedy, EOS ignored, exactly max_tokens generated",
+        f"- Batch-1 decode roofline: weights read per token {weights['stored'] / 2**20:.0f} MiB as stored in the "
+        f"GGUF (llama.cpp reads these) / {weights['float32'] / 2**20:.0f} MiB as float32 (pdserve, transformers); "
+        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (best of one 1 GiB copy at the start, "
+        f"{meta['copy_bandwidth_start_end'][0] / 1e9:.1f}, and one at the end, "
+        f"{meta['copy_bandwidth_start_end'][1] / 1e9:.1f}) -> at most {roof_stored:.0f} tok/s quantized, "
+        f"{roof_f32:.1f} tok/s float32",
+        f"- other jobs (CPUs): how many of the {machine['logical_cpus']} CPUs processes outside the benchmark kept "
+        "busy during a run, on average (all CPUs' busy time minus that of the benchmark and the servers it "
+        "started); a run with much of it measured a slowed system, llama-server the most (its threads wait "
+        "for each other at every step)",
+        "",
+        "How each system was built and configured:",
+        "",
+    ]
+    for system in cfg.systems:
+        if system in results.peers:
+            lines.append(f"- {system}: {results.peers[system]}")
+    for system, error in results.errors.items():
+        lines.append(f"- **{system} has no (or partial) results**: {error}")
+    lines.append("")
+    lines += _batch1(results, roof_stored, roof_f32)
+    lines += _streams(results)
+    lines += _prefix_cache(results)
+    lines += _shared_prefix(results)
+    lines += _sweep(results)
+    lines += _goals(results)
+    if pngs:
+        lines += ["Plots: " + ", ".join(f"[{name}]({file})" for name, file in pngs.items()), ""]
+    return "\n".join(lines)
+
+
+def _run(results: SuiteResults, scenario: str, system: str) -> Summary | None:
+    run = results.runs.get((scenario, system))
+    return run.summary if run is not None else None
+
+
+def _others(results: SuiteResults, scenario: str, key: str) -> str:
+    """CPUs other jobs kept busy on average during a run (see cpumeter)."""
+    run = results.runs.get((scenario, key))
+    value = run.meta.get("others_cores") if run is not None else None
+    return "—" if value is None else f"{value:.2f}"
+
+
+def _keys(results: SuiteResults, scenario: str) -> list[str]:
+    """Run keys of a scenario in the order the systems ran: each system, then its repeat if any."""
+    spec = results.scenarios.get(scenario)
+    if spec is None:
+        return []
+    return [key for system in spec.systems for key in (system, system + REPEAT) if (scenario, key) in results.runs]
+
+
+def _best(results: SuiteResults, scenario: str, peer: str, metric: Callable[[Summary], float | None],
+          lower_is_better: bool) -> float | None:
+    """The peer's better value over its runs (first and repeat)."""
+    values = [v for key in (peer, peer + REPEAT) if (s := _run(results, scenario, key)) is not None
+              and (v := metric(s)) is not None and v > 0]
+    if not values:
+        return None
+    return min(values) if lower_is_better else max(values)
+
+
+def _failed_note(summary: Summary) -> str:
+    return f" ({summary.failed} failed)" if summary.failed else ""
+
+
+def _tpot(s: Summary) -> float | None:
+    return s.tpot_ms.median or None
+
+
+def _tput(s: Summary) -> float | None:
+    return s.output_throughput or None
+
+
+def _batch1(results: SuiteResults, roof_stored: float, roof_f32: float) -> list[str]:
+    keys = _keys(results, "batch1")
+    if not keys:
+        return []
+    cfg = results.config
+    scenario = results.scenarios["batch1"]
+    peers = [_best(results, "batch1", p, _tpot, lower_is_better=True) for p in PEERS]
+    lines = [f"#### One stream: {len(scenario.requests)} requests one after another, {cfg.input_len}-token "
+             f"prompts, {cfg.output_len} new tokens", "",
+             "| system | TPOT p50 (ms) | tok/s (1000/TPOT) | % of its roofline | TTFT p50 (ms) | E2EL p50 (ms) "
+             "| TPOT vs llama-server | TPOT vs transformers | other jobs (CPUs) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for key in keys:
+        s = _run(results, "batch1", key)
+        tok_s = 1000.0 / s.tpot_ms.median if s.tpot_ms.median else None
+        roof = roof_stored if key.startswith("llama-server") else roof_f32
+        ratios = [_x(_ratio(s.tpot_ms.median, p)) for p in peers]
+        lines.append(f"| {key}{_failed_note(s)} | {_f(s.tpot_ms.median)} | {_f(tok_s)} | "
+                     f"{_f(100 * tok_s / roof if tok_s else None, 0)}% | {_f(s.ttft_ms.median)} | "
+                     f"{_f(s.e2el_ms.median)} | {' | '.join(ratios)} | {_others(results, 'batch1', key)} |")
+    lines += ["", "TPOT ratios: the row's TPOT / the peer's better TPOT (of its two runs); lower is better", ""]
+    return lines
+
+
+def _streams(results: SuiteResults) -> list[str]:
+    keys = _keys(results, "streams")
+    if not keys:
+        return []
+    cfg = results.config
+    scenario = results.scenarios["streams"]
+    peers = [_best(results, "streams", p, _tput, lower_is_better=False) for p in PEERS]
+    lines = [f"#### {cfg.streams} concurrent streams: {len(scenario.requests)} requests due at once, "
+             f"{cfg.input_len}-token prompts, {cfg.output_len} new tokens", "",
+             "| system | output tok/s | req/s | TTFT p50 / p90 (ms) | TPOT p50 / p90 (ms) | ITL p90 (ms) "
+             "| output tok/s vs llama-server | vs transformers | other jobs (CPUs) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for key in keys:
+        s = _run(results, "streams", key)
+        ratios = [_x(_ratio(s.output_throughput, p)) for p in peers]
+        lines.append(f"| {key}{_failed_note(s)} | {_f(s.output_throughput)} | {_f(s.request_throughput, 2)} | "
+                     f"{_f(s.ttft_ms.median, 0)} / {_f(s.ttft_ms.percentiles.get('p90'), 0)} | "
+                     f"{_f(s.tpot_ms.median)} / {_f(s.tpot_ms.percentiles.get('p90'))} | "
+                     f"{_f(s.itl_ms.percentiles.get('p90'))} | {' | '.join(ratios)} | "
+                     f"{_others(results, 'streams', key)} |")
+    lines += ["", "Throughput ratios: the row's output tok/s / the peer's better one (of its two runs); higher is "
+              "better. transformers runs static batches, so its requests wait for a whole batch", ""]
+    return lines
+
+
+def prefix_cache_rows(results: SuiteResults) -> dict[str, tuple[float, float]]:
+    """system -> (median cold TTFT, median cached TTFT) in ms."""
+    scenario = results.scenarios.get("prefix_cache")
+    rows = {}
+    if scenario is None:
+        return rows
+    for system in scenario.systems:
+        run = results.runs.get(("prefix_cache", system))
+        if run is None:
+            continue
+        cold, cached = cold_and_cached(scenario.requests, run.records)
+        if cold and cached:
+            rows[system] = (percentile(cold, 50), percentile(cached, 50))
+    return rows
+
+
+def _prefix_cache(results: SuiteResults) -> list[str]:
+    rows = prefix_cache_rows(results)
+    if not rows:
+        return []
+    cfg = results.config
+    lines = [f"#### Prefix cache: {cfg.prefix_trials} pairs of prompts sharing a {cfg.prefix_len}-token system "
+             "prompt (+16 unique tokens), sent one at a time; the first of a pair is cold", "",
+             "| system | cold TTFT p50 (ms) | cached TTFT p50 (ms) | cached / cold | cached prompt tokens reported |",
+             "|---|---:|---:|---:|---:|"]
+    for system, (cold, cached) in rows.items():
+        s = _run(results, "prefix_cache", system)
+        lines.append(f"| {system}{_failed_note(s) if s else ''} | {_f(cold)} | {_f(cached)} | {_x(cached / cold)} | "
+                     f"{s.cached_tokens if s and s.cached_tokens is not None else '—'} |")
+    return lines + [""]
+
+
+def _shared_prefix(results: SuiteResults) -> list[str]:
+    scenario = results.scenarios.get("shared_prefix")
+    if scenario is None or not any(("shared_prefix", s) in results.runs for s in scenario.systems):
+        return []
+    cfg = results.config
+    lines = [f"#### Routing, shared-prefix workload: {cfg.shared_groups} system prompts of "
+             f"{cfg.shared_prefix_len} tokens x {cfg.shared_per_group} users ({cfg.shared_suffix_len} tokens), "
+             f"{cfg.shared_output_len} new tokens, Poisson {cfg.shared_rate:g} req/s, 2 prefill + 1 decode", "",
+             "| system | TTFT p50 / p90 / p99 (ms) | TPOT p50 (ms) | output tok/s | cached prompt tokens "
+             "| other jobs (CPUs) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for system in scenario.systems:
+        s = _run(results, "shared_prefix", system)
+        if s is None:
+            continue
+        p = s.ttft_ms.percentiles
+        lines.append(f"| {system}{_failed_note(s)} | {_f(p.get('p50'), 0)} / {_f(p.get('p90'), 0)} / "
+                     f"{_f(p.get('p99'), 0)} | {_f(s.tpot_ms.median)} | {_f(s.output_throughput)} | "
+                     f"{s.cached_tokens if s.cached_tokens is not None else '—'} | "
+                     f"{_others(results, 'shared_prefix', system)} |")
+    return lines + [""]
+
+
+def _sweep(results: SuiteResults) -> list[str]:
+    rows = [(system, run) for (scenario, system), run in results.runs.items() if scenario.startswith("sweep@")]
+    if not rows:
+        return []
+    lines = [f"#### Throughput vs request rate ({results.config.sweep_requests} requests, Poisson, at most "
+             f"{results.config.streams} in flight; the 'inf' point of the plot is the streams table)", "",
+             "| system | rate (req/s) | output tok/s | TTFT p90 (ms) | TPOT p50 (ms) | other jobs (CPUs) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for system, run in sorted(rows, key=lambda r: (r[0], r[1].config.request_rate)):
+        s = run.summary
+        lines.append(f"| {system}{_failed_note(s)} | {run.config.request_rate:g} | {_f(s.output_throughput)} | "
+                     f"{_f(s.ttft_ms.percentiles.get('p90'), 0)} | {_f(s.tpot_ms.median)} | "
+                     f"{_others(results, run.label.split()[-1], system)} |")
+    return lines + [""]
+
+
+def _goals(results: SuiteResults) -> list[str]:
+    lines = ["#### Goals of the issue", "", "| goal | system | measured | target | met |", "|---|---|---:|---:|:-:|"]
+
+    def row(goal: str, system: str, value: float | None, target: str, met: bool | None) -> None:
+        verdict = "—" if met is None else ("yes" if met else "**no**")
+        lines.append(f"| {goal} | {system} | {_x(value)} | {target} | {verdict} |")
+
+    llama_streams = _best(results, "streams", "llama-server", _tput, lower_is_better=False)
+    llama_b1 = _best(results, "batch1", "llama-server", _tpot, lower_is_better=True)
+    for system in PDSERVE:
+        s = _run(results, "streams", system)
+        if s is not None and llama_streams is not None:
+            r = _ratio(s.output_throughput, llama_streams)
+            row(f"{results.config.streams}-stream output tok/s vs llama-server", system, r, ">= 1.5x",
+                r is not None and r >= 1.5)
+    for system in PDSERVE:
+        s = _run(results, "batch1", system)
+        if s is not None and llama_b1 is not None:
+            r = _ratio(s.tpot_ms.median, llama_b1)
+            row("batch-1 TPOT vs llama-server", system, r, "<= 1.5x", r is not None and r <= 1.5)
+    for system, (cold, cached) in prefix_cache_rows(results).items():
+        if system.startswith("pdserve"):
+            row(f"cached {results.config.prefix_len}-token prefix TTFT / cold TTFT", system, cached / cold,
+                "<= 0.2x", cached / cold <= 0.2)
+    prefix = _run(results, "shared_prefix", "pdserve-2p1d-prefix")
+    rr = _run(results, "shared_prefix", "pdserve-2p1d-rr")
+    if prefix is not None and rr is not None:
+        r = _ratio(prefix.ttft_ms.percentiles.get("p90"), rr.ttft_ms.percentiles.get("p90"))
+        row("shared-prefix p90 TTFT, prefix-aware / round-robin", "pdserve-2p1d", r, "well below 1x (< 0.8x)",
+            r is not None and r < 0.8)
+    return lines + [""]

@@ -1,0 +1,100 @@
+"""The batch-1 decode roofline and a description of the machine.
+
+Decoding one token for one sequence reads every weight once (the KV cache of a short context is small beside
+them), so tokens/s <= memory bandwidth / weight bytes read per token. Bytes per token depend on how a system
+stores the weights: llama.cpp reads the GGUF's quantized blocks as they are, pdserve and transformers on CPU
+read float32 copies. The bandwidth is that of a large tensor copy (read + write bytes), a practical ceiling
+for streaming reads on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    stored: int
+    """Bytes read per token in the GGUF's own encoding (quantized blocks)."""
+    float32: int
+    """Bytes read per token as float32."""
+    num_params: int
+    """Parameters read per token."""
+
+
+def weight_bytes_per_token(gguf_path: Path) -> WeightBytes:
+    """Weights read to decode one token: every tensor, except the token embedding when the model has its own
+    output matrix (then only one embedding row is read; with tied embeddings the matrix is the output layer)."""
+    import gguf
+
+    tensors = gguf.GGUFReader(str(gguf_path)).tensors
+    untied = any(t.name == "output.weight" for t in tensors)
+    read = [t for t in tensors if not (untied and t.name == "token_embd.weight")]
+    num_params = sum(int(t.n_elements) for t in read)
+    return WeightBytes(stored=sum(int(t.n_bytes) for t in read), float32=4 * num_params, num_params=num_params)
+
+
+def copy_bandwidth(num_bytes: int = 2**30, repeats: int = 5) -> float:
+    """Bytes/s of the fastest of `repeats` large float32 tensor copies (read + write counted), with the
+    threads torch is set to use."""
+    import torch
+
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * num_bytes / best
+
+
+def roofline_tokens_per_s(bandwidth: float, bytes_per_token: int) -> float:
+    return bandwidth / bytes_per_token
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_gib() -> float | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
+@dataclass(frozen=True)
+class MachineInfo:
+    cpu: str
+    logical_cpus: int
+    memory_gib: float | None
+    os: str
+    python: str
+    torch: str
+    load_average: tuple[float, float, float]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def machine_info() -> MachineInfo:
+    import torch
+
+    return MachineInfo(cpu=_cpu_model(), logical_cpus=os.cpu_count() or 1, memory_gib=_memory_gib(),
+                       os=f"{platform.system()} {platform.release()}", python=platform.python_version(),
+                       torch=torch.__version__, load_average=os.getloadavg())

@@ -1,0 +1,359 @@
+"""`pdserve bench --suite cpu`: every system, one run, one machine, the same token ids.
+
+Systems (each gets the same `threads`; the disaggregated shapes divide them among their workers the way
+`pdserve up` does):
+    llama-server          llama.cpp's server on the same GGUF, --parallel <streams>, continuous batching
+    transformers          AutoModelForCausalLM on the same GGUF (dequantized to float32), static batches
+    pdserve-engine        pdserve's engine in this process (no RPC)
+    pdserve-1p1d          LocalCluster: 1 prefill + 1 decode worker + gateway + Redis (gRPC client)
+    pdserve-2p1d-prefix   2 prefill + 1 decode, prefix-aware routing
+    pdserve-2p1d-rr       2 prefill + 1 decode, round-robin routing
+
+Scenarios (prompts are random token ids wrapped in the model's chat template, rendered once here; greedy,
+EOS ignored, exactly max_tokens generated):
+    batch1         one stream: requests one after another                         -> TPOT at batch 1
+    streams        `streams` concurrent streams, all requests due at once         -> aggregate throughput
+    prefix_cache   pairs sharing a `prefix_len`-token system prompt, one at a time:
+                   the first of a pair is cold, the second finds the prefix cached -> cached vs cold TTFT
+    shared_prefix  `shared_groups` system prompts x `shared_per_group` users, Poisson arrivals
+                                                                                  -> routing p90 TTFT
+    sweep@R        the streams workload at Poisson rate R (concurrency capped)    -> throughput vs rate
+Writes results.json (every request's timings), PNG plots and report.md into the output directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import os
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdserve.bench import cpumeter, plots, report
+from pdserve.bench.backends import Backend, OpenAIBackend, PdserveBackend
+from pdserve.bench.metrics import summarize
+from pdserve.bench.runner import RunConfig, RunResult, run_with, write_json
+from pdserve.bench.workloads import (BenchRequest, PromptFormat, TemplateFormat, random_workload,
+                                     shared_prefix_workload)
+
+log = logging.getLogger(__name__)
+
+LLAMA_SERVER = "llama-server"
+TRANSFORMERS = "transformers"
+ENGINE = "pdserve-engine"
+ONE_P_ONE_D = "pdserve-1p1d"
+TWO_P_PREFIX = "pdserve-2p1d-prefix"
+TWO_P_RR = "pdserve-2p1d-rr"
+SYSTEMS = (LLAMA_SERVER, TRANSFORMERS, ENGINE, ONE_P_ONE_D, TWO_P_PREFIX, TWO_P_RR)
+PEERS = (LLAMA_SERVER, TRANSFORMERS)
+REPEAT = " (repeat)"
+"""Suffix of a peer's second batch1/streams runs, at the end of the suite."""
+ROUTING = {TWO_P_PREFIX: "prefix", TWO_P_RR: "round-robin"}
+
+
+@dataclass(frozen=True)
+class SuiteConfig:
+    """What `pdserve bench --suite cpu` runs. The defaults fit in about 20 minutes on 2 cores."""
+
+    out_dir: Path
+    """Results directory (bench/results/<date> by default)."""
+    llama_server: Path | None = None
+    """The llama-server binary; None leaves llama-server out (the report says so)."""
+    model: str = "default"
+    """GGUF every system serves ("default": SmolLM2-135M-Instruct Q4_1)."""
+    threads: int = 2
+    """CPU threads of every system."""
+    systems: tuple[str, ...] = SYSTEMS
+    seed: int = 0
+    input_len: int = 128
+    """Prompt tokens (chat template included) of the batch1 / streams / sweep workloads."""
+    output_len: int = 64
+    batch1_requests: int = 3
+    streams: int = 32
+    """Concurrent streams (llama-server --parallel, transformers batch size)."""
+    streams_requests: int = 32
+    prefix_len: int = 1024
+    prefix_trials: int = 3
+    shared_groups: int = 8
+    shared_per_group: int = 4
+    shared_prefix_len: int = 512
+    shared_suffix_len: int = 48
+    shared_output_len: int = 16
+    shared_rate: float = 1.0
+    """Poisson arrivals per second of the shared_prefix scenario."""
+    sweep_rates: tuple[float, ...] = (1.0, 2.0)
+    sweep_requests: int = 16
+    sweep_systems: tuple[str, ...] = (LLAMA_SERVER, ONE_P_ONE_D)
+    repeat_peers: bool = True
+    """Run the peers' batch1 and streams scenarios again at the end; ratios use each peer's better run."""
+    kv_cache_memory: int = 2 * 2**30
+    """KV-cache bytes of pdserve's engine and of each pdserve worker."""
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        unknown = set(self.systems) - set(SYSTEMS)
+        if unknown:
+            raise ValueError(f"unknown system(s) {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    requests: list[BenchRequest]
+    run: RunConfig
+    systems: tuple[str, ...]
+
+
+@dataclass
+class SuiteResults:
+    """Everything the report needs."""
+
+    config: SuiteConfig
+    scenarios: dict[str, Scenario]
+    runs: dict[tuple[str, str], RunResult] = field(default_factory=dict)
+    """(scenario, system) -> run."""
+    errors: dict[str, str] = field(default_factory=dict)
+    """system -> why it has no (or only some) results."""
+    peers: dict[str, str] = field(default_factory=dict)
+    """system -> how it was built and configured."""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def build_scenarios(cfg: SuiteConfig, fmt: PromptFormat, token_range: tuple[int, int]) -> dict[str, Scenario]:
+    def pick(*names: str) -> tuple[str, ...]:
+        return tuple(name for name in names if name in cfg.systems)
+
+    kw = {"fmt": fmt, "token_range": token_range}
+    progress = cfg.progress
+    scenarios = [
+        Scenario("batch1", "1 stream",
+                 random_workload(cfg.batch1_requests, cfg.input_len, cfg.output_len, seed=cfg.seed, **kw),
+                 RunConfig(max_concurrency=1, progress=progress),
+                 pick(LLAMA_SERVER, TRANSFORMERS, ENGINE, ONE_P_ONE_D)),
+        Scenario("streams", f"{cfg.streams} concurrent streams",
+                 random_workload(cfg.streams_requests, cfg.input_len, cfg.output_len, seed=cfg.seed + 1, **kw),
+                 RunConfig(max_concurrency=cfg.streams, progress=progress),
+                 pick(LLAMA_SERVER, TRANSFORMERS, ENGINE, ONE_P_ONE_D)),
+    ]
+    pairs = shared_prefix_workload(cfg.prefix_trials, 2, cfg.prefix_len, 16, 4, seed=cfg.seed + 2, **kw)
+    ordered = sorted(pairs.requests, key=lambda r: (r.group_id, r.request_id))
+    ordered = [dataclasses.replace(r, session_id=r.group_id) for r in ordered]
+    scenarios.append(Scenario("prefix_cache", f"{cfg.prefix_len}-token prefix, cold then cached", ordered,
+                              RunConfig(max_concurrency=1, progress=progress),
+                              pick(LLAMA_SERVER, ENGINE, ONE_P_ONE_D)))
+    shared = shared_prefix_workload(cfg.shared_groups, cfg.shared_per_group, cfg.shared_prefix_len,
+                                    cfg.shared_suffix_len, cfg.shared_output_len, seed=cfg.seed + 3, **kw)
+    scenarios.append(Scenario("shared_prefix", f"{cfg.shared_groups} system prompts x {cfg.shared_per_group} "
+                              f"users, Poisson {cfg.shared_rate:g}/s", shared.requests,
+                              RunConfig(request_rate=cfg.shared_rate, seed=cfg.seed, progress=progress),
+                              pick(TWO_P_PREFIX, TWO_P_RR)))
+    sweep = random_workload(cfg.sweep_requests, cfg.input_len, cfg.output_len, seed=cfg.seed + 4, **kw)
+    for rate in cfg.sweep_rates:
+        scenarios.append(Scenario(f"sweep@{rate:g}", f"Poisson {rate:g}/s", sweep,
+                                  RunConfig(request_rate=rate, max_concurrency=cfg.streams, seed=cfg.seed,
+                                            progress=progress),
+                                  tuple(s for s in cfg.sweep_systems if s in cfg.systems)))
+    return {s.name: s for s in scenarios}
+
+
+def default_out_dir() -> Path:
+    return Path("bench/results") / datetime.date.today().isoformat()
+
+
+# ------------------------------------------------------------------------------------------------ systems
+@contextlib.contextmanager
+def _llama_server(cfg: SuiteConfig, model_path: Path, ctx_per_slot: int,
+                  results: SuiteResults) -> Iterator[tuple[Backend, list[int]]]:
+    from pdserve.bench.peers import LlamaServer, LlamaServerConfig
+
+    assert cfg.llama_server is not None
+    server = LlamaServer(LlamaServerConfig(cfg.llama_server, model_path, cfg.threads, parallel=cfg.streams,
+                                           ctx_per_slot=ctx_per_slot), cfg.out_dir / "logs" / "llama-server.log")
+    with server:
+        results.peers[LLAMA_SERVER] = (f"`{' '.join(server.argv)}` ({server.version()}); "
+                                       f"requests set {json.dumps(server.extra_body)}")
+        yield OpenAIBackend(server.base_url, extra_body=server.extra_body, name=LLAMA_SERVER), [server.pid]
+
+
+@contextlib.contextmanager
+def _engine(cfg: SuiteConfig, model_path: Path, results: SuiteResults) -> Iterator[tuple[Backend, list[int]]]:
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from pdserve.bench.inprocess import EngineBackend
+
+    config = EngineConfig(model=str(model_path), num_threads=cfg.threads, kv_cache_memory=cfg.kv_cache_memory)
+    engine = LLMEngine(config, progress=False)
+    results.peers[ENGINE] = (f"`LLMEngine(EngineConfig(model, num_threads={cfg.threads}, "
+                             f"kv_cache_memory={cfg.kv_cache_memory}))` in the benchmark process, dtype "
+                             f"{config.dtype} (float32 on CPU), max_num_seqs {config.max_num_seqs}, "
+                             f"prefix caching on")
+    try:
+        yield EngineBackend(engine, name=ENGINE), []
+    finally:
+        del engine
+
+
+@contextlib.contextmanager
+def _cluster(cfg: SuiteConfig, model_path: Path, system: str,
+             results: SuiteResults) -> Iterator[tuple[Backend, list[int]]]:
+    from engine.config import EngineConfig
+    from gateway.config import GatewayConfig
+    from pdserve.launcher import LocalCluster, LocalClusterConfig, divide_threads
+
+    num_prefill = 1 if system == ONE_P_ONE_D else 2
+    gateway_args: tuple[str, ...] = ()
+    if system in ROUTING:
+        if "routing" not in {f.name for f in dataclasses.fields(GatewayConfig)}:
+            raise RuntimeError("GatewayConfig has no `routing` field: `pdserve gateway --routing "
+                               f"{ROUTING[system]}` is not available, so {system} cannot run")
+        gateway_args = ("--routing", ROUTING[system])
+    config = LocalClusterConfig(num_prefill=num_prefill, num_decode=1, port=0, num_cpus=cfg.threads,
+                                engine=EngineConfig(model=str(model_path), kv_cache_memory=cfg.kv_cache_memory),
+                                gateway_args=gateway_args, run_dir=str(cfg.out_dir / "logs" / system))
+    threads = divide_threads(cfg.threads, num_prefill + 1)
+    results.peers[system] = (f"`LocalCluster(num_prefill={num_prefill}, num_decode=1, num_cpus={cfg.threads})`"
+                             f" (worker threads {threads}, prefill workers first; gateway args "
+                             f"{' '.join(gateway_args) or 'default'}), KV cache {cfg.kv_cache_memory} bytes "
+                             "per worker, real Redis; client: pdserve.client.AsyncClient over gRPC")
+    with LocalCluster(config) as cluster:
+        yield PdserveBackend(cluster.gateway_target, name=system), list(cluster.pids.values())
+
+
+# ------------------------------------------------------------------------------------------------ running
+def run_suite(cfg: SuiteConfig) -> SuiteResults:
+    """Run every system through its scenarios; write results.json, the plots and report.md."""
+    import torch
+
+    from engine.loader import load_model
+    from engine.model_fetch import resolve_model_path
+    from pdserve.bench import roofline
+
+    started = time.perf_counter()
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(cfg.threads)
+    model_path = resolve_model_path(cfg.model)
+    tokenizer = load_model(model_path, with_weights=False).tokenizer
+    fmt = TemplateFormat(lambda messages: tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+                         lambda text: tokenizer.encode(text, add_special_tokens=False))
+    token_range = (max(tokenizer.all_special_ids, default=-1) + 1, tokenizer.vocab_size)
+    scenarios = build_scenarios(cfg, fmt, token_range)
+    results = SuiteResults(cfg, scenarios)
+    machine = roofline.machine_info()
+    weights = roofline.weight_bytes_per_token(model_path)
+    bandwidth_start = roofline.copy_bandwidth()
+    results.meta = {"date": datetime.date.today().isoformat(), "machine": machine.to_dict(),
+                    "model": str(model_path), "threads": cfg.threads, "weights": dataclasses.asdict(weights),
+                    "token_range": token_range,
+                    "suite_config": {k: (str(v) if isinstance(v, Path) else v)
+                                     for k, v in dataclasses.asdict(cfg).items()}}
+    ctx_per_slot = _round_up(max(r.prompt_len + r.max_tokens for s in scenarios.values() for r in s.requests), 512)
+
+    plan = [(system, [s for s in scenarios.values() if system in s.systems], False) for system in cfg.systems]
+    if cfg.repeat_peers:  # a second chance for the peers, in case other jobs slowed their first runs
+        plan += [(peer, [s for s in scenarios.values() if s.name in ("batch1", "streams") and peer in s.systems],
+                  True) for peer in PEERS if peer in cfg.systems]
+    for system, todo, repeat in plan:
+        if todo:
+            _run_system(cfg, model_path, system, system + (REPEAT if repeat else ""), todo, results, ctx_per_slot)
+
+    # the machine is shared: the best of a copy before and one after is the closer to what it can do
+    bandwidth_end = roofline.copy_bandwidth()
+    results.meta["copy_bandwidth_bytes_per_s"] = max(bandwidth_start, bandwidth_end)
+    results.meta["copy_bandwidth_start_end"] = (bandwidth_start, bandwidth_end)
+    results.meta["suite_wall_s"] = time.perf_counter() - started
+    results.meta["load_average_end"] = os.getloadavg()
+    write_outputs(results)
+    return results
+
+
+def _run_system(cfg: SuiteConfig, model_path: Path, system: str, key: str, todo: list[Scenario],
+                results: SuiteResults, ctx_per_slot: int) -> None:
+    """Start `system`, run its scenarios (stored under `key`), stop it; a failure is recorded, not raised."""
+    log.info("suite: %s (%s)", key, ", ".join(s.name for s in todo))
+    try:
+        if system == TRANSFORMERS:
+            _run_transformers(cfg, model_path, key, todo, results)
+            return
+        if system == LLAMA_SERVER:
+            if cfg.llama_server is None:
+                results.errors[key] = ("not run: no llama-server binary (build it with "
+                                       "`bash bench/build_llama_server.sh`, pass --llama-server PATH)")
+                return
+            context = _llama_server(cfg, model_path, ctx_per_slot, results)
+        elif system == ENGINE:
+            context = _engine(cfg, model_path, results)
+        else:
+            context = _cluster(cfg, model_path, system, results)
+        with context as (backend, pids):
+            for scenario in todo:
+                before = cpumeter.sample(pids)
+                run = asyncio.run(run_with(backend, scenario.requests, scenario.run, label=f"{key} {scenario.name}"))
+                run.meta["others_cores"] = cpumeter.others_cores(before, cpumeter.sample(pids))
+                results.runs[(scenario.name, key)] = run
+    except Exception as exc:
+        results.errors[key] = f"{type(exc).__name__}: {exc}"
+        log.error("suite: %s failed:\n%s", key, traceback.format_exc())
+
+
+def _run_transformers(cfg: SuiteConfig, model_path: Path, key: str, todo: list[Scenario],
+                      results: SuiteResults) -> None:
+    import transformers
+
+    from pdserve.bench.inprocess import load_transformers_model, run_transformers
+
+    model = load_transformers_model(str(model_path), cfg.threads)
+    results.peers[TRANSFORMERS] = (f"transformers {transformers.__version__} `AutoModelForCausalLM.from_pretrained"
+                                   f"(dir, gguf_file=..., dtype=float32)`, torch threads {cfg.threads}, "
+                                   "`generate` greedy with min_new_tokens = max_new_tokens, static batches "
+                                   "(left padding)")
+    warm = todo[0].requests[:1]
+    run_transformers(model, [dataclasses.replace(warm[0], max_tokens=2)], batch_size=1)
+    for scenario in todo:
+        batch_size = scenario.run.max_concurrency or len(scenario.requests)
+        before = cpumeter.sample()
+        records, duration = run_transformers(model, scenario.requests, batch_size)
+        results.runs[(scenario.name, key)] = RunResult(
+            f"{key} {scenario.name}", scenario.run, records, duration, summarize(records, duration),
+            meta={"batch_size": batch_size, "arrivals": "all at t0, static batches",
+                  "others_cores": cpumeter.others_cores(before, cpumeter.sample())})
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return multiple * math.ceil(n / multiple)
+
+
+def write_outputs(results: SuiteResults) -> None:
+    out = results.config.out_dir
+    runs = list(results.runs.values())
+    write_json(out / "results.json", runs, {**results.meta, "errors": results.errors, "peers": results.peers})
+    pngs = {}
+    for name in ("batch1", "streams", "shared_prefix"):
+        runs_of = {system: r.records for (scenario, system), r in results.runs.items() if scenario == name}
+        if runs_of:
+            title = f"{results.scenarios[name].title} ({results.meta['model'].rsplit('/', 1)[-1]})"
+            pngs[name] = plots.plot_latency_cdfs(runs_of, out / f"latency_{name}.png", title).name
+    points: dict[str, list[tuple[float, float, float]]] = {}
+    for (scenario, system), run in results.runs.items():
+        rate = None
+        if scenario.startswith("sweep@"):
+            rate = run.config.request_rate
+        elif scenario == "streams" and system in results.config.sweep_systems:
+            rate = math.inf
+        if rate is not None:
+            points.setdefault(system, []).append((rate, run.summary.output_throughput,
+                                                  run.summary.ttft_ms.percentiles.get("p90", 0.0)))
+    if points:
+        pngs["throughput_vs_rate"] = plots.plot_throughput_vs_rate(points, out / "throughput_vs_rate.png").name
+    (out / "report.md").write_text(report.render(results, pngs))
