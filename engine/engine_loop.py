@@ -138,13 +138,18 @@ class EngineLoop:
         return engine.abort(request_id)
 
     def _run(self) -> None:
+        progressed = False
         while not self._stop.is_set():
-            busy = self.engine.has_unfinished()
-            self._run_commands(block=not busy)
+            # Wait for commands when idle, and also when the last step could schedule nothing (e.g. every free
+            # block is held by reservations): spinning would only burn the core until something changes.
+            self._run_commands(block=not progressed)
             if self._stop.is_set():
                 break
+            progressed = False
             if self.engine.has_unfinished():
+                steps_before = self.engine.num_steps
                 self._step()
+                progressed = self.engine.num_steps > steps_before
             self._housekeeping()
 
     def _run_commands(self, block: bool) -> None:

@@ -68,6 +68,8 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._requests: dict[str, Sequence] = {}
         self._reserved: dict[str, Sequence] = {}
+        self.num_steps = 0
+        """Steps that ran the model (a step with nothing schedulable does not count)."""
         self._held: dict[str, Sequence] = {}
 
     # --- requests ---------------------------------------------------------------------------------------------
@@ -169,6 +171,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.chunks:
             return []
+        self.num_steps += 1
         sampled, logprobs = self.runner.execute(out)
         for request_id, lp in logprobs.items():
             self._requests[request_id].output_logprobs.append(lp)

@@ -102,13 +102,13 @@ def test_reserve_without_room_is_overload_and_leaks_nothing():
 def test_engine_loop_stop_fails_waiting_callers_instead_of_hanging():
     from engine.engine_loop import EngineLoop, LoopStopped
 
-    loop = EngineLoop(tiny_engine()).start()
-    stream = loop.open_stream("s", lambda e: e.add_request("s", list(range(1, 9)), SamplingParams(max_tokens=500)))
-    assert stream.get(timeout=30) is not None
+    loop = EngineLoop(tiny_engine(num_kv_blocks=30, max_model_len=100)).start()
+    loop.call(lambda e: e.reserve("hog", list(range(1, 90)), PARAMS[0]))       # 23 of 30 blocks, never started
+    stream = loop.open_stream("s", lambda e: e.add_request("s", list(range(1, 41)), PARAMS[0]))  # needs 11
+    assert loop.call(lambda e: e.stats())["waiting"] == 1                       # cannot be scheduled
     loop.stop()
     with pytest.raises(LoopStopped):
-        while stream.get(timeout=30) is not None:
-            pass
+        stream.get(timeout=30)
     with pytest.raises(LoopStopped):
         loop.call(lambda e: e.stats())
     stream.close()
