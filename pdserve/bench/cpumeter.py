@@ -63,3 +63,15 @@ def others_cores(before: CpuSample, after: CpuSample) -> float:
         return 0.0
     others = (after.busy_s - before.busy_s) - (after.ours_s - before.ours_s)
     return max(0.0, others / wall)
+
+
+def wait_quiet(max_wait_s: float, threshold_cores: float = 0.25, window_s: float = 2.0) -> float:
+    """Wait (at most `max_wait_s`) until other processes keep fewer than `threshold_cores` CPUs busy over a
+    `window_s` window; returns the last window's figure (call it when the benchmark itself is idle)."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        before = sample()
+        time.sleep(window_s)
+        others = others_cores(before, sample())
+        if others < threshold_cores or time.monotonic() + window_s > deadline:
+            return others

@@ -36,14 +36,15 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def cold_and_cached(requests: Sequence, records: Sequence[RequestRecord]) -> tuple[list[float], list[float]]:
-    """TTFTs (ms) of the first request of each session (cold) and of the later ones (cached prefix)."""
+    """TTFTs (ms) of the first request of each session (cold) and of the later ones (cached prefix), by
+    position in the session; failed requests are left out."""
     seen: set = set()
     cold, cached = [], []
     for request, record in zip(requests, records):
-        if not (record.success and record.chunk_times_s):
-            continue
-        (cached if request.session_id in seen else cold).append(record.ttft_s * 1e3)
+        is_cold = request.session_id not in seen
         seen.add(request.session_id)
+        if record.success and record.chunk_times_s:
+            (cold if is_cold else cached).append(record.ttft_s * 1e3)
     return cold, cached
 
 
@@ -64,7 +65,8 @@ def render(results: SuiteResults, pngs: Mapping[str, str]) -> str:
         f"{_f(machine['memory_gib'])} GiB, {machine['os']}, Python {machine['python']}, torch {machine['torch']}; "
         f"load average {machine['load_average'][0]:.2f} at the start, {meta['load_average_end'][0]:.2f} at the end "
         "(a shared machine: compare ratios within this run, not absolute figures across runs)",
-        f"- Command: `{command}` (whole suite {meta['suite_wall_s'] / 60:.1f} min)",
+        f"- Command: `{command}` (whole suite {meta['suite_wall_s'] / 60:.1f} min"
+        + ("" if meta.get("complete") else ", INCOMPLETE: these are the systems done so far") + ")",
         f"- Model: `{meta['model'].rsplit('/', 1)[-1]}`; every system gets the same token ids (chat template "
         "rendered once, sent as raw completions), greedy, EOS ignored, exactly max_tokens generated",
         f"- Batch-1 decode roofline: weights read per token {weights['stored'] / 2**20:.0f} MiB as stored in the "
@@ -76,7 +78,9 @@ def render(results: SuiteResults, pngs: Mapping[str, str]) -> str:
         f"- other jobs (CPUs): how many of the {machine['logical_cpus']} CPUs processes outside the benchmark kept "
         "busy during a run, on average (all CPUs' busy time minus that of the benchmark and the servers it "
         "started); a run with much of it measured a slowed system, llama-server the most (its threads wait "
-        "for each other at every step)",
+        "for each other at every step). Each system starts after waiting (up to "
+        f"{cfg.quiet_wait_s:.0f} s) for the CPUs to be free; a peer whose runs were contended runs its one-stream "
+        "and many-stream scenarios again at the end",
         "",
         "How each system was built and configured:",
         "",
@@ -86,6 +90,8 @@ def render(results: SuiteResults, pngs: Mapping[str, str]) -> str:
             lines.append(f"- {system}: {results.peers[system]}")
     for system, error in results.errors.items():
         lines.append(f"- **{system} has no (or partial) results**: {error}")
+    for note in results.notes:
+        lines.append(f"- {note}")
     lines.append("")
     lines += _batch1(results, roof_stored, roof_f32)
     lines += _streams(results)

@@ -57,6 +57,8 @@ SYSTEMS = (LLAMA_SERVER, TRANSFORMERS, ENGINE, ONE_P_ONE_D, TWO_P_PREFIX, TWO_P_
 PEERS = (LLAMA_SERVER, TRANSFORMERS)
 REPEAT = " (repeat)"
 """Suffix of a peer's second batch1/streams runs, at the end of the suite."""
+CONTENDED_CORES = 0.1
+"""A run during which other jobs kept this many CPUs busy is contended: its peer gets a second try."""
 ROUTING = {TWO_P_PREFIX: "prefix", TWO_P_RR: "round-robin"}
 
 
@@ -93,6 +95,8 @@ class SuiteConfig:
     sweep_rates: tuple[float, ...] = (1.0, 2.0)
     sweep_requests: int = 16
     sweep_systems: tuple[str, ...] = (LLAMA_SERVER, ONE_P_ONE_D)
+    quiet_wait_s: float = 20.0
+    """Before each system, wait up to this long for other jobs to leave the CPUs (recorded either way)."""
     repeat_peers: bool = True
     """Run the peers' batch1 and streams scenarios again at the end; ratios use each peer's better run."""
     kv_cache_memory: int = 2 * 2**30
@@ -126,6 +130,8 @@ class SuiteResults:
     """(scenario, system) -> run."""
     errors: dict[str, str] = field(default_factory=dict)
     """system -> why it has no (or only some) results."""
+    notes: list[str] = field(default_factory=list)
+    """What the report should say about how the run went (repeats skipped, ...)."""
     peers: dict[str, str] = field(default_factory=dict)
     """system -> how it was built and configured."""
     meta: dict[str, Any] = field(default_factory=dict)
@@ -258,6 +264,9 @@ def run_suite(cfg: SuiteConfig) -> SuiteResults:
                     "token_range": token_range,
                     "suite_config": {k: (str(v) if isinstance(v, Path) else v)
                                      for k, v in dataclasses.asdict(cfg).items()}}
+    results.meta.update({"copy_bandwidth_bytes_per_s": bandwidth_start,
+                         "copy_bandwidth_start_end": (bandwidth_start, bandwidth_start), "complete": False,
+                         "suite_wall_s": 0.0, "load_average_end": os.getloadavg()})
     ctx_per_slot = _round_up(max(r.prompt_len + r.max_tokens for s in scenarios.values() for r in s.requests), 512)
 
     plan = [(system, [s for s in scenarios.values() if system in s.systems], False) for system in cfg.systems]
@@ -265,8 +274,26 @@ def run_suite(cfg: SuiteConfig) -> SuiteResults:
         plan += [(peer, [s for s in scenarios.values() if s.name in ("batch1", "streams") and peer in s.systems],
                   True) for peer in PEERS if peer in cfg.systems]
     for system, todo, repeat in plan:
-        if todo:
-            _run_system(cfg, model_path, system, system + (REPEAT if repeat else ""), todo, results, ctx_per_slot)
+        if not todo:
+            continue
+        key = system + (REPEAT if repeat else "")
+        if repeat:
+            first = [run.meta.get("others_cores", 0.0) for (name, k), run in results.runs.items()
+                     if k == system and name in ("batch1", "streams")]
+            if first and max(first) < CONTENDED_CORES:
+                results.notes.append(f"{system}: not repeated, other jobs took at most {max(first):.2f} CPUs "
+                                     "during its runs")
+                continue
+        others = cpumeter.wait_quiet(cfg.quiet_wait_s, CONTENDED_CORES)
+        results.meta.setdefault("others_cores_before", {})[key] = others
+        if repeat and others >= CONTENDED_CORES:
+            results.notes.append(f"{system}: not repeated, other jobs kept {others:.2f} CPUs busy after waiting "
+                                 f"{cfg.quiet_wait_s:.0f} s (a contended repeat measures nothing new)")
+            continue
+        _run_system(cfg, model_path, system, key, todo, results, ctx_per_slot)
+        results.meta["suite_wall_s"] = time.perf_counter() - started
+        results.meta["load_average_end"] = os.getloadavg()
+        write_outputs(results)  # after every system, so that a stopped suite still leaves its results
 
     # the machine is shared: the best of a copy before and one after is the closer to what it can do
     bandwidth_end = roofline.copy_bandwidth()
@@ -274,6 +301,7 @@ def run_suite(cfg: SuiteConfig) -> SuiteResults:
     results.meta["copy_bandwidth_start_end"] = (bandwidth_start, bandwidth_end)
     results.meta["suite_wall_s"] = time.perf_counter() - started
     results.meta["load_average_end"] = os.getloadavg()
+    results.meta["complete"] = True
     write_outputs(results)
     return results
 
@@ -337,7 +365,8 @@ def _round_up(n: int, multiple: int) -> int:
 def write_outputs(results: SuiteResults) -> None:
     out = results.config.out_dir
     runs = list(results.runs.values())
-    write_json(out / "results.json", runs, {**results.meta, "errors": results.errors, "peers": results.peers})
+    write_json(out / "results.json", runs, {**results.meta, "errors": results.errors, "notes": results.notes,
+                                             "peers": results.peers})
     pngs = {}
     for name in ("batch1", "streams", "shared_prefix"):
         runs_of = {system: r.records for (scenario, system), r in results.runs.items() if scenario == name}
