@@ -9,10 +9,12 @@
     pdserve fetch-model                                        download and verify the default model
 
 Exit codes: 0 success, 1 a server or the local cluster failed, 2 bad flags or a failed request,
-130 interrupted (Ctrl-C). Environment: PDSERVE_HOME, the model cache (default ~/.cache/pdserve).
+130 interrupted (Ctrl-C). Environment: PDSERVE_HOME, the model cache (default ~/.cache/pdserve);
+PDSERVE_LLAMA_SERVER, the default of `pdserve bench --llama-server`.
 """
 
-# Flags are read here and in cli_args, nowhere else; PDSERVE_HOME only through engine.model_fetch.default_home.
+# Flags are read here, in cli_args and in bench/cli (its own subcommand); PDSERVE_HOME only through
+# engine.model_fetch.default_home.
 
 from __future__ import annotations
 
