@@ -38,7 +38,8 @@ import grpc
 from engine.errors import InvalidRequestError
 from engine.sequence import FinishReason, TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from gateway.routing import Candidate, RoutingPolicy, plan_prefill, rank_decode_workers, rank_prefill_workers
+from gateway.routing import (Candidate, DispatchedPrefixes, RoutingPolicy, plan_prefill, rank_decode_workers,
+                             rank_prefill_workers)
 from gateway.request_types import (DeadlineExceeded, NoWorkerAvailable, OutputChunk, Overloaded, RequestTrace,
                                     Timings, Usage, WorkerFailed)
 from gateway.stop_strings import StopStringMatcher
@@ -54,6 +55,9 @@ CONTROL_TIMEOUT_S = 5.0
 """Longest wait for Reserve, Abort and Stats (they do no compute; a worker that takes longer is unwell)."""
 SUSPECT_S = 5.0
 """A worker that was unreachable is ranked last for this long (its index record outlives it by up to its TTL)."""
+DISPATCHED_HOLD_S = 5.0
+"""After a Prefill succeeds, its blocks count as cached on that prefill worker for this long, whatever the index
+says (the worker publishes them within milliseconds; this covers a slow Redis and a publisher retrying)."""
 CHANNEL_OPTIONS = [
     # Reconnect quickly to a restarted worker instead of grpc's default back-off of up to 2 minutes.
     ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
@@ -142,6 +146,8 @@ class Orchestrator:
         self._inflight: Counter[str] = Counter()
         self._turns: Counter[str] = Counter()                    # per role, for round-robin routing
         self._suspect_until: dict[str, float] = {}
+        self.dispatched = DispatchedPrefixes(DISPATCHED_HOLD_S)
+        """Prompt blocks sent to prefill workers that the index may not know yet (routing.DispatchedPrefixes)."""
         self._background: set[asyncio.Task] = set()
 
     # --- admission --------------------------------------------------------------------------------------------
@@ -301,7 +307,8 @@ class _Run:
         # Ranked now, not before Reserve: with no await between ranking and _prefill counting its choice, a
         # burst of requests sees each other's prefills and spreads over the prefill workers.
         prefill_ranking = rank_prefill_workers(matches, policy, orch._inflight, orch.suspects(),
-                                               orch.take_turn("prefill"))
+                                               orch.take_turn("prefill"),
+                                               orch.dispatched.leading_blocks(hashes, time.monotonic()))
         num_cached_on_decode = self.reservation.target.num_cached_blocks * policy.block_size
         plan = plan_prefill(req.num_prompt_tokens, num_cached_on_decode, prefill_ranking, policy)
         prefill = None
@@ -310,7 +317,7 @@ class _Run:
         else:
             for candidate in plan.candidates[:orch.prefill_attempts]:
                 try:
-                    prefill = await self._prefill(candidate)
+                    prefill = await self._prefill(candidate, hashes)
                     break
                 except _PrefillFailed:
                     # The reservation is gone (rejected transfer) or may still be receiving (P crashed): replace it.
@@ -371,12 +378,16 @@ class _Run:
                              f"({num_full} full)")
         raise NoWorkerAvailable("no decode worker answered Reserve")
 
-    async def _prefill(self, candidate: Candidate) -> tuple[worker_pb2.PrefillResponse, float]:
-        """Prefill on `candidate` into the current reservation; returns (response, RPC wall ms)."""
+    async def _prefill(self, candidate: Candidate,
+                       hashes: Sequence[int]) -> tuple[worker_pb2.PrefillResponse, float]:
+        """Prefill on `candidate` into the current reservation; returns (response, RPC wall ms). `hashes`: the
+        prompt's block hashes, remembered as dispatched to `candidate` (no await before, see execute)."""
         res = self.reservation
         self.trace.prefill_workers.append(candidate.worker_id)
         self.prefilling = (candidate, res.worker_request_id)
         self._count(candidate.worker_id, 1)
+        self.orch.dispatched.start(candidate.worker_id, hashes)
+        held = False
         start = time.monotonic()
         try:
             response = await self.orch.channels.prefill(candidate.endpoint).Prefill(
@@ -392,8 +403,11 @@ class _Run:
             log.warning("Prefill of %s on %s failed (%s: %s)", res.worker_request_id, candidate.worker_id,
                         err.code().name, err.details())
             raise _PrefillFailed() from err
+        else:
+            held = True
         finally:
             self._count(candidate.worker_id, -1)
+            self.orch.dispatched.finish(candidate.worker_id, hashes, time.monotonic(), held)
         self.prefilling = None
         return response, (time.monotonic() - start) * 1000.0
 

@@ -21,6 +21,11 @@ block sizes (`incompatibility` says why one is ignored).
     prefill score = cached_tokens - prefill_load_penalty_tokens x load
                     then worker_id. P's cached prefix is compute it skips; each prompt ahead of ours
                     costs about one prompt of compute (default 256 tokens).
+                    cached_tokens counts, beside the index's answer, the leading blocks this gateway sent
+                    P to prefill and the index may not know yet (`DispatchedPrefixes`): a worker publishes
+                    its blocks only once it has computed them, and without this a second request with the
+                    same prefix, arriving while the first one's prefill runs, would look uncached
+                    everywhere and go by load to another P, which would compute the prefix again.
                     saturated (left out): load >= max_prefill_load.
 
     round-robin   (RoutingPolicy.mode, a baseline for benchmarks) ignores prefix hits and load: workers in
@@ -34,7 +39,9 @@ block sizes (`incompatibility` says why one is ignored).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Set
+import math
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 
 from kvstore.local_index import PrefixMatch, WorkerInfo
@@ -173,10 +180,12 @@ def rank_decode_workers(matches: Iterable[PrefixMatch], policy: RoutingPolicy, n
 
 def rank_prefill_workers(matches: Iterable[PrefixMatch], policy: RoutingPolicy,
                          inflight: Mapping[str, int] | None = None, suspects: Set[str] = frozenset(),
-                         turn: int = 0) -> PrefillRanking:
+                         turn: int = 0, dispatched: Mapping[str, int] | None = None) -> PrefillRanking:
     """Compatible, unsaturated prefill workers, best first (order in the module doc); `turn` as for
-    rank_decode_workers."""
+    rank_decode_workers. `dispatched`: worker_id -> leading prompt blocks this gateway has sent it to prefill
+    (DispatchedPrefixes.leading_blocks), counted as cached when the index reports fewer."""
     inflight = inflight or {}
+    dispatched = dispatched or {}
     ranked = []
     num_saturated = 0
     for m in _eligible(matches, "prefill", policy):
@@ -184,8 +193,9 @@ def rank_prefill_workers(matches: Iterable[PrefixMatch], policy: RoutingPolicy,
         if load >= policy.max_prefill_load:
             num_saturated += 1
             continue
-        score = m.num_cached_blocks * policy.block_size - policy.prefill_load_penalty_tokens * load
-        ranked.append(Candidate(m.worker, m.num_cached_blocks, load, score))
+        num_cached = max(m.num_cached_blocks, dispatched.get(m.worker.worker_id, 0))
+        score = num_cached * policy.block_size - policy.prefill_load_penalty_tokens * load
+        ranked.append(Candidate(m.worker, num_cached, load, score))
     if policy.mode == "round-robin":
         return PrefillRanking(tuple(_rotated(ranked, turn, suspects)), num_saturated)
     ranked.sort(key=lambda c: (c.worker_id in suspects, -c.score, c.worker_id))
@@ -205,3 +215,71 @@ def plan_prefill(num_prompt_tokens: int, num_cached_tokens_on_decode: int, ranki
     if not ranking.candidates:
         return PrefillPlan(True, LOCAL_SATURATED if ranking.num_saturated else LOCAL_NO_PREFILL_WORKER)
     return PrefillPlan(False, "", ranking.candidates)
+
+
+class DispatchedPrefixes:
+    """Prompt blocks this gateway has sent to prefill workers, remembered until the index can be expected to
+    know them: while the Prefill runs, then `hold_s` more (the worker publishes its new blocks right after it
+    computes them). A failed Prefill is forgotten at once. Time is passed in, so this stays pure.
+
+        d = DispatchedPrefixes(hold_s=5.0)
+        d.start("p0", hashes)                          # Prefill sent
+        d.leading_blocks(other_hashes, now)            # {"p0": 3} when other_hashes[:3] == hashes[:3]
+        d.finish("p0", hashes, now, held=True)         # answered; kept until now + hold_s
+    """
+
+    def __init__(self, hold_s: float) -> None:
+        if hold_s < 0:
+            raise ValueError(f"hold_s must be >= 0, got {hold_s}")
+        self.hold_s = hold_s
+        self._until: dict[int, dict[str, float]] = {}
+        """block hash -> worker_id -> forget after (math.inf while a Prefill of it runs there)."""
+        self._running: dict[tuple[int, str], int] = {}
+        """(block hash, worker_id) -> Prefills of it running there."""
+        self._expiries: deque[tuple[float, str, tuple[int, ...]]] = deque()
+        """(forget after, worker_id, hashes) in the order they were finished (hold_s is fixed: sorted)."""
+
+    def start(self, worker_id: str, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            self._until.setdefault(h, {})[worker_id] = math.inf
+            self._running[(h, worker_id)] = self._running.get((h, worker_id), 0) + 1
+
+    def finish(self, worker_id: str, hashes: Sequence[int], now: float, held: bool) -> None:
+        """The Prefill started with these hashes ended; `held`: it succeeded, so the worker holds them."""
+        until = now + self.hold_s if held else now
+        for h in hashes:
+            key = (h, worker_id)
+            self._running[key] -= 1
+            if self._running[key] == 0:              # else another Prefill of it still runs there
+                del self._running[key]
+                self._until[h][worker_id] = until
+        self._expiries.append((until, worker_id, tuple(hashes)))
+        self._expire(now)
+
+    def leading_blocks(self, hashes: Sequence[int], now: float) -> dict[str, int]:
+        """worker_id -> how many leading blocks of `hashes` were dispatched to it (workers with none left out)."""
+        self._expire(now)
+        counts: dict[str, int] = {}
+        alive: set[str] | None = None
+        for i, h in enumerate(hashes):
+            holders = {w for w, until in self._until.get(h, {}).items() if until > now}
+            alive = holders if alive is None else alive & holders
+            if not alive:
+                break
+            for worker_id in alive:
+                counts[worker_id] = i + 1
+        return counts
+
+    def __len__(self) -> int:
+        """Block hashes remembered (for tests and metrics)."""
+        return len(self._until)
+
+    def _expire(self, now: float) -> None:
+        while self._expiries and self._expiries[0][0] <= now:
+            until, worker_id, hashes = self._expiries.popleft()
+            for h in hashes:
+                holders = self._until.get(h)
+                if holders is not None and holders.get(worker_id) == until:    # not renewed since
+                    del holders[worker_id]
+                    if not holders:
+                        del self._until[h]

@@ -9,6 +9,7 @@ test kills a prefill worker.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import random
 import signal
@@ -336,6 +337,24 @@ def test_shared_prefix_is_routed_to_the_prefill_worker_holding_it(stub, referenc
     assert result.last.usage.cached_tokens >= BLOCK_SIZE * (len(hashes) - 1)
     assert result.last.usage.cached_tokens % BLOCK_SIZE == 0
     assert result.token_ids == reference(prompt)[1]      # a cache hit gives the cold run's tokens
+    assert_idle(cluster.wait_idle())
+
+
+def test_same_new_prefix_in_flight_is_routed_to_the_same_prefill_worker(stub, reference, cluster):
+    # Two requests with a prefix no worker holds, the second sent while the first is prefilling (or just after):
+    # the index learns the prefix only once p computed it, so only the gateway's memory of where it sent the
+    # first one keeps the second from going to the idle prefill worker and computing the prefix again.
+    prefix = "Reference notes. " + LONG_PREFIX.replace("assistant", "reviewer") * 3
+    prompts = [prefix + "Q: what is a lock?", prefix + "Q: what is a latch?"]
+    # The prefix must outweigh one unit of load (the default prefill_load_penalty_tokens, 256).
+    assert len(cluster.model[1].encode(prefix)) > 256 + BLOCK_SIZE
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(generate, stub, prompts[0])
+        time.sleep(0.05)                                      # usually mid-prefill; any order must give one P
+        second = pool.submit(generate, stub, prompts[1])
+        results = [first.result(), second.result()]
+    assert results[0].prefill_workers == results[1].prefill_workers
+    assert [r.token_ids for r in results] == [reference(p)[1] for p in prompts]
     assert_idle(cluster.wait_idle())
 
 

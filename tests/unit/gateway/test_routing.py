@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.routing import (LOCAL_NO_PREFILL_WORKER, LOCAL_SATURATED, LOCAL_SHORT, PrefillRanking, RoutingPolicy,
-                             blocks_needed, incompatibility, plan_prefill, rank_decode_workers,
+from gateway.routing import (LOCAL_NO_PREFILL_WORKER, LOCAL_SATURATED, LOCAL_SHORT, DispatchedPrefixes,
+                             PrefillRanking, RoutingPolicy, blocks_needed, incompatibility, plan_prefill, rank_decode_workers,
                              rank_prefill_workers)
 from kvstore.local_index import PrefixMatch, WorkerInfo
 
@@ -118,6 +118,48 @@ def test_saturated_prefill_workers_are_left_out_and_counted():
     ranking = rank_prefill_workers(matches, POLICY, inflight={"p2": 4})
     assert ids(ranking.candidates) == ["p1"]
     assert ranking.num_saturated == 2
+
+
+def test_dispatched_blocks_count_as_cached_when_the_index_lags():
+    # p0 is computing a 10-block prefix for an earlier request (load 1), the index knows nothing yet: without
+    # the dispatched count the idle p1 would win and compute the prefix a second time.
+    matches = [match(worker("p0", "prefill"), 0), match(worker("p1", "prefill"), 0)]
+    assert ids(rank_prefill_workers(matches, POLICY, inflight={"p0": 1}).candidates) == ["p1", "p0"]
+    ranking = rank_prefill_workers(matches, POLICY, inflight={"p0": 1}, dispatched={"p0": 10})
+    assert ids(ranking.candidates) == ["p0", "p1"]
+    assert [(c.num_cached_blocks, c.score) for c in ranking.candidates] == [(10, 160 - 100), (0, 0)]
+    # the index's own answer wins when it is larger
+    ranking = rank_prefill_workers([match(worker("p0", "prefill"), 12)], POLICY, dispatched={"p0": 10})
+    assert ranking.candidates[0].num_cached_blocks == 12
+
+
+def test_dispatched_prefixes_remember_until_hold_after_finish():
+    d = DispatchedPrefixes(hold_s=5.0)
+    d.start("p0", [1, 2, 3])
+    d.start("p1", [1, 9])
+    assert d.leading_blocks([1, 2, 3, 4], now=0.0) == {"p0": 3, "p1": 1}
+    assert d.leading_blocks([1, 2, 3], now=1e9) == {"p0": 3, "p1": 1}   # running: no expiry
+    d.finish("p0", [1, 2, 3], now=10.0, held=True)
+    assert d.leading_blocks([1, 2, 3], now=14.9) == {"p0": 3, "p1": 1}
+    assert d.leading_blocks([1, 2, 3], now=15.0) == {"p1": 1}
+    d.finish("p1", [1, 9], now=16.0, held=False)                        # failed: forgotten at once
+    assert d.leading_blocks([1, 9], now=16.0) == {}
+    assert len(d) == 0
+
+
+def test_dispatched_prefixes_overlapping_prefills_on_one_worker():
+    d = DispatchedPrefixes(hold_s=5.0)
+    d.start("p0", [1, 2])
+    d.start("p0", [1, 2, 3])
+    d.finish("p0", [1, 2], now=0.0, held=False)          # the other Prefill of 1, 2 still runs
+    assert d.leading_blocks([1, 2, 3], now=100.0) == {"p0": 3}
+    d.finish("p0", [1, 2, 3], now=100.0, held=True)
+    d.start("p0", [1])                                   # renewed while the hold runs: kept past the old expiry
+    assert d.leading_blocks([1, 2], now=105.0) == {"p0": 1}
+    d.finish("p0", [1], now=106.0, held=True)
+    assert d.leading_blocks([1, 2], now=110.0) == {"p0": 1}
+    assert d.leading_blocks([1, 2], now=111.0) == {}
+    assert len(d) == 0
 
 
 def test_prefill_tie_broken_by_id():
