@@ -8,7 +8,9 @@ Lifecycle of one transfer (the grpc stream carries only the manifest, naming the
     sender    unlinks once Push returns, whatever happened (OutgoingSegment is a context manager)
 
 Only the creator tracks the segment with Python's resource_tracker, so a crashed sender's segment is still
-removed when its tracker exits. The receiver maps the segment without registering it (``track=False`` on
+removed when its tracker exits. A SIGKILL that lands between creating a segment and registering it (or that
+takes the tracker too) leaves it behind: `remove_orphaned_segments`, run when a prefill worker starts, unlinks
+the ones whose creator is gone. The receiver maps the segment without registering it (``track=False`` on
 Python >= 3.13; a direct shm_open + mmap before): on 3.10-3.12 ``SharedMemory(name)`` registers every attach,
 and unregistering afterwards is wrong when sender and receiver share one tracker (one process, or children of
 one multiprocessing parent): it would drop the sender's registration and make its unlink warn.
@@ -25,7 +27,9 @@ import platform
 import secrets
 import socket
 import sys
+import time
 import uuid
+from pathlib import Path
 from multiprocessing import shared_memory
 
 import torch
@@ -33,9 +37,50 @@ import torch
 SEGMENT_PREFIX = "pdkv_"
 
 
+SHM_DIR = Path("/dev/shm")
+ORPHAN_MIN_AGE_S = 600.0
+"""A segment is only ever removed as orphaned when older than this (a transfer takes seconds)."""
+
+
 def new_segment_name() -> str:
     # Short: macOS caps POSIX shm names at 31 bytes.
     return f"{SEGMENT_PREFIX}{os.getpid():x}_{secrets.token_hex(6)}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:          # alive, another user's
+        return True
+    return True
+
+
+def remove_orphaned_segments(shm_dir: Path = SHM_DIR, min_age_s: float = ORPHAN_MIN_AGE_S) -> list[str]:
+    """Unlink the segments ("pdkv_<creator pid>_<random>") whose creator is not running and that are older than
+    `min_age_s`; returns their names. The age guard keeps a live sender safe when its pid means another process
+    here (a container with its own pid namespace sharing this /dev/shm). Where shared memory is not a directory
+    of files (not Linux) it does nothing."""
+    if not shm_dir.is_dir():
+        return []
+    removed = []
+    now = time.time()
+    for path in shm_dir.glob(SEGMENT_PREFIX + "*"):
+        pid_hex, sep, _ = path.name[len(SEGMENT_PREFIX):].partition("_")
+        try:
+            pid = int(pid_hex, 16)
+            age_s = now - path.stat().st_mtime
+        except (ValueError, OSError):    # not one of ours, or gone meanwhile
+            continue
+        if not sep or age_s < min_age_s or _pid_alive(pid):
+            continue
+        try:
+            path.unlink()
+            removed.append(path.name)
+        except OSError:                  # removed meanwhile, or not ours to remove
+            pass
+    return removed
 
 
 class OutgoingSegment:

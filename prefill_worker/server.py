@@ -10,6 +10,7 @@ import logging
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
+from kvstore.shm import remove_orphaned_segments
 from pdserve.worker_runtime import Registration, WorkerHandle, WorkerServer, wait_for_termination
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.service import PrefillWorkerServicer
@@ -24,6 +25,9 @@ STOP_GRACE_S = 15.0
 
 def start_server(config: PrefillWorkerConfig, engine_config: EngineConfig,
                  engine: LLMEngine | None = None) -> WorkerHandle:
+    orphans = remove_orphaned_segments()
+    if orphans:
+        log.warning("removed %d shared-memory segment(s) left by dead senders: %s", len(orphans), ", ".join(orphans))
     engine = engine or LLMEngine(engine_config, progress=False)
     loop = EngineLoop(engine)
     worker = PrefillWorker(loop, config)
