@@ -2,7 +2,8 @@
 
     python bench/bench_engine.py [--threads 2] [--out bench/results/engine.md]
 
-Measures, in one run on this machine:
+Measures, in one run on this machine, for pdserve with float32 weights, pdserve with int8 weights
+(`quantization="int8"`) and transformers:
 - decode tokens/s at batch 1 and with 32 concurrent sequences (greedy, EOS ignored, 64 new tokens each);
 - prefill tokens/s for one 512-token prompt (time to the first token);
 - the batch-1 decode roofline: weight bytes read per token / measured memory copy bandwidth.
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from engine.llm import LLM
+from engine.loader import load_model
 from engine.model_fetch import fetch_default_model
 from engine.sampling_params import SamplingParams
 
@@ -97,37 +99,39 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     model_path = fetch_default_model()
-    llm = LLM(model=str(model_path), dtype="float32", kv_cache_memory=512 * 2**20, progress=False)
-    weight_bytes = sum(t.numel() * t.element_size() for t in
-                       [llm.engine.runner.model.lm_head, llm.engine.runner.model.final_norm] +
-                       [t for layer in llm.engine.runner.model.layers for t in vars(layer).values()
-                        if isinstance(t, torch.Tensor)])
+    loaded = load_model(model_path, torch.float32, progress=False)
+    engines = {name: LLM(model=str(model_path), dtype="float32", quantization=quantization,
+                         kv_cache_memory=512 * 2**20, progress=False, loaded=loaded)
+               for name, quantization in (("float32", None), ("int8", "int8"))}
+    del loaded
     bandwidth = copy_bandwidth()
-    roofline = bandwidth / weight_bytes
+    weight_bytes = {name: llm.engine.runner.model.decode_weight_bytes() for name, llm in engines.items()}
+    roofline = {name: bandwidth / num_bytes for name, num_bytes in weight_bytes.items()}
 
-    ours = bench_pdserve(llm)
-    theirs = bench_transformers(model_path, llm.tokenizer)
+    ours = {name: bench_pdserve(llm) for name, llm in engines.items()}
+    theirs = bench_transformers(model_path, engines["float32"].tokenizer)
 
     rows = [("decode tok/s, batch 1", "decode_b1"), (f"decode tok/s, {BATCH} sequences", f"decode_b{BATCH}"),
             (f"prefill tok/s, {PREFILL_LEN}-token prompt", "prefill_512")]
     lines = [
         f"### Offline engine vs transformers ({datetime.date.today()}, {platform.machine()}, "
-        f"{args.threads} threads, torch {torch.__version__}, float32)",
+        f"{args.threads} threads, torch {torch.__version__}, float32 activations)",
         "",
         f"Command: `python bench/bench_engine.py --threads {args.threads}`",
         "",
-        "| metric | pdserve | transformers | ratio |",
-        "|---|---:|---:|---:|",
+        "| metric | pdserve | pdserve int8 | transformers | pdserve / tf | int8 / tf |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for label, key in rows:
-        lines.append(f"| {label} | {ours[key]:.1f} | {theirs[key]:.1f} | {ours[key] / theirs[key]:.2f}x |")
-    lines += [
-        "",
-        f"Batch-1 decode roofline: {weight_bytes / 2**20:.0f} MiB of float32 weights read per token, "
-        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s -> at most {roofline:.1f} tok/s; "
-        f"pdserve reaches {ours['decode_b1'] / roofline:.0%} of it.",
-        "",
-    ]
+        f32, i8, tf = ours["float32"][key], ours["int8"][key], theirs[key]
+        lines.append(f"| {label} | {f32:.1f} | {i8:.1f} | {tf:.1f} | {f32 / tf:.2f}x | {i8 / tf:.2f}x |")
+    lines += [""]
+    for name, label in (("float32", "float32 weights"), ("int8", "int8 weights (+ bf16 scales, float32 norms)")):
+        lines.append(
+            f"Batch-1 decode roofline, {label}: {weight_bytes[name] / 2**20:.0f} MiB read per token, "
+            f"copy bandwidth {bandwidth / 1e9:.1f} GB/s -> at most {roofline[name]:.1f} tok/s; "
+            f"pdserve reaches {ours[name]['decode_b1'] / roofline[name]:.0%} of it.")
+    lines += [""]
     text = "\n".join(lines)
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.loader import LoadedModel
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer
@@ -34,10 +35,12 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """Generates completions in this process. Keyword arguments are `EngineConfig` fields."""
+    """Generates completions in this process. Keyword arguments are `EngineConfig` fields; `loaded` is an already
+    loaded checkpoint (its weights are only read), so that several engines can share one load."""
 
-    def __init__(self, model: str = "default", progress: bool = True, **engine_kwargs) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), progress=progress)
+    def __init__(self, model: str = "default", progress: bool = True, loaded: LoadedModel | None = None,
+                 **engine_kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), progress=progress, loaded=loaded)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

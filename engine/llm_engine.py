@@ -18,6 +18,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.loader import LoadedModel, load_model
 from engine.model_fetch import resolve_model_path
 from engine.model_runner import ModelRunner
+from engine.quant import quantized_fingerprint
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence, TokenLogprob
@@ -46,7 +47,8 @@ class LLMEngine:
             loaded = load_model(resolve_model_path(config.model), torch.float32, progress=progress)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.fingerprint = loaded.fingerprint
+        self.fingerprint = quantized_fingerprint(loaded.fingerprint, config.quantization)
+        """Model fingerprint: the checkpoint's, distinct per quantization (it roots the block hashes)."""
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         self.runner = ModelRunner(loaded.config, loaded.weights, config, self.max_model_len)

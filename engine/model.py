@@ -6,6 +6,8 @@ kernel call goes through `kernels`, which picks Triton on CUDA and the torch ref
 
 Weights use Hugging Face names and the HF "rotate_half" RoPE layout (the GGUF loader un-permutes q/k).
 q/k/v and gate/up are fused into single matrices at load time: one GEMM each instead of three and two.
+Every matmul goes through an `engine.quant` linear: float weights, or int8 (`quantization="int8"`: every linear
+and the LM head; a tied embedding shares the LM head's int8 table; norms and biases stay float).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 
 import kernels
 from engine.config import ModelConfig, RopeScaling
+from engine.quant import DequantWorkspace, FloatLinear, Linear, make_linear
 
 
 @dataclass
@@ -32,13 +35,12 @@ class AttentionMetadata:
 
 @dataclass
 class _Layer:
-    input_norm: torch.Tensor       # [hidden]
-    qkv: torch.Tensor              # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
-    qkv_bias: torch.Tensor | None  # [(num_heads + 2 * num_kv_heads) * head_dim]
-    o: torch.Tensor                # [hidden, num_heads * head_dim]
-    post_norm: torch.Tensor        # [hidden]
-    gate_up: torch.Tensor          # [2 * intermediate, hidden]
-    down: torch.Tensor             # [hidden, intermediate]
+    input_norm: torch.Tensor  # [hidden]
+    qkv: Linear               # [(num_heads + 2 * num_kv_heads) * head_dim, hidden], bias when attention_bias
+    o: Linear                 # [hidden, num_heads * head_dim]
+    post_norm: torch.Tensor   # [hidden]
+    gate_up: Linear           # [2 * intermediate, hidden]
+    down: Linear              # [hidden, intermediate]
 
 
 def rope_cos_sin_cache(head_dim: int, max_position: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -63,35 +65,44 @@ def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, max_position: int) -> None:
+                 device: torch.device, max_position: int, quantization: str | None = None) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
 
-        def w(name: str) -> torch.Tensor:
+        def get(name: str) -> torch.Tensor:
             if name not in weights:
                 raise KeyError(f"checkpoint has no tensor {name!r}")
-            return weights[name].to(device=device, dtype=dtype)
+            return weights[name]
 
-        self.embed = w("model.embed_tokens.weight")
-        self.lm_head = self.embed if config.tie_word_embeddings or "lm_head.weight" not in weights \
-            else w("lm_head.weight")
+        def w(name: str) -> torch.Tensor:
+            return get(name).to(device=device, dtype=dtype)
+
+        workspace = DequantWorkspace()
+
+        def linear(*names: str, bias: tuple[str, ...] = ()) -> Linear:
+            # Fused from the checkpoint's tensors as loaded, so that quantization sees the original weights.
+            weight = torch.cat([get(n) for n in names]) if len(names) > 1 else get(names[0])
+            b = torch.cat([get(n) for n in bias]) if bias else None
+            return make_linear(weight, b, quantization, dtype, device, workspace)
+
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        self.lm_head = linear("model.embed_tokens.weight" if tied else "lm_head.weight")
+        # A tied table is looked up through the LM head's (possibly int8) copy; an untied one stays float.
+        self.embed = self.lm_head if tied else FloatLinear(w("model.embed_tokens.weight"))
         self.final_norm = w("model.norm.weight")
         self.layers = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            bias = None
-            if config.attention_bias:
-                bias = torch.cat([w(a + "q_proj.bias"), w(a + "k_proj.bias"), w(a + "v_proj.bias")])
+            qkv_bias = (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if config.attention_bias else ()
             self.layers.append(_Layer(
                 input_norm=w(p + "input_layernorm.weight"),
-                qkv=torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
-                qkv_bias=bias,
-                o=w(a + "o_proj.weight"),
+                qkv=linear(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight", bias=qkv_bias),
+                o=linear(a + "o_proj.weight"),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                down=w(p + "mlp.down_proj.weight"),
+                gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                down=linear(p + "mlp.down_proj.weight"),
             ))
         self.cos_sin_cache = rope_cos_sin_cache(config.head_dim, max_position, config.rope_theta,
                                                 config.rope_scaling).to(device)
@@ -108,7 +119,7 @@ class LlamaModel:
         q_size = c.num_heads * c.head_dim
         kv_size = c.num_kv_heads * c.head_dim
         num_tokens = input_ids.shape[0]
-        h = F.embedding(input_ids, self.embed)                      # [T, hidden]
+        h = self.embed.embed(input_ids).to(self.dtype)              # [T, hidden]
         residual = None
         for i, layer in enumerate(self.layers):
             if residual is None:
@@ -116,7 +127,7 @@ class LlamaModel:
                 x = kernels.rms_norm(h, layer.input_norm, c.rms_norm_eps)
             else:
                 x, residual = kernels.rms_norm(h, layer.input_norm, c.rms_norm_eps, residual=residual)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)             # [T, q_size + 2 * kv_size]
+            qkv = layer.qkv.forward(x)                               # [T, q_size + 2 * kv_size]
             q = qkv[:, :q_size].view(num_tokens, c.num_heads, c.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(num_tokens, c.num_kv_heads, c.head_dim)
             v = qkv[:, q_size + kv_size:].view(num_tokens, c.num_kv_heads, c.head_dim)
@@ -125,14 +136,21 @@ class LlamaModel:
             kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                            meta.query_start_loc, self.scale)  # [T, heads, head_dim]
-            h = F.linear(attn.reshape(num_tokens, q_size), layer.o)
+            h = layer.o.forward(attn.reshape(num_tokens, q_size))
             x, residual = kernels.rms_norm(h, layer.post_norm, c.rms_norm_eps, residual=residual)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)  # [T, intermediate] each
-            h = F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up.forward(x).chunk(2, dim=-1)    # [T, intermediate] each
+            h = layer.down.forward(F.silu(gate) * up)
         out, _ = kernels.rms_norm(h, self.final_norm, c.rms_norm_eps, residual=residual)
         return out
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] -> logits [n, vocab] in float32."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head.forward(hidden).float()
+
+    def decode_weight_bytes(self) -> int:
+        """Weight bytes one decode step reads whatever its batch: every layer, the final norm and the LM head
+        (an embedding lookup reads only its rows)."""
+        layer_bytes = sum(layer.input_norm.nbytes + layer.post_norm.nbytes + layer.qkv.nbytes + layer.o.nbytes
+                          + layer.gate_up.nbytes + layer.down.nbytes for layer in self.layers)
+        return layer_bytes + self.final_norm.nbytes + self.lm_head.nbytes

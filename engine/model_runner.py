@@ -50,7 +50,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
-        self.model = LlamaModel(model_config, weights, self.dtype, self.device, max_position=max_model_len)
+        self.model = LlamaModel(model_config, weights, self.dtype, self.device, max_position=max_model_len,
+                                quantization=config.quantization)
         self.num_blocks = num_kv_blocks_for(config, model_config, self.dtype, self.device)
         c = model_config
         bytes_per_token = c.kv_bytes_per_token(self.dtype.itemsize)

@@ -45,7 +45,7 @@ def _gather_seq_kv(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: 
     """Contiguous [seq_len, num_kv_heads, head_dim] fp32 copy of one sequence's K or V."""
     # cache: [num_blocks, block_size, num_kv_heads, head_dim]; block_table_row: [max_blocks_per_seq]
     num_blocks_seq = _cdiv(seq_len, cache.shape[1])
-    blocks = cache[block_table_row[:num_blocks_seq].long()]  # [nb, block_size, Hkv, D]
+    blocks = cache.index_select(0, block_table_row[:num_blocks_seq].long())  # [nb, block_size, Hkv, D]
     return blocks.flatten(0, 1)[:seq_len].float()  # [seq_len, Hkv, D]
 
 
@@ -66,8 +66,10 @@ def _decode_attention_batched(query: torch.Tensor, k_cache: torch.Tensor, v_cach
     block_ids = torch.where(in_use, block_ids, torch.zeros_like(block_ids))
     padded_len = num_blocks_max * block_size
     # k_cache[block_ids]: [n, nb, block_size, Hkv, D] -> [n, Hkv, padded_len, D]
-    k = k_cache[block_ids].flatten(1, 2).transpose(1, 2).float()
-    v = v_cache[block_ids].flatten(1, 2).transpose(1, 2).float()
+    # (index_select on the flat ids: the same copy as k_cache[block_ids], with less per-call overhead)
+    flat_ids = block_ids.flatten()  # [n * nb]
+    k = k_cache.index_select(0, flat_ids).view(n, padded_len, num_kv_heads, head_dim).transpose(1, 2).float()
+    v = v_cache.index_select(0, flat_ids).view(n, padded_len, num_kv_heads, head_dim).transpose(1, 2).float()
     # GQA without copying K/V per query head: the `group` query heads of a kv head act as `group` query rows.
     q = query.view(n, num_kv_heads, group, head_dim).float()  # [n, Hkv, G, D]
     mask = torch.arange(padded_len, device=query.device)[None, :] < seq_lens[:, None]  # [n, padded_len]
@@ -112,6 +114,10 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         if q_len > seq_len or q_len < 0:
             raise ValueError(f"sequence {b}: query length {q_len} not in [0, seq_len={seq_len}]")
     decode_ids = [b for b, q_len in enumerate(q_lens) if q_len == 1]
+    if decode_ids and len(decode_ids) == len(lens) == num_query_tokens:
+        # Only decode tokens, one per sequence in order: query and output rows are the sequences themselves.
+        return _decode_attention_batched(query, k_cache, v_cache, block_tables, seq_lens, max(lens),
+                                         scale).to(query.dtype)
     if decode_ids:
         if len(decode_ids) == len(lens):
             rows, tables, dec_lens = query_start_loc[:-1].long(), block_tables, seq_lens
@@ -160,7 +166,7 @@ def rotary_embedding_ref(positions: torch.Tensor, query: torch.Tensor, key: torc
     """NeoX / HF rotate_half RoPE, in place on query and key. rot_dim = cos_sin_cache.shape[1] (<= head_dim)."""
     # positions: [T] int64; query: [T, Hq, D]; key: [T, Hkv, D]; cos_sin_cache: [max_position, rot_dim] fp32
     half = cos_sin_cache.shape[1] // 2
-    cos_sin = cos_sin_cache[positions.long()].float()  # [T, rot_dim]
+    cos_sin = cos_sin_cache.index_select(0, positions.long()).float()  # [T, rot_dim]
     cos = cos_sin[:, None, :half]  # [T, 1, rot_dim/2]
     sin = cos_sin[:, None, half:]
     _rotate_in_place(query, cos, sin)

@@ -4,11 +4,26 @@ import pytest
 import torch
 
 from engine.llm import LLM
+from engine.loader import LoadedModel, load_model
 
 
 @pytest.fixture(scope="session")
-def llm(default_model_path) -> LLM:
-    return LLM(model=str(default_model_path), dtype="float32", kv_cache_memory=256 * 2**20, progress=False)
+def default_model(default_model_path) -> LoadedModel:
+    """The checkpoint read once (float32 weights), shared by the engines below."""
+    return load_model(default_model_path, torch.float32, progress=False)
+
+
+@pytest.fixture(scope="session")
+def llm(default_model_path, default_model) -> LLM:
+    return LLM(model=str(default_model_path), dtype="float32", kv_cache_memory=256 * 2**20, progress=False,
+               loaded=default_model)
+
+
+@pytest.fixture(scope="session")
+def llm_int8(default_model_path, default_model) -> LLM:
+    """The same checkpoint with int8 weight-only quantization."""
+    return LLM(model=str(default_model_path), dtype="float32", quantization="int8", kv_cache_memory=64 * 2**20,
+               progress=False, loaded=default_model)
 
 
 @pytest.fixture(scope="session")

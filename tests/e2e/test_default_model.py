@@ -128,3 +128,38 @@ def test_bad_input_names_the_field(llm, prompt, params, field):
         llm.generate(prompt, params)
     assert e.value.field == field and field in str(e.value)
     assert not llm.engine.has_unfinished()
+
+
+# --- int8 weight-only quantization ---------------------------------------------------------------------------------
+LONG_PROMPT = ("The history of science is the study of the development of science and scientific knowledge, "
+               "including both the natural and social sciences. ") * 3  # 73 tokens: prefill takes the GEMM path
+# Measured max |logit difference| int8 vs float32 on these 12 prompts: 0.70 to 1.26 (logits of magnitude 17-35).
+INT8_LOGIT_ATOL = 2.0
+
+
+def test_int8_capital_of_france_is_paris(llm_int8):
+    out = llm_int8.chat([{"role": "user", "content": "What is the capital of France?"}],
+                        SamplingParams(max_tokens=32, temperature=0.0))[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_int8_logits_stay_close_to_float32(llm, llm_int8):
+    prompts = PROMPTS + BATCH_PROMPTS + [LONG_PROMPT]
+    assert len(llm.tokenizer.encode(LONG_PROMPT)) > 32
+    num_same_top1 = 0
+    for prompt in prompts:
+        ids = llm.tokenizer.encode(prompt)
+        expected, ours = engine_last_logits(llm, ids), engine_last_logits(llm_int8, ids)
+        print(f"max |logit diff| int8 vs float32: {(ours - expected).abs().max().item():.2f}")
+        assert (ours - expected).abs().max().item() < INT8_LOGIT_ATOL
+        num_same_top1 += int(torch.argmax(ours) == torch.argmax(expected))
+    # All 12 agree as measured; two of them by float32 margins under 0.15, so one flip is tolerated.
+    assert num_same_top1 >= len(prompts) - 1
+
+
+def test_int8_model_has_its_own_fingerprint(llm, llm_int8):
+    from engine.quant import quantized_fingerprint
+
+    assert llm_int8.engine.fingerprint == quantized_fingerprint(llm.engine.fingerprint, "int8")
+    assert llm_int8.engine.fingerprint != llm.engine.fingerprint
