@@ -53,7 +53,8 @@ ENV PDSERVE_HOME=/models
 USER pdserve
 WORKDIR /home/pdserve
 
-# gateway 50051, prefill workers 50061, decode workers 50071 (the ports docker-compose.yml uses).
-EXPOSE 50051 50061 50071
+# gateway 50051 (gRPC) and 8000 (OpenAI HTTP), prefill workers 50061, decode workers 50071 (the ports
+# docker-compose.yml uses).
+EXPOSE 50051 8000 50061 50071
 ENTRYPOINT ["pdserve"]
 CMD ["--help"]

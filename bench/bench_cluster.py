@@ -136,7 +136,7 @@ def main() -> None:
     transfer = {}
     for transport in ("shm", "grpc"):
         config = LocalClusterConfig(
-            num_prefill=1, num_decode=1, port=0, transport=transport, num_cpus=2,
+            num_prefill=1, num_decode=1, port=0, http_port=-1, transport=transport, num_cpus=2,
             engine=EngineConfig(model=str(model_path), dtype="float32", kv_cache_memory=256 * 2**20),
             gateway_args=("--local-prefill-threshold", "0"))
         with LocalCluster(config) as cluster:

@@ -1,12 +1,18 @@
-"""The public entry point of pdserve: validates and tokenizes requests, routes each to a prefill and a decode
-worker (prefix hits from the Redis index, plus load), orchestrates Reserve -> Prefill -> Decode, and streams
-detokenized text with stop strings applied.
+"""The public entry point of pdserve (gRPC and OpenAI-compatible HTTP): validates and tokenizes requests, routes
+each to a prefill and a decode worker (prefix hits from the Redis index, plus load), orchestrates Reserve ->
+Prefill -> Decode, and streams detokenized text with stop strings applied.
 
-validation     protobuf request -> GenerationRequest, INVALID_ARGUMENT errors naming the field (pure)
-routing        which decode / prefill worker, and when the decode worker prefills locally (pure)
-stop_strings   incremental stop-string matching over streamed text (pure)
-orchestrator   one request's lifecycle over grpc.aio stubs of the workers
-server         the grpc.aio server: Generation servicer, status mapping, health, reflection, drain
+validation       protobuf request or plain values -> GenerationRequest, errors naming the field (pure)
+openai_protocol  OpenAI JSON bodies -> GenerationRequest, output chunks -> OpenAI response objects (pure)
+routing          which decode / prefill worker, and when the decode worker prefills locally (pure)
+stop_strings     incremental stop-string matching over streamed text (pure)
+orchestrator     one request's lifecycle over grpc.aio stubs of the workers
+metrics          Prometheus metrics of one gateway (its own registry)
+frontend         the request path both APIs share: admission, orchestrator, metrics, drain accounting
+http_front       the aiohttp OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models,
+                 /health, /metrics
+server           the grpc.aio server (Generation servicer, status mapping, health, reflection) plus the HTTP
+                 front on the same loop; drain
 
 Nothing is imported here, so the pure modules stay free of grpc and redis.
 """

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.config import QUANTIZATIONS
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -15,6 +17,9 @@ class GatewayConfig:
     """Address the public gRPC server binds."""
     port: int = 50051
     """Port of the public gRPC server (0 picks a free one)."""
+    http_port: int = 8000
+    """Port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health,
+    /metrics) on the same host; 0 picks a free one, -1 turns it off."""
     block_size: int = 16
     """KV block size in tokens; must equal the workers' (checked against their registration)."""
     max_inflight: int = 256
@@ -37,6 +42,9 @@ class GatewayConfig:
     routing: str = "prefix"
     """"prefix": choose workers by cached prefix and load (gateway/routing.py); "round-robin": ignore both
     (a baseline for benchmarks)."""
+    quantization: str | None = None
+    """The workers' weight quantization (EngineConfig.quantization): it is part of the model fingerprint they
+    register, and workers whose fingerprint differs from the gateway's are ignored."""
     max_prefill_load: int = 16
     """A prefill worker whose load (running + waiting as last reported, or this gateway's own prefills in flight
     on it when more) reaches this is saturated: it is not chosen; when all are, decode workers prefill locally."""
@@ -44,6 +52,9 @@ class GatewayConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"GatewayConfig.port must be in [0, 65535], got {self.port}")
+        if not -1 <= self.http_port < 65536:
+            raise ValueError(f"GatewayConfig.http_port must be in [0, 65535], or -1 for no HTTP API, "
+                             f"got {self.http_port}")
         for name in ("block_size", "max_inflight", "lease_ms", "prefill_attempts", "max_prefill_load"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GatewayConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -56,5 +67,8 @@ class GatewayConfig:
                              f"got {self.max_model_len}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"GatewayConfig.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"GatewayConfig.quantization must be None or one of {QUANTIZATIONS}, "
+                             f"got {self.quantization!r}")
         if self.served_model_name == "":
             raise ValueError("GatewayConfig.served_model_name must be None or a non-empty name")

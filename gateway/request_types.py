@@ -1,11 +1,13 @@
-"""What the orchestrator hands the server: output chunks, usage, timings, the request's route, and the errors
-that end a request (each mapped to one status code by gateway.server)."""
+"""What the orchestrator hands the public fronts: output chunks, usage, timings, the request's route, and the
+errors that end a request, each with one status code (`error_code`; gateway.server turns it into a gRPC status,
+gateway.http_front into an HTTP one)."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
-from engine.errors import OverloadedError
+from engine.errors import InvalidRequestError, OverloadedError
 from engine.sequence import FinishReason, TokenLogprob
 
 RETRY_AFTER_MS = 500
@@ -30,6 +32,31 @@ class DeadlineExceeded(Exception):
 
 class WorkerFailed(Exception):
     """The decode worker failed after the request started (UNAVAILABLE; the caller may retry)."""
+
+
+class ShuttingDown(Exception):
+    """The gateway is draining and takes no new requests (UNAVAILABLE; retry on another gateway)."""
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the response ended (CANCELLED)."""
+
+
+def error_code(exc: BaseException | None) -> str:
+    """The status a request ends with, as a grpc.StatusCode name: "OK" for None, else the code of `exc`."""
+    if exc is None:
+        return "OK"
+    if isinstance(exc, InvalidRequestError):
+        return "INVALID_ARGUMENT"
+    if isinstance(exc, OverloadedError):
+        return "RESOURCE_EXHAUSTED"
+    if isinstance(exc, (NoWorkerAvailable, WorkerFailed, ShuttingDown)):
+        return "UNAVAILABLE"
+    if isinstance(exc, DeadlineExceeded):
+        return "DEADLINE_EXCEEDED"
+    if isinstance(exc, (ClientGone, asyncio.CancelledError, GeneratorExit)):
+        return "CANCELLED"
+    return "INTERNAL"
 
 
 # ------------------------------------------------------------------------------------------------------ outputs

@@ -1,10 +1,13 @@
-"""The gateway's grpc.aio server: pdserve.v1.Generation, grpc.health.v1, reflection, graceful drain.
+"""The gateway's servers: pdserve.v1.Generation, grpc.health.v1 and reflection on grpc.aio, and the
+OpenAI-compatible HTTP front (gateway.http_front, unless http_port is -1) on the same event loop; graceful drain.
 
-    serve(config)          blocking; SIGTERM/SIGINT drains: health NOT_SERVING, new RPCs refused, in-flight ones
-                           get up to drain_timeout_s to finish (then they are cancelled and their workers aborted)
-    start_server(config)   the same server on a background thread, for tests and embedding -> GatewayHandle
+    serve(config)          blocking; SIGTERM/SIGINT drains: gRPC health NOT_SERVING and HTTP /health 503, new
+                           RPCs and connections refused, in-flight requests of both APIs get up to drain_timeout_s
+                           to finish (then they are cancelled and their workers aborted)
+    start_server(config)   the same servers on a background thread, for tests and embedding -> GatewayHandle
 
-Status codes are decided in one place, `status_of` (applied to every Generation RPC by
+Both APIs share one request path (gateway.frontend: admission, orchestrator, metrics). gRPC status codes are
+decided in one place, `status_of` (from request_types.error_code; applied to every Generation RPC by
 `ErrorMappingInterceptor`):
 
     InvalidRequestError          INVALID_ARGUMENT    "field: message"
@@ -12,6 +15,7 @@ Status codes are decided in one place, `status_of` (applied to every Generation 
     NoWorkerAvailable            UNAVAILABLE         (retryable)
     WorkerFailed                 UNAVAILABLE         (retryable)
     DeadlineExceeded             DEADLINE_EXCEEDED
+    client cancel                CANCELLED           (recorded in the metrics only)
     anything else                INTERNAL            (logged with its traceback)
 
 Workers are discovered through the prefix index (`WorkerDirectory`); while Redis is unreachable the last
@@ -23,10 +27,10 @@ pdserve-local-prefill).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,16 +39,18 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.errors import InvalidRequestError, OverloadedError
 from engine.loader import load_model
 from engine.model_fetch import resolve_model_path
+from engine.quant import quantized_fingerprint
 from engine.tokenizer import Tokenizer
 from gateway.config import GatewayConfig
+from gateway.frontend import Frontend
+from gateway.http_front import HttpFront
+from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import ChannelPool, Orchestrator
-from gateway.request_types import (RETRY_AFTER_MS, DeadlineExceeded, NoWorkerAvailable, OutputChunk, RequestTrace,
-                                   WorkerFailed)
+from gateway.request_types import RETRY_AFTER_MS, OutputChunk, error_code
 from gateway.routing import RoutingPolicy, incompatibility
-from gateway.validation import GenerationRequest, ModelSpec, validate_chat, validate_generate
+from gateway.validation import ModelSpec, validate_chat, validate_generate
 from kvstore.hashing import root_hash
 from kvstore.index import PrefixIndex
 from kvstore.local_index import PrefixMatch, WorkerInfo
@@ -59,18 +65,15 @@ _SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 # ------------------------------------------------------------------------------------------------ status mapping
 def status_of(exc: Exception) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
     """(status code, details, extra trailing metadata) for an exception raised while serving a request."""
-    if isinstance(exc, InvalidRequestError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc), ()
-    if isinstance(exc, OverloadedError):
+    code = error_code(exc)
+    if code == "RESOURCE_EXHAUSTED":
         retry_ms = getattr(exc, "retry_after_ms", RETRY_AFTER_MS)
         return (grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry after {retry_ms} ms",
                 (("retry-after-ms", str(retry_ms)),))
-    if isinstance(exc, (NoWorkerAvailable, WorkerFailed)):
-        return grpc.StatusCode.UNAVAILABLE, str(exc), ()
-    if isinstance(exc, DeadlineExceeded):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc), ()
-    log.error("internal error", exc_info=exc)
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", ()
+    if code == "INTERNAL":
+        log.error("internal error", exc_info=exc)
+        return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}", ()
+    return grpc.StatusCode[code], str(exc), ()
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
@@ -126,6 +129,14 @@ class WorkerDirectory:
         self._last_known: list[WorkerInfo] = []
         self._seen: set[tuple[str, int]] = set()
 
+    async def list_workers(self) -> list[WorkerInfo]:
+        """Every live worker, compatible or not (the last known ones while the index is unreachable)."""
+        return [m.worker for m in await self.match(())]
+
+    def is_usable(self, worker: WorkerInfo) -> bool:
+        """Whether requests may be routed to `worker` (same model, block size and context as the gateway)."""
+        return incompatibility(worker, self._policy) is None
+
     async def match(self, block_hashes: Sequence[int]) -> list[PrefixMatch]:
         matches = await asyncio.to_thread(self._index.match, list(block_hashes))
         if matches is None:
@@ -164,73 +175,42 @@ def chunk_to_pb(request_id: str, chunk: OutputChunk) -> generation_pb2.GenerateR
     return pb
 
 
-class ActiveCalls:
-    """Generation RPCs whose status has not been sent yet. The drain waits for these (health Watch streams
-    never end by themselves, so grpc's own grace period cannot tell them apart)."""
-
-    def __init__(self) -> None:
-        self._count = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    def track(self, context: grpc.aio.ServicerContext) -> None:
-        self._count += 1
-        self._idle.clear()
-        context.add_done_callback(self._done)
-
-    def _done(self, _context) -> None:
-        self._count -= 1
-        if self._count == 0:
-            self._idle.set()
-
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """True when every tracked call finished within timeout_s."""
-        if self._idle.is_set():
-            return True
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-            return True
-        except TimeoutError:
-            return False
-
-
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    """Thin: validate, run through the orchestrator, pack. Errors are mapped by ErrorMappingInterceptor."""
+    """Thin: validate, run through the shared request path, pack. Errors are mapped by ErrorMappingInterceptor."""
 
-    def __init__(self, model: ModelSpec, tokenizer: Tokenizer, orchestrator: Orchestrator) -> None:
-        self.model = model
-        self.tokenizer = tokenizer
-        self.orchestrator = orchestrator
-        self.active = ActiveCalls()
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
 
     async def Generate(self, request, context):
-        arrival = time.monotonic()
-        self.active.track(context)
-        req = validate_generate(request, self.model, self.tokenizer, self.orchestrator.running_ids)
-        async for response in self._run(req, context, arrival):
-            yield response
+        f = self.frontend
+        f.active.track(context)
+        with f.call("grpc", "generate") as call:
+            req = validate_generate(request, f.model, f.tokenizer, f.running_ids)
+            async for response in self._run(call, req, context):
+                yield response
 
     async def Chat(self, request, context):
-        arrival = time.monotonic()
-        self.active.track(context)
-        req = validate_chat(request, self.model, self.tokenizer, self.orchestrator.running_ids)
-        async for response in self._run(req, context, arrival):
-            yield response
+        f = self.frontend
+        f.active.track(context)
+        with f.call("grpc", "chat") as call:
+            req = validate_chat(request, f.model, f.tokenizer, f.running_ids)
+            async for response in self._run(call, req, context):
+                yield response
 
     async def ListModels(self, request, context):
+        model = self.frontend.model
         return generation_pb2.ListModelsResponse(models=[generation_pb2.ModelInfo(
-            name=self.model.name, max_model_len=self.model.max_model_len, fingerprint=self.model.fingerprint)])
+            name=model.name, max_model_len=model.max_model_len, fingerprint=model.fingerprint)])
 
-    async def _run(self, req: GenerationRequest, context, arrival: float):
+    async def _run(self, call, req, context):
         remaining = context.time_remaining()
-        deadline = arrival + remaining if remaining is not None else None
-        trace = RequestTrace()
+        deadline = call.arrival + remaining if remaining is not None else None
         try:
-            with self.orchestrator.admit(req.request_id):
-                async for chunk in self.orchestrator.generate(req, deadline=deadline, arrival=arrival, trace=trace):
+            async with contextlib.aclosing(call.generate(req, deadline)) as chunks:
+                async for chunk in chunks:
                     yield chunk_to_pb(req.request_id, chunk)
         finally:
-            context.set_trailing_metadata(trace.metadata())
+            context.set_trailing_metadata(call.trace.metadata())
 
 
 # ------------------------------------------------------------------------------------------------ server
@@ -243,7 +223,7 @@ def load_model_spec(config: GatewayConfig) -> tuple[ModelSpec, Tokenizer]:
         max_len = min(max_len, config.max_model_len)
     name = config.served_model_name or path.stem
     spec = ModelSpec(name=name, max_model_len=max_len, vocab_size=loaded.config.vocab_size,
-                     fingerprint=loaded.fingerprint, aliases=frozenset({config.model, str(path)}))
+                     fingerprint=quantized_fingerprint(loaded.fingerprint, config.quantization), aliases=frozenset({config.model, str(path)}))
     return spec, loaded.tokenizer
 
 
@@ -251,10 +231,12 @@ def load_model_spec(config: GatewayConfig) -> tuple[ModelSpec, Tokenizer]:
 class _Parts:
     server: grpc.aio.Server
     health: health.aio.HealthServicer
-    servicer: GenerationServicer
+    frontend: Frontend
     orchestrator: Orchestrator
     directory: WorkerDirectory
     port: int
+    http: HttpFront | None
+    http_port: int | None
 
 
 async def _start(config: GatewayConfig, model: ModelSpec, tokenizer: Tokenizer) -> _Parts:
@@ -265,32 +247,46 @@ async def _start(config: GatewayConfig, model: ModelSpec, tokenizer: Tokenizer) 
     orchestrator = Orchestrator(policy, root_hash(model.fingerprint), tokenizer, directory.match, ChannelPool(),
                                 lease_ms=config.lease_ms, prefill_attempts=config.prefill_attempts,
                                 max_inflight=config.max_inflight)
+    frontend = Frontend(model, tokenizer, orchestrator, GatewayMetrics())
     server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()])
-    servicer = GenerationServicer(model, tokenizer, orchestrator)
-    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    if port == 0:
-        raise OSError(f"cannot bind {config.host}:{config.port}")
-    await server.start()
+    http = HttpFront(frontend, directory) if config.http_port >= 0 else None
+    try:
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        if port == 0:
+            raise OSError(f"cannot bind {config.host}:{config.port}")
+        await server.start()
+        http_port = await http.start(config.host, config.http_port) if http is not None else None
+    except BaseException:
+        await server.stop(0)
+        await orchestrator.close()
+        directory.close()
+        raise
     for name in ("", _SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("gateway serving %s on %s:%d (max_model_len %d)", model.name, config.host, port, model.max_model_len)
-    return _Parts(server, health_servicer, servicer, orchestrator, directory, port)
+    log.info("gateway serving %s on %s:%d (gRPC)%s (max_model_len %d)", model.name, config.host, port,
+             f" and {config.host}:{http_port} (OpenAI HTTP)" if http is not None else "", model.max_model_len)
+    return _Parts(server, health_servicer, frontend, orchestrator, directory, port, http, http_port)
 
 
 async def _drain(parts: _Parts, grace_s: float) -> None:
-    """NOT_SERVING, refuse new RPCs, let in-flight Generation calls finish for up to grace_s, then cancel what
-    is left (health watches, overdue requests: their workers are aborted) and release everything."""
+    """NOT_SERVING, refuse new RPCs and HTTP connections, let in-flight requests of both APIs finish for up to
+    grace_s, then cancel what is left (health watches, overdue requests: their workers are aborted) and release
+    everything."""
     await parts.health.enter_graceful_shutdown()
+    if parts.http is not None:
+        await parts.http.stop_accepting()
     stopping = asyncio.create_task(parts.server.stop(grace_s))     # refuses new RPCs from now on
-    if not await parts.servicer.active.wait_idle(grace_s):
+    if not await parts.frontend.active.wait_idle(grace_s):
         log.warning("drain: %d requests still running after %.1fs; cancelling them",
                     len(parts.orchestrator.running_ids), grace_s)
     await parts.server.stop(0)
     await stopping
+    if parts.http is not None:
+        await parts.http.close()
     await parts.orchestrator.close()
     parts.directory.close()
 
@@ -323,6 +319,8 @@ class GatewayHandle:
         self._thread = thread
         self._drain_timeout_s = drain_timeout_s
         self.port = parts.port
+        self.http_port = parts.http_port
+        """Port of the OpenAI-compatible HTTP API; None when it is off."""
 
     @property
     def num_inflight(self) -> int:

@@ -1,7 +1,11 @@
-"""Public requests (GenerateRequest, ChatRequest) -> a validated, tokenized `GenerationRequest` (pure).
+"""Public requests -> a validated, tokenized `GenerationRequest` (pure). One set of checks for both public APIs:
 
-Every rejection is an `engine.errors.InvalidRequestError` whose `field` is the request's own field path, so the
-server maps it to INVALID_ARGUMENT "field: message":
+    validate_generate / validate_chat     generation.proto GenerateRequest / ChatRequest (the gRPC API)
+    validate_prompt / validate_messages   the same checks on plain values (`RequestFields` plus a prompt or
+                                          (role, content) pairs), which the OpenAI HTTP front reads its JSON into
+
+Every rejection is an `engine.errors.InvalidRequestError` whose `field` is the gRPC request's own field path, so the
+server maps it to INVALID_ARGUMENT "field: message" (the HTTP front renames it to the OpenAI parameter):
 
     request_id          longer than MAX_REQUEST_ID_CHARS, not printable, or already running on this gateway
     model               not the served model's name (empty means the default)
@@ -25,7 +29,7 @@ import dataclasses
 import math
 import secrets
 import uuid
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
@@ -90,15 +94,25 @@ def draw_seed() -> int:
     return secrets.randbits(63)
 
 
-def sampling_from_pb(pb, vocab_size: int | None = None) -> tuple[SamplingParams, tuple[str, ...]]:
-    """common.proto SamplingParams -> (validated SamplingParams with the proto's defaults, stop strings).
+@dataclass(frozen=True)
+class RequestFields:
+    """What GenerateRequest and ChatRequest share besides the prompt, as plain values not yet validated: the
+    gRPC messages and the OpenAI HTTP bodies (gateway.openai_protocol) are both read into one."""
 
-    The seed stays None when unset (drawn later, once the whole request is valid)."""
+    sampling: SamplingParams = SamplingParams(max_tokens=DEFAULT_MAX_TOKENS)
+    """Checked by check_sampling; a None seed is drawn once the whole request is valid."""
+    stop: tuple[str, ...] = ()
+    request_id: str = ""
+    model: str = ""
+    cache_salt: str = ""
+
+
+def check_sampling(params: SamplingParams, stop: Sequence[str], vocab_size: int | None = None) -> None:
+    """Raise InvalidRequestError naming the first bad field as "sampling.<name>" (stop strings included)."""
     for name in _FLOAT_FIELDS:
-        value = getattr(pb, name)
+        value = getattr(params, name)
         if not math.isfinite(value):
             raise InvalidRequestError(f"sampling.{name}", f"must be a finite number, got {value}")
-    stop = tuple(pb.stop)
     if len(stop) > MAX_STOP_STRINGS:
         raise InvalidRequestError("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
     for i, s in enumerate(stop):
@@ -107,7 +121,15 @@ def sampling_from_pb(pb, vocab_size: int | None = None) -> tuple[SamplingParams,
         if len(s) > MAX_STOP_STRING_CHARS:
             raise InvalidRequestError(f"sampling.stop[{i}]",
                                       f"has {len(s)} characters; at most {MAX_STOP_STRING_CHARS}")
-    params = SamplingParams(
+    try:
+        params.validate(vocab_size)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"sampling.{exc.field}", str(exc).partition(": ")[2]) from exc
+
+
+def _params_from_pb(pb) -> SamplingParams:
+    """common.proto SamplingParams -> SamplingParams with the proto's defaults (not validated)."""
+    return SamplingParams(
         max_tokens=pb.max_tokens if pb.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
         temperature=pb.temperature if pb.HasField("temperature") else 1.0,
         top_k=pb.top_k,
@@ -121,11 +143,20 @@ def sampling_from_pb(pb, vocab_size: int | None = None) -> tuple[SamplingParams,
         ignore_eos=pb.ignore_eos,
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
     )
-    try:
-        params.validate(vocab_size)
-    except InvalidRequestError as exc:
-        raise InvalidRequestError(f"sampling.{exc.field}", str(exc).partition(": ")[2]) from exc
+
+
+def sampling_from_pb(pb, vocab_size: int | None = None) -> tuple[SamplingParams, tuple[str, ...]]:
+    """common.proto SamplingParams -> (validated SamplingParams with the proto's defaults, stop strings).
+
+    The seed stays None when unset (drawn later, once the whole request is valid)."""
+    params, stop = _params_from_pb(pb), tuple(pb.stop)
+    check_sampling(params, stop, vocab_size)
     return params, stop
+
+
+def _fields_from_pb(pb) -> RequestFields:
+    return RequestFields(_params_from_pb(pb.sampling), tuple(pb.sampling.stop), pb.request_id, pb.model,
+                         pb.cache_salt)
 
 
 def validate_generate(pb, model: ModelSpec, tokenizer: Tokenizer, running: Container[str] = (),
@@ -134,48 +165,58 @@ def validate_generate(pb, model: ModelSpec, tokenizer: Tokenizer, running: Conta
 
     `running`: request ids in flight on this gateway (a caller-chosen id must not be among them).
     """
-    request_id = _request_id(pb.request_id, running)
-    _check_model(pb.model, model)
-    _check_cache_salt(pb.cache_salt)
-    sampling, stop = sampling_from_pb(pb.sampling, model.vocab_size)
     kind = pb.WhichOneof("prompt")
-    if kind is None:
-        raise InvalidRequestError("prompt", "must be set: text or token_ids")
-    if kind == "text":
-        if not pb.text:
-            raise InvalidRequestError("prompt", "must not be empty")
-        prompt_token_ids = tokenizer.encode(pb.text)
-        if not prompt_token_ids:
-            raise InvalidRequestError("prompt", "tokenizes to no tokens")
-    else:
-        prompt_token_ids = list(pb.token_ids.ids)
-        if not prompt_token_ids:
-            raise InvalidRequestError("prompt", "must not be empty")
-        for i, token_id in enumerate(prompt_token_ids):
-            if token_id >= model.vocab_size:
-                raise InvalidRequestError("token_ids", f"token_ids[{i}] = {token_id} is outside the vocabulary "
-                                                       f"[0, {model.vocab_size})")
-    _check_length("prompt", len(prompt_token_ids), model)
-    return _finish(request_id, prompt_token_ids, sampling, stop, pb.cache_salt, seed_source)
+    prompt = None if kind is None else pb.text if kind == "text" else list(pb.token_ids.ids)
+    return validate_prompt(_fields_from_pb(pb), prompt, model, tokenizer, running, seed_source)
 
 
 def validate_chat(pb, model: ModelSpec, tokenizer: Tokenizer, running: Container[str] = (),
                   seed_source: Callable[[], int] = draw_seed) -> GenerationRequest:
     """Validate a generation.proto ChatRequest, render it with the model's chat template (generation prompt
     added) and tokenize it. `running` as in validate_generate."""
-    request_id = _request_id(pb.request_id, running)
-    _check_model(pb.model, model)
-    _check_cache_salt(pb.cache_salt)
-    sampling, stop = sampling_from_pb(pb.sampling, model.vocab_size)
-    if not pb.messages:
+    messages = [(message.role, message.content) for message in pb.messages]
+    return validate_messages(_fields_from_pb(pb), messages, model, tokenizer, running, seed_source)
+
+
+def validate_prompt(fields: RequestFields, prompt: str | Sequence[int] | None, model: ModelSpec,
+                    tokenizer: Tokenizer, running: Container[str] = (),
+                    seed_source: Callable[[], int] = draw_seed) -> GenerationRequest:
+    """The checks of validate_generate on plain values: `prompt` is text (tokenized, no chat template), token
+    ids, or None (unset)."""
+    request_id = _check_common(fields, model, running)
+    if prompt is None:
+        raise InvalidRequestError("prompt", "must be set: text or token_ids")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt", "must not be empty")
+        prompt_token_ids = tokenizer.encode(prompt)
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "tokenizes to no tokens")
+    else:
+        prompt_token_ids = list(prompt)
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        for i, token_id in enumerate(prompt_token_ids):
+            if not 0 <= token_id < model.vocab_size:
+                raise InvalidRequestError("token_ids", f"token_ids[{i}] = {token_id} is outside the vocabulary "
+                                                       f"[0, {model.vocab_size})")
+    _check_length("prompt", len(prompt_token_ids), model)
+    return _finish(request_id, prompt_token_ids, fields, seed_source)
+
+
+def validate_messages(fields: RequestFields, messages: Sequence[tuple[str, str]], model: ModelSpec,
+                      tokenizer: Tokenizer, running: Container[str] = (),
+                      seed_source: Callable[[], int] = draw_seed) -> GenerationRequest:
+    """The checks of validate_chat on plain values: `messages` are (role, content) pairs."""
+    request_id = _check_common(fields, model, running)
+    if not messages:
         raise InvalidRequestError("messages", "must not be empty")
-    messages = []
-    for i, message in enumerate(pb.messages):
-        if message.role not in CHAT_ROLES:
-            raise InvalidRequestError(f"messages[{i}].role", f"must be one of {CHAT_ROLES}, got {message.role!r}")
-        messages.append({"role": message.role, "content": message.content})
+    for i, (role, _) in enumerate(messages):
+        if role not in CHAT_ROLES:
+            raise InvalidRequestError(f"messages[{i}].role", f"must be one of {CHAT_ROLES}, got {role!r}")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template([{"role": role, "content": content} for role, content in messages],
+                                             add_generation_prompt=True)
     except ValueError as exc:
         field, _, detail = str(exc).partition(" ")
         if field.startswith("messages[") and detail:
@@ -183,7 +224,16 @@ def validate_chat(pb, model: ModelSpec, tokenizer: Tokenizer, running: Container
         raise InvalidRequestError("messages", str(exc)) from exc
     prompt_token_ids = tokenizer.encode(text)
     _check_length("messages", len(prompt_token_ids), model, " after the chat template")
-    return _finish(request_id, prompt_token_ids, sampling, stop, pb.cache_salt, seed_source)
+    return _finish(request_id, prompt_token_ids, fields, seed_source)
+
+
+def _check_common(fields: RequestFields, model: ModelSpec, running: Container[str]) -> str:
+    """Checks request_id, model, cache_salt, sampling in that order; returns the request id (drawn if empty)."""
+    request_id = _request_id(fields.request_id, running)
+    _check_model(fields.model, model)
+    _check_cache_salt(fields.cache_salt)
+    check_sampling(fields.sampling, fields.stop, model.vocab_size)
+    return request_id
 
 
 def _request_id(request_id: str, running: Container[str]) -> str:
@@ -200,7 +250,7 @@ def _request_id(request_id: str, running: Container[str]) -> str:
 
 def _check_model(name: str, model: ModelSpec) -> None:
     if not model.accepts(name):
-        raise InvalidRequestError("model", f"{name!r} is not served here; ListModels names {model.name!r}")
+        raise InvalidRequestError("model", f"{name!r} is not served here; the served model is {model.name!r}")
 
 
 def _check_cache_salt(cache_salt: str) -> None:
@@ -214,8 +264,9 @@ def _check_length(field: str, num_tokens: int, model: ModelSpec, where: str = ""
                                          "(prompt plus at least one generated token)")
 
 
-def _finish(request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, stop: tuple[str, ...],
-            cache_salt: str, seed_source: Callable[[], int]) -> GenerationRequest:
+def _finish(request_id: str, prompt_token_ids: list[int], fields: RequestFields,
+            seed_source: Callable[[], int]) -> GenerationRequest:
+    sampling = fields.sampling
     if sampling.seed is None:
         sampling = dataclasses.replace(sampling, seed=seed_source())
-    return GenerationRequest(request_id, tuple(prompt_token_ids), sampling, stop, cache_salt)
+    return GenerationRequest(request_id, tuple(prompt_token_ids), sampling, tuple(fields.stop), fields.cache_salt)

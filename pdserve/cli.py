@@ -1,7 +1,7 @@
 """pdserve: LLM serving with disaggregated prefill and decode.
 
     pdserve up [--prefill N] [--decode M] [--once "MESSAGE"]   the whole cluster on this machine
-    pdserve gateway --redis-url URL [...]                      the public gRPC API
+    pdserve gateway --redis-url URL [...]                      the public gRPC and OpenAI-compatible HTTP APIs
     pdserve prefill-worker | decode-worker [...]               one worker
     pdserve generate "PROMPT" [--target HOST:PORT] [...]       complete a raw prompt through a gateway
     pdserve chat ["MESSAGE"] [--target HOST:PORT] [...]        chat through a gateway (interactive without MESSAGE)
@@ -97,13 +97,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     _err(f"pdserve: starting Redis, {config.num_prefill} prefill and {config.num_decode} decode worker(s) and "
          f"the gateway (model {config.engine.model}) ...")
     with LocalCluster(config) as cluster:
-        rows = [("gateway", cluster.gateway_target), *cluster.workers.items(), ("redis", cluster.redis_url),
+        http = [("http", cluster.http_url)] if cluster.http_url is not None else []
+        rows = [("gateway", cluster.gateway_target), *http, *cluster.workers.items(), ("redis", cluster.redis_url),
                 ("logs", str(cluster.run_dir))]
         width = max(len(name) for name, _ in rows)
         _err("\n".join(f"  {name:<{width}}  {value}" for name, value in rows))
         if args.once is not None:
             return _chat_once(cluster.gateway_target, args)
-        _err(f"pdserve: serving on {cluster.gateway_target}; Ctrl-C stops everything")
+        also = f" (gRPC) and {cluster.http_url} (OpenAI HTTP)" if cluster.http_url is not None else ""
+        _err(f"pdserve: serving on {cluster.gateway_target}{also}; Ctrl-C stops everything")
         try:
             exited = cluster.wait()
         except KeyboardInterrupt:

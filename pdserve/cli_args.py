@@ -16,7 +16,7 @@ import socket
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from engine.config import DTYPES, EngineConfig
+from engine.config import DTYPES, QUANTIZATIONS, EngineConfig
 from gateway.config import GatewayConfig
 from decode_worker.config import DecodeWorkerConfig
 from prefill_worker.config import CODECS, TRANSPORTS, PrefillWorkerConfig
@@ -95,6 +95,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
         _arg(g, E, "model", "a .gguf file, a Hugging Face directory, or 'default' (SmolLM2-135M-Instruct)",
              default="default"),
         _arg(g, E, "dtype", "compute and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)", choices=DTYPES),
+        _arg(g, E, "quantization", "weight-only quantization of the linear layers and LM head (default: none, "
+             "weights in --dtype)", choices=QUANTIZATIONS),
         _arg(g, E, "device", "torch device: cpu, cuda, cuda:1"),
         _arg(g, E, "max_model_len", "longest prompt + completion in tokens (default: the model's)", type=int),
         _arg(g, E, "kv_cache_memory", "KV-cache budget in bytes, e.g. 512M or 2G "
@@ -238,6 +240,7 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     _arg(g, L, "num_decode", "decode worker processes", type=int)
     _arg(g, L, "host", "address the gateway binds")
     _arg(g, L, "port", "gateway port (0 picks a free one)", type=int)
+    _arg(g, L, "http_port", "gateway's OpenAI-compatible HTTP port (0 picks a free one, -1 turns it off)", type=int)
     _arg(g, L, "transport", "KV transport between workers", choices=TRANSPORTS)
     _arg(g, L, "codec", "KV wire codec", choices=CODECS)
     _arg(g, L, "redis_url", "use this Redis instead of starting one")
@@ -252,15 +255,19 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     once.add_argument("--system", default=None, help="system prompt for --once")
     once.add_argument("--max-tokens", type=int, default=256, help="most tokens of the --once answer (default 256)")
 
-    gateway = sub.add_parser("gateway", help="run the gateway (public gRPC API)")
+    gateway = sub.add_parser("gateway", help="run the gateway (public gRPC and OpenAI-compatible HTTP APIs)")
     _add_server_args(gateway, GatewayConfig, "port of the public gRPC API (0 picks a free one)")
     g = gateway.add_argument_group("gateway")
+    _arg(g, GatewayConfig, "http_port", "port of the OpenAI-compatible HTTP API on --host (0 picks a free one, "
+         "-1 turns it off)", type=int)
     _arg(g, GatewayConfig, "redis_url", "prefix index and worker registry, redis://host:port/db", required=True)
     _arg(g, GatewayConfig, "model", "model path or 'default' (tokenizer and limits only; no weights)",
          default="default")
     _arg(g, GatewayConfig, "block_size", "KV block size in tokens; must equal the workers'", type=int)
     _arg(g, GatewayConfig, "max_model_len", "longest prompt + completion admitted; set it to the workers' value "
          "when they run with a smaller context (default: the model's)", type=int)
+    _arg(g, GatewayConfig, "quantization", "the workers' --quantization (part of the model fingerprint they "
+         "register; default: none)", choices=QUANTIZATIONS)
     _add_gateway_tuning(g, defaults=True)
 
     prefill = sub.add_parser("prefill-worker", help="run a prefill worker")

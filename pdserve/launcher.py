@@ -6,7 +6,8 @@
 Start order: a real redis-server (EmbeddedRedis, unless `redis_url` names one), then every worker at once
 (`python -m pdserve.cli prefill-worker|decode-worker ...`, each with its own log file under the run directory,
 a port picked up front and its share of the CPU threads), then, once every worker answers grpc.health.v1
-SERVING, the gateway. A process that exits while starting, or a start that outlasts `start_timeout_s`, raises
+SERVING, the gateway (gRPC on `port`: `gateway_target`; OpenAI-compatible HTTP on `http_port`: `http_url`). A process
+that exits while starting, or a start that outlasts `start_timeout_s`, raises
 ClusterError with the tail of the culprit's log, after stopping everything already started.
 
 Stop order is the reverse: the gateway first (it stops admitting and drains), then the workers, each SIGTERM
@@ -72,6 +73,8 @@ class LocalClusterConfig:
     """Address the gateway binds (workers and Redis always bind 127.0.0.1)."""
     port: int = 50051
     """Port of the gateway's public gRPC API (0 picks a free one)."""
+    http_port: int = 8000
+    """Port of the gateway's OpenAI-compatible HTTP API (0 picks a free one, -1 turns it off)."""
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(model="default"))
     """Engine of every worker. When its num_threads is None, the CPUs are divided among the workers."""
     transport: str = "auto"
@@ -98,6 +101,9 @@ class LocalClusterConfig:
             raise ValueError(f"LocalClusterConfig.num_decode must be >= 1, got {self.num_decode}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"LocalClusterConfig.port must be in [0, 65535], got {self.port}")
+        if not -1 <= self.http_port < 65536:
+            raise ValueError(f"LocalClusterConfig.http_port must be in [0, 65535], or -1 for no HTTP API, "
+                             f"got {self.http_port}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"LocalClusterConfig.transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.codec not in CODECS:
@@ -145,6 +151,7 @@ class LocalCluster:
         self._redis_url: str | None = None
         self._workers: list[_Child] = []
         self._gateway: _Child | None = None
+        self._http_port: int | None = None
         self._pipe: tuple[int, int] | None = None
         self._run_dir: Path | None = None
         self.keep_run_dir = self.config.run_dir is not None
@@ -156,6 +163,15 @@ class LocalCluster:
         """host:port of the gateway's public API."""
         assert self._gateway is not None, "the cluster is not started"
         return self._gateway.endpoint
+
+    @property
+    def http_url(self) -> str | None:
+        """Base URL of the gateway's OpenAI-compatible HTTP API (http://host:port); None when it is off."""
+        assert self._gateway is not None, "the cluster is not started"
+        if self._http_port is None:
+            return None
+        host = connect_host(self.config.host)
+        return f"http://{f'[{host}]' if ':' in host else host}:{self._http_port}"
 
     @property
     def workers(self) -> dict[str, str]:
@@ -250,9 +266,13 @@ class LocalCluster:
 
             fetch_default_model()
         self._pipe = os.pipe()
-        gateway_port = _check_port_free(config.host, config.port) if config.port else _free_ports(1)[0]
         num_workers = config.num_prefill + config.num_decode
-        ports = _free_ports(num_workers)
+        *ports, free_grpc, free_http = _free_ports(num_workers + 2)      # the workers', then the gateway's
+        gateway_port = _check_port_free(config.host, config.port, "--port") if config.port else free_grpc
+        if config.http_port > 0:
+            self._http_port = _check_port_free(config.host, config.http_port, "--http-port")
+        elif config.http_port == 0:
+            self._http_port = free_http
         if config.redis_url is None:
             from kvstore.embedded_redis import EmbeddedRedis
 
@@ -277,7 +297,8 @@ class LocalCluster:
             self._workers.append(self._spawn(worker_id, argv, f"127.0.0.1:{port}"))
         _wait_serving(self._workers, deadline)
 
-        argv = gateway_argv(config, gateway_port, self._redis_url)
+        argv = gateway_argv(config, gateway_port, self._redis_url,
+                            -1 if self._http_port is None else self._http_port)
         self._gateway = self._spawn("gateway", argv, f"{connect_host(config.host)}:{gateway_port}")
         _close_fd(self._pipe[0])  # every server child holds its copy of the read end now
         self._pipe = (-1, self._pipe[1])
@@ -312,12 +333,16 @@ def worker_argv(role: str, worker_id: str, port: int, redis_url: str, config: Lo
     return argv
 
 
-def gateway_argv(config: LocalClusterConfig, port: int, redis_url: str) -> list[str]:
-    """`pdserve gateway` arguments for the local cluster's gateway (the workers' model, block size and context)."""
-    argv = ["gateway", "--host", config.host, "--port", str(port), "--redis-url", redis_url,
-            "--model", config.engine.model, "--block-size", str(config.engine.block_size)]
+def gateway_argv(config: LocalClusterConfig, port: int, redis_url: str, http_port: int | None = None) -> list[str]:
+    """`pdserve gateway` arguments for the local cluster's gateway (the workers' model, block size and context);
+    `http_port` None takes config.http_port."""
+    http_port = config.http_port if http_port is None else http_port
+    argv = ["gateway", "--host", config.host, "--port", str(port), "--http-port", str(http_port),
+            "--redis-url", redis_url, "--model", config.engine.model, "--block-size", str(config.engine.block_size)]
     if config.engine.max_model_len is not None:
         argv += ["--max-model-len", str(config.engine.max_model_len)]
+    if config.engine.quantization is not None:
+        argv += ["--quantization", config.engine.quantization]
     return argv + list(config.gateway_args)
 
 
@@ -408,7 +433,7 @@ def _free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def _check_port_free(host: str, port: int) -> int:
+def _check_port_free(host: str, port: int, flag: str) -> int:
     # gRPC servers bind with SO_REUSEPORT, so a busy port would not fail the gateway: it would share it.
     bind_host = host.strip("[]")
     family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
@@ -417,7 +442,7 @@ def _check_port_free(host: str, port: int) -> int:
             sock.bind((bind_host, port))
         except OSError as exc:
             reason = "in use" if exc.errno == errno.EADDRINUSE else exc.strerror
-            raise ClusterError(f"cannot use {host}:{port} for the gateway ({reason}); pick another with --port "
+            raise ClusterError(f"cannot use {host}:{port} for the gateway ({reason}); pick another with {flag} "
                                "(0 picks a free one)") from None
     return port
 

@@ -18,47 +18,21 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from gateway.config import GatewayConfig
-from gateway.server import load_model_spec, start_server
+from gateway.server import start_server
 from kvstore.embedded_redis import EmbeddedRedis
 from kvstore.hashing import hash_prompt_blocks, root_hash
-from kvstore.index import PrefixIndex
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.integration.cluster import (BLOCK_SIZE, IDLE_TIMEOUT_S, MAX_MODEL_LEN, REPO, RPC_TIMEOUT_S,
+                                       START_TIMEOUT_S, Cluster, Reference, assert_idle)
 
 pytestmark = pytest.mark.slow
-
-REPO = Path(__file__).resolve().parents[2]
-KV_CACHE_MEMORY = 128 << 20
-MAX_MODEL_LEN = 2048
-BLOCK_SIZE = 16
-START_TIMEOUT_S = 180.0
-IDLE_TIMEOUT_S = 30.0
-RPC_TIMEOUT_S = 120.0
-
-# A worker process: serve() until SIGTERM, configured from JSON (no CLI flags involved). It kills itself when
-# its stdin closes, so no worker outlives a test process that died without cleaning up.
-WORKER_MAIN = r"""
-import json, logging, os, signal, sys, threading
-threading.Thread(target=lambda: (sys.stdin.read(), os.kill(os.getpid(), signal.SIGKILL)), daemon=True).start()
-logging.basicConfig(level=logging.WARNING, format="%(asctime)s {} %(name)s %(levelname)s %(message)s")
-role, worker_kwargs, engine_kwargs = json.loads(sys.argv[1])
-from engine.config import EngineConfig
-if role == "prefill":
-    from prefill_worker.config import PrefillWorkerConfig as Config
-    from prefill_worker.server import serve
-else:
-    from decode_worker.config import DecodeWorkerConfig as Config
-    from decode_worker.server import serve
-serve(Config(**worker_kwargs), EngineConfig(**engine_kwargs))
-"""
 
 PROMPTS = [
     "The capital of France is",
@@ -99,116 +73,6 @@ def collect(call) -> Result:
     assert all(c.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
     return Result("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], chunks[-1],
                   {m.key: m.value for m in call.trailing_metadata()})
-
-
-class Cluster:
-    """Worker processes registered in one redis-server, plus in-process gateways in front of them."""
-
-    def __init__(self, model_path: Path, redis: EmbeddedRedis) -> None:
-        self.model_path = model_path
-        self.redis = redis
-        self.index = PrefixIndex(redis.url, lookup_timeout_s=1.0)
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.gateways = []
-        self.model = None
-
-    def start_worker(self, role: str, worker_id: str, **worker_kwargs) -> None:
-        engine = dict(model=str(self.model_path), kv_cache_memory=KV_CACHE_MEMORY, num_threads=1,
-                      block_size=BLOCK_SIZE)
-        args = json.dumps([role, dict(worker_id=worker_id, redis_url=self.redis.url, **worker_kwargs), engine])
-        self.procs[worker_id] = subprocess.Popen([sys.executable, "-c", WORKER_MAIN.replace("{}", worker_id), args],
-                                                 cwd=REPO, stdin=subprocess.PIPE)
-
-    def wait_registered(self, *worker_ids: str) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            live = {w.worker_id for w in self.index.list_workers() or []}
-            if set(worker_ids) <= live:
-                return
-            for worker_id in worker_ids:
-                assert self.procs[worker_id].poll() is None, f"worker {worker_id} exited"
-            assert time.monotonic() < deadline, f"workers {set(worker_ids) - live} did not register"
-            time.sleep(0.2)
-
-    def stop_worker(self, worker_id: str, kill: bool = False) -> None:
-        proc = self.procs.pop(worker_id)
-        proc.kill() if kill else proc.terminate()
-        try:
-            proc.wait(60)
-        finally:
-            proc.stdin.close()
-
-    def gateway(self, **overrides):
-        config = GatewayConfig(model=str(self.model_path), redis_url=self.redis.url, port=0,
-                               block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, drain_timeout_s=5.0,
-                               lease_ms=60_000,       # outlives every bounded wait here: a leaked reservation shows
-                               **{"local_prefill_threshold": 0, **overrides})
-        if self.model is None:
-            self.model = load_model_spec(config)
-        handle = start_server(config, self.model)
-        self.gateways.append(handle)
-        return handle
-
-    def endpoint(self, worker_id: str) -> str:
-        return next(w.endpoints["grpc"] for w in self.index.list_workers() if w.worker_id == worker_id)
-
-    def stats(self, worker_id: str) -> worker_pb2.WorkerStats:
-        with grpc.insecure_channel(self.endpoint(worker_id)) as channel:
-            stub_type = worker_pb2_grpc.DecodeWorkerStub if worker_id.startswith("d") else \
-                worker_pb2_grpc.PrefillWorkerStub
-            return stub_type(channel).Stats(worker_pb2.StatsRequest(), timeout=10)
-
-    def wait_idle(self, *worker_ids: str) -> dict[str, worker_pb2.WorkerStats]:
-        """Poll Stats until no worker holds a block, a sequence or a reservation (bounded); the last Stats."""
-        worker_ids = worker_ids or tuple(self.procs)
-        deadline = time.monotonic() + IDLE_TIMEOUT_S
-        while True:
-            stats = {w: self.stats(w) for w in worker_ids}
-            busy = {w: s for w, s in stats.items() if s.used_blocks or s.running or s.waiting or s.reserved}
-            if not busy and all(g.num_inflight == 0 for g in self.gateways) or time.monotonic() > deadline:
-                return stats
-            time.sleep(0.1)
-
-    def close(self) -> None:
-        """Stop everything, whatever fails: gateways, then workers (SIGTERM; SIGKILL after 30 s)."""
-        try:
-            for handle in self.gateways:
-                handle.stop(0)
-        finally:
-            procs, self.procs = list(self.procs.values()), {}
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-                proc.stdin.close()
-            self.index.close()
-
-
-def assert_idle(stats: dict[str, worker_pb2.WorkerStats]) -> None:
-    for worker_id, s in stats.items():
-        assert (s.used_blocks, s.running, s.waiting, s.reserved) == (0, 0, 0, 0), f"{worker_id} busy: {s}"
-
-
-class Reference:
-    """The offline engine with the workers' settings and no prefix caching: every answer is a cold run."""
-
-    def __init__(self, model_path: Path) -> None:
-        self.llm = LLM(model=str(model_path), progress=False, kv_cache_memory=KV_CACHE_MEMORY, num_threads=1,
-                       enable_prefix_caching=False, max_model_len=MAX_MODEL_LEN)
-        self._cache = {}
-
-    def __call__(self, prompt, max_tokens=16, ignore_eos=False) -> tuple[str, list[int]]:
-        """(text, token ids) of the greedy completion of `prompt` (text or token ids)."""
-        key = (prompt if isinstance(prompt, str) else tuple(prompt), max_tokens, ignore_eos)
-        if key not in self._cache:
-            out = self.llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                           ignore_eos=ignore_eos))[0].outputs[0]
-            self._cache[key] = (out.text, out.token_ids)
-        return self._cache[key]
 
 
 @pytest.fixture(scope="module")
@@ -473,7 +337,7 @@ def test_over_max_inflight_is_resource_exhausted_with_a_retry_hint(cluster):
 
 def test_no_decode_worker_is_unavailable(cluster):
     with EmbeddedRedis() as empty:
-        config = GatewayConfig(model=str(cluster.model_path), redis_url=empty.url, port=0)
+        config = GatewayConfig(model=str(cluster.model_path), redis_url=empty.url, port=0, http_port=-1)
         handle = start_server(config, cluster.model)
         try:
             with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
@@ -500,7 +364,7 @@ def test_sigterm_drains_in_flight_streams_then_exits(cluster, reference):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     config = dict(model=str(cluster.model_path), redis_url=cluster.redis.url, port=port, block_size=BLOCK_SIZE,
-                  max_model_len=MAX_MODEL_LEN, local_prefill_threshold=0, drain_timeout_s=60.0)
+                  max_model_len=MAX_MODEL_LEN, local_prefill_threshold=0, drain_timeout_s=60.0, http_port=0)
     proc = subprocess.Popen([sys.executable, "-c", GATEWAY_MAIN, json.dumps(config)], cwd=REPO)
     try:
         fast_retry = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 200)]

@@ -79,19 +79,19 @@ def processes_mentioning(needles: list[str]) -> list[str]:
 @pytest.mark.slow
 def test_up_once_answers_through_the_cluster_and_leaves_nothing_behind(default_model_path, tmp_path):
     out = run_reaped(sys.executable, "-m", "pdserve.cli", "up", "--once", "What is the capital of France?",
-                     "--port", "0", "--kv-cache-memory", str(KV_CACHE_MEMORY), "--max-tokens", "32",
+                     "--port", "0", "--http-port", "0", "--kv-cache-memory", str(KV_CACHE_MEMORY), "--max-tokens", "32",
                      "--run-dir", str(tmp_path))
     logs = {path.name: path.read_text()[-2000:] for path in tmp_path.glob("*.log")}
     assert out["rc"] == 0, (out["stderr"], logs)
     assert "Paris" in out["stdout"]
-    for name in ("gateway", "prefill-0", "decode-0", "redis"):
+    for name in ("gateway", "http", "prefill-0", "decode-0", "redis"):
         assert re.search(rf"^\s+{name}\s+\S+:\d+", out["stderr"], re.MULTILINE), out["stderr"]
     assert sorted(logs) == ["decode-0.log", "gateway.log", "prefill-0.log"]
     assert out["left"] == {}
 
 
 def test_a_worker_that_cannot_start_fails_the_start_and_everything_is_stopped(tmp_path):
-    config = LocalClusterConfig(port=0, engine=EngineConfig(model=str(tmp_path / "missing.gguf")),
+    config = LocalClusterConfig(port=0, http_port=0, engine=EngineConfig(model=str(tmp_path / "missing.gguf")),
                                 run_dir=str(tmp_path), start_timeout_s=120)
     cluster = LocalCluster(config)
     with pytest.raises(ClusterError, match=r"(prefill|decode)-0 exited with code 1 while starting") as exc_info:
@@ -102,7 +102,8 @@ def test_a_worker_that_cannot_start_fails_the_start_and_everything_is_stopped(tm
 
 @pytest.mark.slow
 def test_a_gateway_that_cannot_start_stops_the_workers_and_redis(default_model_path, tmp_path):
-    config = LocalClusterConfig(port=0, engine=EngineConfig(model="default", kv_cache_memory=KV_CACHE_MEMORY),
+    config = LocalClusterConfig(port=0, http_port=0,
+                                engine=EngineConfig(model="default", kv_cache_memory=KV_CACHE_MEMORY),
                                 gateway_args=("--max-inflight", "0"), run_dir=str(tmp_path))
     cluster = LocalCluster(config)
     with pytest.raises(ClusterError, match="gateway exited with code 2 while starting") as exc_info:
@@ -114,9 +115,10 @@ def test_a_gateway_that_cannot_start_stops_the_workers_and_redis(default_model_p
 
 @pytest.mark.slow
 def test_up_stops_everything_on_sigterm(default_model_path, tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--kv-cache-memory",
-                             str(KV_CACHE_MEMORY), "--run-dir", str(tmp_path)], cwd=REPO, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--port", "0", "--http-port", "0",
+                             "--kv-cache-memory", str(KV_CACHE_MEMORY), "--run-dir", str(tmp_path)], cwd=REPO,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
         lines = []
         for line in proc.stderr:

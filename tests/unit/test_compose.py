@@ -252,6 +252,14 @@ def test_gateway_publishes_50051():
     assert ("6000", 50051) in [_published(p) for p in moved]
 
 
+def test_gateway_publishes_its_openai_http_api_on_8000():
+    gateway = _compose()["services"]["gateway"]
+    assert _flag(_argv(gateway), "--http-port") == "8000"
+    assert ("8000", 8000) in [_published(p) for p in gateway["ports"]]
+    moved = _compose(GATEWAY_HTTP_PORT="9000")["services"]["gateway"]["ports"]
+    assert ("9000", 8000) in [_published(p) for p in moved]
+
+
 def test_only_the_gateway_publishes_ports():
     published = {name for name, svc in _compose()["services"].items() if svc.get("ports")}
     assert published == {"gateway"}

@@ -15,14 +15,15 @@ from pdserve import cli, cli_args
 from pdserve.launcher import LocalClusterConfig
 from prefill_worker.config import PrefillWorkerConfig
 
-ENGINE_FLAGS = ["--model", "/models/x.gguf", "--dtype", "bfloat16", "--device", "cuda:1", "--max-model-len", "4096",
-                "--kv-cache-memory", "256M", "--kv-cache-memory-fraction", "0.5", "--num-kv-blocks", "300",
-                "--block-size", "32", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
-                "--max-waiting", "10", "--no-prefix-caching", "--threads", "3", "--seed", "7"]
-ENGINE = EngineConfig(model="/models/x.gguf", dtype="bfloat16", device="cuda:1", max_model_len=4096,
-                      kv_cache_memory=256 * 2**20, kv_cache_memory_fraction=0.5, num_kv_blocks=300, block_size=32,
-                      max_num_seqs=8, max_num_batched_tokens=512, max_waiting=10, enable_prefix_caching=False,
-                      num_threads=3, seed=7)
+ENGINE_FLAGS = ["--model", "/models/x.gguf", "--dtype", "bfloat16", "--quantization", "int8", "--device", "cuda:1",
+                "--max-model-len", "4096", "--kv-cache-memory", "256M", "--kv-cache-memory-fraction", "0.5",
+                "--num-kv-blocks", "300", "--block-size", "32", "--max-num-seqs", "8",
+                "--max-num-batched-tokens", "512", "--max-waiting", "10", "--no-prefix-caching", "--threads", "3",
+                "--seed", "7"]
+ENGINE = EngineConfig(model="/models/x.gguf", dtype="bfloat16", quantization="int8", device="cuda:1",
+                      max_model_len=4096, kv_cache_memory=256 * 2**20, kv_cache_memory_fraction=0.5, num_kv_blocks=300,
+                      block_size=32, max_num_seqs=8, max_num_batched_tokens=512, max_waiting=10,
+                      enable_prefix_caching=False, num_threads=3, seed=7)
 
 
 def parse(*argv: str):
@@ -37,15 +38,16 @@ def assert_every_field_differs_from_default(config) -> None:
 
 
 def test_gateway_flags_map_onto_every_field():
-    args = parse("gateway", "--host", "0.0.0.0", "--port", "6000", "--redis-url", "redis://r:1/2", "--model",
-                 "/m.gguf", "--block-size", "32", "--max-inflight", "9", "--local-prefill-threshold", "0",
+    args = parse("gateway", "--host", "0.0.0.0", "--port", "6000", "--http-port", "0", "--redis-url", "redis://r:1/2",
+                 "--model", "/m.gguf", "--block-size", "32", "--max-inflight", "9", "--local-prefill-threshold", "0",
                  "--lease-ms", "500", "--prefill-attempts", "3", "--drain-timeout", "2.5", "--max-model-len", "1024",
-                 "--served-model-name", "smol", "--max-prefill-load", "4", "--routing", "round-robin")
+                 "--served-model-name", "smol", "--max-prefill-load", "4", "--routing", "round-robin",
+                 "--quantization", "int8")
     config = cli_args.gateway_config(args)
-    expected = GatewayConfig(model="/m.gguf", redis_url="redis://r:1/2", host="0.0.0.0", port=6000, block_size=32,
-                             max_inflight=9, local_prefill_threshold=0, lease_ms=500, prefill_attempts=3,
+    expected = GatewayConfig(model="/m.gguf", redis_url="redis://r:1/2", host="0.0.0.0", port=6000, http_port=0,
+                             block_size=32, max_inflight=9, local_prefill_threshold=0, lease_ms=500, prefill_attempts=3,
                              drain_timeout_s=2.5, max_model_len=1024, served_model_name="smol", max_prefill_load=4,
-                             routing="round-robin")
+                             routing="round-robin", quantization="int8")
     assert config == expected
     assert_every_field_differs_from_default(dataclasses.replace(config, model="x", redis_url="y"))
 
@@ -93,12 +95,12 @@ def test_engine_flags_parse_back_to_the_same_config():
 
 
 def test_up_maps_onto_local_cluster_config():
-    args = parse("up", "--prefill", "2", "--decode", "3", "--host", "0.0.0.0", "--port", "0", "--transport", "shm",
-                 "--codec", "int8", "--kv-cache-memory", "128M", "--local-prefill-threshold", "0",
+    args = parse("up", "--prefill", "2", "--decode", "3", "--host", "0.0.0.0", "--port", "0", "--http-port", "-1",
+                 "--transport", "shm", "--codec", "int8", "--kv-cache-memory", "128M", "--local-prefill-threshold", "0",
                  "--drain-timeout", "1.5", "--run-dir", "/tmp/r", "--cpus", "6", "--start-timeout", "60",
                  "--stop-timeout", "3", "--redis-url", "redis://r:1/0", "--once", "Hi", "--max-tokens", "9")
     assert cli_args.cluster_config(args) == LocalClusterConfig(
-        num_prefill=2, num_decode=3, host="0.0.0.0", port=0, engine=EngineConfig(model="default",
+        num_prefill=2, num_decode=3, host="0.0.0.0", port=0, http_port=-1, engine=EngineConfig(model="default",
                                                                               kv_cache_memory=128 * 2**20),
         transport="shm", codec="int8", gateway_args=("--local-prefill-threshold", "0", "--drain-timeout", "1.5"),
         redis_url="redis://r:1/0", run_dir="/tmp/r", num_cpus=6, start_timeout_s=60.0, stop_timeout_s=3.0)
@@ -131,6 +133,8 @@ def test_parse_bytes(text, expected):
     (["decode-worker", "--worker-id", ""], "--worker-id", "DecodeWorkerConfig.worker_id"),
     (["prefill-worker", "--chunk-bytes", "8M"], "--chunk-bytes", "PrefillWorkerConfig.chunk_bytes"),
     (["gateway", "--redis-url", "redis://r", "--port", "70000"], "--port", "GatewayConfig.port"),
+    (["gateway", "--redis-url", "redis://r", "--http-port", "-2"], "--http-port", "GatewayConfig.http_port"),
+    (["up", "--http-port", "65536"], "--http-port", "LocalClusterConfig.http_port"),
     (["gateway", "--redis-url", "redis://r", "--max-inflight", "0"], "--max-inflight", "GatewayConfig.max_inflight"),
     (["up", "--decode", "0"], "--decode", "LocalClusterConfig.num_decode"),
     (["up", "--prefill-attempts", "0"], "--prefill-attempts", "GatewayConfig.prefill_attempts"),
@@ -148,6 +152,7 @@ def test_values_the_configs_reject_exit_2_naming_flag_and_field(argv, flag, fiel
 @pytest.mark.parametrize("argv, flag", [
     (["decode-worker", "--kv-cache-memory", "lots"], "--kv-cache-memory"),
     (["prefill-worker", "--transport", "pigeon"], "--transport"),
+    (["decode-worker", "--quantization", "int4"], "--quantization"),
     (["gateway", "--redis-url", "redis://r", "--port", "http"], "--port"),
     (["gateway"], "--redis-url"),
     (["generate", "hi", "--temperature", "warm"], "--temperature"),

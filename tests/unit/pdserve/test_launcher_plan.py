@@ -32,12 +32,20 @@ def test_worker_command_line_parses_back_to_the_cluster_engine_with_its_thread_s
 
 def test_gateway_command_line_uses_the_workers_model_block_size_and_context_plus_extra_flags():
     config = LocalClusterConfig(host="0.0.0.0", engine=EngineConfig(model="/m.gguf", block_size=64,
-                                                                    max_model_len=512),
+                                                                    max_model_len=512, quantization="int8"),
                                 gateway_args=("--local-prefill-threshold", "0"))
     args = cli_args.parse_args(gateway_argv(config, 50051, "redis://127.0.0.1:9/0"))
     assert cli_args.gateway_config(args) == GatewayConfig(model="/m.gguf", redis_url="redis://127.0.0.1:9/0",
                                                           host="0.0.0.0", port=50051, block_size=64,
-                                                          max_model_len=512, local_prefill_threshold=0)
+                                                          max_model_len=512, local_prefill_threshold=0,
+                                                          quantization="int8")
+
+
+def test_gateway_command_line_carries_the_http_port_the_launcher_picked():
+    config = LocalClusterConfig(http_port=0)
+    assert cli_args.gateway_config(cli_args.parse_args(gateway_argv(config, 1, "redis://r", 8123))).http_port == 8123
+    off = LocalClusterConfig(http_port=-1)
+    assert cli_args.gateway_config(cli_args.parse_args(gateway_argv(off, 1, "redis://r"))).http_port == -1
 
 
 def test_wildcard_binds_are_dialed_on_loopback():

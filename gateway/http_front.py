@@ -1,0 +1,255 @@
+"""The gateway's OpenAI-compatible HTTP API (aiohttp), served on the event loop of its gRPC server:
+
+    POST /v1/completions        completions; "stream": true answers with server-sent events (data: {...}, then
+                                data: [DONE])
+    POST /v1/chat/completions   chat completions (messages through the model's chat template); streams as above
+    GET  /v1/models             the served model
+    GET  /health                200 while serving with a usable decode worker; 503 when draining or without one
+    GET  /metrics               Prometheus text format (gateway.metrics)
+
+Requests take the path gRPC requests take (gateway.frontend; bodies parsed by gateway.openai_protocol). Errors
+have OpenAI's shape {"error": {"message", "type", "param", "code"}}; `code` is the status name in lower case:
+
+    400  invalid_request_error   a bad parameter (`param` names it); malformed JSON (`param` null)
+    404  invalid_request_error   `model` is not served here (code "model_not_found"); an unknown path
+    429  rate_limit_error        the gateway or every decode worker is full; Retry-After header (seconds)
+    503  service_unavailable     no decode worker serves the model, one failed, or the gateway is draining
+    504  timeout_error           the X-Request-Timeout header's deadline (seconds from arrival) passed
+    500  internal_error          a bug: logged with its traceback; the client gets one line
+
+A stream answers 200 once its first token is ready, so errors before it still get their own status; an error
+after that is sent in-band as a last event {"error": ...}, then data: [DONE]. A client that disconnects
+cancels its handler (aiohttp's handler_cancellation), and with it the request on both workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from engine.errors import InvalidRequestError
+from gateway.frontend import Call, Frontend
+from gateway.openai_protocol import OpenAIRequest, ResponseBuilder, parse_chat, parse_completion
+from gateway.request_types import RETRY_AFTER_MS, ClientGone, ShuttingDown, error_code
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 << 20
+"""Largest request body (a long prompt as token ids is ~10 bytes per token)."""
+FLUSH_TIMEOUT_S = 1.0
+"""On close: how long handlers still running get before they are cancelled (the drain already waited)."""
+TIMEOUT_HEADER = "X-Request-Timeout"
+"""Optional request header: the request's deadline in seconds from its arrival (gRPC's deadline)."""
+
+HTTP_STATUS = {"OK": 200, "INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503,
+               "DEADLINE_EXCEEDED": 504, "CANCELLED": 499, "INTERNAL": 500}
+"""request_types.error_code -> HTTP status (499, client closed the connection, is never sent)."""
+_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+                429: "rate_limit_error", 503: "service_unavailable", 504: "timeout_error"}
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_dumps = functools.partial(json.dumps, ensure_ascii=False, separators=(",", ":"))
+
+
+def error_object(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "internal_error"), "param": param,
+                      "code": code}}
+
+
+def error_of(exc: BaseException) -> tuple[int, dict, dict[str, str]]:
+    """(HTTP status, OpenAI error object, extra headers) for an exception that ended a request."""
+    code = error_code(exc)
+    status, param, headers = HTTP_STATUS[code], None, {}
+    message = str(exc)
+    if isinstance(exc, InvalidRequestError):
+        param = None if exc.field == "body" else exc.field
+        if exc.field == "model":
+            return 404, error_object(message, 404, param, "model_not_found"), headers
+    elif code == "RESOURCE_EXHAUSTED":
+        retry_ms = getattr(exc, "retry_after_ms", RETRY_AFTER_MS)
+        headers["Retry-After"] = str(max(1, math.ceil(retry_ms / 1000)))
+        message = f"{exc}; retry after {retry_ms} ms"
+    elif code == "INTERNAL":
+        log.error("internal error", exc_info=exc)
+        message = f"internal error: {type(exc).__name__}: {exc}"
+    return status, error_object(message, status, param, code.lower()), headers
+
+
+def _json(body: dict, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(body, status=status, headers=headers, dumps=_dumps)
+
+
+def _error_response(exc: BaseException) -> web.Response:
+    status, body, headers = error_of(exc)
+    return _json(body, status, headers)
+
+
+def _event(obj: dict) -> bytes:
+    return b"data: " + _dumps(obj).encode() + b"\n\n"
+
+
+async def _read_json(request: web.Request):
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise InvalidRequestError("body", f"is larger than {MAX_BODY_BYTES} bytes") from None
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequestError("body", f"is not valid JSON: {exc}") from None
+
+
+def _deadline(request: web.Request, arrival: float) -> float | None:
+    value = request.headers.get(TIMEOUT_HEADER)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise InvalidRequestError(TIMEOUT_HEADER, f"must be a positive number of seconds, got {value!r}")
+    return arrival + seconds
+
+
+class HttpFront:
+    """The aiohttp application and its listening socket; the gateway's server starts, drains and closes it."""
+
+    def __init__(self, frontend: Frontend, directory) -> None:
+        """`directory`: gateway.server.WorkerDirectory (live workers for /health and the worker gauges)."""
+        self._frontend = frontend
+        self._directory = directory
+        self._created = int(time.time())
+        self.draining = False
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
+        app.add_routes([web.post("/v1/completions", self.completions),
+                        web.post("/v1/chat/completions", self.chat_completions),
+                        web.get("/v1/models", self.models), web.get("/health", self.health),
+                        web.get("/metrics", self.metrics)])
+        # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=FLUSH_TIMEOUT_S)
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on host:port (0 picks a free port); returns the port."""
+        await self._runner.setup()
+        try:
+            site = web.TCPSite(self._runner, host.strip("[]") or None, port)
+            await site.start()
+        except BaseException:
+            await self._runner.cleanup()
+            raise
+        return self._runner.addresses[0][1]
+
+    async def stop_accepting(self) -> None:
+        """Start draining: close the listening socket; /health and new requests on open connections get 503."""
+        self.draining = True
+        for site in list(self._runner.sites):
+            await site.stop()
+
+    async def close(self) -> None:
+        """Close every connection, cancelling handlers still running after FLUSH_TIMEOUT_S."""
+        self.draining = True
+        await self._runner.cleanup()
+
+    # -------------------------------------------------------------------------------------------- handlers
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completions", parse_completion)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat_completions", parse_chat)
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = self._frontend.model
+        return _json({"object": "list", "data": [{
+            "id": model.name, "object": "model", "created": self._created, "owned_by": "pdserve",
+            "max_model_len": model.max_model_len}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return _json({"status": "draining"}, 503)
+        workers = await self._directory.list_workers()
+        usable = [w for w in workers if self._directory.is_usable(w)]
+        num_decode = sum(w.role == "decode" for w in usable)
+        body = {"status": "ok" if num_decode else "no decode worker serves this model",
+                "decode_workers": num_decode, "prefill_workers": len(usable) - num_decode}
+        return _json(body, 200 if num_decode else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        metrics = self._frontend.metrics
+        metrics.set_workers(await self._directory.list_workers())
+        return web.Response(body=metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # -------------------------------------------------------------------------------------------- generation
+    async def _generate(self, request: web.Request, endpoint: str,
+                        parse: Callable[..., OpenAIRequest]) -> web.StreamResponse:
+        f = self._frontend
+        try:
+            with f.active.hold(), f.call("http", endpoint) as call:
+                if self.draining:
+                    raise ShuttingDown("the gateway is shutting down; retry on another one")
+                parsed = parse(await _read_json(request), f.model, f.tokenizer, f.running_ids)
+                deadline = _deadline(request, call.arrival)
+                if parsed.stream:
+                    return await self._stream(request, call, parsed, deadline)
+                async with contextlib.aclosing(call.generate(parsed.request, deadline)) as chunks:
+                    collected = [chunk async for chunk in chunks]
+                body = ResponseBuilder(parsed, f.tokenizer).response(collected)
+                return _json(body)
+        except Exception as exc:         # not CancelledError: a client that is gone gets no answer
+            return _error_response(exc)
+
+    async def _stream(self, request: web.Request, call: Call, parsed: OpenAIRequest,
+                      deadline: float | None) -> web.StreamResponse:
+        builder = ResponseBuilder(parsed, self._frontend.tokenizer)
+        async with contextlib.aclosing(call.generate(parsed.request, deadline)) as chunks:
+            chunk = await anext(chunks)          # raises before any byte is sent: the error gets its status
+            response = web.StreamResponse(headers=_SSE_HEADERS)
+            await response.prepare(request)
+            try:
+                while True:
+                    obj = builder.stream_chunk(chunk)
+                    if obj is not None:
+                        await response.write(_event(obj))
+                    if chunk.finish_reason is not None:
+                        break
+                    chunk = await anext(chunks)
+                if parsed.include_usage and chunk.usage is not None:
+                    await response.write(_event(builder.usage_chunk(chunk.usage)))
+            except ConnectionResetError as exc:  # the client left between two writes
+                call.error = ClientGone(str(exc))
+                return response
+            except Exception as exc:
+                call.error = exc
+                with contextlib.suppress(ConnectionResetError):
+                    await response.write(_event(error_of(exc)[1]))
+            with contextlib.suppress(ConnectionResetError):
+                await response.write(b"data: [DONE]\n\n")
+                await response.write_eof()
+        return response
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        """Routing errors (unknown path, wrong method) and anything unexpected, in OpenAI's error shape."""
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            message = f"{exc.reason}: {request.method} {request.path}"
+            allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+            return _json(error_object(message, exc.status, code=exc.reason.lower().replace(" ", "_")), exc.status,
+                         allow)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.error("internal error serving %s %s", request.method, request.path, exc_info=exc)
+            return _json(error_object(f"internal error: {type(exc).__name__}", 500), 500)

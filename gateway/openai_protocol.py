@@ -1,0 +1,352 @@
+"""OpenAI-compatible request bodies -> validated `GenerationRequest`s, and `OutputChunk`s -> OpenAI response
+objects (pure: JSON values in and out; no aiohttp, grpc or protobuf).
+
+Parsing checks JSON types here, then hands plain values to gateway.validation, the checks the gRPC API applies,
+so both APIs accept and refuse the same requests. Every rejection is an InvalidRequestError whose `field` is the
+OpenAI parameter (the error object's `param`): "temperature", "max_tokens", "prompt", "messages[1].role", ...
+
+    model               the served name or an alias; missing means the served model
+    prompt              /v1/completions: a string, a list of token ids, or a one-element list of either
+    messages            /v1/chat/completions: [{"role": "system"|"user"|"assistant",
+                        "content": a string or a list of {"type": "text", "text": ...} parts}]
+    max_tokens          completions: default 16; chat (or max_completion_tokens): default the rest of the context
+    temperature, top_p, top_k, min_p, seed, presence_penalty, frequency_penalty, repetition_penalty, stop (a
+    string or a list), stop_token_ids, ignore_eos, cache_salt
+                        as in the gRPC SamplingParams (top_k -1 disables too, as in vLLM)
+    logprobs            completions: alternatives per token (an int); chat: a bool, with top_logprobs (an int)
+    stream, stream_options.include_usage
+    n, best_of          1 only
+    echo, suffix, logit_bias, tools, functions, response_format other than text: refused
+Other fields (user, metadata, ...) are ignored. JSON null means unset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Container, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+from engine.sequence import TokenLogprob
+from engine.tokenizer import Tokenizer
+from gateway.request_types import OutputChunk, Usage
+from gateway.validation import (DEFAULT_MAX_TOKENS, GenerationRequest, ModelSpec, RequestFields, draw_seed,
+                                validate_messages, validate_prompt)
+
+_REFUSED = {"echo": "echoing the prompt", "suffix": "suffix", "logit_bias": "logit_bias", "tools": "tool calling",
+            "functions": "function calling"}
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """A parsed, validated OpenAI request and how to answer it."""
+
+    request: GenerationRequest
+    chat: bool
+    """/v1/chat/completions (else /v1/completions)."""
+    model: str
+    """The model name responses carry (the request's, else the served name)."""
+    stream: bool = False
+    include_usage: bool = False
+    """Streams end with a chunk that has usage and no choices (stream_options.include_usage)."""
+    logprobs: bool = False
+    """Choices carry log-probabilities."""
+
+
+def parse_completion(body: Any, model: ModelSpec, tokenizer: Tokenizer, running: Container[str] = (),
+                     seed_source: Callable[[], int] = draw_seed) -> OpenAIRequest:
+    """A /v1/completions body -> OpenAIRequest; InvalidRequestError names the bad parameter."""
+    body = _object(body)
+    fields, max_tokens_param = _fields(body, model, chat=False)
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise InvalidRequestError("prompt", "is required: a string or a list of token ids")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]                                   # a batch of one
+    if isinstance(prompt, list):
+        if any(isinstance(p, (str, list)) for p in prompt):
+            raise InvalidRequestError("prompt", "batches of prompts are not supported; send one per request")
+        if not all(_is_int(p) for p in prompt):
+            raise InvalidRequestError("prompt", "must be a string or a list of token ids (integers)")
+    elif not isinstance(prompt, str):
+        raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {_kind(prompt)}")
+    try:
+        req = validate_prompt(fields, prompt, model, tokenizer, running, seed_source)
+    except InvalidRequestError as exc:
+        raise _renamed(exc, max_tokens_param, chat=False) from exc
+    return _parsed(body, req, model, chat=False, logprobs=fields.sampling.logprobs is not None)
+
+
+def parse_chat(body: Any, model: ModelSpec, tokenizer: Tokenizer, running: Container[str] = (),
+               seed_source: Callable[[], int] = draw_seed) -> OpenAIRequest:
+    """A /v1/chat/completions body -> OpenAIRequest (messages rendered with the model's chat template)."""
+    body = _object(body)
+    fields, max_tokens_param = _fields(body, model, chat=True)
+    messages = _messages(body.get("messages"))
+    try:
+        req = validate_messages(fields, messages, model, tokenizer, running, seed_source)
+    except InvalidRequestError as exc:
+        raise _renamed(exc, max_tokens_param, chat=True) from exc
+    if _int(body, max_tokens_param) is None:                 # the rest of the context, as OpenAI and vLLM
+        req = dataclasses.replace(req, sampling=dataclasses.replace(
+            req.sampling, max_tokens=model.max_model_len - req.num_prompt_tokens))
+    return _parsed(body, req, model, chat=True, logprobs=fields.sampling.logprobs is not None)
+
+
+# ------------------------------------------------------------------------------------------------ parsing
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise InvalidRequestError("body", f"must be a JSON object, got {_kind(body)}")
+    return body
+
+
+def _fields(body: dict, model: ModelSpec, chat: bool) -> tuple[RequestFields, str]:
+    """The sampling and common fields (not yet validated beyond JSON types) and the max_tokens parameter's name."""
+    for name in ("n", "best_of"):
+        value = _int(body, name)
+        if value is not None and value != 1:
+            raise InvalidRequestError(name, f"only 1 is supported, got {value}")
+    for name, what in _REFUSED.items():
+        if body.get(name) not in (None, False, "", [], {}):
+            raise InvalidRequestError(name, f"{what} is not supported")
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise InvalidRequestError("response_format", "only {\"type\": \"text\"} is supported")
+    max_tokens_param = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = _int(body, max_tokens_param)
+    if chat:
+        top_logprobs = _int(body, "top_logprobs")
+        if top_logprobs is not None and not _bool(body, "logprobs"):
+            raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+        logprobs = (top_logprobs or 0) if _bool(body, "logprobs") else None
+    else:
+        logprobs = _int(body, "logprobs")
+    top_k = _int(body, "top_k")
+    sampling = SamplingParams(
+        # Chat without a limit: a valid placeholder here, the rest of the context once the prompt is known.
+        max_tokens=max_tokens if max_tokens is not None else model.max_model_len if chat else DEFAULT_MAX_TOKENS,
+        temperature=_number(body, "temperature", 1.0),
+        top_k=0 if top_k in (None, -1) else top_k,
+        top_p=_number(body, "top_p", 1.0),
+        min_p=_number(body, "min_p", 0.0),
+        seed=_int(body, "seed"),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0),
+        presence_penalty=_number(body, "presence_penalty", 0.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0),
+        stop_token_ids=tuple(_int_list(body, "stop_token_ids")),
+        ignore_eos=bool(_bool(body, "ignore_eos")),
+        logprobs=logprobs,
+    )
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    elif stop is None:
+        stop = []
+    elif not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise InvalidRequestError("stop", "must be a string or a list of strings")
+    fields = RequestFields(sampling, tuple(stop), model=_str(body, "model") or "",
+                           cache_salt=_str(body, "cache_salt") or "")
+    return fields, max_tokens_param
+
+
+def _messages(raw: Any) -> list[tuple[str, str]]:
+    if raw is None:
+        raise InvalidRequestError("messages", "is required")
+    if not isinstance(raw, list):
+        raise InvalidRequestError("messages", f"must be a list of messages, got {_kind(raw)}")
+    messages = []
+    for i, message in enumerate(raw):
+        if not isinstance(message, dict):
+            raise InvalidRequestError(f"messages[{i}]", f"must be an object with role and content, "
+                                                        f"got {_kind(message)}")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str):
+            raise InvalidRequestError(f"messages[{i}].role", f"must be a string, got {_kind(role)}")
+        if isinstance(content, list):
+            texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
+            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+                raise InvalidRequestError(f"messages[{i}].content", "only text parts ({\"type\": \"text\", "
+                                                                    "\"text\": ...}) are supported")
+            content = "\n".join(texts)
+        elif not isinstance(content, str):
+            raise InvalidRequestError(f"messages[{i}].content", f"must be a string or a list of text parts, "
+                                                                f"got {_kind(content)}")
+        messages.append((role, content))
+    return messages
+
+
+def _parsed(body: dict, req: GenerationRequest, model: ModelSpec, chat: bool, logprobs: bool) -> OpenAIRequest:
+    stream = bool(_bool(body, "stream"))
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise InvalidRequestError("stream_options", "is allowed only with stream: true")
+        if not isinstance(options, dict):
+            raise InvalidRequestError("stream_options", f"must be an object, got {_kind(options)}")
+    include_usage = bool(_bool(options or {}, "include_usage", "stream_options.include_usage"))
+    return OpenAIRequest(req, chat, _str(body, "model") or model.name, stream, include_usage, logprobs)
+
+
+def _renamed(exc: InvalidRequestError, max_tokens_param: str, chat: bool) -> InvalidRequestError:
+    """A validation error with the OpenAI parameter's name instead of the gRPC field path."""
+    name = exc.field.removeprefix("sampling.")
+    if name.startswith("stop["):
+        name = "stop"
+    elif name == "token_ids":
+        name = "prompt"
+    elif name == "max_tokens":
+        name = max_tokens_param
+    elif name == "logprobs" and chat:
+        name = "top_logprobs"
+    return InvalidRequestError(name, str(exc).partition(": ")[2])
+
+
+def _kind(value: Any) -> str:
+    """The JSON type name of a decoded value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "a list" if isinstance(value, list) else "an object"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(body: dict, name: str) -> int | None:
+    value = body.get(name)
+    if value is not None and not _is_int(value):
+        raise InvalidRequestError(name, f"must be an integer, got {_kind(value)}")
+    return value
+
+
+def _int_list(body: dict, name: str) -> list[int]:
+    value = body.get(name)
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(_is_int(v) for v in value):
+        raise InvalidRequestError(name, "must be a list of integers")
+    return value
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(name, f"must be a number, got {_kind(value)}")
+    return float(value)
+
+
+def _bool(body: dict, name: str, param: str | None = None) -> bool | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidRequestError(param or name, f"must be true or false, got {_kind(value)}")
+    return value
+
+
+def _str(body: dict, name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise InvalidRequestError(name, f"must be a string, got {_kind(value)}")
+    return value
+
+
+# ------------------------------------------------------------------------------------------------ responses
+def _finite(logprob: float) -> float:
+    """JSON has no -Infinity: impossible tokens get -9999.0, as vLLM reports them."""
+    return logprob if math.isfinite(logprob) else -9999.0
+
+
+def usage_object(usage: Usage) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+class ResponseBuilder:
+    """OpenAI objects for one request: a chunk object per streamed chunk, or one response at the end."""
+
+    def __init__(self, parsed: OpenAIRequest, tokenizer: Tokenizer, created: int | None = None) -> None:
+        self.parsed = parsed
+        self._tokenizer = tokenizer
+        self._created = int(time.time()) if created is None else created
+        self._sent_role = False
+        self._text_offset = 0
+
+    def stream_chunk(self, chunk: OutputChunk) -> dict | None:
+        """The `data:` object for `chunk`, or None when it carries nothing a client sees."""
+        p = self.parsed
+        logprobs = self._logprobs(chunk.logprobs) if p.logprobs else None
+        finish = chunk.finish_reason.value if chunk.finish_reason is not None else None
+        if p.chat:
+            delta = {"content": chunk.text} if chunk.text else {}
+            if not self._sent_role:
+                delta = {"role": "assistant", "content": chunk.text}
+            elif not (chunk.text or logprobs or finish):
+                return None
+            self._sent_role = True
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        else:
+            if not (chunk.text or logprobs or finish):
+                return None
+            choice = {"index": 0, "text": chunk.text, "logprobs": logprobs, "finish_reason": finish}
+        obj = self._envelope("chat.completion.chunk" if p.chat else "text_completion", [choice])
+        if p.include_usage:
+            obj["usage"] = None
+        return obj
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        """The last streamed object with stream_options.include_usage: usage and no choices."""
+        obj = self._envelope("chat.completion.chunk" if self.parsed.chat else "text_completion", [])
+        obj["usage"] = usage_object(usage)
+        return obj
+
+    def response(self, chunks: Sequence[OutputChunk]) -> dict:
+        """The whole (non-streamed) response; the last chunk is the final one."""
+        p, last = self.parsed, chunks[-1]
+        text = "".join(c.text for c in chunks)
+        logprobs = self._logprobs([lp for c in chunks for lp in c.logprobs]) if p.logprobs else None
+        finish = last.finish_reason.value if last.finish_reason is not None else None
+        if p.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                      "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        obj = self._envelope("chat.completion" if p.chat else "text_completion", [choice])
+        obj["usage"] = usage_object(last.usage) if last.usage is not None else None
+        return obj
+
+    def _envelope(self, kind: str, choices: list) -> dict:
+        return {"id": self.parsed.request.request_id, "object": kind, "created": self._created,
+                "model": self.parsed.model, "choices": choices}
+
+    def _token(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict:
+        if self.parsed.chat:
+            def entry(token_id: int, logprob: float) -> dict:
+                token = self._token(token_id)
+                return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode())}
+
+            return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                                for lp in logprobs]}
+        tokens = [self._token(lp.token_id) for lp in logprobs]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._text_offset)
+            self._text_offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
+                "top_logprobs": [{self._token(t): _finite(v) for t, v in lp.top} for lp in logprobs],
+                "text_offset": offsets}

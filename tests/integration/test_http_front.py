@@ -1,0 +1,314 @@
+"""The gateway's OpenAI-compatible HTTP API in front of real worker processes: a real redis-server, one prefill
+and one decode worker (each its own process loading the default model, one thread), HTTP over real sockets.
+
+Greedy outputs are compared with the offline engine (as in test_gateway_cluster) and with the gRPC API; block
+accounting is checked through each worker's Stats with bounded polling, never with timing assertions.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+
+import aiohttp
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine.sampling_params import SamplingParams
+from kvstore.embedded_redis import EmbeddedRedis
+from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.integration.cluster import IDLE_TIMEOUT_S, RPC_TIMEOUT_S, Cluster, Reference, assert_idle
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
+LONG_PROMPT = ("You are a careful assistant. Answer briefly and say so when you do not know. The user reads on a "
+               "phone and likes lists. Question: what is a mutex?")
+
+
+@pytest.fixture(scope="module")
+def cluster(default_model_path):
+    with EmbeddedRedis() as redis:
+        cluster = Cluster(default_model_path, redis)
+        try:
+            cluster.start_worker("prefill", "p0")
+            cluster.start_worker("decode", "d0")
+            cluster.reference = Reference(default_model_path)   # loads while the workers load
+            cluster.wait_registered("p0", "d0")
+            yield cluster
+        finally:
+            cluster.close()
+
+
+@pytest.fixture(scope="module")
+def reference(cluster) -> Reference:
+    return cluster.reference
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster):
+    """Disaggregates every request (local_prefill_threshold 0); HTTP on a free port."""
+    return cluster.gateway()
+
+
+def url(gateway, path: str) -> str:
+    return f"http://127.0.0.1:{gateway.http_port}{path}"
+
+
+def request(gateway, method: str, path: str, body=None, raw: bytes | None = None,
+            headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], dict | str]:
+    """(status, headers, decoded JSON body or text) of one HTTP request."""
+    data = raw if raw is not None else json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url(gateway, path), data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=RPC_TIMEOUT_S) as response:
+            status, response_headers, text = response.status, dict(response.headers), response.read().decode()
+    except urllib.error.HTTPError as err:
+        status, response_headers, text = err.code, dict(err.headers), err.read().decode()
+    is_json = response_headers.get("Content-Type", "").startswith("application/json")
+    return status, response_headers, json.loads(text) if is_json else text
+
+
+def post(gateway, path: str, body: dict) -> dict:
+    status, _, answer = request(gateway, "POST", path, body)
+    assert status == 200, answer
+    return answer
+
+
+def stream(gateway, path: str, body: dict) -> list[str]:
+    """The `data:` payloads of a streamed response, in order ([DONE] included)."""
+    req = urllib.request.Request(url(gateway, path), data=json.dumps({**body, "stream": True}).encode(),
+                                 method="POST", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=RPC_TIMEOUT_S) as response:
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        lines = response.read().decode().split("\n\n")
+    assert lines[-1] == ""
+    assert all(line.startswith("data: ") for line in lines[:-1]), lines
+    return [line.removeprefix("data: ") for line in lines[:-1]]
+
+
+def greedy(prompt, max_tokens: int = 16, **fields) -> dict:
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **fields}
+
+
+def grpc_text(gateway, prompt: str, max_tokens: int = 16) -> str:
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        chunks = list(generation_pb2_grpc.GenerationStub(channel).Generate(generation_pb2.GenerateRequest(
+            text=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0)),
+            timeout=RPC_TIMEOUT_S))
+    return "".join(c.text for c in chunks)
+
+
+def metric(gateway, name: str, **labels) -> float:
+    """One sample of GET /metrics (0 when absent)."""
+    status, _, text = request(gateway, "GET", "/metrics")
+    assert status == 200
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    return 0.0
+
+
+# ------------------------------------------------------------------------------------------------ endpoints
+def test_health_and_models(gateway, cluster):
+    status, _, body = request(gateway, "GET", "/health")
+    assert (status, body) == (200, {"status": "ok", "decode_workers": 1, "prefill_workers": 1})
+    status, _, body = request(gateway, "GET", "/v1/models")
+    assert status == 200 and body["object"] == "list"
+    assert [(m["id"], m["object"], m["max_model_len"]) for m in body["data"]] == [(cluster.model[0].name, "model",
+                                                                                   2048)]
+
+
+def test_greedy_completion_equals_offline_engine_and_grpc(gateway, reference, cluster):
+    for prompt in PROMPTS:
+        answer = post(gateway, "/v1/completions", greedy(prompt, model=cluster.model[0].name))
+        text, token_ids = reference(prompt)
+        assert answer["object"] == "text_completion" and answer["model"] == cluster.model[0].name
+        [choice] = answer["choices"]
+        assert choice["text"] == text == grpc_text(gateway, prompt), prompt
+        assert choice["finish_reason"] == ("length" if len(token_ids) == 16 else "stop")
+        usage = answer["usage"]
+        assert usage["prompt_tokens"] == len(cluster.model[1].encode(prompt))
+        assert usage["completion_tokens"] == len(token_ids)
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 0
+    ids = reference.llm.tokenizer.encode(PROMPTS[1])
+    assert post(gateway, "/v1/completions", greedy(ids))["choices"][0]["text"] == reference(ids)[0]
+    assert_idle(cluster.wait_idle())
+
+
+def test_chat_completion_through_the_chat_template(gateway, reference):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    answer = post(gateway, "/v1/chat/completions", {"messages": messages, "max_tokens": 32, "temperature": 0})
+    [choice] = answer["choices"]
+    assert answer["object"] == "chat.completion" and choice["message"]["role"] == "assistant"
+    assert "Paris" in choice["message"]["content"]
+    expected = reference.llm.chat(messages, SamplingParams(max_tokens=32, temperature=0.0))[0].outputs[0]
+    assert choice["message"]["content"] == expected.text
+    assert answer["usage"]["completion_tokens"] == len(expected.token_ids)
+
+
+def test_streams_concatenate_to_the_non_streamed_text_and_end_with_done(gateway):
+    body = greedy(LONG_PROMPT, 24)
+    whole = post(gateway, "/v1/completions", body)
+    events = stream(gateway, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    *text_chunks, usage_chunk = chunks
+    assert "".join(c["choices"][0]["text"] for c in text_chunks) == whole["choices"][0]["text"]
+    assert [c["choices"][0]["finish_reason"] for c in text_chunks][-1] == whole["choices"][0]["finish_reason"]
+    assert all(c["choices"][0]["finish_reason"] is None and c["usage"] is None for c in text_chunks[:-1])
+    assert usage_chunk["choices"] == [] and usage_chunk["id"] == text_chunks[0]["id"]
+    usage = usage_chunk["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (whole["usage"]["prompt_tokens"],
+                                                                    whole["usage"]["completion_tokens"])
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 16  # the same prompt again: a prefix-cache hit
+
+    chat = {"messages": [{"role": "user", "content": "Name two colors."}], "max_tokens": 16, "temperature": 0}
+    whole = post(gateway, "/v1/chat/completions", chat)
+    events = stream(gateway, "/v1/chat/completions", chat)
+    deltas = [json.loads(e)["choices"][0]["delta"] for e in events[:-1]]
+    assert events[-1] == "[DONE]" and deltas[0]["role"] == "assistant"
+    assert "".join(d.get("content", "") for d in deltas) == whole["choices"][0]["message"]["content"]
+
+
+# ------------------------------------------------------------------------------------------------ errors
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/completions", greedy("hello", temperature=-1), 400, "temperature"),
+    ("/v1/completions", greedy("hello", max_tokens=0), 400, "max_tokens"),
+    ("/v1/completions", greedy("hello", n=2), 400, "n"),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", greedy("hello", model="gpt-4"), 404, "model"),
+    ("/v1/completions", b'{"prompt": "hello", ', 400, None),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}, 400, "top_p"),
+])
+def test_bad_input_is_an_openai_error_naming_the_field_and_never_reaches_a_worker(gateway, cluster, path, body,
+                                                                                  status, param):
+    before = cluster.wait_idle()
+    raw = body if isinstance(body, bytes) else None
+    got, _, answer = request(gateway, "POST", path, None if raw else body, raw=raw)
+    assert got == status
+    error = answer["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+    assert cluster.wait_idle() == before
+
+
+def test_over_max_inflight_is_429_with_retry_after(cluster):
+    small = cluster.gateway(max_inflight=1)
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            running = await session.post(url(small, "/v1/completions"),
+                                         json=greedy(PROMPTS[0], 200, ignore_eos=True, stream=True))
+            await running.content.readline()                 # the first event: the request is admitted
+            async with session.post(url(small, "/v1/completions"), json=greedy(PROMPTS[1])) as refused:
+                answer = (refused.status, refused.headers.get("Retry-After"), await refused.json())
+            running.close()
+            return answer
+
+    status, retry_after, body = asyncio.run(scenario())
+    assert status == 429 and int(retry_after) >= 1 and body["error"]["type"] == "rate_limit_error"
+    assert_idle(cluster.wait_idle())
+
+
+def test_deadline_header_on_a_long_generation_is_504_and_frees_the_workers(gateway, cluster):
+    status, _, answer = request(gateway, "POST", "/v1/completions", greedy(PROMPTS[2], 2000, ignore_eos=True),
+                                headers={"X-Request-Timeout": "1"})
+    assert status == 504 and answer["error"]["code"] == "deadline_exceeded"
+    assert_idle(cluster.wait_idle())
+
+
+def test_client_disconnect_mid_stream_returns_both_workers_to_idle(gateway, cluster):
+    cancelled_before = metric(gateway, "pdserve_requests_total", api="http", code="CANCELLED", endpoint="completions")
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            response = await session.post(url(gateway, "/v1/completions"),
+                                          json=greedy(PROMPTS[0], 400, ignore_eos=True, stream=True))
+            for _ in range(3):
+                assert (await response.content.readline()).startswith(b"data: ")
+                await response.content.readline()            # the blank line ending the event
+            running = (await asyncio.to_thread(cluster.stats, "d0")).running
+            response.close()                                 # drops the connection mid-stream
+            return running
+
+    assert asyncio.run(scenario()) == 1
+    assert_idle(cluster.wait_idle())
+    deadline = time.monotonic() + IDLE_TIMEOUT_S
+    while metric(gateway, "pdserve_requests_total", api="http", code="CANCELLED", endpoint="completions") \
+            == cancelled_before:
+        assert time.monotonic() < deadline, "the disconnected request was never recorded as CANCELLED"
+        time.sleep(0.1)
+
+
+def test_client_disconnect_while_waiting_for_a_whole_completion_frees_the_workers(gateway, cluster):
+    # Nothing is written before the end, so only the handler's cancellation can notice the client left; the
+    # generation would outlast wait_idle's bound.
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            call = asyncio.create_task(session.post(url(gateway, "/v1/completions"),
+                                                    json=greedy(PROMPTS[0], 2000, ignore_eos=True)))
+            deadline = time.monotonic() + IDLE_TIMEOUT_S
+            while (await asyncio.to_thread(cluster.stats, "d0")).running == 0:
+                assert time.monotonic() < deadline, "the request never reached the decode worker"
+            call.cancel()                                    # closes the connection
+            with pytest.raises(asyncio.CancelledError):
+                await call
+
+    asyncio.run(scenario())
+    assert_idle(cluster.wait_idle())
+
+
+def test_metrics_count_both_apis(gateway):
+    assert metric(gateway, "pdserve_requests_total", api="http", code="OK", endpoint="completions") >= 4
+    assert metric(gateway, "pdserve_requests_total", api="http", code="INVALID_ARGUMENT", endpoint="completions") >= 5
+    assert metric(gateway, "pdserve_requests_total", api="grpc", code="OK", endpoint="generate") >= 3
+    for api in ("http", "grpc"):
+        assert metric(gateway, "pdserve_time_to_first_token_seconds_count", api=api) > 0
+        assert metric(gateway, "pdserve_e2e_request_latency_seconds_count", api=api) > 0
+    assert metric(gateway, "pdserve_generation_tokens_total") > 0
+    assert metric(gateway, "pdserve_prefix_cache_hit_tokens_total") >= 16
+    assert metric(gateway, "pdserve_kv_transfer_bytes_total", transport="shm") + \
+        metric(gateway, "pdserve_kv_transfer_bytes_total", transport="grpc") > 0
+    assert metric(gateway, "pdserve_worker_kv_blocks_free", role="decode", worker="d0") > 0
+
+
+# ------------------------------------------------------------------------------------------------ drain
+def test_drain_finishes_http_streams_and_reports_draining(cluster, reference):
+    draining = cluster.gateway(drain_timeout_s=60.0)
+    expected = reference(PROMPTS[1], max_tokens=64, ignore_eos=True)[0]
+
+    async def scenario():
+        async with aiohttp.ClientSession() as probe, aiohttp.ClientSession() as client:
+            async with probe.get(url(draining, "/health")) as health:     # its connection stays open (keep-alive)
+                assert health.status == 200
+            response = await client.post(url(draining, "/v1/completions"),
+                                         json=greedy(PROMPTS[1], 64, ignore_eos=True, stream=True))
+            first = await response.content.readline()
+            stopping = asyncio.get_running_loop().run_in_executor(None, draining.stop, 60.0)
+            deadline = time.monotonic() + IDLE_TIMEOUT_S
+            while True:                                      # new requests on open connections: 503 draining
+                async with probe.get(url(draining, "/health")) as health:
+                    if health.status == 503:
+                        assert await health.json() == {"status": "draining"}
+                        break
+                assert time.monotonic() < deadline, "the gateway never reported draining"
+                await asyncio.sleep(0.05)
+            rest = await response.read()
+            await stopping
+            with pytest.raises(aiohttp.ClientConnectionError):  # the listening socket is closed
+                await client.get(url(draining, "/health"))
+            return [e.removeprefix(b"data: ") for e in (first + rest).split(b"\n\n") if e.strip()]
+
+    events = asyncio.run(scenario())
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert "".join(c["text"] for c in chunks) == expected
+    assert chunks[-1]["finish_reason"] == "length"
+    assert_idle(cluster.wait_idle())

@@ -1,0 +1,201 @@
+"""OpenAI bodies -> GenerationRequests (exact values; the OpenAI parameter named for each bad input) and
+OutputChunks -> OpenAI objects (exact JSON)."""
+from __future__ import annotations
+
+import pytest
+from tokenizers import AddedToken, models, pre_tokenizers
+from tokenizers import Tokenizer as BackendTokenizer
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+from engine.sequence import FinishReason, TokenLogprob
+from engine.tokenizer import Tokenizer
+from gateway.openai_protocol import ResponseBuilder, parse_chat, parse_completion
+from gateway.request_types import OutputChunk, Usage
+from gateway.validation import ModelSpec
+
+WORDS = ["<eos>", "<|im_start|>", "<|im_end|>", "[UNK]", "system", "user", "assistant", "hello", "world", "a", "b"]
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }} {{ m.content }}<|im_end|>{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+MODEL = ModelSpec(name="tiny", max_model_len=16, vocab_size=len(WORDS), fingerprint="fp",
+                  aliases=frozenset({"/models/tiny.gguf"}))
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    backend = BackendTokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in WORDS[:3]])
+    return Tokenizer(backend, bos_token=None, eos_token="<eos>", chat_template=TEMPLATE)
+
+
+def completion(tokenizer, **body):
+    return parse_completion(body, MODEL, tokenizer, seed_source=lambda: 1234)
+
+
+def chat(tokenizer, messages, **body):
+    return parse_chat({"messages": messages, **body}, MODEL, tokenizer, seed_source=lambda: 1234)
+
+
+def param_of(call, *args, **kwargs) -> str:
+    with pytest.raises(InvalidRequestError) as info:
+        call(*args, **kwargs)
+    return info.value.field
+
+
+# ------------------------------------------------------------------------------------------------ parsing
+def test_completion_defaults_are_openai_defaults(tokenizer):
+    parsed = completion(tokenizer, prompt="hello world")
+    assert parsed.request.prompt_token_ids == (7, 8)
+    assert parsed.request.sampling == SamplingParams(max_tokens=16, temperature=1.0, seed=1234)
+    assert (parsed.chat, parsed.model, parsed.stream, parsed.include_usage, parsed.logprobs) == \
+        (False, "tiny", False, False, False)
+
+
+def test_every_sampling_parameter_maps_through(tokenizer):
+    parsed = completion(tokenizer, prompt=[7, 8, 9], model="/models/tiny.gguf", max_tokens=5, temperature=0,
+                        top_p=0.5, top_k=3, min_p=0.25, seed=99, repetition_penalty=1.5, presence_penalty=-1,
+                        frequency_penalty=2, stop=["a b", "END"], stop_token_ids=[0, 2], ignore_eos=True, logprobs=2,
+                        cache_salt="tenant", stream=True, stream_options={"include_usage": True}, n=1, user="u1")
+    req = parsed.request
+    assert req.prompt_token_ids == (7, 8, 9)
+    assert req.sampling == SamplingParams(max_tokens=5, temperature=0.0, top_k=3, top_p=0.5, min_p=0.25, seed=99,
+                                          repetition_penalty=1.5, presence_penalty=-1.0, frequency_penalty=2.0,
+                                          stop_token_ids=(0, 2), ignore_eos=True, logprobs=2)
+    assert (req.stop, req.cache_salt) == (("a b", "END"), "tenant")
+    assert (parsed.model, parsed.stream, parsed.include_usage, parsed.logprobs) == \
+        ("/models/tiny.gguf", True, True, True)
+
+
+def test_prompt_forms_a_batch_of_one_and_top_k_minus_one(tokenizer):
+    assert completion(tokenizer, prompt=["hello"]).request.prompt_token_ids == (7,)
+    assert completion(tokenizer, prompt=[[8, 9]]).request.prompt_token_ids == (8, 9)
+    assert completion(tokenizer, prompt="a", top_k=-1, stop="b").request.stop == ("b",)
+    assert completion(tokenizer, prompt="a", top_k=-1).request.sampling.top_k == 0
+
+
+def test_chat_renders_the_template_and_defaults_max_tokens_to_the_rest_of_the_context(tokenizer):
+    parsed = chat(tokenizer, [{"role": "user", "content": "hello"}])
+    # <|im_start|> user hello <|im_end|> <|im_start|> assistant
+    assert parsed.request.prompt_token_ids == (1, 5, 7, 2, 1, 6)
+    assert parsed.request.sampling.max_tokens == 16 - 6
+    assert parsed.chat and not parsed.logprobs
+    parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]
+    assert chat(tokenizer, [{"role": "user", "content": parts}], max_completion_tokens=3).request.sampling.max_tokens \
+        == 3
+    with_logprobs = chat(tokenizer, [{"role": "user", "content": "a"}], logprobs=True, top_logprobs=2)
+    assert with_logprobs.logprobs and with_logprobs.request.sampling.logprobs == 2
+
+
+@pytest.mark.parametrize("body, param", [
+    (dict(prompt="a", temperature=-1), "temperature"),
+    (dict(prompt="a", temperature="hot"), "temperature"),
+    (dict(prompt="a", temperature=float("nan")), "temperature"),
+    (dict(prompt="a", max_tokens=0), "max_tokens"),
+    (dict(prompt="a", max_tokens=2.5), "max_tokens"),
+    (dict(prompt="a", top_p=0), "top_p"),
+    (dict(prompt="a", top_k=-2), "top_k"),
+    (dict(prompt="a", seed=-1), "seed"),
+    (dict(prompt="a", logprobs=21), "logprobs"),
+    (dict(prompt="a", n=2), "n"),
+    (dict(prompt="a", best_of=3), "best_of"),
+    (dict(prompt="a", echo=True), "echo"),
+    (dict(prompt="a", logit_bias={"7": 1}), "logit_bias"),
+    (dict(prompt="a", stop=["ok", ""]), "stop"),
+    (dict(prompt="a", stop=3), "stop"),
+    (dict(prompt="a", stop_token_ids=[99]), "stop_token_ids"),
+    (dict(prompt="a", model="gpt-4"), "model"),
+    (dict(prompt="a", stream_options={"include_usage": True}), "stream_options"),
+    (dict(prompt="a", stream=True, stream_options={"include_usage": 1}), "stream_options.include_usage"),
+    (dict(prompt="a", cache_salt=5), "cache_salt"),
+    (dict(), "prompt"),
+    (dict(prompt=""), "prompt"),
+    (dict(prompt=[]), "prompt"),
+    (dict(prompt=["a", "b"]), "prompt"),
+    (dict(prompt=[1, True]), "prompt"),
+    (dict(prompt=[1, 99]), "prompt"),
+    (dict(prompt=[-1]), "prompt"),
+    (dict(prompt={"text": "a"}), "prompt"),
+    (dict(prompt=" ".join(["hello"] * 16)), "prompt"),
+])
+def test_bad_completion_parameters_are_named(tokenizer, body, param):
+    assert param_of(completion, tokenizer, **body) == param
+
+
+@pytest.mark.parametrize("messages, body, param", [
+    (None, {}, "messages"),
+    ([], {}, "messages"),
+    ("hello", {}, "messages"),
+    (["hello"], {}, "messages[0]"),
+    ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}], {}, "messages[1].role"),
+    ([{"content": "a"}], {}, "messages[0].role"),
+    ([{"role": "user"}], {}, "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], {}, "messages[0].content"),
+    ([{"role": "user", "content": "a"}], {"top_logprobs": 2}, "top_logprobs"),
+    ([{"role": "user", "content": "a"}], {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ([{"role": "user", "content": "a"}], {"max_completion_tokens": 0}, "max_completion_tokens"),
+    ([{"role": "user", "content": "a"}], {"tools": [{"type": "function"}]}, "tools"),
+    ([{"role": "user", "content": "a"}], {"response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_bad_chat_parameters_are_named(tokenizer, messages, body, param):
+    assert param_of(parse_chat, {"messages": messages, **body}, MODEL, tokenizer) == param
+
+
+def test_a_body_that_is_not_an_object_names_the_body(tokenizer):
+    assert param_of(parse_completion, ["a"], MODEL, tokenizer) == "body"
+
+
+# ------------------------------------------------------------------------------------------------ responses
+def chunks(last_usage=Usage(6, 3, 4)):
+    return [OutputChunk("hello", (7,), (TokenLogprob(7, -0.5, [(7, -0.5), (8, -1.5)]),)),
+            OutputChunk("", (9,), (TokenLogprob(9, float("-inf"), []),)),
+            OutputChunk(" world", (8,), (TokenLogprob(8, -0.25, []),), FinishReason.LENGTH, last_usage)]
+
+
+def test_completion_response_with_usage_and_cached_tokens(tokenizer):
+    parsed = completion(tokenizer, prompt="hello")
+    body = ResponseBuilder(parsed, tokenizer, created=7).response(chunks())
+    assert body == {"id": parsed.request.request_id, "object": "text_completion", "created": 7, "model": "tiny",
+                    "choices": [{"index": 0, "text": "hello world", "logprobs": None, "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9,
+                              "prompt_tokens_details": {"cached_tokens": 4}}}
+
+
+def test_completion_stream_chunks_skip_empty_ones_and_end_with_a_usage_chunk(tokenizer):
+    parsed = completion(tokenizer, prompt="hello", stream=True, stream_options={"include_usage": True})
+    builder = ResponseBuilder(parsed, tokenizer, created=7)
+    objects = [builder.stream_chunk(c) for c in chunks()]
+    assert objects[1] is None
+    assert [o["choices"][0]["text"] for o in (objects[0], objects[2])] == ["hello", " world"]
+    assert [o["choices"][0]["finish_reason"] for o in (objects[0], objects[2])] == [None, "length"]
+    assert all(o["usage"] is None for o in (objects[0], objects[2]))
+    usage = builder.usage_chunk(Usage(6, 3, 4))
+    assert usage["choices"] == [] and usage["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
+
+
+def test_completion_logprobs_have_tokens_offsets_and_no_infinity(tokenizer):
+    parsed = completion(tokenizer, prompt="hello", logprobs=1)
+    logprobs = ResponseBuilder(parsed, tokenizer).response(chunks())["choices"][0]["logprobs"]
+    assert logprobs == {"tokens": ["hello", "a", "world"], "token_logprobs": [-0.5, -9999.0, -0.25],
+                        "top_logprobs": [{"hello": -0.5, "world": -1.5}, {}, {}], "text_offset": [0, 5, 6]}
+
+
+def test_chat_stream_sends_the_role_first_then_deltas(tokenizer):
+    parsed = chat(tokenizer, [{"role": "user", "content": "hello"}], stream=True, logprobs=True, top_logprobs=1)
+    builder = ResponseBuilder(parsed, tokenizer, created=7)
+    objects = [builder.stream_chunk(c) for c in chunks()]
+    assert [o["object"] for o in objects] == ["chat.completion.chunk"] * 3
+    assert [o["choices"][0]["delta"] for o in objects] == [{"role": "assistant", "content": "hello"}, {},
+                                                           {"content": " world"}]
+    first = objects[0]["choices"][0]["logprobs"]["content"][0]
+    assert first == {"token": "hello", "logprob": -0.5, "bytes": list(b"hello"),
+                     "top_logprobs": [{"token": "hello", "logprob": -0.5, "bytes": list(b"hello")},
+                                      {"token": "world", "logprob": -1.5, "bytes": list(b"world")}]}
+
+
+def test_chat_response_is_an_assistant_message(tokenizer):
+    parsed = chat(tokenizer, [{"role": "user", "content": "hello"}])
+    body = ResponseBuilder(parsed, tokenizer, created=7).response(chunks())
+    assert body["object"] == "chat.completion"
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hello world"},
+                                "logprobs": None, "finish_reason": "length"}]
