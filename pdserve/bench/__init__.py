@@ -12,5 +12,5 @@
     report.py     the suite's markdown tables
     cli.py        the `pdserve bench` subcommand
 
-Nothing here is imported by the serving path; runtime extras (aiohttp, matplotlib) load only when used.
+Nothing here is imported by the serving path; the `bench` extra (matplotlib, transformers) loads only when used.
 """

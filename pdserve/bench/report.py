@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from pdserve.bench.suite import SuiteResults
 
 PEERS = ("llama-server", "transformers")
-PDSERVE = ("pdserve-engine", "pdserve-1p1d")
+PDSERVE = ("pdserve-engine", "pdserve-engine-int8", "pdserve-1p1d")
 
 
 def _f(value: float | None, digits: int = 1) -> str:
@@ -55,6 +55,7 @@ def render(results: SuiteResults, pngs: Mapping[str, str]) -> str:
     bandwidth = meta["copy_bandwidth_bytes_per_s"]
     roof_stored = bandwidth / weights["stored"]
     roof_f32 = bandwidth / weights["float32"]
+    roof_int8 = bandwidth / weights["int8"]
     command = f"pdserve bench --suite cpu --threads {cfg.threads}"
     if cfg.llama_server is not None:
         command += " --llama-server PATH/TO/llama-server"
@@ -70,11 +71,12 @@ def render(results: SuiteResults, pngs: Mapping[str, str]) -> str:
         f"- Model: `{meta['model'].rsplit('/', 1)[-1]}`; every system gets the same token ids (chat template "
         "rendered once, sent as raw completions), greedy, EOS ignored, exactly max_tokens generated",
         f"- Batch-1 decode roofline: weights read per token {weights['stored'] / 2**20:.0f} MiB as stored in the "
-        f"GGUF (llama.cpp reads these) / {weights['float32'] / 2**20:.0f} MiB as float32 (pdserve, transformers); "
+        f"GGUF (llama.cpp reads these) / {weights['float32'] / 2**20:.0f} MiB as float32 (pdserve, transformers) "
+        f"/ {weights['int8'] / 2**20:.0f} MiB as int8 + bf16 row scales (pdserve-engine-int8); "
         f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (best of one 1 GiB copy at the start, "
         f"{meta['copy_bandwidth_start_end'][0] / 1e9:.1f}, and one at the end, "
-        f"{meta['copy_bandwidth_start_end'][1] / 1e9:.1f}) -> at most {roof_stored:.0f} tok/s quantized, "
-        f"{roof_f32:.1f} tok/s float32",
+        f"{meta['copy_bandwidth_start_end'][1] / 1e9:.1f}) -> at most {roof_stored:.0f} tok/s as stored, "
+        f"{roof_f32:.1f} tok/s float32, {roof_int8:.0f} tok/s int8",
         f"- other jobs (CPUs): how many of the {machine['logical_cpus']} CPUs processes outside the benchmark kept "
         "busy during a run, on average (all CPUs' busy time minus that of the benchmark and the servers it "
         "started); a run with much of it measured a slowed system, llama-server the most (its threads wait "
@@ -93,7 +95,7 @@ def render(results: SuiteResults, pngs: Mapping[str, str]) -> str:
     for note in results.notes:
         lines.append(f"- {note}")
     lines.append("")
-    lines += _batch1(results, roof_stored, roof_f32)
+    lines += _batch1(results, {"stored": roof_stored, "float32": roof_f32, "int8": roof_int8})
     lines += _streams(results)
     lines += _prefix_cache(results)
     lines += _shared_prefix(results)
@@ -146,7 +148,8 @@ def _tput(s: Summary) -> float | None:
     return s.output_throughput or None
 
 
-def _batch1(results: SuiteResults, roof_stored: float, roof_f32: float) -> list[str]:
+def _batch1(results: SuiteResults, roofs: Mapping[str, float]) -> list[str]:
+    """`roofs`: batch-1 tok/s ceilings by weight encoding (stored in the GGUF, float32, int8)."""
     keys = _keys(results, "batch1")
     if not keys:
         return []
@@ -161,7 +164,7 @@ def _batch1(results: SuiteResults, roof_stored: float, roof_f32: float) -> list[
     for key in keys:
         s = _run(results, "batch1", key)
         tok_s = 1000.0 / s.tpot_ms.median if s.tpot_ms.median else None
-        roof = roof_stored if key.startswith("llama-server") else roof_f32
+        roof = roofs["stored" if key.startswith("llama-server") else "int8" if "int8" in key else "float32"]
         ratios = [_x(_ratio(s.tpot_ms.median, p)) for p in peers]
         lines.append(f"| {key}{_failed_note(s)} | {_f(s.tpot_ms.median)} | {_f(tok_s)} | "
                      f"{_f(100 * tok_s / roof if tok_s else None, 0)}% | {_f(s.ttft_ms.median)} | "
@@ -236,8 +239,8 @@ def _shared_prefix(results: SuiteResults) -> list[str]:
              f"{cfg.shared_prefix_len} tokens x {cfg.shared_per_group} users ({cfg.shared_suffix_len} tokens), "
              f"{cfg.shared_output_len} new tokens, Poisson {cfg.shared_rate:g} req/s, 2 prefill + 1 decode", "",
              "| system | TTFT p50 / p90 / p99 (ms) | TPOT p50 (ms) | output tok/s | cached prompt tokens "
-             "| other jobs (CPUs) |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| prompt tokens computed | other jobs (CPUs) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for system in scenario.systems:
         s = _run(results, "shared_prefix", system)
         if s is None:
@@ -246,7 +249,8 @@ def _shared_prefix(results: SuiteResults) -> list[str]:
         lines.append(f"| {system}{_failed_note(s)} | {_f(p.get('p50'), 0)} / {_f(p.get('p90'), 0)} / "
                      f"{_f(p.get('p99'), 0)} | {_f(s.tpot_ms.median)} | {_f(s.output_throughput)} | "
                      f"{s.cached_tokens if s.cached_tokens is not None else '—'} | "
-                     f"{_others(results, 'shared_prefix', system)} |")
+                     f"{s.total_input_tokens - s.cached_tokens if s.cached_tokens is not None else '—'} "
+                     f"of {s.total_input_tokens} | {_others(results, 'shared_prefix', system)} |")
     return lines + [""]
 
 

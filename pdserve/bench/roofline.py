@@ -3,7 +3,7 @@
 Decoding one token for one sequence reads every weight once (the KV cache of a short context is small beside
 them), so tokens/s <= memory bandwidth / weight bytes read per token. Bytes per token depend on how a system
 stores the weights: llama.cpp reads the GGUF's quantized blocks as they are, pdserve and transformers on CPU
-read float32 copies. The bandwidth is that of a large tensor copy (read + write bytes), a practical ceiling
+read float32 copies, pdserve with quantization="int8" one byte per matrix weight plus a bf16 scale per row. The bandwidth is that of a large tensor copy (read + write bytes), a practical ceiling
 for streaming reads on this machine.
 """
 
@@ -22,6 +22,9 @@ class WeightBytes:
     """Bytes read per token in the GGUF's own encoding (quantized blocks)."""
     float32: int
     """Bytes read per token as float32."""
+    int8: int
+    """Bytes read per token by pdserve's int8 weight-only path: matrices as int8 + one bf16 scale per output
+    row, vectors (norms) as float32."""
     num_params: int
     """Parameters read per token."""
 
@@ -35,7 +38,10 @@ def weight_bytes_per_token(gguf_path: Path) -> WeightBytes:
     untied = any(t.name == "output.weight" for t in tensors)
     read = [t for t in tensors if not (untied and t.name == "token_embd.weight")]
     num_params = sum(int(t.n_elements) for t in read)
-    return WeightBytes(stored=sum(int(t.n_bytes) for t in read), float32=4 * num_params, num_params=num_params)
+    int8 = sum(int(t.n_elements) + 2 * int(t.shape[-1]) if len(t.shape) >= 2 and t.shape[-1] > 1
+               else 4 * int(t.n_elements) for t in read)
+    return WeightBytes(stored=sum(int(t.n_bytes) for t in read), float32=4 * num_params, int8=int8,
+                       num_params=num_params)
 
 
 def copy_bandwidth(num_bytes: int = 2**30, repeats: int = 5) -> float:

@@ -5,6 +5,7 @@ Systems (each gets the same `threads`; the disaggregated shapes divide them amon
     llama-server          llama.cpp's server on the same GGUF, --parallel <streams>, continuous batching
     transformers          AutoModelForCausalLM on the same GGUF (dequantized to float32), static batches
     pdserve-engine        pdserve's engine in this process (no RPC)
+    pdserve-engine-int8   the same with int8 weight-only quantization (EngineConfig.quantization="int8")
     pdserve-1p1d          LocalCluster: 1 prefill + 1 decode worker + gateway + Redis (gRPC client)
     pdserve-2p1d-prefix   2 prefill + 1 decode, prefix-aware routing
     pdserve-2p1d-rr       2 prefill + 1 decode, round-robin routing
@@ -50,10 +51,11 @@ log = logging.getLogger(__name__)
 LLAMA_SERVER = "llama-server"
 TRANSFORMERS = "transformers"
 ENGINE = "pdserve-engine"
+ENGINE_INT8 = "pdserve-engine-int8"
 ONE_P_ONE_D = "pdserve-1p1d"
 TWO_P_PREFIX = "pdserve-2p1d-prefix"
 TWO_P_RR = "pdserve-2p1d-rr"
-SYSTEMS = (LLAMA_SERVER, TRANSFORMERS, ENGINE, ONE_P_ONE_D, TWO_P_PREFIX, TWO_P_RR)
+SYSTEMS = (LLAMA_SERVER, TRANSFORMERS, ENGINE, ENGINE_INT8, ONE_P_ONE_D, TWO_P_PREFIX, TWO_P_RR)
 PEERS = (LLAMA_SERVER, TRANSFORMERS)
 REPEAT = " (repeat)"
 """Suffix of a peer's second batch1/streams runs, at the end of the suite."""
@@ -85,13 +87,16 @@ class SuiteConfig:
     streams_requests: int = 32
     prefix_len: int = 1024
     prefix_trials: int = 3
-    shared_groups: int = 8
-    shared_per_group: int = 4
-    shared_prefix_len: int = 512
-    shared_suffix_len: int = 48
-    shared_output_len: int = 16
-    shared_rate: float = 1.0
-    """Poisson arrivals per second of the shared_prefix scenario."""
+    shared_groups: int = 3
+    shared_per_group: int = 16
+    shared_prefix_len: int = 1024
+    shared_suffix_len: int = 32
+    shared_output_len: int = 8
+    shared_rate: float = 0.5
+    """Poisson arrivals per second of the shared_prefix scenario. Its defaults: few long system prompts, each
+    shared by many users, arriving slower than one prefill worker prefills a cached prompt but faster than it
+    prefills a cold one (about 5 s for 1024 tokens on one thread): where each prefix is computed decides the
+    tail."""
     sweep_rates: tuple[float, ...] = (1.0, 2.0)
     sweep_requests: int = 16
     sweep_systems: tuple[str, ...] = (LLAMA_SERVER, ONE_P_ONE_D)
@@ -147,11 +152,11 @@ def build_scenarios(cfg: SuiteConfig, fmt: PromptFormat, token_range: tuple[int,
         Scenario("batch1", "1 stream",
                  random_workload(cfg.batch1_requests, cfg.input_len, cfg.output_len, seed=cfg.seed, **kw),
                  RunConfig(max_concurrency=1, progress=progress),
-                 pick(LLAMA_SERVER, TRANSFORMERS, ENGINE, ONE_P_ONE_D)),
+                 pick(LLAMA_SERVER, TRANSFORMERS, ENGINE, ENGINE_INT8, ONE_P_ONE_D)),
         Scenario("streams", f"{cfg.streams} concurrent streams",
                  random_workload(cfg.streams_requests, cfg.input_len, cfg.output_len, seed=cfg.seed + 1, **kw),
                  RunConfig(max_concurrency=cfg.streams, progress=progress),
-                 pick(LLAMA_SERVER, TRANSFORMERS, ENGINE, ONE_P_ONE_D)),
+                 pick(LLAMA_SERVER, TRANSFORMERS, ENGINE, ENGINE_INT8, ONE_P_ONE_D)),
     ]
     pairs = shared_prefix_workload(cfg.prefix_trials, 2, cfg.prefix_len, 16, 4, seed=cfg.seed + 2, **kw)
     ordered = sorted(pairs.requests, key=lambda r: (r.group_id, r.request_id))
@@ -194,19 +199,23 @@ def _llama_server(cfg: SuiteConfig, model_path: Path, ctx_per_slot: int,
 
 
 @contextlib.contextmanager
-def _engine(cfg: SuiteConfig, model_path: Path, results: SuiteResults) -> Iterator[tuple[Backend, list[int]]]:
+def _engine(cfg: SuiteConfig, model_path: Path, system: str,
+            results: SuiteResults) -> Iterator[tuple[Backend, list[int]]]:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from pdserve.bench.inprocess import EngineBackend
 
-    config = EngineConfig(model=str(model_path), num_threads=cfg.threads, kv_cache_memory=cfg.kv_cache_memory)
+    quantization = "int8" if system == ENGINE_INT8 else None
+    config = EngineConfig(model=str(model_path), num_threads=cfg.threads, kv_cache_memory=cfg.kv_cache_memory,
+                          quantization=quantization)
     engine = LLMEngine(config, progress=False)
-    results.peers[ENGINE] = (f"`LLMEngine(EngineConfig(model, num_threads={cfg.threads}, "
-                             f"kv_cache_memory={cfg.kv_cache_memory}))` in the benchmark process, dtype "
+    quantized = f", quantization={quantization!r}" if quantization else ""
+    results.peers[system] = (f"`LLMEngine(EngineConfig(model, num_threads={cfg.threads}, "
+                             f"kv_cache_memory={cfg.kv_cache_memory}{quantized}))` in the benchmark process, dtype "
                              f"{config.dtype} (float32 on CPU), max_num_seqs {config.max_num_seqs}, "
                              f"prefix caching on")
     try:
-        yield EngineBackend(engine, name=ENGINE), []
+        yield EngineBackend(engine, name=system), []
     finally:
         del engine
 
@@ -225,7 +234,7 @@ def _cluster(cfg: SuiteConfig, model_path: Path, system: str,
             raise RuntimeError("GatewayConfig has no `routing` field: `pdserve gateway --routing "
                                f"{ROUTING[system]}` is not available, so {system} cannot run")
         gateway_args = ("--routing", ROUTING[system])
-    config = LocalClusterConfig(num_prefill=num_prefill, num_decode=1, port=0, num_cpus=cfg.threads,
+    config = LocalClusterConfig(num_prefill=num_prefill, num_decode=1, port=0, http_port=-1, num_cpus=cfg.threads,
                                 engine=EngineConfig(model=str(model_path), kv_cache_memory=cfg.kv_cache_memory),
                                 gateway_args=gateway_args, run_dir=str(cfg.out_dir / "logs" / system))
     threads = divide_threads(cfg.threads, num_prefill + 1)
@@ -320,8 +329,8 @@ def _run_system(cfg: SuiteConfig, model_path: Path, system: str, key: str, todo:
                                        "`bash bench/build_llama_server.sh`, pass --llama-server PATH)")
                 return
             context = _llama_server(cfg, model_path, ctx_per_slot, results)
-        elif system == ENGINE:
-            context = _engine(cfg, model_path, results)
+        elif system in (ENGINE, ENGINE_INT8):
+            context = _engine(cfg, model_path, system, results)
         else:
             context = _cluster(cfg, model_path, system, results)
         with context as (backend, pids):
