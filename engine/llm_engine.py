@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -174,6 +175,10 @@ class LLMEngine:
         if not out.chunks:
             return []
         self.num_steps += 1
+        started = time.perf_counter()
+        for chunk in out.chunks:
+            if chunk.seq.first_scheduled_s is None:
+                chunk.seq.first_scheduled_s = started
         sampled, logprobs = self.runner.execute(out)
         for request_id, lp in logprobs.items():
             self._requests[request_id].output_logprobs.append(lp)

@@ -57,6 +57,8 @@ class Sequence:
     """Tokens whose K/V are in the cache (the rest are computed by the next scheduled chunks)."""
     num_cached_tokens: int = 0
     """Prompt tokens found in the prefix cache when the request was first scheduled."""
+    first_scheduled_s: float | None = None
+    """time.perf_counter() when a step first computed part of it (what came before was queueing)."""
     num_preemptions: int = 0
     hold_blocks: bool = False
     """Keep the KV blocks when the sequence finishes (a prefill worker still has to send them); the owner

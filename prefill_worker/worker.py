@@ -81,7 +81,8 @@ class PrefillWorker:
             if out is None:
                 raise RequestAborted(f"request {rid!r} was aborted during prefill")
             seq = out.seq
-            prefill_ms = (time.perf_counter() - start) * 1000
+            # compute only: from the step that first scheduled it (queueing on this worker excluded)
+            prefill_ms = (time.perf_counter() - (seq.first_scheduled_s or start)) * 1000
             src_block_ids = seq.block_ids[target.num_cached_blocks:]
             if len(src_block_ids) != len(target.block_ids):
                 raise InvalidRequestError("target.block_ids", f"{len(target.block_ids)} destination blocks for "

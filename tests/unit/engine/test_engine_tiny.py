@@ -120,3 +120,15 @@ def test_bad_requests_name_the_field(prompt, params, field):
         engine.add_request("bad", prompt, params)
     assert e.value.field == field
     assert not engine.has_unfinished()
+
+
+def test_first_scheduled_time_marks_the_end_of_queueing():
+    # max_num_seqs 1: the second request waits until the first finishes; its compute starts later.
+    engine = tiny_engine(max_num_seqs=1)
+    first = engine.add_request("a", prompts(1, seed=8)[0], SamplingParams(max_tokens=3, temperature=0.0))
+    second = engine.add_request("b", prompts(1, seed=9)[0], SamplingParams(max_tokens=3, temperature=0.0))
+    engine.step()
+    assert first.first_scheduled_s is not None and second.first_scheduled_s is None
+    while engine.has_unfinished():
+        engine.step()
+    assert second.first_scheduled_s > first.first_scheduled_s
