@@ -241,6 +241,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     _arg(g, L, "host", "address the gateway binds")
     _arg(g, L, "port", "gateway port (0 picks a free one)", type=int)
     _arg(g, L, "http_port", "gateway's OpenAI-compatible HTTP port (0 picks a free one, -1 turns it off)", type=int)
+    _arg(g, L, "prefill_kv_cache_memory", "KV-cache budget of each prefill worker, e.g. 256M (default: "
+         "--kv-cache-memory)", type=parse_bytes)
     _arg(g, L, "transport", "KV transport between workers", choices=TRANSPORTS)
     _arg(g, L, "codec", "KV wire codec", choices=CODECS)
     _arg(g, L, "redis_url", "use this Redis instead of starting one")

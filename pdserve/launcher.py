@@ -77,6 +77,9 @@ class LocalClusterConfig:
     """Port of the gateway's OpenAI-compatible HTTP API (0 picks a free one, -1 turns it off)."""
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(model="default"))
     """Engine of every worker. When its num_threads is None, the CPUs are divided among the workers."""
+    prefill_kv_cache_memory: int | None = None
+    """KV-cache bytes of each prefill worker; None takes engine.kv_cache_memory. A prefill worker holds only the
+    prompts it is computing plus the prefixes it keeps for reuse; a decode worker holds every running sequence."""
     transport: str = "auto"
     """KV transport of the prefill workers (see PrefillWorkerConfig.transport)."""
     codec: str = "raw"
@@ -108,6 +111,9 @@ class LocalClusterConfig:
             raise ValueError(f"LocalClusterConfig.transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.codec not in CODECS:
             raise ValueError(f"LocalClusterConfig.codec must be one of {CODECS}, got {self.codec!r}")
+        if self.prefill_kv_cache_memory is not None and self.prefill_kv_cache_memory < 1:
+            raise ValueError(f"LocalClusterConfig.prefill_kv_cache_memory must be >= 1 byte, "
+                             f"got {self.prefill_kv_cache_memory}")
         if self.num_cpus is not None and self.num_cpus < 1:
             raise ValueError(f"LocalClusterConfig.num_cpus must be >= 1, got {self.num_cpus}")
         if self.start_timeout_s <= 0 or self.stop_timeout_s <= 0:
@@ -326,6 +332,8 @@ def worker_argv(role: str, worker_id: str, port: int, redis_url: str, config: Lo
                 num_threads: int) -> list[str]:
     """`pdserve <role>-worker` arguments for one worker of the local cluster."""
     engine = dataclasses.replace(config.engine, num_threads=num_threads)
+    if role == "prefill" and config.prefill_kv_cache_memory is not None:
+        engine = dataclasses.replace(engine, kv_cache_memory=config.prefill_kv_cache_memory)
     argv = [f"{role}-worker", "--worker-id", worker_id, "--host", "127.0.0.1", "--port", str(port),
             "--redis-url", redis_url, *engine_flags(engine)]
     if role == "prefill":

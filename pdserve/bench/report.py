@@ -237,7 +237,8 @@ def _shared_prefix(results: SuiteResults) -> list[str]:
     cfg = results.config
     lines = [f"#### Routing, shared-prefix workload: {cfg.shared_groups} system prompts of "
              f"{cfg.shared_prefix_len} tokens x {cfg.shared_per_group} users ({cfg.shared_suffix_len} tokens), "
-             f"{cfg.shared_output_len} new tokens, Poisson {cfg.shared_rate:g} req/s, 2 prefill + 1 decode", "",
+             f"{cfg.shared_output_len} new tokens, Poisson {cfg.shared_rate:g} req/s, 2 prefill + 1 decode, "
+             f"{cfg.shared_prefill_kv_cache_memory / 2**20:.0f} MiB of KV cache per prefill worker", "",
              "| system | TTFT p50 / p90 / p99 (ms) | TPOT p50 (ms) | output tok/s | cached prompt tokens "
              "| prompt tokens computed | other jobs (CPUs) |",
              "|---|---:|---:|---:|---:|---:|---:|"]

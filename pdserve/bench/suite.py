@@ -87,16 +87,20 @@ class SuiteConfig:
     streams_requests: int = 32
     prefix_len: int = 1024
     prefix_trials: int = 3
-    shared_groups: int = 3
-    shared_per_group: int = 16
+    shared_groups: int = 4
+    shared_per_group: int = 12
     shared_prefix_len: int = 1024
     shared_suffix_len: int = 32
     shared_output_len: int = 8
     shared_rate: float = 0.5
-    """Poisson arrivals per second of the shared_prefix scenario. Its defaults: few long system prompts, each
-    shared by many users, arriving slower than one prefill worker prefills a cached prompt but faster than it
-    prefills a cold one (about 5 s for 1024 tokens on one thread): where each prefix is computed decides the
-    tail."""
+    """Poisson arrivals per second of the shared_prefix scenario. Its defaults: a few long system prompts, each
+    shared by many users, arriving slower than a prefill worker prefills a cached prompt but faster than it
+    prefills a cold one (about 5 s for 1024 tokens on one thread)."""
+    shared_prefill_kv_cache_memory: int = 128 * 2**20
+    """KV-cache bytes of each prefill worker in the 2p1d systems (their decode worker keeps kv_cache_memory). With
+    the defaults it holds about 2.7 of the prompts' KV in float32: the 4 system prompts fit across the 2 prefill
+    workers only when each worker keeps to its own half (the regime where routing matters: a working set of
+    prefixes larger than one worker's cache)."""
     sweep_rates: tuple[float, ...] = (1.0, 2.0)
     sweep_requests: int = 16
     sweep_systems: tuple[str, ...] = (LLAMA_SERVER, ONE_P_ONE_D)
@@ -234,14 +238,18 @@ def _cluster(cfg: SuiteConfig, model_path: Path, system: str,
             raise RuntimeError("GatewayConfig has no `routing` field: `pdserve gateway --routing "
                                f"{ROUTING[system]}` is not available, so {system} cannot run")
         gateway_args = ("--routing", ROUTING[system])
+    prefill_kv = cfg.shared_prefill_kv_cache_memory if system in ROUTING else None
     config = LocalClusterConfig(num_prefill=num_prefill, num_decode=1, port=0, http_port=-1, num_cpus=cfg.threads,
                                 engine=EngineConfig(model=str(model_path), kv_cache_memory=cfg.kv_cache_memory),
-                                gateway_args=gateway_args, run_dir=str(cfg.out_dir / "logs" / system))
+                                prefill_kv_cache_memory=prefill_kv, gateway_args=gateway_args,
+                                run_dir=str(cfg.out_dir / "logs" / system))
     threads = divide_threads(cfg.threads, num_prefill + 1)
     results.peers[system] = (f"`LocalCluster(num_prefill={num_prefill}, num_decode=1, num_cpus={cfg.threads})`"
                              f" (worker threads {threads}, prefill workers first; gateway args "
                              f"{' '.join(gateway_args) or 'default'}), KV cache {cfg.kv_cache_memory} bytes "
-                             "per worker, real Redis; client: pdserve.client.AsyncClient over gRPC")
+                             + (f"on the decode worker and {prefill_kv} on each prefill worker" if prefill_kv
+                                else "per worker")
+                             + ", real Redis; client: pdserve.client.AsyncClient over gRPC")
     with LocalCluster(config) as cluster:
         yield PdserveBackend(cluster.gateway_target, name=system), list(cluster.pids.values())
 

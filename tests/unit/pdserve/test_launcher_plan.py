@@ -30,6 +30,15 @@ def test_worker_command_line_parses_back_to_the_cluster_engine_with_its_thread_s
                                                         num_threads=3)
 
 
+def test_prefill_workers_take_their_own_kv_cache_budget_when_given():
+    config = LocalClusterConfig(engine=EngineConfig(model="default", kv_cache_memory=2**30),
+                                prefill_kv_cache_memory=2**27)
+    def budget(role):
+        return cli_args.engine_config(cli_args.parse_args(
+            worker_argv(role, f"{role}-0", 4100, "redis://r", config, num_threads=1))).kv_cache_memory
+    assert (budget("prefill"), budget("decode")) == (2**27, 2**30)
+
+
 def test_gateway_command_line_uses_the_workers_model_block_size_and_context_plus_extra_flags():
     config = LocalClusterConfig(host="0.0.0.0", engine=EngineConfig(model="/m.gguf", block_size=64,
                                                                     max_model_len=512, quantization="int8"),
