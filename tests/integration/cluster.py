@@ -8,13 +8,17 @@ engine as the reference for greedy outputs.
     handle = cluster.gateway()                    # gateway.server.start_server: gRPC and HTTP on free ports
     assert_idle(cluster.wait_idle())              # no block, sequence or reservation left on any worker
     cluster.close()
+
+or, for a module fixture, `with running_cluster(model_path, [("prefill", "p0"), ("decode", "d0")]) as cluster:`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -161,3 +165,19 @@ class Reference:
                                                            ignore_eos=ignore_eos))[0].outputs[0]
             self._cache[key] = (out.text, out.token_ids)
         return self._cache[key]
+
+
+@contextlib.contextmanager
+def running_cluster(model_path: Path, workers: Sequence[tuple[str, str]]) -> Iterator[Cluster]:
+    """A real redis-server and the `workers` ((role, worker_id), ...) started and registered, with the cluster's
+    Reference (loaded while the workers load) as `cluster.reference`; everything stops on exit."""
+    with EmbeddedRedis() as redis:
+        cluster = Cluster(model_path, redis)
+        try:
+            for role, worker_id in workers:
+                cluster.start_worker(role, worker_id)
+            cluster.reference = Reference(model_path)
+            cluster.wait_registered(*(worker_id for _, worker_id in workers))
+            yield cluster
+        finally:
+            cluster.close()

@@ -30,7 +30,7 @@ from kvstore.embedded_redis import EmbeddedRedis
 from kvstore.hashing import hash_prompt_blocks, root_hash
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.integration.cluster import (BLOCK_SIZE, IDLE_TIMEOUT_S, MAX_MODEL_LEN, REPO, RPC_TIMEOUT_S,
-                                       START_TIMEOUT_S, Cluster, Reference, assert_idle)
+                                       START_TIMEOUT_S, Reference, assert_idle, running_cluster)
 
 pytestmark = pytest.mark.slow
 
@@ -77,16 +77,8 @@ def collect(call) -> Result:
 
 @pytest.fixture(scope="module")
 def cluster(default_model_path):
-    with EmbeddedRedis() as redis:
-        cluster = Cluster(default_model_path, redis)
-        try:
-            for role, worker_id in (("prefill", "p0"), ("prefill", "p1"), ("decode", "d0")):
-                cluster.start_worker(role, worker_id)
-            cluster.reference = Reference(default_model_path)   # loads while the workers load
-            cluster.wait_registered("p0", "p1", "d0")
-            yield cluster
-        finally:
-            cluster.close()
+    with running_cluster(default_model_path, [("prefill", "p0"), ("prefill", "p1"), ("decode", "d0")]) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling_params import SamplingParams
-from kvstore.embedded_redis import EmbeddedRedis
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from tests.integration.cluster import IDLE_TIMEOUT_S, RPC_TIMEOUT_S, Cluster, Reference, assert_idle
+from tests.integration.cluster import IDLE_TIMEOUT_S, RPC_TIMEOUT_S, Reference, assert_idle, running_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -31,16 +30,8 @@ LONG_PROMPT = ("You are a careful assistant. Answer briefly and say so when you 
 
 @pytest.fixture(scope="module")
 def cluster(default_model_path):
-    with EmbeddedRedis() as redis:
-        cluster = Cluster(default_model_path, redis)
-        try:
-            cluster.start_worker("prefill", "p0")
-            cluster.start_worker("decode", "d0")
-            cluster.reference = Reference(default_model_path)   # loads while the workers load
-            cluster.wait_registered("p0", "d0")
-            yield cluster
-        finally:
-            cluster.close()
+    with running_cluster(default_model_path, [("prefill", "p0"), ("decode", "d0")]) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")

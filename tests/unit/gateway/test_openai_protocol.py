@@ -3,8 +3,6 @@ OutputChunks -> OpenAI objects (exact JSON)."""
 from __future__ import annotations
 
 import pytest
-from tokenizers import AddedToken, models, pre_tokenizers
-from tokenizers import Tokenizer as BackendTokenizer
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
@@ -13,8 +11,8 @@ from engine.tokenizer import Tokenizer
 from gateway.openai_protocol import ResponseBuilder, parse_chat, parse_completion
 from gateway.request_types import OutputChunk, Usage
 from gateway.validation import ModelSpec
+from word_tokenizer import WORDS, word_tokenizer
 
-WORDS = ["<eos>", "<|im_start|>", "<|im_end|>", "[UNK]", "system", "user", "assistant", "hello", "world", "a", "b"]
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }} {{ m.content }}<|im_end|>{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
 MODEL = ModelSpec(name="tiny", max_model_len=16, vocab_size=len(WORDS), fingerprint="fp",
@@ -23,10 +21,7 @@ MODEL = ModelSpec(name="tiny", max_model_len=16, vocab_size=len(WORDS), fingerpr
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    backend = BackendTokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in WORDS[:3]])
-    return Tokenizer(backend, bos_token=None, eos_token="<eos>", chat_template=TEMPLATE)
+    return word_tokenizer(TEMPLATE)
 
 
 def completion(tokenizer, **body):

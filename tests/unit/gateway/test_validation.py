@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import pytest
-from tokenizers import AddedToken, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import models
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
@@ -11,8 +11,8 @@ from engine.tokenizer import Tokenizer
 from gateway.validation import (MAX_REQUEST_ID_CHARS, MAX_STOP_STRINGS, ModelSpec, sampling_from_pb,
                                 validate_chat, validate_generate)
 from protos.pdserve.v1 import common_pb2, generation_pb2
+from word_tokenizer import WORDS, word_tokenizer
 
-WORDS = ["<eos>", "<|im_start|>", "<|im_end|>", "[UNK]", "system", "user", "assistant", "hello", "world", "a", "b"]
 TEMPLATE = ("{% if messages[0].role == 'assistant' %}{{ raise_exception('the conversation must not start with "
             "the assistant') }}{% endif %}"
             "{% for m in messages %}<|im_start|>{{ m.role }} {{ m.content }}<|im_end|>{% endfor %}"
@@ -23,10 +23,7 @@ MODEL = ModelSpec(name="tiny", max_model_len=8, vocab_size=len(WORDS), fingerpri
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    backend = BackendTokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in WORDS[:3]])
-    return Tokenizer(backend, bos_token=None, eos_token="<eos>", chat_template=TEMPLATE)
+    return word_tokenizer(TEMPLATE)
 
 
 def generate(tokenizer, running=(), **fields):
