@@ -12,7 +12,7 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.service import DecodeWorkerServicer
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
-from engine.engine_loop import EngineLoop
+from engine.engine_loop import EngineLoop, build_engine
 from engine.llm_engine import LLMEngine
 from kvstore.transfer_service import KvTransferServicer
 from pdserve.worker_runtime import Registration, WorkerHandle, WorkerServer, wait_for_termination
@@ -26,7 +26,7 @@ STOP_GRACE_S = 15.0
 
 def start_server(config: DecodeWorkerConfig, engine_config: EngineConfig,
                  engine: LLMEngine | None = None) -> WorkerHandle:
-    engine = engine or LLMEngine(engine_config, progress=False)
+    engine = engine or build_engine(engine_config, progress=False)
     loop = EngineLoop(engine)
     worker = DecodeWorker(loop, config.max_lease_ms)
     server = WorkerServer(config.host, config.port)

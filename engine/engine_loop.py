@@ -8,6 +8,12 @@ The engine is not thread-safe, so only the loop thread touches it. Other threads
 Between steps the loop also runs `on_idle(engine)` hooks at most every `housekeeping_interval_s` (lease
 expiry, publishing KV events to the prefix index, load reports). If a step raises, every open stream gets
 the error and the loop keeps serving (the failed requests are aborted so their blocks are freed).
+
+CPU threads: torch's OpenMP thread count is per calling thread, so the loop thread sets the engine's
+`num_threads` itself. Build an engine the loop will step with `build_engine`, on a thread that then ends: a
+thread that has run a multi-threaded torch op keeps its OpenMP worker threads, and with more of them than
+CPUs libgomp stops spin-waiting between parallel regions, which made every matmul of the loop thread about
+1.4x slower (2 threads, batch-1 decode) when the process's main thread had loaded the model.
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import TypeVar
 
+import torch
+
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, StepOutput
 
 log = logging.getLogger(__name__)
@@ -66,6 +75,24 @@ class RequestStream:
             self.finished = True
             with contextlib.suppress(LoopStopped):  # shutting down: engine and blocks go away with the loop
                 self._loop.abort(self.request_id)
+
+
+def build_engine(config: EngineConfig, **kwargs) -> LLMEngine:
+    """`LLMEngine(config, **kwargs)` built on a short-lived thread (module docstring: CPU threads)."""
+    result: dict[str, object] = {}
+
+    def build() -> None:
+        try:
+            result["engine"] = LLMEngine(config, **kwargs)
+        except BaseException as exc:  # re-raised on the caller's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=build, name="engine-build")
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["engine"]
 
 
 class EngineLoop:
@@ -138,6 +165,8 @@ class EngineLoop:
         return engine.abort(request_id)
 
     def _run(self) -> None:
+        if self.engine.config.num_threads is not None:
+            torch.set_num_threads(self.engine.config.num_threads)   # per thread (module docstring)
         progressed = False
         while not self._stop.is_set():
             # Wait for commands when idle, and also when the last step could schedule nothing (e.g. every free

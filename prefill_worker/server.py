@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from engine.config import EngineConfig
-from engine.engine_loop import EngineLoop
+from engine.engine_loop import EngineLoop, build_engine
 from engine.llm_engine import LLMEngine
 from kvstore.shm import remove_orphaned_segments
 from pdserve.worker_runtime import Registration, WorkerHandle, WorkerServer, wait_for_termination
@@ -28,7 +28,7 @@ def start_server(config: PrefillWorkerConfig, engine_config: EngineConfig,
     orphans = remove_orphaned_segments()
     if orphans:
         log.warning("removed %d shared-memory segment(s) left by dead senders: %s", len(orphans), ", ".join(orphans))
-    engine = engine or LLMEngine(engine_config, progress=False)
+    engine = engine or build_engine(engine_config, progress=False)
     loop = EngineLoop(engine)
     worker = PrefillWorker(loop, config)
     server = WorkerServer(config.host, config.port)
