@@ -24,23 +24,11 @@ from engine.llm import LLM
 from engine.loader import load_model
 from engine.model_fetch import fetch_default_model
 from engine.sampling_params import SamplingParams
+from pdserve.bench.roofline import copy_bandwidth
 
 NEW_TOKENS = 64
 BATCH = 32
 PREFILL_LEN = 512
-
-
-def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes/s of a large tensor copy (read + write counted)."""
-    src = torch.ones(num_bytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * num_bytes / best
 
 
 def prompts_ids(tokenizer, n: int, length: int) -> list[list[int]]:

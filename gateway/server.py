@@ -182,18 +182,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.frontend = frontend
 
     async def Generate(self, request, context):
-        f = self.frontend
-        f.active.track(context)
-        with f.call("grpc", "generate") as call:
-            req = validate_generate(request, f.model, f.tokenizer, f.running_ids)
-            async for response in self._run(call, req, context):
-                yield response
+        async for response in self._serve("generate", validate_generate, request, context):
+            yield response
 
     async def Chat(self, request, context):
+        async for response in self._serve("chat", validate_chat, request, context):
+            yield response
+
+    async def _serve(self, endpoint: str, validate, request, context):
         f = self.frontend
         f.active.track(context)
-        with f.call("grpc", "chat") as call:
-            req = validate_chat(request, f.model, f.tokenizer, f.running_ids)
+        with f.call("grpc", endpoint) as call:
+            req = validate(request, f.model, f.tokenizer, f.running_ids)
             async for response in self._run(call, req, context):
                 yield response
 

@@ -60,13 +60,7 @@ def plot_latency_cdfs(runs: Mapping[str, Sequence[RequestRecord]], path: Path, t
         if metric in ("ITL", "TTFT"):
             ax.set_xscale("log")
     axes[0].legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, title)
 
 
 def plot_throughput_vs_rate(points: Mapping[str, Sequence[tuple[float, float, float]]], path: Path,
@@ -92,6 +86,11 @@ def plot_throughput_vs_rate(points: Mapping[str, Sequence[tuple[float, float, fl
         ax.grid(alpha=0.3)
     ax_ttft.set_yscale("log")
     ax_tput.legend(fontsize=8)
+    return _save(fig, path, title)
+
+
+def _save(fig, path: Path, title: str | None) -> Path:
+    plt = _pyplot()
     if title:
         fig.suptitle(title)
     fig.tight_layout()
