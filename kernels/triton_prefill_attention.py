@@ -80,6 +80,11 @@ def _prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
              mask=row_mask[:, None] & d_mask[None, :])
 
 
+def default_block_m(head_dim: int, device: torch.device) -> int:
+    """Rows (tokens x group heads) per program: smaller tiles under the CPU interpreter keep tests fast."""
+    return (64 if head_dim <= 64 else 32) * (2 if device.type == "cuda" else 1)
+
+
 def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                              scale: float, *, max_query_len: int | None = None, block_m: int | None = None,
@@ -114,7 +119,7 @@ def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache
         return out
     group = num_heads // num_kv_heads
     block_g = next_pow2(group)
-    block_m = block_m or (64 if head_dim <= 64 else 32) * (2 if device.type == "cuda" else 1)
+    block_m = block_m or default_block_m(head_dim, device)
     block_q = max(1, max(16, block_m) // block_g)  # rows = block_q * block_g >= 16 for tl.dot
     block_n = block_n or (64 if head_dim <= 64 else 32)
     grid = (batch, triton.cdiv(max_query_len, block_q), num_kv_heads)
