@@ -2,8 +2,8 @@
 
     python bench/bench_engine.py [--threads 2] [--out bench/results/engine.md]
 
-Measures, in one run on this machine, for pdserve with float32 weights, pdserve with int8 weights
-(`quantization="int8"`) and transformers:
+Measures, in one run on this machine, for pdserve with float32 weights, with int8 weights (`quantization="int8"`),
+with int4 weights (`quantization="int4"`) and transformers:
 - decode tokens/s at batch 1 and with 32 concurrent sequences (greedy, EOS ignored, 64 new tokens each);
 - prefill tokens/s for one 512-token prompt (time to the first token);
 - the batch-1 decode roofline: weight bytes read per token / measured memory copy bandwidth.
@@ -88,9 +88,10 @@ def main() -> None:
 
     model_path = fetch_default_model()
     loaded = load_model(model_path, torch.float32, progress=False)
+    quantizations = {"float32": None, "int8": "int8", "int4": "int4"}
     engines = {name: LLM(model=str(model_path), dtype="float32", quantization=quantization,
                          kv_cache_memory=512 * 2**20, progress=False, loaded=loaded)
-               for name, quantization in (("float32", None), ("int8", "int8"))}
+               for name, quantization in quantizations.items()}
     del loaded
     bandwidth = copy_bandwidth()
     weight_bytes = {name: llm.engine.runner.model.decode_weight_bytes() for name, llm in engines.items()}
@@ -101,20 +102,25 @@ def main() -> None:
 
     rows = [("decode tok/s, batch 1", "decode_b1"), (f"decode tok/s, {BATCH} sequences", f"decode_b{BATCH}"),
             (f"prefill tok/s, {PREFILL_LEN}-token prompt", "prefill_512")]
+    names = [("float32", "pdserve"), ("int8", "pdserve int8"), ("int4", "pdserve int4")]
     lines = [
         f"### Offline engine vs transformers ({datetime.date.today()}, {platform.machine()}, "
         f"{args.threads} threads, torch {torch.__version__}, float32 activations)",
         "",
         f"Command: `python bench/bench_engine.py --threads {args.threads}`",
         "",
-        "| metric | pdserve | pdserve int8 | transformers | pdserve / tf | int8 / tf |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| metric | " + " | ".join(label for _, label in names) + " | transformers | "
+        + " | ".join(f"{label} / tf" for _, label in names) + " |",
+        "|---|" + "---:|" * (2 * len(names) + 1),
     ]
     for label, key in rows:
-        f32, i8, tf = ours["float32"][key], ours["int8"][key], theirs[key]
-        lines.append(f"| {label} | {f32:.1f} | {i8:.1f} | {tf:.1f} | {f32 / tf:.2f}x | {i8 / tf:.2f}x |")
+        ts = [ours[name][key] for name, _ in names]
+        tf = theirs[key]
+        lines.append(f"| {label} | " + " | ".join(f"{t:.1f}" for t in ts) + f" | {tf:.1f} | "
+                     + " | ".join(f"{t / tf:.2f}x" for t in ts) + " |")
     lines += [""]
-    for name, label in (("float32", "float32 weights"), ("int8", "int8 weights (+ bf16 scales, float32 norms)")):
+    for name, label in (("float32", "float32 weights"), ("int8", "int8 weights (+ bf16 scales, float32 norms)"),
+                        ("int4", "int4 layer weights (+ bf16 group scales and offsets), int8 LM head")):
         lines.append(
             f"Batch-1 decode roofline, {label}: {weight_bytes[name] / 2**20:.0f} MiB read per token, "
             f"copy bandwidth {bandwidth / 1e9:.1f} GB/s -> at most {roofline[name]:.1f} tok/s; "

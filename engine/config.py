@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "int4")
 """Values of EngineConfig.quantization besides None."""
 
 
@@ -90,12 +90,14 @@ class EngineConfig:
     dtype: str = "auto"
     """Compute and KV-cache dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16."""
     quantization: str | None = None
-    """Weight quantization: None keeps the checkpoint's weights in `dtype`; "int8" stores every linear weight and
-    the LM head as int8 with one scale per output channel (weight-only, W8A16; see engine.quant): a quarter of
-    float32's bytes per decode step, lossy. Part of the model fingerprint, so caches never mix the two. On CPU it
-    speeds up small decode batches (batch 1: ~1.6x on SmolLM2-135M) but is slower than float32 from ~16 sequences
-    and in prefill; its matmul rounds differently for small and large steps, so greedy tokens may depend on the
-    batch."""
+    """Weight quantization, lossy and part of the model fingerprint (caches never mix encodings); see engine.quant.
+    None keeps the checkpoint's weights in `dtype`. "int8": every linear weight and the LM head as int8, one scale
+    per output channel (W8A16), a quarter of float32's bytes per decode step. "int4": every layer's linear weights
+    as 4-bit codes with a bfloat16 scale and offset per 32 inputs (W4A16, llama.cpp's Q4_1 scheme: a Q4_1 GGUF
+    keeps its own codes) and the LM head as int8, about a sixth of float32's bytes. On CPU both speed up small
+    decode batches (batch 1 on SmolLM2-135M: int8 ~1.4x, int4 ~1.6x) and cost time in prefill and large batches
+    (from ~16 sequences for int8, ~64 for int4, they dequantize into a float GEMM); their matmuls round differently
+    for small and large steps, so greedy tokens may depend on the batch."""
     device: str = "cpu"
     """Torch device the model runs on ("cpu", "cuda", "cuda:1")."""
     max_model_len: int | None = None

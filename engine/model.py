@@ -6,8 +6,9 @@ kernel call goes through `kernels`, which picks Triton on CUDA and the torch ref
 
 Weights use Hugging Face names and the HF "rotate_half" RoPE layout (the GGUF loader un-permutes q/k).
 q/k/v and gate/up are fused into single matrices at load time: one GEMM each instead of three and two.
-Every matmul goes through an `engine.quant` linear: float weights, or int8 (`quantization="int8"`: every linear
-and the LM head; a tied embedding shares the LM head's int8 table; norms and biases stay float).
+Every matmul goes through an `engine.quant` linear: float weights, int8 (`quantization="int8"`: every linear and
+the LM head) or int4 (`quantization="int4"`: every layer's linears, the LM head int8). A tied embedding shares the
+LM head's table; norms and biases stay float.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 import kernels
 from engine.config import ModelConfig, RopeScaling
-from engine.quant import DequantWorkspace, FloatLinear, Linear, make_linear
+from engine.quant import DequantWorkspace, FloatLinear, Linear, lm_head_quantization, make_linear
 
 
 @dataclass
@@ -80,14 +81,15 @@ class LlamaModel:
 
         workspace = DequantWorkspace()
 
-        def linear(*names: str, bias: tuple[str, ...] = ()) -> Linear:
+        def linear(*names: str, bias: tuple[str, ...] = (), quant: str | None = quantization) -> Linear:
             # Fused from the checkpoint's tensors as loaded, so that quantization sees the original weights.
             weight = torch.cat([get(n) for n in names]) if len(names) > 1 else get(names[0])
             b = torch.cat([get(n) for n in bias]) if bias else None
-            return make_linear(weight, b, quantization, dtype, device, workspace)
+            return make_linear(weight, b, quant, dtype, device, workspace)
 
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        self.lm_head = linear("model.embed_tokens.weight" if tied else "lm_head.weight")
+        self.lm_head = linear("model.embed_tokens.weight" if tied else "lm_head.weight",
+                              quant=lm_head_quantization(quantization))
         # A tied table is looked up through the LM head's (possibly int8) copy; an untied one stays float.
         self.embed = self.lm_head if tied else FloatLinear(w("model.embed_tokens.weight"))
         self.final_norm = w("model.norm.weight")

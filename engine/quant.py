@@ -1,4 +1,4 @@
-"""The model's linear layers: float weights, or int8 weight-only quantization (W8A16).
+"""The model's linear layers: float weights, or int8 (W8A16) or int4 (W4A16) weight-only quantization.
 
 `FloatLinear` is `F.linear` over the checkpoint's weight. `Int8Linear.quantize(weight)` keeps a [out, in] weight
 as int8 with one symmetric scale per output channel: scale = absmax(row) / 127 rounded to a bfloat16 value,
@@ -15,6 +15,16 @@ bfloat16-representable so that both matmul paths below multiply by exactly the s
 The two paths round differently (bfloat16 activations vs float32), so results depend slightly on how many rows
 a step has: unlike float weights, int8 output is not batch-invariant on CPU. A tied embedding lookup (`embed`)
 and the LM head share one int8 table.
+
+`Int4Linear.quantize(weight)` keeps a weight as 4-bit codes in groups of INT4_GROUP_SIZE inputs with a scale and
+an offset per group (asymmetric, the scheme of llama.cpp's Q4_1): w = (q - 8) * scale + zero with q in [0, 15],
+scale = (max - min) / 15 and zero = min + 8 * scale of the group, both rounded to bfloat16 before q is chosen.
+A weight that came from a Q4_1 GGUF tensor keeps its codes (all of the default model's do); its scale and
+offset change only by that rounding to bfloat16.
+`forward` mirrors int8: on CPU, up to INT4PACK_MAX_ROWS rows go through `torch._weight_int4pack_mm_for_cpu` on
+bfloat16 activations (half a byte per weight read); larger steps and CUDA dequantize chunks and run the float
+GEMM. With `quantization="int4"` the LM head (and a tied embedding) stays int8, as llama.cpp's Q4 files keep the
+token embedding at 8 bits or more: it is the largest matrix of a small model and the most sensitive.
 """
 
 from __future__ import annotations
@@ -39,11 +49,21 @@ DEQUANT_CHUNK_ELEMENTS = 1 << 22
 """Size of the GEMM path's scratch buffer (16 MiB of float32): the most weights dequantized at once. Smaller
 chunks cost GEMM efficiency (1M elements: +5% at 512 rows on a 3072 x 576 weight)."""
 
+INT4_GROUP_SIZE = 32
+"""Inputs per int4 scale/offset pair (llama.cpp's Q4_1 block)."""
+
+# Crossover measured like INT8PACK_MAX_ROWS (same machine), int4pack_mm vs dequantize + float32 GEMM, ms for all
+# 30 layers of SmolLM2-135M (qkv, o, gate_up, down; the LM head is int8):
+#   M=1: 6.9 vs 92;  M=16: 32 vs 116;  M=32: 61 vs 106;  M=64: 140 vs 160;  M=128: 225 vs 181;  M=256: 431 vs 271.
+INT4PACK_MAX_ROWS = 64
+"""Largest number of rows of x the CPU int4pack_mm path takes."""
+
 # The int8pack_mm CPU kernels load 16 (AVX512) or 8 (AVX2) elements of a row at a time with aligned loads: an
 # input width that is not a multiple of 16, or a tensor that does not start on an aligned address, crashes the
 # process or reads garbage. Other CPU capabilities were not measured: they take the GEMM path.
 _INT8PACK_K_MULTIPLE = 16
 _INT8PACK_CPU_CAPABILITIES = ("AVX2", "AVX512")
+_INT4PACK_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs output channels in tiles of 16
 
 
 class FloatLinear:
@@ -151,19 +171,111 @@ class Int8Linear:
         return _nbytes(self.qweight, self.scale_bf16, self.bias)
 
 
-Linear = FloatLinear | Int8Linear
+class Int4Linear:
+    """y = x @ W.T + bias with W = (q - 8) * scale + zero per group of INT4_GROUP_SIZE inputs (module docstring)."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None,
+                 workspace: DequantWorkspace | None = None) -> None:
+        # codes: [out, in] uint8 in [0, 15]; scale, zero: [out, in // INT4_GROUP_SIZE] bfloat16-representable
+        out_features, in_features = codes.shape
+        groups = in_features // INT4_GROUP_SIZE
+        if codes.dtype != torch.uint8 or in_features % INT4_GROUP_SIZE or out_features % _INT4PACK_N_MULTIPLE:
+            raise ValueError(f"codes must be a uint8 [out, in] tensor with in a multiple of {INT4_GROUP_SIZE} and out "
+                             f"of {_INT4PACK_N_MULTIPLE}, got {codes.dtype} {list(codes.shape)}")
+        for name, t in (("scale", scale), ("zero", zero)):
+            if t.shape != (out_features, groups):
+                raise ValueError(f"{name} must have shape {[out_features, groups]}, got {list(t.shape)}")
+        self.shape = (out_features, in_features)
+        # Two codes per byte (even input in the low nibble) for the GEMM path's dequantization.
+        self.nibbles = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()     # [out, in // 2] uint8
+        self.scale = scale.float()                                               # [out, groups]
+        self.zero = zero.float()                                                 # [out, groups]
+        self.bias = bias                                                         # [out] in the model dtype, or None
+        self.use_int4pack = codes.device.type == "cpu"
+        if self.use_int4pack:
+            # The kernel's own tiled layout, and its [groups, out, 2] bfloat16 table of (scale, zero).
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)  # [out, in // 2] uint8
+            self.scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        self.workspace = workspace if workspace is not None else DequantWorkspace()
+        if in_features > self.workspace.num_elements:
+            raise ValueError(f"a DequantWorkspace of {self.workspace.num_elements} elements cannot hold one row of "
+                             f"{in_features}")
+        self.chunk_rows = self.workspace.num_elements // in_features
+
+    @staticmethod
+    def supports_shape(out_features: int, in_features: int) -> bool:
+        """Whether a [out, in] weight has the shape int4 needs; other weights fall back to int8 (make_linear)."""
+        return in_features % INT4_GROUP_SIZE == 0 and out_features % _INT4PACK_N_MULTIPLE == 0
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 workspace: DequantWorkspace | None = None) -> Int4Linear:
+        """Quantize a float [out, in] weight on its device; `bias` is kept as given."""
+        out_features, in_features = weight.shape
+        w = weight.float().view(out_features, in_features // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
+        lo, hi = w.amin(dim=-1), w.amax(dim=-1)                                  # [out, groups]
+        scale = ((hi - lo) / 15).to(torch.bfloat16).float()
+        zero = (lo + 8 * scale).to(torch.bfloat16).float()
+        inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))      # constant group -> q = 8
+        q = torch.round((w - zero[..., None]) * inv[..., None] + 8).clamp_(0, 15).to(torch.uint8)
+        return cls(q.view(out_features, in_features), scale, zero, bias, workspace)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, rows: slice = slice(None),
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """(q - 8) * scale + zero as a float [out, in] tensor (or its `rows`), written into `out` when given."""
+        nibbles = self.nibbles[rows]                                             # [r, in // 2]
+        r = nibbles.shape[0]
+        w = torch.empty(r, self.shape[1], dtype=dtype, device=nibbles.device) if out is None else out
+        pairs = w.view(r, -1, 2)
+        pairs[..., 0] = nibbles & 15
+        pairs[..., 1] = nibbles >> 4
+        grouped = w.view(r, -1, INT4_GROUP_SIZE)
+        grouped.sub_(8).mul_(self.scale[rows, :, None].to(dtype)).add_(self.zero[rows, :, None].to(dtype))
+        return w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [M, in] -> [M, out] in x.dtype
+        if self.use_int4pack and x.shape[0] <= INT4PACK_MAX_ROWS:
+            xb = x.to(torch.bfloat16).contiguous()
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, INT4_GROUP_SIZE, self.scale_zero)
+            out = out.to(x.dtype)
+            return out if self.bias is None else out.add_(self.bias)
+        out_features, in_features = self.shape
+        chunks = []
+        for start in range(0, out_features, self.chunk_rows):
+            rows = slice(start, min(start + self.chunk_rows, out_features))
+            w = self.dequantize(x.dtype, rows, out=self.workspace.get(rows.stop - start, in_features, x.dtype,
+                                                                      x.device))
+            chunks.append(F.linear(x, w, None if self.bias is None else self.bias[rows]))
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-1)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes, bfloat16 scales and offsets (one copy: either path's) and bias one forward reads."""
+        return self.nibbles.numel() + 2 * 2 * self.scale.numel() + _nbytes(self.bias)
+
+
+Linear = FloatLinear | Int8Linear | Int4Linear
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantization: str | None,
                 dtype: torch.dtype, device: torch.device, workspace: DequantWorkspace | None = None) -> Linear:
     """The model's linear layer over a float checkpoint weight: float in `dtype`, or quantized from float32
-    (dequantizing into `workspace`, which the model's int8 linears share)."""
+    (dequantizing into `workspace`, which the model's quantized linears share). An int4 weight whose shape int4
+    cannot take (Int4Linear.supports_shape) is stored as int8."""
     bias = None if bias is None else bias.to(device=device, dtype=dtype)
     if quantization is None:
         return FloatLinear(weight.to(device=device, dtype=dtype), bias)
-    if quantization == "int8":
+    if quantization == "int4" and Int4Linear.supports_shape(*weight.shape):
+        return Int4Linear.quantize(weight.to(device=device, dtype=torch.float32), bias, workspace)
+    if quantization in ("int8", "int4"):
         return Int8Linear.quantize(weight.to(device=device, dtype=torch.float32), bias, workspace)
     raise ValueError(f"unknown quantization {quantization!r}; expected None or one of {QUANTIZATIONS}")
+
+
+def lm_head_quantization(quantization: str | None) -> str | None:
+    """The LM head's quantization under the model's `quantization` (int4 keeps the head int8)."""
+    return "int8" if quantization == "int4" else quantization
 
 
 def quantized_fingerprint(fingerprint: str, quantization: str | None) -> str:

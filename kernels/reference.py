@@ -28,16 +28,13 @@ def write_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
                  slot_mapping: torch.Tensor) -> None:
     """Store each token's K/V at its slot; slot -1 marks padding and is skipped."""
     # key, value: [num_tokens, num_kv_heads, head_dim]; slot_mapping: [num_tokens] int64
-    # k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
-    block_size = k_cache.shape[1]
+    # k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], blocks and offsets one flat slot axis
     valid = slot_mapping >= 0  # [num_tokens] bool
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     slots = slot_mapping.long()
-    block_ids = torch.div(slots, block_size, rounding_mode="floor")  # [n]
-    offsets = slots - block_ids * block_size  # [n]
-    k_cache[block_ids, offsets] = key.to(k_cache.dtype)  # k_cache[b, o]: [n, num_kv_heads, head_dim]
-    v_cache[block_ids, offsets] = value.to(v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))  # [slots, Hkv, D]
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
 # --------------------------------------------------------------------------------------------------- attention
@@ -57,6 +54,12 @@ def _decode_attention_batched(query: torch.Tensor, k_cache: torch.Tensor, v_cach
     n, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
+    if n == 1:  # batch-1 decode (latency-bound): the sequence's own blocks, cut to its length, no mask
+        # 4-D operands: torch's CPU flash kernel (3-D ones take its slower math path)
+        k = _gather_seq_kv(k_cache, block_tables[0], max_seq_len).transpose(0, 1)[None]  # [1, Hkv, seq_len, D]
+        v = _gather_seq_kv(v_cache, block_tables[0], max_seq_len).transpose(0, 1)[None]
+        q = query.view(1, num_kv_heads, group, head_dim).float()  # [1, Hkv, G, D]
+        return F.scaled_dot_product_attention(q, k, v, scale=scale).reshape(1, num_heads, head_dim)
     num_blocks_max = _cdiv(max_seq_len, block_size)
     seq_lens = seq_lens.to(torch.long)
     block_ids = block_tables[:, :num_blocks_max].long()  # [n, nb]
@@ -88,8 +91,9 @@ def _prefill_attention_one(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         num_kv_heads, group * q_len, head_dim)
     rows = torch.arange(q_len, device=query.device) + (seq_len - q_len)  # absolute position of each query
     mask = torch.arange(seq_len, device=query.device)[None, :] <= rows[:, None]  # [q_len, seq_len]
-    out = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask.repeat(group, 1), scale=scale)  # [Hkv, G*q_len, D]
+    # 4-D operands: torch's CPU flash kernel (3-D ones take its math path, ~3.5x slower at 512 tokens)
+    out = F.scaled_dot_product_attention(q[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=mask.repeat(group, 1), scale=scale)[0]  # [Hkv, G*q_len, D]
     return out.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
 
 
@@ -144,9 +148,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     # x, residual: [T, H]; weight: [H]
     if residual is not None:
         x = (x.float() + residual.float()).to(x.dtype)  # the new residual stream, as stored
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
-    normed = normed.to(x.dtype)
+    # x * rsqrt(mean(x^2) + eps) * weight, as one op (.float() and .to() are no-ops in fp32)
+    normed = F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
     return normed if residual is None else (normed, x)
 
 

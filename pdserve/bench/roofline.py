@@ -3,8 +3,10 @@
 Decoding one token for one sequence reads every weight once (the KV cache of a short context is small beside
 them), so tokens/s <= memory bandwidth / weight bytes read per token. Bytes per token depend on how a system
 stores the weights: llama.cpp reads the GGUF's quantized blocks as they are, pdserve and transformers on CPU
-read float32 copies, pdserve with quantization="int8" one byte per matrix weight plus a bf16 scale per row. The bandwidth is that of a large tensor copy (read + write bytes), a practical ceiling
-for streaming reads on this machine.
+read float32 copies, pdserve with quantization="int8" one byte per matrix weight plus a bf16 scale per row, with
+quantization="int4" half a byte per layer weight plus a bf16 scale and offset per 32 (its LM head is int8).
+The bandwidth is that of a large tensor copy (read + write bytes), a practical ceiling for streaming reads on
+this machine.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ class WeightBytes:
     int8: int
     """Bytes read per token by pdserve's int8 weight-only path: matrices as int8 + one bf16 scale per output
     row, vectors (norms) as float32."""
+    int4: int
+    """Bytes read per token by pdserve's int4 path: layer matrices as 4-bit codes + a bf16 scale and offset per
+    32 inputs (int8 where the shape does not allow it), the LM head as int8, vectors as float32."""
     num_params: int
     """Parameters read per token."""
 
@@ -38,10 +43,24 @@ def weight_bytes_per_token(gguf_path: Path) -> WeightBytes:
     untied = any(t.name == "output.weight" for t in tensors)
     read = [t for t in tensors if not (untied and t.name == "token_embd.weight")]
     num_params = sum(int(t.n_elements) for t in read)
-    int8 = sum(int(t.n_elements) + 2 * int(t.shape[-1]) if len(t.shape) >= 2 and t.shape[-1] > 1
-               else 4 * int(t.n_elements) for t in read)
-    return WeightBytes(stored=sum(int(t.n_bytes) for t in read), float32=4 * num_params, int8=int8,
-                       num_params=num_params)
+    return WeightBytes(stored=sum(int(t.n_bytes) for t in read), float32=4 * num_params,
+                       int8=sum(_quantized_bytes(t, "int8") for t in read),
+                       int4=sum(_quantized_bytes(t, "int4") for t in read), num_params=num_params)
+
+
+def _quantized_bytes(tensor, quantization: str) -> int:
+    """Bytes of one GGUF tensor as engine.quant stores it (shape: GGUF order, inputs first)."""
+    from engine.quant import INT4_GROUP_SIZE, Int4Linear, lm_head_quantization
+
+    n = int(tensor.n_elements)
+    if len(tensor.shape) < 2 or tensor.shape[-1] <= 1:
+        return 4 * n  # norms stay float32
+    in_features, out_features = int(tensor.shape[0]), int(tensor.shape[-1])
+    if tensor.name in ("token_embd.weight", "output.weight"):
+        quantization = lm_head_quantization(quantization)
+    if quantization == "int4" and Int4Linear.supports_shape(out_features, in_features):
+        return n // 2 + 2 * 2 * (n // INT4_GROUP_SIZE)
+    return n + 2 * out_features
 
 
 def copy_bandwidth(num_bytes: int = 2**30, repeats: int = 5) -> float:

@@ -6,6 +6,7 @@ Systems (each gets the same `threads`; the disaggregated shapes divide them amon
     transformers          AutoModelForCausalLM on the same GGUF (dequantized to float32), static batches
     pdserve-engine        pdserve's engine in this process (no RPC)
     pdserve-engine-int8   the same with int8 weight-only quantization (EngineConfig.quantization="int8")
+    pdserve-engine-int4   the same with int4 weight-only quantization (the GGUF's Q4_1 codes, int8 LM head)
     pdserve-1p1d          LocalCluster: 1 prefill + 1 decode worker + gateway + Redis (gRPC client)
     pdserve-2p1d-prefix   2 prefill + 1 decode, prefix-aware routing
     pdserve-2p1d-rr       2 prefill + 1 decode, round-robin routing
@@ -25,12 +26,14 @@ Writes results.json (every request's timings), PNG plots and report.md into the 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
 import json
 import logging
 import math
+import multiprocessing
 import os
 import time
 import traceback
@@ -52,10 +55,13 @@ LLAMA_SERVER = "llama-server"
 TRANSFORMERS = "transformers"
 ENGINE = "pdserve-engine"
 ENGINE_INT8 = "pdserve-engine-int8"
+ENGINE_INT4 = "pdserve-engine-int4"
+ENGINES = {ENGINE: None, ENGINE_INT8: "int8", ENGINE_INT4: "int4"}
+"""In-process engine systems and their EngineConfig.quantization."""
 ONE_P_ONE_D = "pdserve-1p1d"
 TWO_P_PREFIX = "pdserve-2p1d-prefix"
 TWO_P_RR = "pdserve-2p1d-rr"
-SYSTEMS = (LLAMA_SERVER, TRANSFORMERS, ENGINE, ENGINE_INT8, ONE_P_ONE_D, TWO_P_PREFIX, TWO_P_RR)
+SYSTEMS = (LLAMA_SERVER, TRANSFORMERS, ENGINE, ENGINE_INT8, ENGINE_INT4, ONE_P_ONE_D, TWO_P_PREFIX, TWO_P_RR)
 PEERS = (LLAMA_SERVER, TRANSFORMERS)
 REPEAT = " (repeat)"
 """Suffix of a peer's second batch1/streams runs, at the end of the suite."""
@@ -156,11 +162,11 @@ def build_scenarios(cfg: SuiteConfig, fmt: PromptFormat, token_range: tuple[int,
         Scenario("batch1", "1 stream",
                  random_workload(cfg.batch1_requests, cfg.input_len, cfg.output_len, seed=cfg.seed, **kw),
                  RunConfig(max_concurrency=1, progress=progress),
-                 pick(LLAMA_SERVER, TRANSFORMERS, ENGINE, ENGINE_INT8, ONE_P_ONE_D)),
+                 pick(LLAMA_SERVER, TRANSFORMERS, *ENGINES, ONE_P_ONE_D)),
         Scenario("streams", f"{cfg.streams} concurrent streams",
                  random_workload(cfg.streams_requests, cfg.input_len, cfg.output_len, seed=cfg.seed + 1, **kw),
                  RunConfig(max_concurrency=cfg.streams, progress=progress),
-                 pick(LLAMA_SERVER, TRANSFORMERS, ENGINE, ENGINE_INT8, ONE_P_ONE_D)),
+                 pick(LLAMA_SERVER, TRANSFORMERS, *ENGINES, ONE_P_ONE_D)),
     ]
     pairs = shared_prefix_workload(cfg.prefix_trials, 2, cfg.prefix_len, 16, 4, seed=cfg.seed + 2, **kw)
     ordered = sorted(pairs.requests, key=lambda r: (r.group_id, r.request_id))
@@ -202,26 +208,33 @@ def _llama_server(cfg: SuiteConfig, model_path: Path, ctx_per_slot: int,
         yield OpenAIBackend(server.base_url, extra_body=server.extra_body, name=LLAMA_SERVER), [server.pid]
 
 
-@contextlib.contextmanager
-def _engine(cfg: SuiteConfig, model_path: Path, system: str,
-            results: SuiteResults) -> Iterator[tuple[Backend, list[int]]]:
+def _engine_runs(cfg: SuiteConfig, model_path: Path, system: str, key: str,
+                 todo: list[Scenario]) -> tuple[str, dict[str, RunResult]]:
+    """Run an in-process engine system's scenarios; called in a fresh process (see _run_system).
+
+    The engine is built with `build_engine` and stepped by EngineBackend's thread, as a worker's EngineLoop does:
+    torch's OpenMP state is per thread, and a thread that already ran multi-threaded torch work (this suite's
+    main thread has: transformers, the bandwidth probe) slows every matmul of another thread (engine.engine_loop).
+    Returns the system's description and its runs by scenario name."""
     from engine.config import EngineConfig
-    from engine.llm_engine import LLMEngine
+    from engine.engine_loop import build_engine
     from pdserve.bench.inprocess import EngineBackend
 
-    quantization = "int8" if system == ENGINE_INT8 else None
+    quantization = ENGINES[system]
     config = EngineConfig(model=str(model_path), num_threads=cfg.threads, kv_cache_memory=cfg.kv_cache_memory,
                           quantization=quantization)
-    engine = LLMEngine(config, progress=False)
+    backend = EngineBackend(build_engine(config, progress=False), name=system)
     quantized = f", quantization={quantization!r}" if quantization else ""
-    results.peers[system] = (f"`LLMEngine(EngineConfig(model, num_threads={cfg.threads}, "
-                             f"kv_cache_memory={cfg.kv_cache_memory}{quantized}))` in the benchmark process, dtype "
-                             f"{config.dtype} (float32 on CPU), max_num_seqs {config.max_num_seqs}, "
-                             f"prefix caching on")
-    try:
-        yield EngineBackend(engine, name=system), []
-    finally:
-        del engine
+    peer = (f"`LLMEngine(EngineConfig(model, num_threads={cfg.threads}, kv_cache_memory={cfg.kv_cache_memory}"
+            f"{quantized}))` in a process of its own (no RPC), dtype {config.dtype} (float32 on CPU), "
+            f"max_num_seqs {config.max_num_seqs}, prefix caching on")
+    runs = {}
+    for scenario in todo:
+        before = cpumeter.sample()
+        run = asyncio.run(run_with(backend, scenario.requests, scenario.run, label=f"{key} {scenario.name}"))
+        run.meta["others_cores"] = cpumeter.others_cores(before, cpumeter.sample())
+        runs[scenario.name] = run
+    return peer, runs
 
 
 @contextlib.contextmanager
@@ -337,8 +350,14 @@ def _run_system(cfg: SuiteConfig, model_path: Path, system: str, key: str, todo:
                                        "`bash bench/build_llama_server.sh`, pass --llama-server PATH)")
                 return
             context = _llama_server(cfg, model_path, ctx_per_slot, results)
-        elif system in (ENGINE, ENGINE_INT8):
-            context = _engine(cfg, model_path, system, results)
+        elif system in ENGINES:
+            # A spawned process: a clean interpreter whose main thread never ran torch (see _engine_runs).
+            spawn = multiprocessing.get_context("spawn")
+            with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+                peer, runs = pool.submit(_engine_runs, cfg, model_path, system, key, todo).result()
+            results.peers[system] = peer
+            results.runs.update({(name, key): run for name, run in runs.items()})
+            return
         else:
             context = _cluster(cfg, model_path, system, results)
         with context as (backend, pids):

@@ -27,6 +27,13 @@ def llm_int8(default_model_path, default_model) -> LLM:
 
 
 @pytest.fixture(scope="session")
+def llm_int4(default_model_path, default_model) -> LLM:
+    """The same checkpoint with int4 weight-only quantization (its Q4_1 codes, an int8 LM head)."""
+    return LLM(model=str(default_model_path), dtype="float32", quantization="int4", kv_cache_memory=64 * 2**20,
+               progress=False, loaded=default_model)
+
+
+@pytest.fixture(scope="session")
 def hf_model(default_model_path):
     """Hugging Face transformers loading the same GGUF: the reference for logits and greedy tokens."""
     transformers = pytest.importorskip("transformers", reason="the dev extra provides transformers")

@@ -1,4 +1,4 @@
-"""int8 weight-only quantization: the quantized weights, both matmul paths against float, wiring into the engine."""
+"""int8 and int4 weight-only quantization: the quantized weights, both matmul paths against float, engine wiring."""
 
 import dataclasses
 
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import engine.quant as quant
 from engine.config import EngineConfig
 from engine.model import AttentionMetadata, LlamaModel
-from engine.quant import DequantWorkspace, FloatLinear, Int8Linear, make_linear, quantized_fingerprint
+from engine.quant import DequantWorkspace, FloatLinear, Int4Linear, Int8Linear, make_linear, quantized_fingerprint
 from tiny_model import TINY, tiny_engine, tiny_weights
 
 
@@ -26,6 +26,7 @@ def rel_error(got, expected):
 def gemm_only(monkeypatch):
     """Force the dequantize + GEMM path whatever the number of rows."""
     monkeypatch.setattr(quant, "INT8PACK_MAX_ROWS", 0)
+    monkeypatch.setattr(quant, "INT4PACK_MAX_ROWS", 0)
 
 
 def test_quantized_weight_is_within_half_a_step_of_the_float_weight():
@@ -119,11 +120,12 @@ def test_fingerprint_separates_quantizations():
     # Pinned: every worker and the gateway must derive the same value.
     assert quantized_fingerprint("abc", "int8") == \
         "f38243f002f559f94d91bed0cd4c62ce1e481330de11b213ee813690e4277269"
+    assert quantized_fingerprint("abc", "int4") not in ("abc", quantized_fingerprint("abc", "int8"))
 
 
 def test_unknown_quantization_names_the_field():
     with pytest.raises(ValueError, match=r"EngineConfig\.quantization"):
-        EngineConfig(model="default", quantization="int4")
+        EngineConfig(model="default", quantization="int3")
 
 
 def test_int8_engine_generates_close_to_float_with_its_own_fingerprint():
@@ -167,3 +169,91 @@ def test_untied_model_with_qkv_bias_is_the_float_model_over_dequantized_weights(
         hidden = model.forward(torch.tensor([5, 9, 2, 77, 3, 40]), torch.arange(n), kv_cache, meta)
         logits.append(model.compute_logits(hidden))
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+# --- int4 ----------------------------------------------------------------------------------------------------------
+def int4_codes(lin: Int4Linear) -> torch.Tensor:
+    return torch.stack([lin.nibbles & 15, lin.nibbles >> 4], dim=-1).view(lin.shape).long()
+
+
+def test_int4_weight_is_within_half_a_step_of_the_float_weight_per_group():
+    w = random_weight(96, 128)
+    w[7, 32:64] = 0.3  # a constant group: scale 0, every weight exactly its offset
+    lin = Int4Linear.quantize(w)
+    codes = int4_codes(lin)
+    assert codes.min() >= 0 and codes.max() <= 15
+    for t in (lin.scale, lin.zero):
+        assert torch.equal(t, t.bfloat16().float())  # both paths use the same bfloat16 table
+    assert lin.scale[7, 1] == 0 and torch.all(lin.dequantize()[7, 32:64] == lin.zero[7, 1])
+    step = lin.scale.repeat_interleave(quant.INT4_GROUP_SIZE, dim=1)  # [out, in]
+    # Half a step, plus what rounding the offset to bfloat16 can add (2^-9 of its magnitude).
+    bound = step * 0.5 + lin.zero.abs().repeat_interleave(quant.INT4_GROUP_SIZE, dim=1) * 2**-8 + 1e-7
+    assert ((lin.dequantize() - w).abs() <= bound).all()
+
+
+def test_int4_reproduces_q4_1_codes():
+    """A weight dequantized from a Q4_1 block (q * d + m, q in [0, 15], min and max used) keeps its codes.
+
+    Offsets as in real checkpoints, m ~ -7.5 d (every code of the default model's Q4_1 tensors is reproduced)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (32, 128), generator=g)
+    q[:, 0::32], q[:, 1::32] = 0, 15
+    d = (torch.rand(32, 4, generator=g) * 0.02 + 1e-3).half().float()
+    m = (-d * (6 + 3 * torch.rand(32, 4, generator=g))).half().float()
+    w = (q.view(32, 4, 32) * d[..., None] + m[..., None]).view(32, 128)
+    lin = Int4Linear.quantize(w)
+    assert torch.equal(int4_codes(lin), q)
+    assert (lin.dequantize() - w).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, quant.INT4PACK_MAX_ROWS, quant.INT4PACK_MAX_ROWS + 1])
+def test_int4_forward_matches_the_float_linear(num_rows):
+    w, bias = random_weight(208, 128), torch.randn(208) * 0.1
+    x = torch.randn(num_rows, 128)
+    out = Int4Linear.quantize(w, bias).forward(x)
+    assert out.dtype == torch.float32 and out.shape == (num_rows, 208)
+    assert rel_error(out, F.linear(x, w, bias)) < 0.15  # 4 bits on Gaussian weights: measured ~8%
+
+
+@pytest.mark.parametrize("num_rows", [1, 5, 16])
+def test_int4pack_and_gemm_paths_agree(num_rows, monkeypatch):
+    lin = Int4Linear.quantize(random_weight(256, 576), torch.randn(256) * 0.1)
+    assert lin.use_int4pack
+    x = torch.randn(num_rows, 576)
+    int4pack = lin.forward(x)
+    monkeypatch.setattr(quant, "INT4PACK_MAX_ROWS", 0)
+    gemm = lin.forward(x)
+    torch.testing.assert_close(gemm, F.linear(x, lin.dequantize(), lin.bias), rtol=1e-5, atol=1e-5)
+    assert rel_error(int4pack, gemm) < 0.008  # bfloat16 activations and output: measured ~0.2%
+
+
+def test_int4_gemm_path_in_chunks_equals_one_shot(gemm_only):
+    w, bias = random_weight(112, 64), torch.randn(112)
+    x = torch.randn(40, 64)
+    whole = Int4Linear.quantize(w, bias).forward(x)
+    chunked = Int4Linear.quantize(w, bias, DequantWorkspace(48 * 64))
+    assert chunked.chunk_rows == 48  # 3 chunks, the last one short
+    torch.testing.assert_close(chunked.forward(x), whole, rtol=1e-6, atol=1e-6)
+
+
+def test_int4_shapes_it_cannot_pack_fall_back_to_int8():
+    cpu = torch.device("cpu")
+    assert isinstance(make_linear(random_weight(48, 64), None, "int4", torch.float32, cpu), Int4Linear)
+    assert isinstance(make_linear(random_weight(48, 40), None, "int4", torch.float32, cpu), Int8Linear)  # in % 32
+    assert isinstance(make_linear(random_weight(40, 64), None, "int4", torch.float32, cpu), Int8Linear)  # out % 16
+    with pytest.raises(ValueError, match="codes must be"):
+        Int4Linear(torch.zeros(40, 64, dtype=torch.uint8), torch.zeros(40, 2), torch.zeros(40, 2))
+
+
+def test_int4_engine_quantizes_the_layers_and_keeps_an_int8_head():
+    float_engine, int4_engine = tiny_engine(), tiny_engine(quantization="int4")
+    assert int4_engine.fingerprint == quantized_fingerprint(float_engine.fingerprint, "int4")
+    model = int4_engine.runner.model
+    assert all(isinstance(lin, Int4Linear) for layer in model.layers
+               for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert model.embed is model.lm_head and isinstance(model.lm_head, Int8Linear)
+    float_bytes = float_engine.runner.model.decode_weight_bytes()
+    assert model.decode_weight_bytes() < float_bytes / 4
+    hidden = torch.randn(4, 64)
+    # The head is int8 as in the int8 engine: logits match float's as closely.
+    assert rel_error(model.compute_logits(hidden), float_engine.runner.model.compute_logits(hidden)) < 0.015
