@@ -153,7 +153,7 @@ def test_values_the_configs_reject_exit_2_naming_flag_and_field(argv, flag, fiel
 @pytest.mark.parametrize("argv, flag", [
     (["decode-worker", "--kv-cache-memory", "lots"], "--kv-cache-memory"),
     (["prefill-worker", "--transport", "pigeon"], "--transport"),
-    (["decode-worker", "--quantization", "int4"], "--quantization"),
+    (["decode-worker", "--quantization", "int3"], "--quantization"),
     (["gateway", "--redis-url", "redis://r", "--port", "http"], "--port"),
     (["gateway"], "--redis-url"),
     (["generate", "hi", "--temperature", "warm"], "--temperature"),
