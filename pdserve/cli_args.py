@@ -216,7 +216,11 @@ def cluster_config(args: argparse.Namespace) -> Any:
     tuning = {name: getattr(args, name) for name in GATEWAY_TUNING if getattr(args, name) is not None}
     build_config(GatewayConfig, argparse.Namespace(), model=engine.model, redis_url="redis://", **tuning)
     gateway_args = tuple(item for name, value in tuning.items() for item in (flag_for(name), str(value)))
-    return build_config(LocalClusterConfig, args, engine=engine, gateway_args=gateway_args)
+    # A one-shot question binds no fixed port (a busy 50051 or 8000 must not stop it) and needs no HTTP API.
+    once = getattr(args, "once", None) is not None
+    ports = {name: value if value is not None else once_value if once else _default(LocalClusterConfig, name)
+             for name, value, once_value in (("port", args.port, 0), ("http_port", args.http_port, -1))}
+    return build_config(LocalClusterConfig, args, engine=engine, gateway_args=gateway_args, **ports)
 
 
 # -------------------------------------------------------------------------------------------- parser
@@ -239,8 +243,10 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     _arg(g, L, "num_prefill", "prefill worker processes", type=int)
     _arg(g, L, "num_decode", "decode worker processes", type=int)
     _arg(g, L, "host", "address the gateway binds")
-    _arg(g, L, "port", "gateway port (0 picks a free one)", type=int)
-    _arg(g, L, "http_port", "gateway's OpenAI-compatible HTTP port (0 picks a free one, -1 turns it off)", type=int)
+    _arg(g, L, "port", f"gateway port, 0 picks a free one (default: {_default(L, 'port')}; with --once a free one)",
+         type=int, default=None)
+    _arg(g, L, "http_port", "gateway's OpenAI-compatible HTTP port, 0 picks a free one, -1 turns it off (default: "
+         f"{_default(L, 'http_port')}; with --once off)", type=int, default=None)
     _arg(g, L, "prefill_kv_cache_memory", "KV-cache budget of each prefill worker, e.g. 256M (default: "
          "--kv-cache-memory)", type=parse_bytes)
     _arg(g, L, "transport", "KV transport between workers", choices=TRANSPORTS)

@@ -109,6 +109,14 @@ def test_up_maps_onto_local_cluster_config():
     assert cli_args.cluster_config(parse("up")) == LocalClusterConfig()
 
 
+def test_up_once_binds_no_fixed_port_unless_asked():
+    """A one-shot question must not fail because 50051 or 8000 is taken; explicit ports still win."""
+    once = cli_args.cluster_config(parse("up", "--once", "Hi"))
+    assert (once.port, once.http_port) == (0, -1)
+    pinned = cli_args.cluster_config(parse("up", "--once", "Hi", "--port", "6000", "--http-port", "6001"))
+    assert (pinned.port, pinned.http_port) == (6000, 6001)
+
+
 def test_client_flags_send_only_what_was_given():
     options = cli_args.generate_options(parse("generate", "hi", "--stop", "\n", "--stop", "END", "--top-k", "5"))
     assert options == {"max_tokens": 256, "temperature": 0.0, "top_k": 5, "stop": ["\n", "END"]}
