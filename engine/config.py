@@ -95,9 +95,9 @@ class EngineConfig:
     per output channel (W8A16), a quarter of float32's bytes per decode step. "int4": every layer's linear weights
     as 4-bit codes with a bfloat16 scale and offset per 32 inputs (W4A16, llama.cpp's Q4_1 scheme: a Q4_1 GGUF
     keeps its own codes) and the LM head as int8, about a sixth of float32's bytes. On CPU both speed up small
-    decode batches (batch 1 on SmolLM2-135M: int8 ~1.4x, int4 ~1.6x) and cost time in prefill and large batches
-    (from ~16 sequences for int8, ~64 for int4, they dequantize into a float GEMM); their matmuls round differently
-    for small and large steps, so greedy tokens may depend on the batch."""
+    decode batches (batch 1 on SmolLM2-135M: int8 ~1.4x, int4 ~1.7x float32's tokens/s) and cost time in prefill
+    and large batches (from ~16 sequences for int8, ~64 for int4, they dequantize into a float GEMM); their
+    matmuls round differently for small and large steps, so greedy tokens may depend on the batch."""
     device: str = "cpu"
     """Torch device the model runs on ("cpu", "cuda", "cuda:1")."""
     max_model_len: int | None = None
