@@ -238,6 +238,7 @@ def _prefetch(items: Iterator[T], depth: int = 1) -> Iterator[T]:
     end = object()
 
     def produce() -> None:
+        torch.set_num_threads(1)  # memory-bound copies; no OpenMP team beside the engine loop's
         try:
             for item in items:
                 slots.put((item, None))

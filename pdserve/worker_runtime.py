@@ -11,6 +11,7 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -63,13 +64,22 @@ def status_on_error(context: grpc.ServicerContext) -> Iterator[None]:
         context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
+def _single_threaded_torch() -> None:
+    """Run this thread's torch ops on one CPU thread. For threads beside the engine loop (gRPC handlers that
+    scatter received KV, the transfer producer that gathers it): their copies are memory-bound, and an OpenMP
+    team of their own would compete with the loop thread for its cores and, once it exists, leave more OpenMP
+    threads than CPUs, which slows every matmul of the loop (engine.engine_loop's module docstring)."""
+    torch.set_num_threads(1)
+
+
 class WorkerServer:
     """A grpc.server with the health and reflection services, bound to host:port (0 picks a free port)."""
 
     def __init__(self, host: str, port: int, max_workers: int = 64) -> None:
         # No SO_REUSEPORT: a port already in use must fail the start, not be shared with another server.
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-                                  options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)])
+        executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc",
+                                              initializer=_single_threaded_torch)
+        self.server = grpc.server(executor, options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)])
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
