@@ -156,12 +156,26 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
 def _rotate_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     # x: [T, heads, head_dim]; cos, sin: [T, 1, rot_dim // 2] fp32
     half = cos.shape[-1]
-    x1 = x[..., :half].float()
-    x2 = x[..., half:2 * half].float()
-    out1 = x1 * cos - x2 * sin
-    out2 = x2 * cos + x1 * sin
-    x[..., :half] = out1.to(x.dtype)
-    x[..., half:2 * half] = out2.to(x.dtype)
+    x1 = x[..., :half]
+    x2 = x[..., half:2 * half]
+    x1f, x2f = x1.float(), x2.float()
+    out1 = x1f * cos - x2f * sin
+    out2 = torch.addcmul(x2f * cos, x1f, sin)  # x2 * cos + x1 * sin
+    x1.copy_(out1)
+    x2.copy_(out2)
+
+
+def _adjacent_heads(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+    """query and key as one [T, Hq + Hkv, D] view when key's heads directly follow query's in memory (a fused
+    qkv projection's output), else None."""
+    t, num_heads, head_dim = query.shape
+    if (key.dtype != query.dtype or key.shape[0] != t or key.shape[2] != head_dim
+            or (t > 1 and key.stride(0) != query.stride(0)) or key.stride()[1:] != query.stride()[1:]
+            or query.stride(2) != 1 or query.stride(1) != head_dim
+            or key.data_ptr() != query.data_ptr() + num_heads * head_dim * query.element_size()
+            or key.untyped_storage().data_ptr() != query.untyped_storage().data_ptr()):
+        return None
+    return query.as_strided((t, num_heads + key.shape[1], head_dim), query.stride())
 
 
 def rotary_embedding_ref(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
@@ -172,8 +186,9 @@ def rotary_embedding_ref(positions: torch.Tensor, query: torch.Tensor, key: torc
     cos_sin = cos_sin_cache.index_select(0, positions.long()).float()  # [T, rot_dim]
     cos = cos_sin[:, None, :half]  # [T, 1, rot_dim/2]
     sin = cos_sin[:, None, half:]
-    _rotate_in_place(query, cos, sin)
-    _rotate_in_place(key, cos, sin)
+    both = _adjacent_heads(query, key)  # one pass over both (the model's case) instead of two
+    for x in (query, key) if both is None else (both,):
+        _rotate_in_place(x, cos, sin)
 
 
 # --------------------------------------------------------------------------------------------------- blocks
