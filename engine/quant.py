@@ -30,6 +30,7 @@ token embedding at 8 bits or more: it is the largest matrix of a small model and
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +104,24 @@ class DequantWorkspace:
             buffer = self._buffers[(dtype, device)] = torch.empty(self.num_elements, dtype=dtype, device=device)
         return buffer[:rows * cols].view(rows, cols)
 
+    def rows_per_chunk(self, in_features: int) -> int:
+        """Rows of an [out, in_features] weight one chunk holds (at least one, or ValueError)."""
+        if in_features > self.num_elements:
+            raise ValueError(f"a DequantWorkspace of {self.num_elements} elements cannot hold one row of "
+                             f"{in_features}")
+        return self.num_elements // in_features
+
+    def linear(self, x: torch.Tensor, out_features: int, chunk_rows: int,
+               dequantize: Callable[[slice, torch.Tensor], torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
+        """F.linear(x, W, bias) over a quantized W, `chunk_rows` rows at a time: `dequantize(rows, out)` writes
+        W[rows] in x.dtype into `out` (a view of this buffer) and returns it. x: [M, in] -> [M, out_features]."""
+        chunks = []
+        for start in range(0, out_features, chunk_rows):
+            rows = slice(start, min(start + chunk_rows, out_features))
+            w = dequantize(rows, self.get(rows.stop - start, x.shape[-1], x.dtype, x.device))
+            chunks.append(F.linear(x, w, None if bias is None else bias[rows]))
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-1)
+
 
 class Int8Linear:
     """y = x @ (q * scale[:, None]).T + bias with int8 q and a per-output-channel scale (module docstring)."""
@@ -118,14 +137,11 @@ class Int8Linear:
         self.scale = scale.float()                          # [out] float32, bfloat16-representable
         self.scale_bf16 = self.scale.to(torch.bfloat16)     # [out]: the same values, as int8pack_mm takes them
         self.bias = bias                                    # [out] in the model dtype, or None
-        out_features, in_features = qweight.shape
+        in_features = qweight.shape[1]
         self.use_int8pack = (qweight.device.type == "cpu" and in_features % _INT8PACK_K_MULTIPLE == 0
                              and torch.backends.cpu.get_cpu_capability() in _INT8PACK_CPU_CAPABILITIES)
         self.workspace = workspace if workspace is not None else DequantWorkspace()
-        if in_features > self.workspace.num_elements:
-            raise ValueError(f"a DequantWorkspace of {self.workspace.num_elements} elements cannot hold one row of "
-                             f"{in_features}")
-        self.chunk_rows = self.workspace.num_elements // in_features
+        self.chunk_rows = self.workspace.rows_per_chunk(in_features)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -140,9 +156,12 @@ class Int8Linear:
         q = torch.round(w * inv[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
         return cls(q, scale, bias, workspace)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """q * scale as a new float [out, in] tensor."""
-        return self.qweight.to(dtype).mul_(self.scale[:, None].to(dtype))
+    def dequantize(self, dtype: torch.dtype = torch.float32, rows: slice = slice(None),
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """q * scale as a float [out, in] tensor (or its `rows`), written into `out` when given."""
+        q = self.qweight[rows]
+        w = torch.empty(q.shape, dtype=dtype, device=q.device) if out is None else out
+        return w.copy_(q).mul_(self.scale[rows, None].to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, in] -> [M, out] in x.dtype
@@ -152,14 +171,8 @@ class Int8Linear:
                 xb = xb.clone()
             out = torch._weight_int8pack_mm(xb, self.qweight, self.scale_bf16).to(x.dtype)
             return out if self.bias is None else out.add_(self.bias)
-        out_features, in_features = self.qweight.shape
-        chunks = []
-        for start in range(0, out_features, self.chunk_rows):
-            q = self.qweight[start:start + self.chunk_rows]
-            w = self.workspace.get(q.shape[0], in_features, x.dtype, x.device)
-            w.copy_(q).mul_(self.scale[start:start + q.shape[0], None].to(x.dtype))
-            chunks.append(F.linear(x, w, None if self.bias is None else self.bias[start:start + q.shape[0]]))
-        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-1)
+        return self.workspace.linear(x, self.qweight.shape[0], self.chunk_rows,
+                                     lambda rows, w: self.dequantize(x.dtype, rows, w), self.bias)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the dequantized weight (a tied embedding lookup): [T] -> [T, in] float32."""
@@ -197,10 +210,7 @@ class Int4Linear:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)  # [out, in // 2] uint8
             self.scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
         self.workspace = workspace if workspace is not None else DequantWorkspace()
-        if in_features > self.workspace.num_elements:
-            raise ValueError(f"a DequantWorkspace of {self.workspace.num_elements} elements cannot hold one row of "
-                             f"{in_features}")
-        self.chunk_rows = self.workspace.num_elements // in_features
+        self.chunk_rows = self.workspace.rows_per_chunk(in_features)
 
     @staticmethod
     def supports_shape(out_features: int, in_features: int) -> bool:
@@ -240,14 +250,8 @@ class Int4Linear:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, INT4_GROUP_SIZE, self.scale_zero)
             out = out.to(x.dtype)
             return out if self.bias is None else out.add_(self.bias)
-        out_features, in_features = self.shape
-        chunks = []
-        for start in range(0, out_features, self.chunk_rows):
-            rows = slice(start, min(start + self.chunk_rows, out_features))
-            w = self.dequantize(x.dtype, rows, out=self.workspace.get(rows.stop - start, in_features, x.dtype,
-                                                                      x.device))
-            chunks.append(F.linear(x, w, None if self.bias is None else self.bias[rows]))
-        return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=-1)
+        return self.workspace.linear(x, self.shape[0], self.chunk_rows,
+                                     lambda rows, w: self.dequantize(x.dtype, rows, w), self.bias)
 
     @property
     def nbytes(self) -> int:

@@ -64,12 +64,13 @@ def test_int8pack_and_gemm_paths_agree(num_rows, monkeypatch):
     assert rel_error(int8pack, gemm) < 0.008  # measured ~0.3%
 
 
-def test_gemm_path_in_chunks_equals_one_shot(gemm_only):
-    w, bias = random_weight(100, 64), torch.randn(100)
+@pytest.mark.parametrize("cls, out_features, chunk_rows", [(Int8Linear, 100, 32), (Int4Linear, 112, 48)])
+def test_gemm_path_in_chunks_equals_one_shot(cls, out_features, chunk_rows, gemm_only):
+    w, bias = random_weight(out_features, 64), torch.randn(out_features)
     x = torch.randn(40, 64)
-    whole = Int8Linear.quantize(w, bias).forward(x)
-    chunked = Int8Linear.quantize(w, bias, DequantWorkspace(32 * 64))
-    assert chunked.chunk_rows == 32  # 4 chunks, the last one short
+    whole = cls.quantize(w, bias).forward(x)
+    chunked = cls.quantize(w, bias, DequantWorkspace(chunk_rows * 64))
+    assert chunked.chunk_rows == chunk_rows  # 4 and 3 chunks, the last one short
     torch.testing.assert_close(chunked.forward(x), whole, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(whole, F.linear(x, chunked.dequantize(), bias), rtol=1e-5, atol=1e-5)
 
@@ -225,15 +226,6 @@ def test_int4pack_and_gemm_paths_agree(num_rows, monkeypatch):
     gemm = lin.forward(x)
     torch.testing.assert_close(gemm, F.linear(x, lin.dequantize(), lin.bias), rtol=1e-5, atol=1e-5)
     assert rel_error(int4pack, gemm) < 0.008  # bfloat16 activations and output: measured ~0.2%
-
-
-def test_int4_gemm_path_in_chunks_equals_one_shot(gemm_only):
-    w, bias = random_weight(112, 64), torch.randn(112)
-    x = torch.randn(40, 64)
-    whole = Int4Linear.quantize(w, bias).forward(x)
-    chunked = Int4Linear.quantize(w, bias, DequantWorkspace(48 * 64))
-    assert chunked.chunk_rows == 48  # 3 chunks, the last one short
-    torch.testing.assert_close(chunked.forward(x), whole, rtol=1e-6, atol=1e-6)
 
 
 def test_int4_shapes_it_cannot_pack_fall_back_to_int8():
