@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU check for kernels/: the compiled Triton kernels against their torch references (bf16/fp16 on CUDA), then the
+# GPU check for kernels/: the compiled Triton kernels against their torch references (bf16/fp16 on CUDA) and the
+# engine's greedy tokens with Triton vs the torch path (tests/kernels/test_engine_greedy_triton.py), then the
 # kernel micro-benchmarks. Fits in 8 minutes: tests <= 200 s, benchmarks <= ~250 s (their own budget + teardown).
 # Report: $OUT/kernels.md when OUT is set, else bench/results/kernels.md. Without CUDA: says so and exits 0.
 set -uo pipefail
