@@ -148,7 +148,7 @@ class LlamaModel:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] -> logits [n, vocab] in float32."""
-        return self.lm_head.forward(hidden).float()
+        return self.lm_head.logits(hidden)
 
     def decode_weight_bytes(self) -> int:
         """Weight bytes one decode step reads whatever its batch: every layer, the final norm and the LM head

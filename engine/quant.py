@@ -14,7 +14,8 @@ bfloat16-representable so that both matmul paths below multiply by exactly the s
   time, in x.dtype, into a `DequantWorkspace` the model's linears share, and `F.linear` each chunk.
 The two paths round differently (bfloat16 activations vs float32), so results depend slightly on how many rows
 a step has: unlike float weights, int8 output is not batch-invariant on CPU. A tied embedding lookup (`embed`)
-and the LM head share one int8 table.
+and the LM head share one int8 table. As the LM head (`logits`), the int8pack path's largest logits are
+recomputed in float32, so that sampling and logprobs see the GEMM path's values where they matter.
 
 `Int4Linear.quantize(weight)` keeps a weight as 4-bit codes in groups of INT4_GROUP_SIZE inputs with a scale and
 an offset per group (asymmetric, the scheme of llama.cpp's Q4_1): w = (q - 8) * scale + zero with q in [0, 15],
@@ -45,6 +46,9 @@ INT8_MAX = 127
 #   M=48: 111 vs 96 / 29.7 vs 25.1;  M=64: 145 vs 109 / 37.9 vs 31.7.
 INT8PACK_MAX_ROWS = 32
 """Largest number of rows of x the CPU int8pack_mm path takes."""
+
+LOGITS_EXACT_TOP_K = 16
+"""Logits per row an int8 LM head recomputes in float32 after int8pack_mm (Int8Linear.logits)."""
 
 DEQUANT_CHUNK_ELEMENTS = 1 << 22
 """Size of the GEMM path's scratch buffer (16 MiB of float32): the most weights dequantized at once. Smaller
@@ -80,6 +84,10 @@ class FloatLinear:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the weight (an embedding table lookup): [T] -> [T, in]."""
         return F.embedding(ids, self.weight)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(x) in float32, as an LM head: [M, in] -> [M, out]."""
+        return self.forward(x).float()
 
     @property
     def nbytes(self) -> int:
@@ -156,16 +164,19 @@ class Int8Linear:
         q = torch.round(w * inv[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
         return cls(q, scale, bias, workspace)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32, rows: slice = slice(None),
+    def dequantize(self, dtype: torch.dtype = torch.float32, rows: slice | torch.Tensor = slice(None),
                    out: torch.Tensor | None = None) -> torch.Tensor:
         """q * scale as a float [out, in] tensor (or its `rows`), written into `out` when given."""
         q = self.qweight[rows]
         w = torch.empty(q.shape, dtype=dtype, device=q.device) if out is None else out
         return w.copy_(q).mul_(self.scale[rows, None].to(dtype))
 
+    def _takes_int8pack(self, x: torch.Tensor) -> bool:
+        return self.use_int8pack and x.shape[0] <= INT8PACK_MAX_ROWS
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, in] -> [M, out] in x.dtype
-        if self.use_int8pack and x.shape[0] <= INT8PACK_MAX_ROWS:
+        if self._takes_int8pack(x):
             xb = x.to(torch.bfloat16).contiguous()
             if xb.data_ptr() % 64:  # aligned loads (see _INT8PACK_K_MULTIPLE); a fresh tensor is aligned
                 xb = xb.clone()
@@ -177,6 +188,24 @@ class Int8Linear:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the dequantized weight (a tied embedding lookup): [T] -> [T, in] float32."""
         return self.qweight.index_select(0, ids).float() * self.scale.index_select(0, ids)[:, None]
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(x) in float32, as an LM head: [M, in] -> [M, out].
+
+        The int8pack path rounds its output to bfloat16, steps of 0.125 at |logit| ~ 20: logprobs would be
+        coarse and near ties exact ones (argmax then takes the lower token id). So the LOGITS_EXACT_TOP_K largest
+        logits of each row are recomputed in float32 from the same int8 weights and float32 x, as the GEMM path
+        computes every logit: greedy picks the true maximum unless more than that many logits crowd within the
+        rounding of the first."""
+        out = self.forward(x).float()
+        if not self._takes_int8pack(x):
+            return out
+        top = out.topk(min(LOGITS_EXACT_TOP_K, out.shape[-1]), dim=-1).indices        # [M, k]
+        rows = self.dequantize(torch.float32, top.flatten()).view(*top.shape, -1)     # [M, k, in]
+        exact = (rows @ x.float()[:, :, None]).squeeze(-1)                             # [M, k]
+        if self.bias is not None:
+            exact += self.bias.float()[top]
+        return out.scatter_(1, top, exact)
 
     @property
     def nbytes(self) -> int:
@@ -252,6 +281,10 @@ class Int4Linear:
             return out if self.bias is None else out.add_(self.bias)
         return self.workspace.linear(x, self.shape[0], self.chunk_rows,
                                      lambda rows, w: self.dequantize(x.dtype, rows, w), self.bias)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(x) in float32, as an LM head: [M, in] -> [M, out]."""
+        return self.forward(x).float()
 
     @property
     def nbytes(self) -> int:

@@ -249,3 +249,29 @@ def test_int4_engine_quantizes_the_layers_and_keeps_an_int8_head():
     hidden = torch.randn(4, 64)
     # The head is int8 as in the int8 engine: logits match float's as closely.
     assert rel_error(model.compute_logits(hidden), float_engine.runner.model.compute_logits(hidden)) < 0.015
+
+
+# --- int8 LM head logits -------------------------------------------------------------------------------------------
+def test_int8_head_recomputes_its_top_logits_in_float32():
+    head = Int8Linear.quantize(random_weight(500, 64), torch.randn(500) * 0.1)
+    x = torch.randn(3, 64) * 4
+    assert head._takes_int8pack(x)
+    exact = F.linear(x, head.dequantize(), head.bias)  # what the GEMM path gives every logit
+    rounded = head.forward(x).float()
+    got = head.logits(x)
+    top = rounded.topk(quant.LOGITS_EXACT_TOP_K, dim=-1).indices  # the ones recomputed
+    torch.testing.assert_close(got.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
+    assert (rounded.gather(1, top) - exact.gather(1, top)).abs().max() > 1e-3  # bfloat16 output, really rounded
+    rest = torch.ones_like(got, dtype=torch.bool).scatter_(1, top, False)
+    assert torch.equal(got[rest], rounded[rest])  # the others stay as int8pack_mm gave them
+    assert torch.equal(got.argmax(dim=-1), exact.argmax(dim=-1))
+
+
+def test_int8_head_breaks_a_bfloat16_tie_by_the_float32_logit():
+    qweight = torch.full((32, 64), 100, dtype=torch.int8)
+    qweight[1, 0] = 101  # row 1's logit exceeds row 0's by 0.8 / 256 = 0.003, under bfloat16's 0.125 at 20
+    qweight[2:] = 0
+    head = Int8Linear(qweight, torch.full((32,), 2.0**-8))
+    x = torch.full((1, 64), 0.8)
+    assert head.forward(x)[0, 0] == head.forward(x)[0, 1]  # tied after rounding: argmax would take row 0
+    assert head.logits(x).argmax().item() == 1
