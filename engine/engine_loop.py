@@ -77,6 +77,12 @@ class RequestStream:
                 self._loop.abort(self.request_id)
 
 
+def use_engine_threads(engine: LLMEngine) -> None:
+    """On the thread that will step `engine`: give torch the engine's num_threads (module docstring)."""
+    if engine.config.num_threads is not None:
+        torch.set_num_threads(engine.config.num_threads)
+
+
 def build_engine(config: EngineConfig, **kwargs) -> LLMEngine:
     """`LLMEngine(config, **kwargs)` built on a short-lived thread (module docstring: CPU threads)."""
     result: dict[str, object] = {}
@@ -165,8 +171,7 @@ class EngineLoop:
         return engine.abort(request_id)
 
     def _run(self) -> None:
-        if self.engine.config.num_threads is not None:
-            torch.set_num_threads(self.engine.config.num_threads)   # per thread (module docstring)
+        use_engine_threads(self.engine)
         progressed = False
         while not self._stop.is_set():
             # Wait for commands when idle, and also when the last step could schedule nothing (e.g. every free

@@ -282,10 +282,6 @@ class Int4Linear:
         return self.workspace.linear(x, self.shape[0], self.chunk_rows,
                                      lambda rows, w: self.dequantize(x.dtype, rows, w), self.bias)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """forward(x) in float32, as an LM head: [M, in] -> [M, out]."""
-        return self.forward(x).float()
-
     @property
     def nbytes(self) -> int:
         """Bytes of codes, bfloat16 scales and offsets (one copy: either path's) and bias one forward reads."""
@@ -293,6 +289,7 @@ class Int4Linear:
 
 
 Linear = FloatLinear | Int8Linear | Int4Linear
+"""An LM head is never Int4Linear (lm_head_quantization): only the other two have `embed` and `logits`."""
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantization: str | None,

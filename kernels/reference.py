@@ -165,19 +165,6 @@ def _rotate_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> N
     x2.copy_(out2)
 
 
-def _adjacent_heads(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
-    """query and key as one [T, Hq + Hkv, D] view when key's heads directly follow query's in memory (a fused
-    qkv projection's output), else None."""
-    t, num_heads, head_dim = query.shape
-    if (key.dtype != query.dtype or key.shape[0] != t or key.shape[2] != head_dim
-            or (t > 1 and key.stride(0) != query.stride(0)) or key.stride()[1:] != query.stride()[1:]
-            or query.stride(2) != 1 or query.stride(1) != head_dim
-            or key.data_ptr() != query.data_ptr() + num_heads * head_dim * query.element_size()
-            or key.untyped_storage().data_ptr() != query.untyped_storage().data_ptr()):
-        return None
-    return query.as_strided((t, num_heads + key.shape[1], head_dim), query.stride())
-
-
 def rotary_embedding_ref(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                          cos_sin_cache: torch.Tensor) -> None:
     """NeoX / HF rotate_half RoPE, in place on query and key. rot_dim = cos_sin_cache.shape[1] (<= head_dim)."""
@@ -186,9 +173,8 @@ def rotary_embedding_ref(positions: torch.Tensor, query: torch.Tensor, key: torc
     cos_sin = cos_sin_cache.index_select(0, positions.long()).float()  # [T, rot_dim]
     cos = cos_sin[:, None, :half]  # [T, 1, rot_dim/2]
     sin = cos_sin[:, None, half:]
-    both = _adjacent_heads(query, key)  # one pass over both (the model's case) instead of two
-    for x in (query, key) if both is None else (both,):
-        _rotate_in_place(x, cos, sin)
+    _rotate_in_place(query, cos, sin)
+    _rotate_in_place(key, cos, sin)
 
 
 # --------------------------------------------------------------------------------------------------- blocks

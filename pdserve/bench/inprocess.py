@@ -61,13 +61,11 @@ class EngineBackend(Backend):
         self._loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
 
     def _run(self) -> None:
-        import torch
-
+        from engine.engine_loop import use_engine_threads
         from engine.sampling_params import SamplingParams
 
         engine = self.engine
-        if engine.config.num_threads is not None:
-            torch.set_num_threads(engine.config.num_threads)  # per thread, as in engine.engine_loop
+        use_engine_threads(engine)
         while True:
             block = not engine.has_unfinished()
             try:

@@ -4,7 +4,7 @@ Systems (each gets the same `threads`; the disaggregated shapes divide them amon
 `pdserve up` does):
     llama-server          llama.cpp's server on the same GGUF, --parallel <streams>, continuous batching
     transformers          AutoModelForCausalLM on the same GGUF (dequantized to float32), static batches
-    pdserve-engine        pdserve's engine in this process (no RPC)
+    pdserve-engine        pdserve's engine in a process of its own (no RPC)
     pdserve-engine-int8   the same with int8 weight-only quantization (EngineConfig.quantization="int8")
     pdserve-engine-int4   the same with int4 weight-only quantization (the GGUF's Q4_1 codes, int8 LM head)
     pdserve-1p1d          LocalCluster: 1 prefill + 1 decode worker + gateway + Redis (gRPC client)

@@ -104,21 +104,16 @@ def test_rotary_embedding_ref_rotate_half(rot_dim):
     assert torch.equal(q[0], q0[0])  # position 0 is the identity
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3])
-def test_rotary_embedding_ref_on_views_of_a_fused_qkv(num_tokens):
-    """q and k adjacent in one qkv row are rotated in one pass: the same result as separate tensors, and v (the
-    columns after k) untouched."""
-    qkv = torch.randn(num_tokens, (4 + 2 + 2) * 8)
-    q = qkv[:, :32].view(num_tokens, 4, 8)
-    k = qkv[:, 32:48].view(num_tokens, 2, 8)
-    assert ref._adjacent_heads(q, k) is not None
-    assert ref._adjacent_heads(q.clone(), k.clone()) is None
-    assert ref._adjacent_heads(qkv[:, :32].view(num_tokens, 4, 8), qkv[:, 40:56].view(num_tokens, 2, 8)) is None
+def test_rotary_embedding_ref_on_strided_views():
+    """q and k as views of one fused qkv row: rotated in place, v (the columns after k) untouched."""
+    qkv = torch.randn(3, (4 + 2 + 2) * 8)
+    q = qkv[:, :32].view(3, 4, 8)
+    k = qkv[:, 32:48].view(3, 2, 8)
     q_copy, k_copy, v_before = q.clone(), k.clone(), qkv[:, 48:].clone()
-    cache, positions = make_cos_sin_cache(10, 8), torch.tensor([1, 2, 3])[:num_tokens]
+    cache, positions = make_cos_sin_cache(10, 8), torch.tensor([1, 2, 3])
     ref.rotary_embedding_ref(positions, q, k, cache)
     ref.rotary_embedding_ref(positions, q_copy, k_copy, cache)
-    assert torch.equal(q, q_copy) and torch.equal(qkv[:, 32:48].view(num_tokens, 2, 8), k_copy)
+    assert torch.equal(q, q_copy) and torch.equal(qkv[:, 32:48].view(3, 2, 8), k_copy)
     assert torch.equal(qkv[:, 48:], v_before)
 
 
