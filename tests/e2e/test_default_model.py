@@ -172,3 +172,24 @@ def test_int8_model_has_its_own_fingerprint(llm, llm_int8):
 
     assert llm_int8.engine.fingerprint == quantized_fingerprint(llm.engine.fingerprint, "int8")
     assert llm_int8.engine.fingerprint != llm.engine.fingerprint
+
+
+def test_int4_keeps_every_q4_1_code_of_the_checkpoint(default_model_path):
+    """Int4Linear.quantize of a Q4_1 tensor's weights (q * d + m per block of 32) gives back the file's codes q."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from engine.quant import Int4Linear
+
+    q4_1 = [t for t in GGUFReader(str(default_model_path)).tensors if t.tensor_type.name == "Q4_1"]
+    assert len(q4_1) == 210  # every layer matrix of SmolLM2-135M's file
+    for tensor in q4_1:
+        blocks = np.asarray(tensor.data).reshape(-1, 20)  # Q4_1 block: fp16 d, fp16 m, 16 bytes of nibbles
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        codes = np.concatenate([blocks[:, 4:] & 15, blocks[:, 4:] >> 4], axis=1)  # elements 0-15, then 16-31
+        rows = tensor.data.shape[0]
+        weight = torch.from_numpy((codes * d + m).reshape(rows, -1))
+        lin = Int4Linear.quantize(weight)
+        ours = torch.stack([lin.nibbles & 15, lin.nibbles >> 4], dim=-1).view(lin.shape)
+        assert torch.equal(ours, torch.from_numpy(codes.reshape(rows, -1))), tensor.name
