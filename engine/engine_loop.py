@@ -6,8 +6,10 @@ The engine is not thread-safe, so only the loop thread touches it. Other threads
   every `StepOutput` of that request until it finishes; closing the stream early aborts the request.
 
 Between steps the loop also runs `on_idle(engine)` hooks at most every `housekeeping_interval_s` (lease
-expiry, publishing KV events to the prefix index, load reports). If a step raises, every open stream gets
-the error and the loop keeps serving (the failed requests are aborted so their blocks are freed).
+expiry, publishing KV events to the prefix index, load reports). A request that fails alone in a step
+(its sampling raised) ends its stream with RequestFailedError while the others go on; if the step itself
+raises (the forward pass), every open stream gets the error and the loop keeps serving (the failed
+requests are aborted so their blocks are freed). After `stop()`, `call` and `open_stream` raise LoopStopped.
 
 CPU threads: torch's OpenMP thread count is per calling thread, so the loop thread sets the engine's
 `num_threads` itself. Build an engine the loop will step with `build_engine`, on a thread that then ends: a
@@ -30,7 +32,9 @@ from typing import TypeVar
 import torch
 
 from engine.config import EngineConfig
+from engine.errors import RequestFailedError
 from engine.llm_engine import LLMEngine, StepOutput
+from engine.sequence import FinishReason
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -112,7 +116,6 @@ class EngineLoop:
         self._submit_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._next_housekeeping = 0.0
-        self.num_step_errors = 0
 
     # --- other threads --------------------------------------------------------------------------------------
     def start(self) -> EngineLoop:
@@ -156,7 +159,7 @@ class EngineLoop:
         `fn` may return a StepOutput that already finishes the request; it goes to the stream."""
         stream = RequestStream(self, request_id)
         future: Future = Future()
-        self._commands.put((fn, future, stream))
+        self._submit((fn, future, stream))
         future.result()
         return stream
 
@@ -214,7 +217,6 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
         except Exception as exc:
-            self.num_step_errors += 1
             log.exception("engine step failed; failing its %d open requests", len(self._streams))
             for request_id, stream in list(self._streams.items()):
                 self.engine.abort(request_id)
@@ -227,6 +229,10 @@ class EngineLoop:
         for out in outputs:
             stream = self._streams.get(out.seq.request_id)
             if stream is None:
+                continue
+            if out.seq.finish_reason is FinishReason.ERROR:
+                stream._put(RequestFailedError(f"request {out.seq.request_id!r} failed: {out.seq.error}"))
+                del self._streams[out.seq.request_id]
                 continue
             stream._put(out)
             if out.finished:

@@ -13,3 +13,8 @@ class InvalidRequestError(ValueError):
 
 class OverloadedError(RuntimeError):
     """The waiting queue is full (maps to gRPC RESOURCE_EXHAUSTED / HTTP 429)."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine (its sampling or bookkeeping raised); the other requests of its
+    batch went on. Not retryable as is: the same request fails the same way (maps to gRPC INTERNAL)."""

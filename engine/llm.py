@@ -19,7 +19,10 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str
+    """"stop", "length", or "error" when this request failed alone (the others of the batch completed)."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None
+    """Why the request failed (finish_reason "error")."""
 
 
 @dataclass
@@ -72,7 +75,7 @@ class LLM:
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=seq.prompt_token_ids,
             outputs=[CompletionOutput(self.tokenizer.decode(seq.output_token_ids), list(seq.output_token_ids),
-                                      seq.finish_reason.value, list(seq.output_logprobs))],
+                                      seq.finish_reason.value, list(seq.output_logprobs), seq.error)],
             num_cached_tokens=seq.num_cached_tokens,
         ) for prompt, seq in zip(prompts, seqs)]
 

@@ -179,24 +179,37 @@ class LLMEngine:
         for chunk in out.chunks:
             if chunk.seq.first_scheduled_s is None:
                 chunk.seq.first_scheduled_s = started
-        sampled, logprobs = self.runner.execute(out)
-        for request_id, lp in logprobs.items():
-            self._requests[request_id].output_logprobs.append(lp)
-        finished = {id(s) for s in self.scheduler.update(out, sampled)}
+        row_results = self.runner.execute(out)
         results = []
         for chunk in out.chunks:
             seq = chunk.seq
-            token_id = sampled.get(seq.request_id)
-            if token_id is None:
+            row = row_results.get(seq.request_id)
+            try:
+                if row is not None and row.error is not None:
+                    raise row.error
+                if row is not None and row.logprob is not None:
+                    seq.output_logprobs.append(row.logprob)
+                done = self.scheduler.update(chunk, row.token_id if row is not None else None)
+            except Exception as exc:  # this request alone fails; the rest of the batch goes on
+                results.append(self._fail(seq, exc))
                 continue
-            done = id(seq) in finished
+            if row is None:
+                continue
             if done:
                 self._requests.pop(seq.request_id, None)
                 if seq.hold_blocks:
                     self._held[seq.request_id] = seq
-            results.append(StepOutput(seq, [token_id], [logprobs[seq.request_id]] if seq.request_id in logprobs
-                                      else [], done))
+            results.append(StepOutput(seq, [row.token_id], [row.logprob] if row.logprob is not None else [], done))
         return results
+
+    def _fail(self, seq: Sequence, exc: Exception) -> StepOutput:
+        log.warning("request %s failed in its step and was dropped: %s: %s", seq.request_id,
+                    type(exc).__name__, exc)
+        seq.error = f"{type(exc).__name__}: {exc}"
+        if not seq.is_finished:
+            self.scheduler.abort(seq.request_id, FinishReason.ERROR)
+        self._requests.pop(seq.request_id, None)
+        return StepOutput(seq, [], [], True)
 
     def stats(self) -> dict[str, int]:
         pool = self.kv.pool

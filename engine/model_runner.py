@@ -13,9 +13,8 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.model import AttentionMetadata, LlamaModel
-from engine.sampler import SamplingRow, sample
+from engine.sampler import RowResult, SamplingRow, sample_rows
 from engine.scheduler import SchedulerOutput
-from engine.sequence import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +63,15 @@ class ModelRunner:
         self.kv_cache = torch.zeros(c.num_layers, 2, self.num_blocks, self.block_size, c.num_kv_heads,
                                     c.head_dim, dtype=self.dtype, device=self.device)
 
-    def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], dict[str, TokenLogprob]]:
-        """Run `out`'s chunks; returns the sampled token (and logprobs when asked) of every sampling chunk."""
+    def execute(self, out: SchedulerOutput) -> dict[str, RowResult]:
+        """Run `out`'s chunks; returns, per sampling chunk's request id, its token (and logprob when asked) or
+        the error that failed that request alone. An error of the forward pass itself raises (whole batch)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         seq_lens: list[int] = []
         query_start_loc = [0]
-        sample_rows: list[int] = []
+        sample_positions: list[int] = []
         sampling: list[SamplingRow] = []
         bs = self.block_size
         for chunk in out.chunks:
@@ -83,8 +83,9 @@ class ModelRunner:
             seq_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + chunk.num_new_tokens)
             if chunk.samples:
-                sample_rows.append(query_start_loc[-1] - 1)
-                sampling.append(SamplingRow(seq.params, seq.seed, seq.prompt_token_ids, seq.output_token_ids))
+                sample_positions.append(query_start_loc[-1] - 1)
+                sampling.append(SamplingRow(seq.params, seq.seed, seq.prompt_token_ids, seq.output_token_ids,
+                                            seq.request_id))
         max_blocks = max(len(c.seq.block_ids) for c in out.chunks)
         block_tables = [c.seq.block_ids + [0] * (max_blocks - len(c.seq.block_ids)) for c in out.chunks]
 
@@ -97,11 +98,7 @@ class ModelRunner:
         )
         hidden = self.model.forward(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                                     torch.tensor(positions, dtype=torch.int64, device=dev), self.kv_cache, meta)
-        if not sample_rows:
-            return {}, {}
-        logits = self.model.compute_logits(hidden[sample_rows]).cpu()
-        token_ids, logprobs = sample(logits, sampling)
-        sampled_chunks = [c for c in out.chunks if c.samples]
-        sampled = {c.seq.request_id: t for c, t in zip(sampled_chunks, token_ids)}
-        sampled_logprobs = {c.seq.request_id: lp for c, lp in zip(sampled_chunks, logprobs) if lp is not None}
-        return sampled, sampled_logprobs
+        if not sample_positions:
+            return {}
+        logits = self.model.compute_logits(hidden[sample_positions]).cpu()  # [num_sampling, vocab], inference tensor
+        return {row.request_id: result for row, result in zip(sampling, sample_rows(logits, sampling))}

@@ -11,6 +11,9 @@ Order of operations for each row (the vLLM / OpenAI conventions):
 Randomness is per token, not per batch: the noise for output token i of a request comes from a generator
 seeded with mix(seed, i). A request therefore gets the same tokens whatever else is in the batch, after a
 preemption, and when its first token was sampled on a prefill worker and the rest on a decode worker.
+
+Logits arrive as the model made them, under torch.inference_mode: nothing here writes into its input.
+`sample_rows` confines an exception to the row that raised it (engine.faults injects one in tests).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.faults import SAMPLING_FAULTS
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprob
 
@@ -41,12 +45,40 @@ class SamplingRow:
     seed: int
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    request_id: str = ""
+
+
+@dataclass
+class RowResult:
+    """One row's outcome: a token (and logprob when asked), or the error that failed this row alone."""
+
+    token_id: int | None
+    logprob: TokenLogprob | None = None
+    error: BaseException | None = None
+
+
+def sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> list[RowResult]:
+    """`sample`, with failures confined to their row: when the batch raises, each row is sampled alone, so a
+    row that fails gets its error and the others their tokens (the same ones: randomness is per row)."""
+    try:
+        ids, logprobs = sample(logits, rows)
+        return [RowResult(t, lp) for t, lp in zip(ids, logprobs)]
+    except Exception:
+        results = []
+        for i, r in enumerate(rows):
+            try:
+                ids, logprobs = sample(logits[i:i + 1], [r])
+                results.append(RowResult(ids[0], logprobs[0]))
+            except Exception as exc:
+                results.append(RowResult(None, None, exc))
+        return results
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: [num_rows, vocab] (any float dtype). Returns one token id and optional logprobs per row."""
-    logits = logits.float()
-    _apply_penalties(logits, rows)
+    for r in rows:
+        SAMPLING_FAULTS.check(r.request_id)
+    logits = _apply_penalties(logits.float(), rows)
 
     logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
@@ -57,7 +89,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
         probs = _truncated_probs(logits[random_rows], [rows[i].params for i in random_rows])
         for j, i in enumerate(random_rows):
             g = torch.Generator().manual_seed(token_seed(rows[i].seed, len(rows[i].output_token_ids)))
-            noise = torch.empty_like(probs[j]).exponential_(generator=g)
+            # CPU generator whatever the device: the same seed gives the same token on CPU and CUDA
+            noise = torch.empty(probs.shape[-1], dtype=probs.dtype).exponential_(generator=g).to(probs.device)
             token_ids[i] = torch.argmax(probs[j] / noise)
 
     ids = token_ids.tolist()
@@ -72,35 +105,65 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     return ids, out_logprobs
 
 
-def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    for i, r in enumerate(rows):
-        p = r.params
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)), dtype=torch.long)
-            values = logits[i, seen]
-            logits[i, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-        if (p.frequency_penalty or p.presence_penalty) and r.output_token_ids:
-            out = torch.tensor(r.output_token_ids, dtype=torch.long)
-            counts = torch.zeros(logits.shape[-1], dtype=logits.dtype).index_add_(
-                0, out, torch.ones(len(out), dtype=logits.dtype))
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """logits: [num_rows, vocab] -> a new penalized tensor; `logits` itself is never written.
+
+    Out of place on purpose: the model makes logits under torch.inference_mode, and an in-place write into an
+    inference tensor outside that mode raises. Batched: one scatter per penalty kind for all rows.
+    """
+    num_rows, vocab = logits.shape
+    dev, dtype = logits.device, logits.dtype
+    rep_rows = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if rep_rows:
+        row_idx, tok_idx = [], []
+        for j, i in enumerate(rep_rows):
+            seen = set(rows[i].prompt_token_ids) | set(rows[i].output_token_ids)
+            row_idx.extend([j] * len(seen))
+            tok_idx.extend(seen)
+        seen_mask = torch.zeros(len(rep_rows), vocab, dtype=torch.bool, device=dev)
+        seen_mask[torch.tensor(row_idx, dtype=torch.long, device=dev),
+                  torch.tensor(tok_idx, dtype=torch.long, device=dev)] = True
+        penalty = torch.tensor([rows[i].params.repetition_penalty for i in rep_rows], dtype=dtype,
+                               device=dev).unsqueeze(1)                        # [n_rep, 1]
+        rep_ids = torch.tensor(rep_rows, dtype=torch.long, device=dev)
+        values = logits.index_select(0, rep_ids)                               # [n_rep, vocab]
+        penalized = torch.where(values > 0, values / penalty, values * penalty)
+        logits = logits.index_copy(0, rep_ids, torch.where(seen_mask, penalized, values))
+    count_rows = [i for i, r in enumerate(rows)
+                  if (r.params.frequency_penalty or r.params.presence_penalty) and r.output_token_ids]
+    if count_rows:
+        row_idx = [j for j, i in enumerate(count_rows) for _ in rows[i].output_token_ids]
+        tok_idx = [t for i in count_rows for t in rows[i].output_token_ids]
+        counts = torch.zeros(len(count_rows), vocab, dtype=dtype, device=dev)  # [n_count, vocab]
+        counts.index_put_((torch.tensor(row_idx, dtype=torch.long, device=dev),
+                           torch.tensor(tok_idx, dtype=torch.long, device=dev)),
+                          torch.ones(len(tok_idx), dtype=dtype, device=dev), accumulate=True)
+        freq = torch.tensor([rows[i].params.frequency_penalty for i in count_rows], dtype=dtype,
+                            device=dev).unsqueeze(1)
+        presence = torch.tensor([rows[i].params.presence_penalty for i in count_rows], dtype=dtype,
+                                device=dev).unsqueeze(1)
+        count_ids = torch.tensor(count_rows, dtype=torch.long, device=dev)
+        delta = freq * counts + presence * (counts > 0).to(dtype)
+        logits = logits.index_copy(0, count_ids, logits.index_select(0, count_ids) - delta)
+    return logits
 
 
 def _truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """logits: [n, vocab] -> probabilities after temperature, top-k, min-p and top-p, rows renormalized."""
-    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+    dev = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev).unsqueeze(1)
     logits = logits / temperature
     vocab = logits.shape[-1]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     if min(top_k) < vocab:
         sorted_logits = torch.sort(logits, dim=-1, descending=True).values
-        kth = sorted_logits.gather(1, torch.tensor(top_k).unsqueeze(1) - 1)
+        kth = sorted_logits.gather(1, torch.tensor(top_k, device=dev).unsqueeze(1) - 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype).unsqueeze(1)
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=dev).unsqueeze(1)
     if bool((min_p > 0).any()):
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
-    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype).unsqueeze(1)
+    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=dev).unsqueeze(1)
     if bool((top_p < 1).any()):
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)

@@ -71,13 +71,14 @@ class Scheduler:
         self._num_arrivals += 1
         self.waiting.append(seq)
 
-    def abort(self, request_id: str) -> Sequence | None:
-        """Finish `request_id` with reason ABORT and free its blocks; None when it is not here."""
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Sequence | None:
+        """Finish `request_id` with `reason` (ABORT or ERROR) and free its blocks; None when it is not here."""
+        assert reason in (FinishReason.ABORT, FinishReason.ERROR)
         for queue in (self.running, self.waiting):
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
-                    self.finish(seq, FinishReason.ABORT)
+                    self.finish(seq, reason)
                     return seq
         return None
 
@@ -134,24 +135,20 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
-        """Advance the scheduled sequences by the step's results; returns the sequences that finished.
-
-        `sampled` maps request_id -> new token id for every chunk that `samples`.
-        """
-        finished = []
-        for chunk in out.chunks:
-            seq = chunk.seq
-            seq.num_computed_tokens += chunk.num_new_tokens
-            if chunk.samples:
-                seq.output_token_ids.append(sampled[seq.request_id])
-            self.kv.cache_full_blocks(seq)
-            reason = self.stop_reason(seq) if chunk.samples else None
-            if reason is not None:
-                self.running.remove(seq)
-                self.finish(seq, reason)
-                finished.append(seq)
-        return finished
+    def update(self, chunk: ScheduledChunk, token_id: int | None) -> bool:
+        """Advance one scheduled chunk by its step's result (`token_id` when the chunk `samples`); returns
+        whether its sequence finished."""
+        seq = chunk.seq
+        seq.num_computed_tokens += chunk.num_new_tokens
+        if chunk.samples:
+            seq.output_token_ids.append(token_id)
+        self.kv.cache_full_blocks(seq)
+        reason = self.stop_reason(seq) if chunk.samples else None
+        if reason is None:
+            return False
+        self.running.remove(seq)
+        self.finish(seq, reason)
+        return True
 
     # --- helpers ----------------------------------------------------------------------------------------------
     def stop_reason(self, seq: Sequence) -> FinishReason | None:
@@ -173,7 +170,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        if reason is FinishReason.ABORT or not seq.hold_blocks:
+        if reason in (FinishReason.ABORT, FinishReason.ERROR) or not seq.hold_blocks:
             self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -25,6 +25,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"          # an end-of-sequence or stop token
     LENGTH = "length"      # max_tokens or the context length reached
     ABORT = "abort"        # cancelled by the caller
+    ERROR = "error"        # failed inside the engine (e.g. its sampling raised); the batch went on
 
 
 @dataclass
@@ -65,6 +66,8 @@ class Sequence:
     releases them with LLMEngine.release. An aborted sequence always frees its blocks."""
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
+    error: str | None = None
+    """Why the request failed (finish_reason ERROR), for the caller's status message."""
 
     @property
     def token_ids(self) -> list[int]:

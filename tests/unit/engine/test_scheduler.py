@@ -30,7 +30,7 @@ def fake_next_token(s: Sequence) -> int:
 def step(sched: Scheduler):
     out = sched.schedule()
     sampled = {c.seq.request_id: fake_next_token(c.seq) for c in out.chunks if c.samples}
-    return out, sched.update(out, sampled)
+    return out, [c.seq for c in out.chunks if sched.update(c, sampled.get(c.seq.request_id))]
 
 
 def run_all(sched: Scheduler, max_steps=1000):
