@@ -19,7 +19,7 @@ Pure Python: no torch, no I/O.
 from __future__ import annotations
 
 from kvstore.block_pool import BlockPool
-from kvstore.hashing import hash_block
+from kvstore.hashing import extend_block_hashes
 
 from engine.sequence import Sequence
 
@@ -34,15 +34,8 @@ class KVCacheManager:
     # --- hashing ----------------------------------------------------------------------------------------------
     def update_block_hashes(self, seq: Sequence) -> None:
         """Extend `seq.block_hashes` to every full block of its current tokens."""
-        num_full = seq.num_tokens // self.block_size
-        if len(seq.block_hashes) >= num_full:
-            return
-        token_ids = seq.token_ids
-        parent = seq.block_hashes[-1] if seq.block_hashes else self.root_hash
-        for i in range(len(seq.block_hashes), num_full):
-            extra = (seq.cache_salt,) if i == 0 and seq.cache_salt else ()
-            parent = hash_block(parent, token_ids[i * self.block_size:(i + 1) * self.block_size], extra)
-            seq.block_hashes.append(parent)
+        if seq.num_tokens // self.block_size > len(seq.block_hashes):
+            extend_block_hashes(seq.block_hashes, seq.token_ids, self.block_size, self.root_hash, seq.cache_salt)
 
     # --- prefix cache lookup ----------------------------------------------------------------------------------
     def get_computed_blocks(self, seq: Sequence) -> list[int]:

@@ -17,7 +17,9 @@ Canonical encodings (all integers little-endian):
 
 Length prefixes make the encoding unambiguous (no two inputs share bytes). ``cache_salt`` (per-tenant
 isolation) enters as the extra key ``"salt:" + cache_salt`` of the FIRST block only: chaining carries
-it into every later hash. ``None`` and ``""`` both mean "no salt". Changing any of this is a protocol
+it into every later hash. ``None`` and ``""`` both mean "no salt". Gateway and workers both hash through
+``extend_block_hashes`` (``hash_prompt_blocks`` is its from-scratch form), so the salt is encoded in one
+place, ``first_block_extras``. Changing any of this is a protocol
 change: bump the ``v1`` tag and the pinned vectors in tests/unit/kvstore/test_hashing.py.
 """
 from __future__ import annotations
@@ -69,27 +71,43 @@ def hash_block(parent_hash: int, token_ids: Sequence[int], extra_keys: tuple[str
                      + _u32_le_bytes(token_ids) + extras)
 
 
-def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, root: int,
-                       cache_salt: str | None = None) -> list[int]:
-    """Chained hashes of the FULL blocks of ``token_ids`` (a trailing partial block is not hashed).
+def first_block_extras(cache_salt: str | None) -> tuple[str, ...]:
+    """Extra keys of block 0: ``("salt:" + cache_salt,)``, or none when there is no salt."""
+    return (f"salt:{cache_salt}",) if cache_salt else ()
 
-    Equal to folding ``hash_block`` block by block; packs all token ids once instead of per block.
+
+def extend_block_hashes(block_hashes: list[int], token_ids: Sequence[int], block_size: int, root: int,
+                        cache_salt: str | None = None) -> list[int]:
+    """Append to ``block_hashes`` (the chained hashes of the first blocks of ``token_ids``) the hashes of
+    every further FULL block of ``token_ids``; returns the appended hashes. The one implementation of the
+    chain: the gateway hashes a prompt from ``[]``, a worker extends its sequence's list as tokens arrive.
+
+    Equal to folding ``hash_block`` block by block; packs the new token ids once instead of per block.
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
+    start = len(block_hashes)
     num_full = len(token_ids) // block_size
-    packed = _u32_le_bytes(token_ids[: num_full * block_size])
+    if num_full <= start:
+        return []
+    packed = _u32_le_bytes(token_ids[start * block_size: num_full * block_size])
     stride = 4 * block_size
     header = _U32.pack(block_size)
-    first_extras = _encode_extras((f"salt:{cache_salt}",)) if cache_salt else _NO_EXTRAS
-    hashes: list[int] = []
-    parent = root
-    for i in range(num_full):
-        extras = first_extras if i == 0 else _NO_EXTRAS
-        parent = _xxh3_128(parent.to_bytes(16, "little") + header
-                           + packed[i * stride:(i + 1) * stride] + extras)
-        hashes.append(parent)
-    return hashes
+    parent = block_hashes[-1] if block_hashes else root
+    new: list[int] = []
+    for i in range(start, num_full):
+        extras = _encode_extras(first_block_extras(cache_salt)) if i == 0 and cache_salt else _NO_EXTRAS
+        j = i - start
+        parent = _xxh3_128(parent.to_bytes(16, "little") + header + packed[j * stride:(j + 1) * stride] + extras)
+        new.append(parent)
+    block_hashes.extend(new)
+    return new
+
+
+def hash_prompt_blocks(token_ids: Sequence[int], block_size: int, root: int,
+                       cache_salt: str | None = None) -> list[int]:
+    """Chained hashes of the FULL blocks of ``token_ids`` (a trailing partial block is not hashed)."""
+    return extend_block_hashes([], token_ids, block_size, root, cache_salt)
 
 
 def block_hash_hex(h: int) -> str:

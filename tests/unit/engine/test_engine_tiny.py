@@ -132,3 +132,21 @@ def test_first_scheduled_time_marks_the_end_of_queueing():
     while engine.has_unfinished():
         engine.step()
     assert second.first_scheduled_s > first.first_scheduled_s
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_worker_block_hashes_equal_the_gateways(salt):
+    """The gateway routes by kvstore.hashing.hash_prompt_blocks; the blocks a worker caches (and publishes to
+    the prefix index) must carry exactly those hashes, salted or not."""
+    from kvstore.hashing import hash_prompt_blocks, root_hash
+    engine = tiny_engine()
+    prompt = list(range(5, 23))                        # 18 tokens: 4 full blocks of 4
+    seq = engine.add_request("h", prompt, SamplingParams(max_tokens=1, temperature=0.0), cache_salt=salt)
+    while engine.has_unfinished():
+        engine.step()
+    gateway = hash_prompt_blocks(prompt, engine.config.block_size, root_hash(engine.fingerprint), salt)
+    assert len(gateway) == 4 and seq.block_hashes[:4] == gateway
+    assert set(engine.kv.pool.get_cached_hashes()) >= set(gateway)
+    other = hash_prompt_blocks(prompt, engine.config.block_size, root_hash(engine.fingerprint),
+                               None if salt else "tenant-a")
+    assert set(engine.kv.pool.get_cached_hashes()).isdisjoint(other)

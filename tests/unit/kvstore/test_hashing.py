@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from kvstore.hashing import block_hash_hex, hash_block, hash_prompt_blocks, root_hash
+from kvstore.hashing import (block_hash_hex, extend_block_hashes, first_block_extras, hash_block, hash_prompt_blocks,
+                             root_hash)
 
 FINGERPRINT = "SmolLM2-135M-Instruct/q4_1"
 ROOT = 0x969B6DFD71549281FF7AE53C3B73E3FC
@@ -29,7 +30,8 @@ PROMPT_40 = ["48545e7a6e7baef1fc28c94cce7b34ba", "c9f8a203ca3f209be9000934036b2c
 PROMPT_40_SALTED = ["640d3a2a2ed5c6e9ed54695478dd3e0f", "4368b4004036ee13c1d145b26a3d9910"]
 
 _COMPUTE_VECTORS = """
-from kvstore.hashing import block_hash_hex, hash_block, hash_prompt_blocks, root_hash
+from kvstore.hashing import (block_hash_hex, extend_block_hashes, first_block_extras, hash_block, hash_prompt_blocks,
+                             root_hash)
 r = root_hash("SmolLM2-135M-Instruct/q4_1")
 out = {
     "root": r,
@@ -112,3 +114,14 @@ def test_invalid_inputs():
         hash_block(ROOT, [2**32])
     with pytest.raises(OverflowError):
         hash_block(2**128, [1])
+
+
+def test_extend_block_hashes_is_incremental_and_equals_the_prompt_hash():
+    tokens = list(range(1000, 1070))
+    for salt in (None, "tenant-a"):
+        hashes: list[int] = []
+        for n in (0, 3, 16, 17, 40, 40, 70):          # tokens arrive in uneven steps, some with no new block
+            extend_block_hashes(hashes, tokens[:n], 16, ROOT, salt)
+        assert hashes == hash_prompt_blocks(tokens, 16, ROOT, salt)
+    assert extend_block_hashes([], tokens, 16, ROOT, "tenant-a")[0] == hash_block(
+        ROOT, tokens[:16], first_block_extras("tenant-a"))
