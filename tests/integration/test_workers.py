@@ -171,3 +171,65 @@ def test_bad_request_is_invalid_argument_and_reserves_nothing(pair):
         dstub.Reserve(worker_pb2.ReserveRequest(request=worker_request("x", prompt=[]), lease_ms=1000))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in e.value.details()
     assert wait_idle(dstub).used_blocks == 0
+
+
+PENALIZED = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, repetition_penalty=1.4),
+             SamplingParams(max_tokens=10, temperature=0.8, seed=5, ignore_eos=True, frequency_penalty=1.1),
+             SamplingParams(max_tokens=10, temperature=0.7, seed=5, ignore_eos=True, presence_penalty=1.5,
+                            repetition_penalty=1.1)]
+
+
+def test_penalties_over_grpc_give_the_single_engine_tokens(pair):
+    """Every penalty, prefilled on P and decoded on D (in one decode batch), equals one engine's output."""
+    _, _, pstub, dstub = pair
+    prompts = [PROMPT, PROMPT[5:] + [3, 3, 3], [9, 9, 8, 8, 7] + PROMPT[:12]]
+    results = {}
+
+    def one(i):
+        results[i] = disaggregated(pstub, dstub, f"pen{i}", prompts[i], PENALIZED[i])[0]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [results.get(i) for i in range(3)] == [run(tiny_engine(), [p], [params])[0]
+                                                  for p, params in zip(prompts, PENALIZED)]
+    assert wait_idle(dstub).used_blocks == 0 and wait_idle(pstub).used_blocks == 0
+
+
+def test_a_request_whose_sampling_raises_fails_alone_on_the_decode_worker(pair):
+    """Three requests decode in one batch; the sampling of one raises (engine.faults): that stream ends with
+    INTERNAL naming the fault, the others finish with their single-engine tokens, and no block leaks."""
+    from engine.faults import SAMPLING_FAULTS
+    _, _, pstub, dstub = pair
+    prompts = [PROMPT, PROMPT[3:], PROMPT[7:]]
+    starts = []
+    for i, prompt in enumerate(prompts):          # prefill all three first: the fault is armed for decode only
+        rid = f"f{i}"
+        res = dstub.Reserve(worker_pb2.ReserveRequest(request=worker_request(rid, prompt, PENALIZED[i]),
+                                                      lease_ms=30_000))
+        pre = pstub.Prefill(worker_pb2.PrefillRequest(request=worker_request(rid, prompt, PENALIZED[i]),
+                                                      target=res.target))
+        starts.append((rid, res.target.handle, pre.first_token_id))
+    results, errors = {}, {}
+
+    def decode(rid, handle, first):
+        tokens = [first]
+        try:
+            for msg in dstub.Decode(worker_pb2.DecodeRequest(request_id=rid, handle=handle, first_token_id=first)):
+                tokens.extend(msg.token_ids)
+            results[rid] = tokens
+        except grpc.RpcError as exc:
+            errors[rid] = exc
+
+    with SAMPLING_FAULTS.armed("f1"):
+        threads = [threading.Thread(target=decode, args=s) for s in starts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert set(errors) == {"f1"} and errors["f1"].code() == grpc.StatusCode.INTERNAL
+    assert "injected sampling fault" in errors["f1"].details()
+    assert [results["f0"], results["f2"]] == [run(tiny_engine(), [prompts[i]], [PENALIZED[i]])[0] for i in (0, 2)]
+    assert wait_idle(dstub).used_blocks == 0 and wait_idle(pstub).used_blocks == 0
