@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from engine.config import ModelConfig, RopeScaling
-from engine.loader import LoadedModel, ModelLoadError, check_weights
+from engine.loaded_model import LoadedModel, ModelLoadError, check_weights
 from engine.tokenizer import Tokenizer
 
 SUPPORTED_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,

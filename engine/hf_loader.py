@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig, RopeScaling
-from engine.loader import LoadedModel, ModelLoadError, check_weights
+from engine.loaded_model import LoadedModel, ModelLoadError, check_weights
 from engine.tokenizer import Tokenizer
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
