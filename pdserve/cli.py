@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from pdserve import cli_args
+from pdserve.bench import cli as bench_cli
 from pdserve.cli_args import UsageError
 
 if TYPE_CHECKING:
@@ -207,9 +208,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pdserve.bench.cli import run
-
-    return run(args)
+    return bench_cli.run(args)
 
 
 def cmd_fetch_model(args: argparse.Namespace) -> int:
@@ -228,8 +227,13 @@ def _err(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Every `pdserve` subcommand's flags, `bench` included."""
+    return cli_args.parse_args(argv, description=__doc__, extra_commands=(bench_cli.add_parser,))
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = cli_args.parse_args(argv, description=__doc__)
+    args = parse_args(argv)
     verbose = args.verbose or args.command in _SERVER_COMMANDS
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

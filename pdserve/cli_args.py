@@ -13,12 +13,13 @@ import dataclasses
 import os
 import re
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from engine.config import DTYPES, QUANTIZATIONS, EngineConfig
 from gateway.config import GatewayConfig
 from decode_worker.config import DecodeWorkerConfig
+from pdserve.cluster_config import LocalClusterConfig
 from prefill_worker.config import CODECS, TRANSPORTS, PrefillWorkerConfig
 
 C = TypeVar("C")
@@ -208,10 +209,8 @@ def worker_config(cls: type[C], role: str, args: argparse.Namespace) -> C:
     return build_config(cls, args, worker_id=worker_id)
 
 
-def cluster_config(args: argparse.Namespace) -> Any:
+def cluster_config(args: argparse.Namespace) -> LocalClusterConfig:
     """`pdserve up`'s LocalClusterConfig; gateway tuning flags are checked here, then passed through."""
-    from pdserve.launcher import LocalClusterConfig
-
     engine = engine_config(args)
     tuning = {name: getattr(args, name) for name in GATEWAY_TUNING if getattr(args, name) is not None}
     build_config(GatewayConfig, argparse.Namespace(), model=engine.model, redis_url="redis://", **tuning)
@@ -224,7 +223,13 @@ def cluster_config(args: argparse.Namespace) -> Any:
 
 
 # -------------------------------------------------------------------------------------------- parser
-def build_parser(description: str = "") -> argparse.ArgumentParser:
+AddCommand = Callable[[Any], Any]
+"""Adds one subcommand to the parser's subparsers (e.g. pdserve.bench.cli.add_parser)."""
+
+
+def build_parser(description: str = "", extra_commands: Sequence[AddCommand] = ()) -> argparse.ArgumentParser:
+    """The `pdserve` parser; `extra_commands` add subcommands defined outside this module (`pdserve.cli` passes
+    `bench`'s, so that this module, which the launcher uses, imports nothing that imports the launcher)."""
     parser = argparse.ArgumentParser(prog="pdserve", description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level (servers always do)")
@@ -232,14 +237,12 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
 
     sub.add_parser("fetch-model", help="download and verify the default model")
 
-    from pdserve.bench.cli import add_parser as add_bench_parser
-
-    add_bench_parser(sub)
+    for add_command in extra_commands:
+        add_command(sub)
 
     up = sub.add_parser("up", help="run the whole cluster locally (Redis, workers, gateway)")
     g = up.add_argument_group("cluster")
-    from pdserve.launcher import LocalClusterConfig as L
-
+    L = LocalClusterConfig
     _arg(g, L, "num_prefill", "prefill worker processes", type=int)
     _arg(g, L, "num_decode", "decode worker processes", type=int)
     _arg(g, L, "host", "address the gateway binds")
@@ -256,6 +259,8 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     _arg(g, L, "num_cpus", "CPUs divided among the workers when --threads is not given (default: all)", type=int)
     _arg(g, L, "start_timeout_s", "seconds the whole start may take", type=float)
     _arg(g, L, "stop_timeout_s", "seconds each stop stage waits before SIGKILL", type=float)
+    _arg(g, L, "restart_workers", "restart a worker process that exits (same id, port and flags, with a backoff); "
+         "without it a dead worker is reported and the cluster serves on the others", action="store_true")
     _add_gateway_tuning(up.add_argument_group("gateway"), defaults=False)
     add_engine_args(up)
     once = up.add_argument_group("once")
@@ -308,5 +313,6 @@ def build_parser(description: str = "") -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: Sequence[str] | None, description: str = "") -> argparse.Namespace:
-    return build_parser(description).parse_args(argv)
+def parse_args(argv: Sequence[str] | None, description: str = "",
+               extra_commands: Sequence[AddCommand] = ()) -> argparse.Namespace:
+    return build_parser(description, extra_commands).parse_args(argv)

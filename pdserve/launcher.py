@@ -4,17 +4,26 @@
         print(Client(cluster.gateway_target).complete_chat([{"role": "user", "content": "Hi"}]).text)
 
 Start order: a real redis-server (EmbeddedRedis, unless `redis_url` names one), then every worker at once
-(`python -m pdserve.cli prefill-worker|decode-worker ...`, each with its own log file under the run directory,
-a port picked up front and its share of the CPU threads), then, once every worker answers grpc.health.v1
-SERVING, the gateway (gRPC on `port`: `gateway_target`; OpenAI-compatible HTTP on `http_port`: `http_url`). A process
-that exits while starting, or a start that outlasts `start_timeout_s`, raises
-ClusterError with the tail of the culprit's log, after stopping everything already started.
+(`pdserve prefill-worker|decode-worker ...`, each with its own log file under the run directory, a port picked up
+front and its share of the CPU threads), then, once every worker answers grpc.health.v1 SERVING, the gateway (gRPC
+on `port`: `gateway_target`; OpenAI-compatible HTTP on `http_port`: `http_url`). A process that exits while
+starting, or a start that outlasts `start_timeout_s`, raises ClusterError with the tail of the culprit's log, after
+stopping everything already started. Children run `python -P -m pdserve.cli` (3.10: the same without the script
+directory on sys.path), so a `pdserve/` folder in the working directory never shadows the installed package.
 
-Stop order is the reverse: the gateway first (it stops admitting and drains), then the workers, each SIGTERM
+While it runs, a supervisor thread keeps the cluster up: a dead embedded redis-server is restarted on the same
+port (workers re-register and re-publish their cached blocks on reconnect; routing is load-only meanwhile); a dead
+worker is reported (logged with its log's tail, and in `exits`) and, with `restart_workers`, started again with
+the same id, port and flags. `wait()` returns when the cluster can no longer serve: the gateway exited, or no
+decode worker is left and none will be restarted.
+
+Stop order is the reverse: the supervisor, the gateway (it stops admitting and drains), the workers, each SIGTERM
 then SIGKILL after `stop_timeout_s`, then Redis. A second Ctrl-C while stopping skips to SIGKILL. No process
-outlives the cluster: stop() runs on leaving the `with` block (exceptions and Ctrl-C included), at interpreter
-exit, and when start() fails halfway; and every server child holds the read end of a pipe whose only writer is
-this process, so if this process dies without cleaning up (SIGKILL) they see EOF and stop themselves.
+outlives the cluster, and nothing it made stays on disk: stop() runs on leaving the `with` block (exceptions and
+Ctrl-C included), at interpreter exit, and when start() fails halfway; and every child holds the read end of a
+pipe whose only writer is this process, so if this process dies without cleaning up (SIGKILL) the servers see EOF
+and stop themselves, and a reaper process kills redis-server and removes its data directory (and the run
+directory, when it is a temporary one).
 """
 
 from __future__ import annotations
@@ -30,94 +39,65 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from engine.config import EngineConfig
+import redis
+
+from engine.model_fetch import fetch_default_model
+from kvstore.embedded_redis import EmbeddedRedis
 from pdserve import health
 from pdserve.cli_args import engine_flags
-from prefill_worker.config import CODECS, TRANSPORTS
+from pdserve.cluster_config import LocalClusterConfig
+
+__all__ = ["ClusterError", "LocalCluster", "LocalClusterConfig", "child_command", "connect_host", "divide_threads",
+           "gateway_argv", "worker_argv"]
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.25
 _LOG_TAIL_LINES = 40
-# Kills the embedded redis-server's process group once the launcher's end of the pipe closes without a clean
-# stop (a clean stop kills this reaper first). redis-server cannot watch the pipe itself.
-_REDIS_REAPER = """
-import os, signal, sys
-fd, pgid = int(sys.argv[1]), int(sys.argv[2])
+_RESTART_BACKOFF_S = 0.5
+"""First delay before restarting a dead worker; it doubles (up to _RESTART_BACKOFF_MAX_S) while the worker keeps
+dying within _RESTART_STABLE_S of its start."""
+_RESTART_BACKOFF_MAX_S = 30.0
+_RESTART_STABLE_S = 60.0
+# Runs in a session of its own, holding the read end of the launcher's pipe. On EOF without a clean stop (a clean
+# stop kills this reaper first) it kills the embedded redis-server's process group (redis-server cannot watch the
+# pipe itself) and removes the directories the launcher would have removed. `-I`: nothing from the working
+# directory or the environment can shadow the few stdlib modules it imports.
+_REAPER = """
+import os, shutil, signal, sys
+fd, pgid, dirs = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
 while os.read(fd, 1):
     pass
-try:
-    os.killpg(pgid, signal.SIGKILL)
-except ProcessLookupError:
-    pass
+if pgid > 0:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+for path in dirs:
+    shutil.rmtree(path, ignore_errors=True)
 """
+# Python 3.10 has no -P: drop the script directory ('' for -c, i.e. the working directory) before the import.
+_SAFE_PATH_BOOTSTRAP = ("import runpy, sys\n"
+                        "if sys.path and sys.path[0] in ('', '.'):\n"
+                        "    del sys.path[0]\n"
+                        "runpy.run_module('pdserve.cli', run_name='__main__', alter_sys=True)\n")
 
 
 class ClusterError(RuntimeError):
     """The local cluster could not start (the message names the process and ends with its log's tail)."""
 
 
-@dataclass(frozen=True)
-class LocalClusterConfig:
-    """What `pdserve up` starts."""
-
-    num_prefill: int = 1
-    """Prefill worker processes (0: every prompt is prefilled on its decode worker)."""
-    num_decode: int = 1
-    """Decode worker processes."""
-    host: str = "127.0.0.1"
-    """Address the gateway binds (workers and Redis always bind 127.0.0.1)."""
-    port: int = 50051
-    """Port of the gateway's public gRPC API (0 picks a free one)."""
-    http_port: int = 8000
-    """Port of the gateway's OpenAI-compatible HTTP API (0 picks a free one, -1 turns it off)."""
-    engine: EngineConfig = field(default_factory=lambda: EngineConfig(model="default"))
-    """Engine of every worker. When its num_threads is None, the CPUs are divided among the workers."""
-    prefill_kv_cache_memory: int | None = None
-    """KV-cache bytes of each prefill worker; None takes engine.kv_cache_memory. A prefill worker holds only the
-    prompts it is computing plus the prefixes it keeps for reuse; a decode worker holds every running sequence."""
-    transport: str = "auto"
-    """KV transport of the prefill workers (see PrefillWorkerConfig.transport)."""
-    codec: str = "raw"
-    """KV wire codec of the prefill workers (see PrefillWorkerConfig.codec)."""
-    gateway_args: tuple[str, ...] = ()
-    """Extra `pdserve gateway` flags, e.g. ("--local-prefill-threshold", "0")."""
-    redis_url: str | None = None
-    """Use this Redis instead of starting an embedded redis-server."""
-    run_dir: str | None = None
-    """Directory for the processes' logs (kept); None uses a temporary one, removed after a clean stop."""
-    num_cpus: int | None = None
-    """CPUs to divide among the workers; None counts those this process may run on."""
-    start_timeout_s: float = 600.0
-    """Bound on the whole start (loading the model included)."""
-    stop_timeout_s: float = 20.0
-    """How long each stage of the stop waits after SIGTERM before SIGKILL."""
-
-    def __post_init__(self) -> None:
-        if self.num_prefill < 0:
-            raise ValueError(f"LocalClusterConfig.num_prefill must be >= 0, got {self.num_prefill}")
-        if self.num_decode < 1:
-            raise ValueError(f"LocalClusterConfig.num_decode must be >= 1, got {self.num_decode}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"LocalClusterConfig.port must be in [0, 65535], got {self.port}")
-        if not -1 <= self.http_port < 65536:
-            raise ValueError(f"LocalClusterConfig.http_port must be in [0, 65535], or -1 for no HTTP API, "
-                             f"got {self.http_port}")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"LocalClusterConfig.transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        if self.codec not in CODECS:
-            raise ValueError(f"LocalClusterConfig.codec must be one of {CODECS}, got {self.codec!r}")
-        if self.prefill_kv_cache_memory is not None and self.prefill_kv_cache_memory < 1:
-            raise ValueError(f"LocalClusterConfig.prefill_kv_cache_memory must be >= 1 byte, "
-                             f"got {self.prefill_kv_cache_memory}")
-        if self.num_cpus is not None and self.num_cpus < 1:
-            raise ValueError(f"LocalClusterConfig.num_cpus must be >= 1, got {self.num_cpus}")
-        if self.start_timeout_s <= 0 or self.stop_timeout_s <= 0:
-            raise ValueError("LocalClusterConfig.start_timeout_s and stop_timeout_s must be positive")
+def child_command(argv: list[str], version: tuple[int, ...] = tuple(sys.version_info)) -> list[str]:
+    """The command line that runs `pdserve ARGV` with this interpreter and its installed packages, whatever the
+    working directory holds (`python -m` would put it first on sys.path)."""
+    if version >= (3, 11):
+        return [sys.executable, "-P", "-m", "pdserve.cli", *argv]
+    return [sys.executable, "-c", _SAFE_PATH_BOOTSTRAP, *argv]
 
 
 def divide_threads(num_cpus: int, num_workers: int) -> list[int]:
@@ -142,9 +122,17 @@ def connect_host(bind_host: str) -> str:
 @dataclass
 class _Child:
     name: str
-    process: subprocess.Popen
+    argv: list[str]
+    """`pdserve` arguments (without --parent-pipe-fd): a restart runs the same."""
     endpoint: str
     log_path: Path
+    process: subprocess.Popen
+    started_at: float
+    failures: int = 0
+    """Consecutive deaths within _RESTART_STABLE_S of a start."""
+    restart_at: float | None = None
+    """Monotonic time of a pending restart; None when running or not to be restarted."""
+    exit_seen: bool = False
 
 
 class LocalCluster:
@@ -152,14 +140,20 @@ class LocalCluster:
 
     def __init__(self, config: LocalClusterConfig | None = None) -> None:
         self.config = config or LocalClusterConfig()
-        self._redis = None
-        self._redis_reaper: subprocess.Popen | None = None
+        self._redis: EmbeddedRedis | None = None
+        self._reaper: subprocess.Popen | None = None
         self._redis_url: str | None = None
         self._workers: list[_Child] = []
         self._gateway: _Child | None = None
         self._http_port: int | None = None
         self._pipe: tuple[int, int] | None = None
         self._run_dir: Path | None = None
+        self._temporary_run_dir = False
+        self._supervisor: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._down: tuple[str, int] | None = None
+        self._exits: list[tuple[str, int]] = []
+        self._restarts: dict[str, int] = {}
         self.keep_run_dir = self.config.run_dir is not None
         """Keep the run directory (the logs) after stop(); set when start() fails."""
 
@@ -190,6 +184,12 @@ class LocalCluster:
         return self._redis_url
 
     @property
+    def redis_pid(self) -> int | None:
+        """Pid of the embedded redis-server now (it changes when the supervisor restarts it); None when the
+        cluster uses an external Redis or the server is down."""
+        return self._redis.pid if self._redis is not None else None
+
+    @property
     def run_dir(self) -> Path:
         assert self._run_dir is not None, "the cluster is not started"
         return self._run_dir
@@ -201,13 +201,25 @@ class LocalCluster:
 
     @property
     def pids(self) -> dict[str, int]:
-        """Process name -> pid of the gateway and the workers."""
+        """Process name -> pid of the gateway and the workers (a restarted worker's new pid)."""
         return {child.name: child.process.pid for child in self._children()}
+
+    @property
+    def exits(self) -> list[tuple[str, int]]:
+        """Every exit the supervisor saw while the cluster ran, in order: (process name, exit code); "redis" for
+        the embedded redis-server (code -1: it is not our child to reap)."""
+        return list(self._exits)
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """Process name ("redis" included) -> how many times the supervisor restarted it."""
+        return dict(self._restarts)
 
     # -------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> LocalCluster:
-        """Start everything and wait until all of it is SERVING; on any failure stop what started and raise.
-        A LocalCluster starts once; after stop() it still reports what ran (endpoints, pids, logs)."""
+        """Start everything and wait until all of it is SERVING, then supervise it; on any failure stop what
+        started and raise. A LocalCluster starts once; after stop() it still reports what ran (endpoints, pids,
+        logs, exits)."""
         if self._run_dir is not None:
             raise RuntimeError("this LocalCluster was already started; create a new one")
         atexit.register(self.stop)
@@ -217,19 +229,21 @@ class LocalCluster:
             self.keep_run_dir = True  # the logs explain the failure
             self.stop()
             raise
+        self._supervisor = threading.Thread(target=self._supervise, name="cluster-supervisor", daemon=True)
+        self._supervisor.start()
         return self
 
     def stop(self) -> None:
-        """Stop every process (gateway, workers, Redis), each SIGTERM then SIGKILL; idempotent."""
+        """Stop the supervisor, then every process (gateway, workers, Redis), each SIGTERM then SIGKILL; idempotent."""
         atexit.unregister(self.stop)
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join()  # a pass in progress finishes (a restart it began included)
         interrupted = False
         if self._gateway is not None:
             interrupted = _terminate([self._gateway], self.config.stop_timeout_s, force=interrupted)
         interrupted = _terminate(self._workers, self.config.stop_timeout_s, force=interrupted) or interrupted
-        if self._redis_reaper is not None:
-            self._redis_reaper.kill()
-            self._redis_reaper.wait()
-            self._redis_reaper = None
+        self._stop_reaper()
         if self._redis is not None:
             self._redis.close()
             self._redis = None
@@ -243,17 +257,17 @@ class LocalCluster:
             raise KeyboardInterrupt
 
     def wait(self, timeout: float | None = None) -> tuple[str, int] | None:
-        """Block until a child process exits; (its name, its exit code), or None after `timeout` seconds."""
+        """Block until the cluster can no longer serve: (the name and exit code of the process that ended it: the
+        gateway, or the last decode worker), or None after `timeout` seconds. Dead workers the supervisor
+        restarts, or that leave a decode worker alive, and a dead Redis (restarted) do not end the wait."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while deadline is None or time.monotonic() < deadline:
-            for child in self._children():
-                code = child.process.poll()
-                if code is not None:
-                    return child.name, code
-            if self._redis is not None and not self._redis.running:
-                return "redis", -1
+        while self._down is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            if self._supervisor is None or not self._supervisor.is_alive():
+                break
             time.sleep(_POLL_S)
-        return None
+        return self._down
 
     def __enter__(self) -> LocalCluster:
         return self.start()
@@ -265,11 +279,13 @@ class LocalCluster:
     def _start(self) -> None:
         config = self.config
         deadline = time.monotonic() + config.start_timeout_s
-        self._run_dir = Path(config.run_dir) if config.run_dir else Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+        if config.run_dir:
+            self._run_dir = Path(config.run_dir)
+        else:
+            self._run_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+            self._temporary_run_dir = True
         self._run_dir.mkdir(parents=True, exist_ok=True)
         if config.engine.model == "default":  # once here, rather than every worker racing to download it
-            from engine.model_fetch import fetch_default_model
-
             fetch_default_model()
         self._pipe = os.pipe()
         num_workers = config.num_prefill + config.num_decode
@@ -280,16 +296,11 @@ class LocalCluster:
         elif config.http_port == 0:
             self._http_port = free_http
         if config.redis_url is None:
-            from kvstore.embedded_redis import EmbeddedRedis
-
             self._redis = EmbeddedRedis().start()
             self._redis_url = self._redis.url
-            redis_pid = self._redis.pid  # EmbeddedRedis starts it as the leader of its own group
-            self._redis_reaper = subprocess.Popen(
-                [sys.executable, "-c", _REDIS_REAPER, str(self._pipe[0]), str(redis_pid)],
-                stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=(self._pipe[0],))
         else:
             self._redis_url = config.redis_url
+        self._start_reaper()
 
         if config.engine.num_threads is not None:
             threads = [config.engine.num_threads] * num_workers
@@ -306,26 +317,120 @@ class LocalCluster:
         argv = gateway_argv(config, gateway_port, self._redis_url,
                             -1 if self._http_port is None else self._http_port)
         self._gateway = self._spawn("gateway", argv, f"{connect_host(config.host)}:{gateway_port}")
-        _close_fd(self._pipe[0])  # every server child holds its copy of the read end now
-        self._pipe = (-1, self._pipe[1])
         _wait_serving([self._gateway], deadline)
         log.info("local cluster up: gateway %s, workers %s, redis %s", self.gateway_target, self.workers,
                  self._redis_url)
 
     def _spawn(self, name: str, argv: list[str], endpoint: str) -> _Child:
-        assert self._pipe is not None and self._run_dir is not None
-        read_fd = self._pipe[0]
+        assert self._run_dir is not None
         log_path = self._run_dir / f"{name}.log"
-        command = [sys.executable, "-m", "pdserve.cli", *argv, "--parent-pipe-fd", str(read_fd)]
+        return _Child(name, argv, endpoint, log_path, self._popen(argv, log_path), time.monotonic())
+
+    def _popen(self, argv: list[str], log_path: Path) -> subprocess.Popen:
+        assert self._pipe is not None
+        read_fd = self._pipe[0]  # kept open until stop(): a restarted child needs its copy too
         with open(log_path, "ab") as log_file:
             # A session of its own: the terminal's Ctrl-C reaches only us, and we stop the children in order.
-            process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+            process = subprocess.Popen(child_command([*argv, "--parent-pipe-fd", str(read_fd)]),
+                                       stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                                        start_new_session=True, pass_fds=(read_fd,))
-        log.info("started %s (pid %d) at %s, log %s", name, process.pid, endpoint, log_path)
-        return _Child(name, process, endpoint, log_path)
+        log.info("started %s (pid %d), log %s", argv[0], process.pid, log_path)
+        return process
 
     def _children(self) -> list[_Child]:
         return self._workers + ([self._gateway] if self._gateway is not None else [])
+
+    # -------------------------------------------------------------------------------------------- supervision
+    def _supervise(self) -> None:
+        while not self._stopping.wait(_POLL_S):
+            try:
+                down = self._supervise_once()
+            except Exception:  # a supervisor that dies silently would leave the cluster unwatched
+                log.exception("cluster supervisor pass failed")
+                continue
+            if down is not None:
+                self._down = down
+                return
+
+    def _supervise_once(self) -> tuple[str, int] | None:
+        """One pass: restart Redis if it died, report and (where configured) restart dead workers; the
+        (name, code) that ends the cluster, or None."""
+        assert self._gateway is not None
+        code = self._gateway.process.poll()
+        if code is not None:
+            self._exits.append(("gateway", code))
+            log.error("gateway exited with code %d; last lines of %s:\n%s", code, self._gateway.log_path,
+                      _log_tail(self._gateway.log_path))
+            return "gateway", code
+        if self._redis is not None and not self._redis.running:
+            self._restart_redis()
+        now = time.monotonic()
+        for child in self._workers:
+            if self._stopping.is_set():
+                return None
+            code = child.process.poll()
+            if code is None:
+                continue
+            if not child.exit_seen:
+                child.exit_seen = True
+                self._exits.append((child.name, code))
+                log.warning("%s exited with code %d%s; last lines of %s:\n%s", child.name, code,
+                            "" if self.config.restart_workers else " (not restarted: see --restart-workers)",
+                            child.log_path, _log_tail(child.log_path, 10))
+                if self.config.restart_workers:
+                    child.failures = child.failures + 1 if now - child.started_at < _RESTART_STABLE_S else 0
+                    delay = min(_RESTART_BACKOFF_MAX_S, _RESTART_BACKOFF_S * 2 ** max(0, child.failures - 1))
+                    child.restart_at = now + delay
+            if child.restart_at is not None and now >= child.restart_at:
+                child.process = self._popen(child.argv, child.log_path)
+                child.started_at, child.restart_at, child.exit_seen = time.monotonic(), None, False
+                self._restarts[child.name] = self._restarts.get(child.name, 0) + 1
+                log.warning("restarted %s (pid %d) at %s", child.name, child.process.pid, child.endpoint)
+        decode = [child for child in self._workers if child.argv[0] == "decode-worker"]
+        if not self.config.restart_workers and all(child.process.poll() is not None for child in decode):
+            last = max(decode, key=lambda child: self._exits.index((child.name, child.process.returncode)))
+            return last.name, last.process.returncode
+        return None
+
+    def _restart_redis(self) -> None:
+        assert self._redis is not None
+        self._exits.append(("redis", -1))
+        log.warning("redis-server exited; restarting it on port %d (routing is load-only until the workers "
+                    "re-publish)", self._redis.port)
+        try:
+            self._redis.start()  # same port, empty: the workers re-register and re-publish on reconnect
+        except RuntimeError as exc:
+            log.error("could not restart redis-server (the next pass tries again): %s", exc)
+            return
+        self._restarts["redis"] = self._restarts.get("redis", 0) + 1
+        self._stop_reaper()
+        self._start_reaper()
+        log.warning("redis-server restarted (pid %d) on port %d", self._redis.pid, self._redis.port)
+
+    def _start_reaper(self) -> None:
+        assert self._pipe is not None and self._run_dir is not None
+        dirs = [str(self._run_dir)] if self._temporary_run_dir else []
+        pgid = 0
+        if self._redis is not None:
+            pgid = self._redis.pid or 0  # EmbeddedRedis starts it as the leader of its own group
+            dirs.append(_redis_data_dir(self._redis.url))
+        self._reaper = subprocess.Popen([sys.executable, "-I", "-c", _REAPER, str(self._pipe[0]), str(pgid), *dirs],
+                                        stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=(self._pipe[0],))
+
+    def _stop_reaper(self) -> None:
+        if self._reaper is not None:
+            self._reaper.kill()
+            self._reaper.wait()
+            self._reaper = None
+
+
+def _redis_data_dir(url: str) -> str:
+    """The embedded redis-server's data directory (its --dir), as the server reports it."""
+    client = redis.Redis.from_url(url, socket_timeout=5.0)
+    try:
+        return client.config_get("dir")["dir"]
+    finally:
+        client.close()
 
 
 def worker_argv(role: str, worker_id: str, port: int, redis_url: str, config: LocalClusterConfig,
@@ -455,12 +560,12 @@ def _check_port_free(host: str, port: int, flag: str) -> int:
     return port
 
 
-def _log_tail(path: Path) -> str:
+def _log_tail(path: Path, num_lines: int = _LOG_TAIL_LINES) -> str:
     try:
         lines = path.read_text(errors="replace").splitlines()
     except OSError as exc:
         return f"(no log: {exc})"
-    return "\n".join(lines[-_LOG_TAIL_LINES:]) or "(empty log)"
+    return "\n".join(lines[-num_lines:]) or "(empty log)"
 
 
 def _close_fd(fd: int) -> None:

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 from pdserve.bench.metrics import RequestRecord, Summary, percentile
 
-REPEAT = " (repeat)"  # as in suite.py (not imported: this module stays free of the suite's imports)
+REPEAT = " (repeat)"
+"""Suffix of a system's key in its repeated run."""
 
 if TYPE_CHECKING:
     from pdserve.bench.suite import SuiteResults

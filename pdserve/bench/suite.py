@@ -42,12 +42,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.bench import cpumeter, plots, report
+import torch
+
+from engine.config import EngineConfig
+from engine.engine_loop import build_engine
+from engine.loader import load_model
+from engine.model_fetch import resolve_model_path
+from gateway.config import GatewayConfig
+from pdserve.bench import cpumeter, plots, report, roofline
 from pdserve.bench.backends import Backend, OpenAIBackend, PdserveBackend
+from pdserve.bench.inprocess import EngineBackend, load_transformers_model, run_transformers
 from pdserve.bench.metrics import summarize
+from pdserve.bench.peers import LlamaServer, LlamaServerConfig
+from pdserve.bench.report import REPEAT
 from pdserve.bench.runner import RunConfig, RunResult, run_with, write_json
 from pdserve.bench.workloads import (BenchRequest, PromptFormat, TemplateFormat, random_workload,
                                      shared_prefix_workload)
+from pdserve.launcher import LocalCluster, LocalClusterConfig, divide_threads
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +74,6 @@ TWO_P_PREFIX = "pdserve-2p1d-prefix"
 TWO_P_RR = "pdserve-2p1d-rr"
 SYSTEMS = (LLAMA_SERVER, TRANSFORMERS, ENGINE, ENGINE_INT8, ENGINE_INT4, ONE_P_ONE_D, TWO_P_PREFIX, TWO_P_RR)
 PEERS = (LLAMA_SERVER, TRANSFORMERS)
-REPEAT = " (repeat)"
 """Suffix of a peer's second batch1/streams runs, at the end of the suite."""
 CONTENDED_CORES = 0.1
 """A run during which other jobs kept this many CPUs busy is contended: its peer gets a second try."""
@@ -197,8 +207,6 @@ def default_out_dir() -> Path:
 @contextlib.contextmanager
 def _llama_server(cfg: SuiteConfig, model_path: Path, ctx_per_slot: int,
                   results: SuiteResults) -> Iterator[tuple[Backend, list[int]]]:
-    from pdserve.bench.peers import LlamaServer, LlamaServerConfig
-
     assert cfg.llama_server is not None
     server = LlamaServer(LlamaServerConfig(cfg.llama_server, model_path, cfg.threads, parallel=cfg.streams,
                                            ctx_per_slot=ctx_per_slot), cfg.out_dir / "logs" / "llama-server.log")
@@ -216,10 +224,6 @@ def _engine_runs(cfg: SuiteConfig, model_path: Path, system: str, key: str,
     torch's OpenMP state is per thread, and a thread that already ran multi-threaded torch work (this suite's
     main thread has: transformers, the bandwidth probe) slows every matmul of another thread (engine.engine_loop).
     Returns the system's description and its runs by scenario name."""
-    from engine.config import EngineConfig
-    from engine.engine_loop import build_engine
-    from pdserve.bench.inprocess import EngineBackend
-
     quantization = ENGINES[system]
     config = EngineConfig(model=str(model_path), num_threads=cfg.threads, kv_cache_memory=cfg.kv_cache_memory,
                           quantization=quantization)
@@ -240,10 +244,6 @@ def _engine_runs(cfg: SuiteConfig, model_path: Path, system: str, key: str,
 @contextlib.contextmanager
 def _cluster(cfg: SuiteConfig, model_path: Path, system: str,
              results: SuiteResults) -> Iterator[tuple[Backend, list[int]]]:
-    from engine.config import EngineConfig
-    from gateway.config import GatewayConfig
-    from pdserve.launcher import LocalCluster, LocalClusterConfig, divide_threads
-
     num_prefill = 1 if system == ONE_P_ONE_D else 2
     gateway_args: tuple[str, ...] = ()
     if system in ROUTING:
@@ -270,12 +270,6 @@ def _cluster(cfg: SuiteConfig, model_path: Path, system: str,
 # ------------------------------------------------------------------------------------------------ running
 def run_suite(cfg: SuiteConfig) -> SuiteResults:
     """Run every system through its scenarios; write results.json, the plots and report.md."""
-    import torch
-
-    from engine.loader import load_model
-    from engine.model_fetch import resolve_model_path
-    from pdserve.bench import roofline
-
     started = time.perf_counter()
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(cfg.threads)
@@ -373,9 +367,7 @@ def _run_system(cfg: SuiteConfig, model_path: Path, system: str, key: str, todo:
 
 def _run_transformers(cfg: SuiteConfig, model_path: Path, key: str, todo: list[Scenario],
                       results: SuiteResults) -> None:
-    import transformers
-
-    from pdserve.bench.inprocess import load_transformers_model, run_transformers
+    import transformers  # the peer; imported only when it runs
 
     model = load_transformers_model(str(model_path), cfg.threads)
     results.peers[TRANSFORMERS] = (f"transformers {transformers.__version__} `AutoModelForCausalLM.from_pretrained"

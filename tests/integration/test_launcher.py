@@ -3,21 +3,30 @@ the gateway. Nothing may be left running, whether the cluster answered or failed
 
 "Nothing left" is checked exactly: `pdserve up` runs under a child subreaper (Linux), so anything it leaves
 behind is re-parented to the subreaper, which lists (and then kills) it.
+
+The supervisor is tested by killing what it watches: redis-server (restarted on the same port; the workers
+re-register and re-publish), a worker (restarted with --restart-workers; reported otherwise), and the launcher
+itself (SIGKILL: its processes stop and its directories leave TMPDIR).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import redis
 
 from engine.config import EngineConfig
-from pdserve.launcher import ClusterError, LocalCluster, LocalClusterConfig
+from pdserve import health
+from pdserve.client import Client
+from pdserve.launcher import ClusterError, LocalCluster, LocalClusterConfig, child_command
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc and PR_SET_CHILD_SUBREAPER")
 
@@ -57,8 +66,14 @@ with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
 """
 
 
-def run_reaped(*argv: str) -> dict:
-    result = subprocess.run([sys.executable, "-c", SUBREAPER, *argv], cwd=REPO, capture_output=True, text=True,
+# A `pdserve` package that must never be imported: a folder named like it in the working directory.
+SHADOW_INIT = 'raise ImportError("the pdserve/ folder of the working directory was imported")\n'
+WAIT_S = 120.0
+PARIS = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def run_reaped(*argv: str, cwd: Path = REPO) -> dict:
+    result = subprocess.run([sys.executable, "-c", SUBREAPER, *argv], cwd=cwd, capture_output=True, text=True,
                             timeout=700)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
@@ -76,12 +91,32 @@ def processes_mentioning(needles: list[str]) -> list[str]:
     return found
 
 
+def shadowing_dir(tmp_path: Path) -> Path:
+    """A working directory that holds a `pdserve/` folder, as the checkout's parent folder does."""
+    folder = tmp_path / "cwd"
+    (folder / "pdserve").mkdir(parents=True)
+    (folder / "pdserve" / "__init__.py").write_text(SHADOW_INIT)
+    (folder / "pdserve" / "cli.py").write_text(SHADOW_INIT)
+    return folder
+
+
+@pytest.mark.parametrize("version", [(3, 10), (3, 11)], ids=["3.10-bootstrap", "3.11-safe-path"])
+def test_children_import_the_installed_package_whatever_the_working_directory_holds(tmp_path, version):
+    # Both forms run on this interpreter: the 3.10 one needs no -P. `health` of a closed port: exit 1, UNAVAILABLE.
+    result = subprocess.run(child_command(["health", "127.0.0.1:1", "--timeout", "0.5"], version=version),
+                            cwd=shadowing_dir(tmp_path), capture_output=True, text=True, timeout=60)
+    assert "working directory was imported" not in result.stderr
+    assert (result.returncode, result.stdout.strip()) == (1, "UNAVAILABLE"), result.stderr
+
+
 @pytest.mark.slow
 def test_up_once_answers_through_the_cluster_and_leaves_nothing_behind(default_model_path, tmp_path):
-    out = run_reaped(sys.executable, "-m", "pdserve.cli", "up", "--once", "What is the capital of France?",
+    # Started from a folder that holds a `pdserve/` directory: the children must not import it.
+    run_dir = tmp_path / "run"
+    out = run_reaped(sys.executable, "-P", "-m", "pdserve.cli", "up", "--once", "What is the capital of France?",
                      "--port", "0", "--http-port", "0", "--kv-cache-memory", str(KV_CACHE_MEMORY), "--max-tokens", "32",
-                     "--run-dir", str(tmp_path))
-    logs = {path.name: path.read_text()[-2000:] for path in tmp_path.glob("*.log")}
+                     "--run-dir", str(run_dir), cwd=shadowing_dir(tmp_path))
+    logs = {path.name: path.read_text()[-2000:] for path in run_dir.glob("*.log")}
     assert out["rc"] == 0, (out["stderr"], logs)
     assert "Paris" in out["stdout"]
     for name in ("gateway", "http", "prefill-0", "decode-0", "redis"):
@@ -142,3 +177,130 @@ def assert_all_stopped(cluster: LocalCluster) -> None:
     redis_address = cluster.redis_url.removeprefix("redis://").split("/")[0]
     ports = [endpoint.rsplit(":", 1)[1] for endpoint in cluster.workers.values()]
     assert processes_mentioning([redis_address, *(f"--port {port} " for port in ports)]) == []
+
+
+# ------------------------------------------------------------------------------------------------ supervision
+def wait_until(condition, what: str, timeout: float = WAIT_S):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
+        time.sleep(0.2)
+
+
+def ask_paris(cluster: LocalCluster) -> str:
+    with Client(cluster.gateway_target, timeout=WAIT_S) as client:
+        return client.complete_chat(PARIS, max_tokens=16, temperature=0.0).text
+
+
+def published_blocks(url: str) -> dict[str, int]:
+    """Worker id -> number of block hashes its current epoch has in the prefix index."""
+    client = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        counts: dict[str, int] = {}
+        for key in client.scan_iter("pdserve:blocks:*"):
+            worker_id = key.split(":")[2]
+            counts[worker_id] = counts.get(worker_id, 0) + client.scard(key)
+        return counts
+    finally:
+        client.close()
+
+
+def registered_workers(url: str) -> set[str]:
+    client = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        return {key.split(":", 2)[2] for key in client.scan_iter("pdserve:worker:*")}
+    except redis.RedisError:
+        return set()
+    finally:
+        client.close()
+
+
+@pytest.mark.slow
+def test_a_killed_redis_and_a_killed_worker_come_back_and_the_cluster_answers(default_model_path, tmp_path):
+    config = LocalClusterConfig(port=0, http_port=-1, restart_workers=True, run_dir=str(tmp_path),
+                                engine=EngineConfig(model="default", kv_cache_memory=KV_CACHE_MEMORY))
+    with LocalCluster(config) as cluster:
+        assert "Paris" in ask_paris(cluster)
+        url = cluster.redis_url
+        before = wait_until(lambda: (lambda c: c if {"prefill-0", "decode-0"} <= set(c) else None)(
+            published_blocks(url)), "both workers' cached blocks in the index")
+
+        redis_pid = cluster.redis_pid
+        os.kill(redis_pid, signal.SIGKILL)
+        wait_until(lambda: cluster.redis_pid not in (None, redis_pid), "a new redis-server")
+        assert cluster.redis_url == url                          # same port: the workers' URL still works
+        wait_until(lambda: registered_workers(url) >= {"prefill-0", "decode-0"}, "the workers re-registered")
+        after = wait_until(lambda: (lambda c: c if set(c) >= set(before) and all(c[w] >= before[w] for w in before)
+                                    else None)(published_blocks(url)), "the workers re-published their blocks")
+        assert after.keys() >= before.keys()
+        assert "Paris" in ask_paris(cluster)
+        assert ("redis", -1) in cluster.exits and cluster.restarts["redis"] == 1
+
+        decode_pid = cluster.pids["decode-0"]
+        os.kill(decode_pid, signal.SIGKILL)
+        wait_until(lambda: cluster.pids["decode-0"] != decode_pid, "decode-0 restarted")
+        wait_until(lambda: health.check(cluster.workers["decode-0"], timeout=1.0), "the new decode-0 SERVING")
+        wait_until(lambda: "decode-0" in registered_workers(url), "the new decode-0 registered")
+        assert "Paris" in wait_until(lambda: _answer_or_none(cluster), "an answer through the new decode-0")
+        assert ("decode-0", -signal.SIGKILL) in cluster.exits and cluster.restarts["decode-0"] == 1
+        assert cluster.wait(timeout=1.0) is None                 # nothing ended the cluster
+    assert_all_stopped(cluster)
+
+
+def _answer_or_none(cluster: LocalCluster) -> str | None:
+    try:
+        return ask_paris(cluster)
+    except Exception:  # the gateway may still route to the dead decode worker's registration for a moment
+        return None
+
+
+@pytest.mark.slow
+def test_without_restart_a_dead_worker_is_reported_and_the_last_decode_worker_ends_the_wait(default_model_path,
+                                                                                               tmp_path):
+    config = LocalClusterConfig(port=0, http_port=-1, run_dir=str(tmp_path),
+                                engine=EngineConfig(model="default", kv_cache_memory=KV_CACHE_MEMORY))
+    with LocalCluster(config) as cluster:
+        prefill_pid = cluster.pids["prefill-0"]
+        os.kill(prefill_pid, signal.SIGKILL)
+        wait_until(lambda: ("prefill-0", -signal.SIGKILL) in cluster.exits, "the dead prefill worker reported")
+        assert cluster.wait(timeout=1.0) is None                 # the decode worker still serves
+        assert "Paris" in wait_until(lambda: _answer_or_none(cluster), "an answer prefilled on the decode worker")
+        assert cluster.pids["prefill-0"] == prefill_pid and cluster.restarts == {}
+
+        os.kill(cluster.pids["decode-0"], signal.SIGKILL)
+        assert cluster.wait(timeout=WAIT_S) == ("decode-0", -signal.SIGKILL)
+    assert_all_stopped(cluster)
+
+
+@pytest.mark.slow
+def test_a_sigkilled_launcher_leaves_no_process_and_no_directory(default_model_path, tmp_path):
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", "--prefill", "0", "--port", "0",
+                             "--http-port", "-1", "--kv-cache-memory", str(KV_CACHE_MEMORY)], cwd=REPO,
+                            env={**os.environ, "TMPDIR": str(tmpdir)}, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "Ctrl-C stops everything" in line:
+                break
+        output = "".join(lines)
+        redis_address = re.search(r"redis://([\d.]+:\d+)", output)
+        assert redis_address, output
+        made = sorted(path.name for path in tmpdir.iterdir())
+        assert any(name.startswith("pdserve-redis-") for name in made), made
+        assert any(name.startswith("pdserve-up-") for name in made), made
+        proc.kill()
+        proc.wait(30)
+        wait_until(lambda: processes_mentioning([redis_address[1]]) == [], "redis-server and the workers gone")
+        wait_until(lambda: not any(name.startswith("pdserve-") for name in os.listdir(tmpdir)),
+                   f"no pdserve-* directory left in TMPDIR: {os.listdir(tmpdir)}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -99,12 +99,14 @@ def test_up_maps_onto_local_cluster_config():
                  "--transport", "shm", "--codec", "int8", "--kv-cache-memory", "128M", "--prefill-kv-cache-memory", "64M",
                  "--local-prefill-threshold", "0",
                  "--drain-timeout", "1.5", "--run-dir", "/tmp/r", "--cpus", "6", "--start-timeout", "60",
-                 "--stop-timeout", "3", "--redis-url", "redis://r:1/0", "--once", "Hi", "--max-tokens", "9")
+                 "--stop-timeout", "3", "--redis-url", "redis://r:1/0", "--restart-workers", "--once", "Hi",
+                 "--max-tokens", "9")
     assert cli_args.cluster_config(args) == LocalClusterConfig(
         num_prefill=2, num_decode=3, host="0.0.0.0", port=0, http_port=-1, engine=EngineConfig(model="default",
                                                                               kv_cache_memory=128 * 2**20),
         prefill_kv_cache_memory=64 * 2**20, transport="shm", codec="int8", gateway_args=("--local-prefill-threshold", "0", "--drain-timeout", "1.5"),
-        redis_url="redis://r:1/0", run_dir="/tmp/r", num_cpus=6, start_timeout_s=60.0, stop_timeout_s=3.0)
+        redis_url="redis://r:1/0", run_dir="/tmp/r", num_cpus=6, start_timeout_s=60.0, stop_timeout_s=3.0,
+        restart_workers=True)
     assert (args.once, args.max_tokens) == ("Hi", 9)
     assert cli_args.cluster_config(parse("up")) == LocalClusterConfig()
 

@@ -7,7 +7,8 @@ import pytest
 from engine.config import EngineConfig
 from gateway.config import GatewayConfig
 from pdserve import cli_args
-from pdserve.launcher import LocalClusterConfig, connect_host, divide_threads, gateway_argv, worker_argv
+from pdserve.launcher import (LocalClusterConfig, child_command, connect_host, divide_threads, gateway_argv,
+                              worker_argv)
 from prefill_worker.config import PrefillWorkerConfig
 
 
@@ -66,3 +67,11 @@ def test_wildcard_binds_are_dialed_on_loopback():
 def test_cluster_config_rejects_bad_values_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"LocalClusterConfig\.{field}"):
         LocalClusterConfig(**kwargs)
+
+
+def test_children_never_run_with_the_working_directory_first_on_sys_path():
+    argv = ["decode-worker", "--port", "1"]
+    assert child_command(argv, version=(3, 12, 0))[1:] == ["-P", "-m", "pdserve.cli", *argv]
+    old = child_command(argv, version=(3, 10, 14))
+    assert old[1] == "-c" and "-m" not in old and old[3:] == argv
+    assert "del sys.path[0]" in old[2] and "run_module('pdserve.cli'" in old[2]

@@ -1,0 +1,73 @@
+"""`LocalClusterConfig`: what `pdserve up` starts. Its own module so that the CLI's flags (`cli_args`) and the
+launcher that starts the processes both depend on it, and neither on the other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from prefill_worker.config import CODECS, TRANSPORTS
+
+
+@dataclass(frozen=True)
+class LocalClusterConfig:
+    """What `pdserve up` starts."""
+
+    num_prefill: int = 1
+    """Prefill worker processes (0: every prompt is prefilled on its decode worker)."""
+    num_decode: int = 1
+    """Decode worker processes."""
+    host: str = "127.0.0.1"
+    """Address the gateway binds (workers and Redis always bind 127.0.0.1)."""
+    port: int = 50051
+    """Port of the gateway's public gRPC API (0 picks a free one)."""
+    http_port: int = 8000
+    """Port of the gateway's OpenAI-compatible HTTP API (0 picks a free one, -1 turns it off)."""
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(model="default"))
+    """Engine of every worker. When its num_threads is None, the CPUs are divided among the workers."""
+    prefill_kv_cache_memory: int | None = None
+    """KV-cache bytes of each prefill worker; None takes engine.kv_cache_memory. A prefill worker holds only the
+    prompts it is computing plus the prefixes it keeps for reuse; a decode worker holds every running sequence."""
+    transport: str = "auto"
+    """KV transport of the prefill workers (see PrefillWorkerConfig.transport)."""
+    codec: str = "raw"
+    """KV wire codec of the prefill workers (see PrefillWorkerConfig.codec)."""
+    gateway_args: tuple[str, ...] = ()
+    """Extra `pdserve gateway` flags, e.g. ("--local-prefill-threshold", "0")."""
+    redis_url: str | None = None
+    """Use this Redis instead of starting an embedded redis-server."""
+    run_dir: str | None = None
+    """Directory for the processes' logs (kept); None uses a temporary one, removed after a clean stop."""
+    num_cpus: int | None = None
+    """CPUs to divide among the workers; None counts those this process may run on."""
+    start_timeout_s: float = 600.0
+    """Bound on the whole start (loading the model included)."""
+    stop_timeout_s: float = 20.0
+    """How long each stage of the stop waits after SIGTERM before SIGKILL."""
+    restart_workers: bool = False
+    """Restart a worker process that exits while the cluster runs (same id, port and flags; after a backoff that
+    doubles while it keeps failing). Off: a dead worker is reported and the cluster serves on the others until no
+    decode worker is left. The embedded Redis is always restarted, on the same port."""
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 0:
+            raise ValueError(f"LocalClusterConfig.num_prefill must be >= 0, got {self.num_prefill}")
+        if self.num_decode < 1:
+            raise ValueError(f"LocalClusterConfig.num_decode must be >= 1, got {self.num_decode}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"LocalClusterConfig.port must be in [0, 65535], got {self.port}")
+        if not -1 <= self.http_port < 65536:
+            raise ValueError(f"LocalClusterConfig.http_port must be in [0, 65535], or -1 for no HTTP API, "
+                             f"got {self.http_port}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"LocalClusterConfig.transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.codec not in CODECS:
+            raise ValueError(f"LocalClusterConfig.codec must be one of {CODECS}, got {self.codec!r}")
+        if self.prefill_kv_cache_memory is not None and self.prefill_kv_cache_memory < 1:
+            raise ValueError(f"LocalClusterConfig.prefill_kv_cache_memory must be >= 1 byte, "
+                             f"got {self.prefill_kv_cache_memory}")
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ValueError(f"LocalClusterConfig.num_cpus must be >= 1, got {self.num_cpus}")
+        if self.start_timeout_s <= 0 or self.stop_timeout_s <= 0:
+            raise ValueError("LocalClusterConfig.start_timeout_s and stop_timeout_s must be positive")
+
