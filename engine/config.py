@@ -1,6 +1,6 @@
 """Frozen, validated configuration for the model and the engine.
 
-`ModelConfig` describes a Llama-family checkpoint (read from GGUF metadata or config.json by the loaders).
+`ModelConfig` describes a decoder checkpoint (read from GGUF metadata or config.json by the loaders).
 `EngineConfig` holds the serving knobs. Both are plain dataclasses: flags and environment variables are read
 by the CLI layer only, never here.
 """
@@ -14,23 +14,63 @@ QUANTIZATIONS = ("int8", "int4")
 """Values of EngineConfig.quantization besides None."""
 
 
+ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn", "longrope")
+"""Values of RopeScaling.rope_type (transformers' names)."""
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style frequency scaling of RoPE (`rope_type == "llama3"`)."""
+    """Frequency scaling of RoPE, as transformers defines each `rope_type` (engine.rope computes it).
+
+    llama3: Llama-3 wavelength bands. linear: positions divided by `factor`. dynamic: NTK-aware base, fixed at the
+    engine's longest context. yarn: NTK-by-parts ramp between interpolation and extrapolation, cos/sin scaled by
+    the attention factor. longrope: per-frequency divisors (short ones up to the original context, long ones past it).
+    """
 
     factor: float
     """How much longer the context is than the original training context."""
     low_freq_factor: float = 1.0
-    """Wavelengths longer than original_max_position_embeddings / low_freq_factor are scaled by `factor`."""
+    """llama3: wavelengths longer than original_max_position_embeddings / low_freq_factor are scaled by `factor`."""
     high_freq_factor: float = 4.0
-    """Wavelengths shorter than original_max_position_embeddings / high_freq_factor are left unchanged."""
+    """llama3: wavelengths shorter than original_max_position_embeddings / high_freq_factor are left unchanged."""
     original_max_position_embeddings: int = 8192
     """Context length the model was pre-trained with."""
+    rope_type: str = "llama3"
+    """One of ROPE_TYPES."""
+    beta_fast: float = 32.0
+    """yarn: rotations below which frequencies are extrapolated (left unscaled)."""
+    beta_slow: float = 1.0
+    """yarn: rotations above which frequencies are interpolated (divided by `factor`)."""
+    mscale: float | None = None
+    """yarn: numerator multiplier of the inferred attention factor (with mscale_all_dim)."""
+    mscale_all_dim: float | None = None
+    """yarn: denominator multiplier of the inferred attention factor (with mscale)."""
+    truncate: bool = True
+    """yarn: round the correction range to whole dimensions."""
+    attention_factor: float | None = None
+    """yarn/longrope: multiplier of cos and sin; None infers it from `factor` as transformers does."""
+    short_factor: tuple[float, ...] = ()
+    """longrope: per-frequency divisors used up to original_max_position_embeddings."""
+    long_factor: tuple[float, ...] = ()
+    """longrope: per-frequency divisors used when the context passes original_max_position_embeddings."""
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"RopeScaling.rope_type must be one of {ROPE_TYPES}, got {self.rope_type!r}")
+        if self.rope_type == "longrope" and (not self.short_factor or len(self.short_factor) != len(self.long_factor)):
+            raise ValueError("RopeScaling: longrope needs short_factor and long_factor of equal, non-zero length")
+
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+"""Values of ModelConfig.layer_types."""
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+"""Values of ModelConfig.hidden_act: the gated MLP's activation (SwiGLU, GeGLU with tanh GELU)."""
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyperparameters of a Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2)."""
+    """Hyperparameters of a pre-norm decoder: the Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2) and what
+    Qwen3, Gemma 2/3, Phi-3 and Mixtral add to it. Every addition defaults to the Llama behaviour."""
 
     architecture: str
     """Architecture name as the checkpoint states it (e.g. "llama", "qwen2")."""
@@ -39,7 +79,7 @@ class ModelConfig:
     hidden_size: int
     """Residual stream width."""
     intermediate_size: int
-    """Width of the SwiGLU MLP."""
+    """Width of the gated MLP (of each expert in a mixture of experts)."""
     num_layers: int
     """Number of decoder layers."""
     num_heads: int
@@ -53,7 +93,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """RoPE base frequency."""
     rope_scaling: RopeScaling | None = None
-    """Llama-3 RoPE scaling, or None for plain RoPE."""
+    """RoPE scaling of full-attention layers, or None for plain RoPE."""
     max_position_embeddings: int = 4096
     """Longest context the checkpoint supports."""
     tie_word_embeddings: bool = False
@@ -64,6 +104,35 @@ class ModelConfig:
     """Beginning-of-sequence token id, if the model has one."""
     eos_token_ids: tuple[int, ...] = ()
     """Token ids that end generation (unless a request sets ignore_eos)."""
+    partial_rotary_factor: float = 1.0
+    """Fraction of each head's dimensions RoPE rotates (the leading ones)."""
+    rope_local_theta: float | None = None
+    """RoPE base of sliding-window layers, which then use no rope_scaling (Gemma 3); None: rope_theta for all."""
+    layer_types: tuple[str, ...] = ()
+    """Per layer, one of ATTENTION_LAYER_TYPES; empty means every layer is full attention."""
+    sliding_window: int | None = None
+    """Tokens a sliding-attention layer sees: its own position and the sliding_window - 1 before it."""
+    hidden_act: str = "silu"
+    """Activation of the MLP's gate, one of HIDDEN_ACTS."""
+    qk_norm: bool = False
+    """Each query and key head is RMS-normalized before RoPE (q_norm/k_norm weights of head_dim; Qwen3, Gemma 3)."""
+    norm_unit_offset: bool = False
+    """Every RMSNorm scales by (1 + weight) instead of weight (Gemma)."""
+    feedforward_norms: bool = False
+    """Each block's branch outputs are RMS-normalized before the residual add, and the MLP input has its own norm
+    (post_attention / pre_feedforward / post_feedforward layernorms; Gemma 2/3)."""
+    embedding_multiplier: float = 1.0
+    """Token embeddings are multiplied by this (sqrt(hidden_size) for Gemma)."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scale is query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5 (Gemma)."""
+    attn_logit_softcapping: float | None = None
+    """Attention scores s become cap * tanh(s / cap) before the softmax (Gemma 2)."""
+    final_logit_softcapping: float | None = None
+    """Output logits z become cap * tanh(z / cap) (Gemma 2)."""
+    num_experts: int = 0
+    """Experts of each layer's sparse MLP; 0 means a dense MLP (Mixtral: 8)."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k of the router's softmax, renormalized)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -75,6 +144,33 @@ class ModelConfig:
                              f"num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:
+            raise ValueError(f"ModelConfig.partial_rotary_factor must be in (0, 1] and rotate an even number of "
+                             f"dimensions, got {self.partial_rotary_factor}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"ModelConfig.layer_types has {len(self.layer_types)} entries for "
+                             f"{self.num_layers} layers")
+        for kind in self.layer_types:
+            if kind not in ATTENTION_LAYER_TYPES:
+                raise ValueError(f"ModelConfig.layer_types: {kind!r} is not one of {ATTENTION_LAYER_TYPES}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("ModelConfig.sliding_window must be >= 1 when a layer is sliding_attention")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"ModelConfig.hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"ModelConfig.num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                             f"got {self.num_experts_per_tok}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dimensions of each head that RoPE rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_window(self, layer: int) -> int | None:
+        """Sliding window of `layer`, or None when it attends to its whole context."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     def kv_bytes_per_token(self, dtype_size: int) -> int:
         """Bytes of K and V one token occupies across all layers: 2 x layers x kv_heads x head_dim x dtype size."""
