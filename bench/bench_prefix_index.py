@@ -90,7 +90,7 @@ def run(url: str, port: int | None, args: argparse.Namespace) -> dict:
         client.delete(key)
     root = root_hash("bench-model")
     prompt = hash_prompt_blocks([rng.randrange(32000) for _ in range(16 * args.prompt_blocks)], 16, root)
-    epochs = {f"decode-{k}": index.register(WorkerInfo(f"decode-{k}", "decode", {"grpc": f"10.0.0.{k}:50061"},
+    epochs = {f"decode-{k}": index.register(WorkerInfo(f"decode-{k}", "decode", f"10.0.0.{k}:50061",
                                                        capacity_blocks=65536)) for k in range(args.workers)}
 
     # Events: BlockStored batches of 256 hashes (the background population), then BlockRemoved batches.

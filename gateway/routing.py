@@ -5,8 +5,8 @@ its load as of its last heartbeat), the gateway's own count of requests in fligh
 up to a third of the TTL old; a burst would otherwise land on one worker), and the workers this gateway saw fail
 recently ("suspects": ranked after every other worker, never dropped, in case they are all that is left).
 
-A worker takes part only when it registered `endpoints["grpc"]` and its `endpoints["block_size"]` and
-`endpoints["fingerprint"]` equal the gateway's: block hashes, and the KV itself, mean nothing across models or
+A worker takes part only when it registered a gRPC endpoint and its `block_size` and `fingerprint` equal the
+gateway's: block hashes, and the KV itself, mean nothing across models or
 block sizes (`incompatibility` says why one is ignored).
 
     load(w)       = max(w.running + w.waiting, in-flight requests of this gateway on w)
@@ -102,7 +102,7 @@ class Candidate:
     @property
     def endpoint(self) -> str:
         """host:port of its gRPC services."""
-        return self.worker.endpoints["grpc"]
+        return self.worker.grpc_endpoint
 
 
 @dataclass(frozen=True)
@@ -125,13 +125,12 @@ class PrefillPlan:
 
 def incompatibility(worker: WorkerInfo, policy: RoutingPolicy) -> str | None:
     """Why `worker` cannot serve this gateway's requests, or None when it can."""
-    endpoints = worker.endpoints
-    if not endpoints.get("grpc"):
+    if not worker.grpc_endpoint:
         return "registered no grpc endpoint"
-    if endpoints.get("block_size") != str(policy.block_size):
-        return f"block_size {endpoints.get('block_size')!r} != gateway's {policy.block_size}"
-    if endpoints.get("fingerprint") != policy.fingerprint:
-        return f"model fingerprint {endpoints.get('fingerprint')!r} != gateway's {policy.fingerprint!r}"
+    if worker.block_size != policy.block_size:
+        return f"block_size {worker.block_size} != gateway's {policy.block_size}"
+    if worker.fingerprint != policy.fingerprint:
+        return f"model fingerprint {worker.fingerprint!r} != gateway's {policy.fingerprint!r}"
     return None
 
 
@@ -144,7 +143,8 @@ def _eligible(matches: Iterable[PrefixMatch], role: str, policy: RoutingPolicy) 
 
 
 def blocks_needed(num_prompt_tokens: int, block_size: int) -> int:
-    """Blocks a decode worker allocates at Reserve: the prompt plus the first generated token."""
+    """Blocks the prompt plus its first generated token take on a decode worker: Reserve allocates the prompt's
+    blocks only, but a worker without room for one more token would preempt at its first decode step."""
     return -(-(num_prompt_tokens + 1) // block_size)
 
 

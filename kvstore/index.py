@@ -2,8 +2,12 @@
 
 Key schema (P = ``key_prefix``, default "pdserve"; hex = ``block_hash_hex``, 32 chars):
 
-    P:worker:{id}           HASH   worker_id role endpoints(JSON) epoch capacity_blocks free_blocks
-                                   running waiting; PEXPIRE worker_ttl_s, refreshed by each heartbeat
+    P:worker:{id}           HASH   worker_id role endpoints epoch capacity_blocks free_blocks running waiting;
+                                   PEXPIRE worker_ttl_s, refreshed by each heartbeat. `endpoints` is a JSON
+                                   object of the worker's identity, written and read only by
+                                   worker_to_record / worker_from_record: {"grpc": "host:port",
+                                   "host_id": str, "block_size": int, "fingerprint": str,
+                                   "max_model_len": int} (keys absent when unset)
     P:epoch:{id}            STRING INCR counter, no TTL: each register (and each AllBlocksCleared)
                                    takes the next epoch, so a restarted worker never reuses one
     P:role:{role}           HASH   worker_id -> epoch; may name dead workers until a sweep sees them
@@ -48,7 +52,8 @@ from kvstore.local_index import ROLES, PrefixMatch, WorkerInfo, WorkerNotRegiste
 
 log = logging.getLogger(__name__)
 
-__all__ = ["IndexUnavailable", "PrefixIndex", "PrefixMatch", "WorkerInfo", "WorkerNotRegistered"]
+__all__ = ["IndexUnavailable", "PrefixIndex", "PrefixMatch", "WorkerInfo", "WorkerNotRegistered", "worker_from_record",
+           "worker_to_record"]
 
 _REGISTER = """
 local P, id, role = ARGV[1], ARGV[2], ARGV[3]
@@ -241,8 +246,6 @@ class PrefixIndex:
         self._collect_garbage = self._write.register_script(_COLLECT_GARBAGE)
         self._lookup = self._read.register_script(_LOOKUP)
         self._breaker = CircuitBreaker(breaker_cooldown_s)
-        self.num_lookup_failures = 0     # lookups that hit a Redis error
-        self.num_short_circuited = 0     # lookups answered None by the open breaker
 
     def close(self) -> None:
         self._read.close()
@@ -252,7 +255,7 @@ class PrefixIndex:
 
     def register(self, worker: WorkerInfo) -> int:
         """Write the worker record (TTL worker_ttl_s) under a new epoch, which is returned."""
-        return self._call(self._register, worker.worker_id, worker.role, json.dumps(worker.endpoints),
+        return self._call(self._register, worker.worker_id, worker.role, worker_to_record(worker),
                           worker.capacity_blocks, worker.free_blocks, worker.running, worker.waiting,
                           self._ttl_ms())
 
@@ -281,12 +284,10 @@ class PrefixIndex:
         """Every live worker of ``role`` (None: all), sorted by id, with its leading cached blocks."""
         roles = _roles(role)
         if not self._breaker.allow():
-            self.num_short_circuited += 1
             return None
         try:
             raw = self._lookup(args=[self.key_prefix, len(roles), *roles, hex_blob(block_hashes)])
         except (redis.RedisError, OSError) as exc:
-            self.num_lookup_failures += 1
             if self._breaker.allow():
                 log.warning("prefix index unavailable, routing without it for %.1fs: %s",
                             self._breaker.cooldown_s, exc)
@@ -330,8 +331,27 @@ def _check_status(status: int, worker_id: str, epoch: int) -> None:
         raise WorkerNotRegistered(f"worker {worker_id!r} epoch {epoch} is superseded")
 
 
+_IDENTITY = (("grpc", "grpc_endpoint", str), ("host_id", "host_id", str), ("block_size", "block_size", int),
+             ("fingerprint", "fingerprint", str), ("max_model_len", "max_model_len", int))
+"""(JSON key, WorkerInfo field, type) of the identity a worker registers."""
+
+
+def worker_to_record(worker: WorkerInfo) -> str:
+    """The JSON `endpoints` field of a worker's record: its identity fields that are set."""
+    defaults = WorkerInfo(worker.worker_id, worker.role)
+    return json.dumps({key: getattr(worker, name) for key, name, _ in _IDENTITY
+                       if getattr(worker, name) != getattr(defaults, name)}, sort_keys=True)
+
+
+def worker_from_record(worker_id: str, role: str, record: str, **load: int) -> WorkerInfo:
+    """A WorkerInfo from its record's `endpoints` JSON (worker_to_record) and its epoch and load fields.
+    Older records carried the numbers as strings; they are converted."""
+    raw = json.loads(record) if record else {}
+    identity = {name: kind(raw[key]) for key, name, kind in _IDENTITY if key in raw}
+    return WorkerInfo(worker_id=worker_id, role=role, **identity, **load)
+
+
 def _worker_from_row(row: list) -> WorkerInfo:
     worker_id, _, role, epoch, endpoints, capacity_blocks, free_blocks, running, waiting = row
-    return WorkerInfo(worker_id=worker_id, role=role, endpoints=json.loads(endpoints), epoch=int(epoch),
-                      capacity_blocks=int(capacity_blocks), free_blocks=int(free_blocks),
-                      running=int(running), waiting=int(waiting))
+    return worker_from_record(worker_id, role, endpoints, epoch=int(epoch), capacity_blocks=int(capacity_blocks),
+                              free_blocks=int(free_blocks), running=int(running), waiting=int(waiting))

@@ -28,7 +28,7 @@ class IndexPublisher:
     the pool from its own thread. Any failure (Redis down, record expired, epoch superseded, more than
     ``max_pending_hashes`` pending) drops the pending events, counted in ``num_dropped_events``; the
     next successful cycle registers under a new epoch and re-publishes the full mirrored set.
-    Retries back off from 50 ms to 2 s. Works with ``LocalPrefixIndex`` too.
+    Retries back off from 50 ms to 2 s.
     """
 
     _MIN_BACKOFF_S = 0.05

@@ -128,9 +128,10 @@ class Registration:
     def __init__(self, redis_url: str | None, worker_id: str, role: str, endpoint: str, engine: LLMEngine,
                  ttl_s: float) -> None:
         stats = engine.stats()
-        self.worker = WorkerInfo(worker_id, role, endpoints={
-            "grpc": endpoint, "host_id": host_id(), "block_size": str(engine.config.block_size),
-            "fingerprint": engine.fingerprint, "max_model_len": str(engine.max_model_len)}, capacity_blocks=stats["num_blocks"], free_blocks=stats["free_blocks"])
+        self.worker = WorkerInfo(worker_id, role, grpc_endpoint=endpoint, host_id=host_id(),
+                                 block_size=engine.config.block_size, fingerprint=engine.fingerprint,
+                                 max_model_len=engine.max_model_len, capacity_blocks=stats["num_blocks"],
+                                 free_blocks=stats["free_blocks"])
         self.publisher = None
         if redis_url:
             self.publisher = IndexPublisher(PrefixIndex(redis_url, worker_ttl_s=ttl_s), self.worker,

@@ -106,7 +106,7 @@ class Cluster:
         return handle
 
     def endpoint(self, worker_id: str) -> str:
-        return next(w.endpoints["grpc"] for w in self.index.list_workers() if w.worker_id == worker_id)
+        return next(w.grpc_endpoint for w in self.index.list_workers() if w.worker_id == worker_id)
 
     def stats(self, worker_id: str) -> worker_pb2.WorkerStats:
         with grpc.insecure_channel(self.endpoint(worker_id)) as channel:

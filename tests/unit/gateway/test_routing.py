@@ -13,12 +13,11 @@ POLICY = RoutingPolicy(block_size=16, fingerprint=FP, local_prefill_threshold=32
                        prefill_load_penalty_tokens=100, decode_load_penalty_blocks=2)
 
 
-def worker(worker_id, role, *, free=100, running=0, waiting=0, block_size="16", fingerprint=FP, grpc=True):
-    endpoints = {"host_id": "h", "block_size": block_size, "fingerprint": fingerprint}
-    if grpc:
-        endpoints["grpc"] = f"127.0.0.1:{5000 + len(worker_id)}"
-    return WorkerInfo(worker_id, role, endpoints, epoch=1, capacity_blocks=100, free_blocks=free,
-                      running=running, waiting=waiting)
+def worker(worker_id, role, *, free=100, running=0, waiting=0, block_size=16, fingerprint=FP, grpc=True):
+    endpoint = f"127.0.0.1:{5000 + len(worker_id)}" if grpc else ""
+    return WorkerInfo(worker_id, role, endpoint, epoch=1, capacity_blocks=100, free_blocks=free,
+                      running=running, waiting=waiting, block_size=block_size, fingerprint=fingerprint,
+                      host_id="h")
 
 
 def match(w, blocks=0):
@@ -32,10 +31,10 @@ def ids(candidates):
 # --------------------------------------------------------------------------------------------- compatibility
 def test_incompatible_workers_are_named_and_ignored():
     good = worker("d-good", "decode")
-    wrong_bs = worker("d-bs", "decode", block_size="32")
+    wrong_bs = worker("d-bs", "decode", block_size=32)
     wrong_fp = worker("d-fp", "decode", fingerprint="other")
     no_grpc = worker("d-nogrpc", "decode", grpc=False)
-    missing = WorkerInfo("d-old", "decode", {"grpc": "x:1"})
+    missing = WorkerInfo("d-old", "decode", "x:1")
     assert incompatibility(good, POLICY) is None
     assert "block_size" in incompatibility(wrong_bs, POLICY)
     assert "fingerprint" in incompatibility(wrong_fp, POLICY)
