@@ -23,7 +23,18 @@ class GatewayConfig:
     block_size: int = 16
     """KV block size in tokens; must equal the workers' (checked against their registration)."""
     max_inflight: int = 256
-    """Requests admitted at once; one more gets RESOURCE_EXHAUSTED."""
+    """Requests admitted at once (queued ones included); one more gets RESOURCE_EXHAUSTED."""
+    max_queued: int = 256
+    """Admitted requests that may wait in the gateway for room on a decode worker when every one is full
+    (or too slow to answer Reserve); one more gets RESOURCE_EXHAUSTED at once. 0 disables the queue."""
+    queue_timeout_s: float = 5.0
+    """Longest wait of a queued request (within its deadline) before RESOURCE_EXHAUSTED with a retry hint."""
+    token_timeout_s: float = 60.0
+    """Longest wait for the next message of a decode stream (the first one includes a local prefill and the
+    decode worker's own queue); a stream silent for longer fails with UNAVAILABLE (a hung worker)."""
+    max_request_bytes: int = 4 << 20
+    """Largest request body: HTTP bodies (413 beyond) and gRPC messages (grpc.max_receive_message_length;
+    RESOURCE_EXHAUSTED beyond, decided by grpc before the gateway sees the message)."""
     local_prefill_threshold: int = 32
     """When fewer prompt tokens than this are missing from the chosen decode worker's cache, it prefills
     them itself instead of involving a prefill worker (conditional disaggregation)."""
@@ -55,7 +66,8 @@ class GatewayConfig:
         if not -1 <= self.http_port < 65536:
             raise ValueError(f"GatewayConfig.http_port must be in [0, 65535], or -1 for no HTTP API, "
                              f"got {self.http_port}")
-        for name in ("block_size", "max_inflight", "lease_ms", "prefill_attempts", "max_prefill_load"):
+        for name in ("block_size", "max_inflight", "lease_ms", "prefill_attempts", "max_prefill_load",
+                     "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GatewayConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.routing not in ("prefix", "round-robin"):
@@ -65,6 +77,11 @@ class GatewayConfig:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"GatewayConfig.max_model_len must be >= 2 (a prompt token and a generated one), "
                              f"got {self.max_model_len}")
+        if self.max_queued < 0:
+            raise ValueError(f"GatewayConfig.max_queued must be >= 0, got {self.max_queued}")
+        for name in ("queue_timeout_s", "token_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"GatewayConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"GatewayConfig.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

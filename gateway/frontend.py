@@ -2,7 +2,7 @@
 gateway.http_front): admission, the orchestrator, metrics, and the calls a drain waits for.
 
     with frontend.call("http", "completions") as call:     # counted in flight; its status recorded on leaving
-        req = validate_prompt(fields, prompt, frontend.model, frontend.tokenizer, frontend.running_ids)
+        req = await frontend.validate(parse_completion, body)  # on a thread: tokenizing never blocks the loop
         async with contextlib.aclosing(call.generate(req, deadline=None)) as chunks:
             async for chunk in chunks: ...
 
@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from engine.tokenizer import Tokenizer
 from gateway.metrics import GatewayMetrics
@@ -24,6 +27,10 @@ from gateway.orchestrator import Orchestrator
 from gateway.request_types import OutputChunk, RequestTrace, error_code
 from gateway.validation import GenerationRequest, ModelSpec
 
+T = TypeVar("T")
+NUM_VALIDATION_THREADS = 4
+"""Threads that validate, render chat templates and tokenize (off the event loop, so a long prompt never delays
+another request's first byte; prompts that cannot fit are refused before tokenizing, see gateway.validation)."""
 
 class ActiveCalls:
     """Public requests whose response has not been sent yet. The drain waits for these (health Watch streams
@@ -78,6 +85,15 @@ class Frontend:
         self.orchestrator = orchestrator
         self.metrics = metrics
         self.active = ActiveCalls()
+        self._validation = ThreadPoolExecutor(NUM_VALIDATION_THREADS, thread_name_prefix="gateway-validate")
+
+    async def validate(self, validate: Callable[..., T], body) -> T:
+        """`validate(body, model, tokenizer, running_ids)` (gateway.validation / openai_protocol) on a thread."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._validation, functools.partial(validate, body, self.model, self.tokenizer, self.running_ids))
+
+    def close(self) -> None:
+        self._validation.shutdown(wait=False, cancel_futures=True)
 
     @property
     def running_ids(self) -> set[str]:

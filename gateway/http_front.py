@@ -12,8 +12,13 @@ have OpenAI's shape {"error": {"message", "type", "param", "code"}}; `code` is t
 
     400  invalid_request_error   a bad parameter (`param` names it); malformed JSON (`param` null)
     404  invalid_request_error   `model` is not served here (code "model_not_found"); an unknown path
-    429  rate_limit_error        the gateway or every decode worker is full; Retry-After header (seconds)
-    503  service_unavailable     no decode worker serves the model, one failed, or the gateway is draining
+    413  invalid_request_error   the body is larger than max_request_bytes
+    415  invalid_request_error   a POST body whose Content-Type is not application/json (a web page can send
+                                 text/plain or form bodies cross-origin without a preflight)
+    429  rate_limit_error        the gateway or every decode worker is full (after the gateway's queue);
+                                 Retry-After header (seconds)
+    503  service_unavailable     no live decode worker serves the model, one failed or hung mid-request, or
+                                 the gateway is draining
     504  timeout_error           the X-Request-Timeout header's deadline (seconds from arrival) passed
     500  internal_error          a bug: logged with its traceback; the client gets one line
 
@@ -39,12 +44,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from engine.errors import InvalidRequestError
 from gateway.frontend import Call, Frontend
 from gateway.openai_protocol import OpenAIRequest, ResponseBuilder, parse_chat, parse_completion
+from gateway.discovery import WorkerDirectory
 from gateway.request_types import RETRY_AFTER_MS, ClientGone, ShuttingDown, error_code
+from gateway.validation import ModelNotFound
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 32 << 20
-"""Largest request body (a long prompt as token ids is ~10 bytes per token)."""
 FLUSH_TIMEOUT_S = 1.0
 """On close: how long handlers still running get before they are cancelled (the drain already waited)."""
 TIMEOUT_HEADER = "X-Request-Timeout"
@@ -54,6 +59,7 @@ HTTP_STATUS = {"OK": 200, "INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429, "U
                "DEADLINE_EXCEEDED": 504, "CANCELLED": 499, "INTERNAL": 500}
 """request_types.error_code -> HTTP status (499, client closed the connection, is never sent)."""
 _ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+                413: "invalid_request_error", 415: "invalid_request_error",
                 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout_error"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _dumps = functools.partial(json.dumps, ensure_ascii=False, separators=(",", ":"))
@@ -69,9 +75,11 @@ def error_of(exc: BaseException) -> tuple[int, dict, dict[str, str]]:
     code = error_code(exc)
     status, param, headers = HTTP_STATUS[code], None, {}
     message = str(exc)
+    if isinstance(exc, BodyRefused):
+        return exc.status, error_object(message, exc.status, None, exc.code), headers
     if isinstance(exc, InvalidRequestError):
         param = None if exc.field == "body" else exc.field
-        if exc.field == "model":
+        if isinstance(exc, ModelNotFound):
             return 404, error_object(message, 404, param, "model_not_found"), headers
     elif code == "RESOURCE_EXHAUSTED":
         retry_ms = getattr(exc, "retry_after_ms", RETRY_AFTER_MS)
@@ -96,11 +104,25 @@ def _event(obj: dict) -> bytes:
     return b"data: " + _dumps(obj).encode() + b"\n\n"
 
 
-async def _read_json(request: web.Request):
+class BodyRefused(InvalidRequestError):
+    """A body refused before it is parsed: too large (413) or not JSON by its Content-Type (415)."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__("body", message)
+        self.status = status
+        self.code = code
+
+
+async def _read_json(request: web.Request, max_bytes: int):
+    if request.content_type != "application/json":
+        raise BodyRefused(415, "unsupported_media_type",
+                          f"Content-Type must be application/json, got {request.content_type!r}")
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise BodyRefused(413, "request_entity_too_large", f"is larger than {max_bytes} bytes")
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise InvalidRequestError("body", f"is larger than {MAX_BODY_BYTES} bytes") from None
+        raise BodyRefused(413, "request_entity_too_large", f"is larger than {max_bytes} bytes") from None
     try:
         return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -123,13 +145,15 @@ def _deadline(request: web.Request, arrival: float) -> float | None:
 class HttpFront:
     """The aiohttp application and its listening socket; the gateway's server starts, drains and closes it."""
 
-    def __init__(self, frontend: Frontend, directory) -> None:
-        """`directory`: gateway.server.WorkerDirectory (live workers for /health and the worker gauges)."""
+    def __init__(self, frontend: Frontend, directory: WorkerDirectory, max_request_bytes: int = 4 << 20) -> None:
+        """`directory`: live workers and their health (/health, the worker gauges); `max_request_bytes`: the
+        largest body (GatewayConfig.max_request_bytes)."""
         self._frontend = frontend
         self._directory = directory
+        self._max_request_bytes = max_request_bytes
         self._created = int(time.time())
         self.draining = False
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
+        app = web.Application(client_max_size=max_request_bytes, middlewares=[self._errors])
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat_completions),
                         web.get("/v1/models", self.models), web.get("/health", self.health),
@@ -176,11 +200,10 @@ class HttpFront:
     async def health(self, request: web.Request) -> web.Response:
         if self.draining:
             return _json({"status": "draining"}, 503)
-        workers = await self._directory.list_workers()
-        usable = [w for w in workers if self._directory.is_usable(w)]
-        num_decode = sum(w.role == "decode" for w in usable)
-        body = {"status": "ok" if num_decode else "no decode worker serves this model",
-                "decode_workers": num_decode, "prefill_workers": len(usable) - num_decode}
+        workers = [w for w in await self._directory.list_workers() if self._directory.is_usable(w)]
+        num_decode = len(await self._directory.live_decode_workers())
+        body = {"status": "ok" if num_decode else "no live decode worker serves this model",
+                "decode_workers": num_decode, "prefill_workers": sum(w.role == "prefill" for w in workers)}
         return _json(body, 200 if num_decode else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -196,7 +219,7 @@ class HttpFront:
             with f.active.hold(), f.call("http", endpoint) as call:
                 if self.draining:
                     raise ShuttingDown("the gateway is shutting down; retry on another one")
-                parsed = parse(await _read_json(request), f.model, f.tokenizer, f.running_ids)
+                parsed = await f.validate(parse, await _read_json(request, self._max_request_bytes))
                 deadline = _deadline(request, call.arrival)
                 if parsed.stream:
                     return await self._stream(request, call, parsed, deadline)

@@ -203,7 +203,7 @@ def _renamed(exc: InvalidRequestError, max_tokens_param: str, chat: bool) -> Inv
         name = max_tokens_param
     elif name == "logprobs" and chat:
         name = "top_logprobs"
-    return InvalidRequestError(name, str(exc).partition(": ")[2])
+    return type(exc)(name, str(exc).partition(": ")[2])             # keeps ModelNotFound (HTTP 404)
 
 
 def _kind(value: Any) -> str:

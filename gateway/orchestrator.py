@@ -1,7 +1,13 @@
-"""One request's lifecycle across the workers (DESIGN section 3, steps 2-7), over grpc.aio stubs.
+"""One request's lifecycle across the workers (DESIGN section 3, steps 2-7), over a `WorkerClient`
+(gateway.worker_client: plain dataclasses and domain errors; this module imports neither grpc nor protobuf).
 
     lookup      block hashes of the prompt -> the index's matches (one Redis round trip; load-only if down)
-    reserve     D.Reserve on the best decode worker; RESOURCE_EXHAUSTED / UNAVAILABLE -> the next one
+    reserve     D.Reserve on the best decode worker; busy (WorkerBusy) or slow (WorkerTimedOut) -> the next
+                one; unreachable -> the next one, and it is reported down (gateway.discovery).
+                When every decode worker is busy or slow, the request waits in the gateway's queue (at most
+                `max_queued` requests, each at most `queue_timeout_s`) and tries again whenever a request of
+                this gateway releases decode blocks; then Overloaded (RESOURCE_EXHAUSTED, retry hint).
+                NoWorkerAvailable (UNAVAILABLE) only when no decode worker is alive.
     prefill     plan_prefill: remote -> P.Prefill(request, D's TransferTarget) on the best prefill worker;
                   on failure: Abort P, Abort D's reservation and wait for the answer (it is gone after a rejected
                   transfer, may be mid-transfer after a crash, and D may lack room for a second one), Reserve
@@ -10,6 +16,8 @@
                 local -> no P is involved; D computes what it lacks (Decode with prefill_locally)
     decode      D.Decode streams token ids; the gateway detokenizes incrementally (UTF-8 safe), applies stop
                 strings and yields `OutputChunk`s; the last one carries finish_reason, usage and timings.
+                A stream that sends nothing for `token_timeout_s` (a hung worker), breaks or fails ends the
+                request with WorkerFailed (UNAVAILABLE) after the chunks already yielded.
 
 Every RPC carries the remaining deadline (control RPCs at most CONTROL_TIMEOUT_S). Exactly the workers still
 holding something for the request are aborted when it ends early (client cancel, deadline, stop string,
@@ -19,8 +27,6 @@ Aborts are best effort, run as background tasks (they must outlive a cancelled h
 at once could overtake it on D and find nothing, leaving the reservation to its lease.
 Worker-side request ids are the request's id, then "<id>.retry<n>" for later reservations, so a late transfer
 from a crashed P can never land in a new reservation.
-
-Protobuf stays on the worker side of this module; callers get plain `OutputChunk`s.
 """
 
 from __future__ import annotations
@@ -30,70 +36,69 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence, Set
 from dataclasses import dataclass
-
-import grpc
+from typing import Protocol
 
 from engine.errors import InvalidRequestError
 from engine.sequence import FinishReason, TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from gateway.routing import (Candidate, DispatchedPrefixes, RoutingPolicy, plan_prefill, rank_decode_workers,
-                             rank_prefill_workers)
 from gateway.request_types import (DeadlineExceeded, NoWorkerAvailable, OutputChunk, Overloaded, RequestTrace,
                                     Timings, Usage, WorkerFailed)
+from gateway.routing import (Candidate, DispatchedPrefixes, RoutingPolicy, plan_prefill, rank_decode_workers,
+                             rank_prefill_workers)
 from gateway.stop_strings import StopStringMatcher
 from gateway.validation import GenerationRequest
+from gateway.worker_types import (DecodeMessage, PrefillResult, TransferTarget, WorkerBusy, WorkerError, WorkerJob,
+                                   WorkerTimedOut, WorkerUnreachable)
 from kvstore.hashing import hash_prompt_blocks
 from kvstore.local_index import PrefixMatch
-from protos.convert import finish_reason_from_pb, logprob_from_pb, sampling_to_pb
-from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_S = 5.0
-"""Longest wait for Reserve, Abort and Stats (they do no compute; a worker that takes longer is unwell)."""
+"""Longest wait for Reserve and Abort (they do no compute; a worker that takes longer is overloaded or unwell)."""
 SUSPECT_S = 5.0
 """A worker that was unreachable is ranked last for this long (its index record outlives it by up to its TTL)."""
 DISPATCHED_HOLD_S = 5.0
 """After a Prefill succeeds, its blocks count as cached on that prefill worker for this long, whatever the index
 says (the worker publishes them within milliseconds; this covers a slow Redis and a publisher retrying)."""
-CHANNEL_OPTIONS = [
-    # Reconnect quickly to a restarted worker instead of grpc's default back-off of up to 2 minutes.
-    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-    ("grpc.max_receive_message_length", 8 << 20),
-]
+QUEUE_POLL_S = 0.2
+"""A queued request also retries this often (room may come from another gateway's requests)."""
 
 
-# ------------------------------------------------------------------------------------------------------ channels
-class ChannelPool:
-    """One grpc.aio channel per worker endpoint, shared by every request (channels multiplex calls)."""
+class WorkerClient(Protocol):
+    """The worker RPCs the orchestrator uses (gateway.worker_client.ChannelPool; in-memory fakes in tests).
+    Errors: InvalidRequestError and gateway.worker_client.WorkerError subclasses."""
 
-    def __init__(self) -> None:
-        self._channels: dict[str, grpc.aio.Channel] = {}
+    async def reserve(self, endpoint: str, job: WorkerJob, lease_ms: int,
+                      timeout: float | None) -> TransferTarget: ...
 
-    def channel(self, endpoint: str) -> grpc.aio.Channel:
-        channel = self._channels.get(endpoint)
-        if channel is None:
-            channel = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
-        return channel
+    async def prefill(self, endpoint: str, job: WorkerJob, target: TransferTarget,
+                      timeout: float | None) -> PrefillResult: ...
 
-    def decode(self, endpoint: str) -> worker_pb2_grpc.DecodeWorkerStub:
-        return worker_pb2_grpc.DecodeWorkerStub(self.channel(endpoint))
+    def decode(self, endpoint: str, request_id: str, handle: str, first: PrefillResult | None,
+               timeout: float | None) -> AsyncIterator[DecodeMessage]: ...
 
-    def prefill(self, endpoint: str) -> worker_pb2_grpc.PrefillWorkerStub:
-        return worker_pb2_grpc.PrefillWorkerStub(self.channel(endpoint))
+    async def abort(self, endpoint: str, role: str, request_id: str, timeout: float | None) -> bool: ...
 
-    async def close(self) -> None:
-        channels, self._channels = list(self._channels.values()), {}
-        for channel in channels:
-            await channel.close()
+    async def close(self) -> None: ...
 
 
-# ------------------------------------------------------------------------------------------------------ lifecycle
 Lookup = Callable[[Sequence[int]], Awaitable[list[PrefixMatch]]]
 """block hashes -> every live worker (both roles) with its leading cached blocks; never raises."""
+
+
+@dataclass(frozen=True)
+class OrchestratorLimits:
+    """The orchestrator's bounds (GatewayConfig fields of the same names)."""
+
+    lease_ms: int = 30_000
+    prefill_attempts: int = 2
+    max_inflight: int = 256
+    max_queued: int = 256
+    queue_timeout_s: float = 5.0
+    token_timeout_s: float = 60.0
 
 
 class _PrefillFailed(Exception):
@@ -114,38 +119,41 @@ def _is_past(deadline: float | None) -> bool:
     return deadline is not None and time.monotonic() >= deadline
 
 
-def _invalid_from_status(err: grpc.aio.AioRpcError) -> InvalidRequestError:
-    field_name, sep, message = (err.details() or "").partition(": ")
-    return InvalidRequestError(field_name, message) if sep else InvalidRequestError("request", err.details() or "")
-
-
 def check_context(req: GenerationRequest, decode_ranked: list[Candidate]) -> None:
     """Refuse a prompt no decode worker can hold: workers lower their context to what their KV cache fits and
-    register it, which the gateway's own limit (from the model file) cannot know."""
-    contexts = [int(c.worker.endpoints["max_model_len"]) for c in decode_ranked if "max_model_len" in c.worker.endpoints]
+    register it, which the gateway's own limit (from the model file) cannot know. 0 means not reported."""
+    contexts = [c.worker.max_model_len for c in decode_ranked if c.worker.max_model_len]
     if contexts and req.num_prompt_tokens >= max(contexts):
         raise InvalidRequestError("prompt", f"has {req.num_prompt_tokens} tokens; the decode workers hold at most "
                                             f"{max(contexts)} (prompt plus at least one generated token)")
 
 
 class Orchestrator:
-    """Runs requests across the workers; owns the per-worker in-flight counts and the suspects list."""
+    """Runs requests across the workers; owns the per-worker in-flight counts, the suspects list and the queue.
+
+    `on_unreachable(endpoint)` is told of every worker found unreachable (gateway.discovery marks it down);
+    `down()` names the endpoints known down now (ranked last, like suspects)."""
 
     def __init__(self, policy: RoutingPolicy, root_hash: int, tokenizer: Tokenizer, lookup: Lookup,
-                 channels: ChannelPool, *, lease_ms: int, prefill_attempts: int, max_inflight: int) -> None:
+                 client: WorkerClient, limits: OrchestratorLimits = OrchestratorLimits(), *,
+                 on_unreachable: Callable[[str], None] = lambda endpoint: None,
+                 down: Callable[[], Set[str]] = frozenset) -> None:
         self.policy = policy
         self.root_hash = root_hash
         self.tokenizer = tokenizer
         self.lookup = lookup
-        self.channels = channels
-        self.lease_ms = lease_ms
-        self.prefill_attempts = prefill_attempts
-        self.max_inflight = max_inflight
+        self.client = client
+        self.limits = limits
+        self.on_unreachable = on_unreachable
+        self.down = down
         self.running_ids: set[str] = set()
         """Request ids in flight on this gateway (validation refuses a duplicate)."""
+        self.num_queued = 0
+        """Requests waiting for room on a decode worker."""
         self._inflight: Counter[str] = Counter()
         self._turns: Counter[str] = Counter()                    # per role, for round-robin routing
         self._suspect_until: dict[str, float] = {}
+        self._room = asyncio.Event()
         self.dispatched = DispatchedPrefixes(DISPATCHED_HOLD_S)
         """Prompt blocks sent to prefill workers that the index may not know yet (routing.DispatchedPrefixes)."""
         self._background: set[asyncio.Task] = set()
@@ -154,8 +162,8 @@ class Orchestrator:
     @contextlib.contextmanager
     def admit(self, request_id: str):
         """Hold one of max_inflight slots and the request id for the request's whole life."""
-        if len(self.running_ids) >= self.max_inflight:
-            raise Overloaded(f"the gateway is at its limit of {self.max_inflight} requests in flight")
+        if len(self.running_ids) >= self.limits.max_inflight:
+            raise Overloaded(f"the gateway is at its limit of {self.limits.max_inflight} requests in flight")
         self.running_ids.add(request_id)
         try:
             yield
@@ -163,10 +171,10 @@ class Orchestrator:
             self.running_ids.discard(request_id)
 
     async def close(self, timeout_s: float = CONTROL_TIMEOUT_S) -> None:
-        """Wait (bounded) for pending aborts, then close the channels."""
+        """Wait (bounded) for pending aborts, then close the worker client."""
         if self._background:
             await asyncio.wait(list(self._background), timeout=timeout_s)
-        await self.channels.close()
+        await self.client.close()
 
     # --- one request ------------------------------------------------------------------------------------------
     async def generate(self, req: GenerationRequest, *, deadline: float | None, arrival: float,
@@ -186,19 +194,32 @@ class Orchestrator:
         return self._inflight.get(worker_id, 0)
 
     # --- helpers used by _Run ---------------------------------------------------------------------------------
-    def suspects(self) -> set[str]:
+    def suspects(self, matches: Sequence[PrefixMatch] = ()) -> set[str]:
+        """Worker ids ranked last: recently failed, or (among `matches`) with an endpoint known down."""
         now = time.monotonic()
         for worker_id in [w for w, until in self._suspect_until.items() if until <= now]:
             del self._suspect_until[worker_id]
-        return set(self._suspect_until)
+        down = self.down()
+        return set(self._suspect_until) | {m.worker.worker_id for m in matches if m.worker.grpc_endpoint in down}
 
     def take_turn(self, role: str) -> int:
         turn = self._turns[role]
         self._turns[role] += 1
         return turn
 
-    def mark_suspect(self, worker_id: str) -> None:
-        self._suspect_until[worker_id] = time.monotonic() + SUSPECT_S
+    def mark_suspect(self, candidate: Candidate, unreachable: bool) -> None:
+        self._suspect_until[candidate.worker_id] = time.monotonic() + SUSPECT_S
+        if unreachable:
+            self.on_unreachable(candidate.endpoint)
+
+    def room_freed(self) -> None:
+        """Decode blocks of this gateway's requests were released: queued requests try again."""
+        self._room.set()
+        self._room = asyncio.Event()
+
+    async def wait_for_room(self, timeout_s: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._room.wait(), timeout_s)
 
     def abort_later(self, candidate: Candidate, role: str, worker_request_id: str) -> None:
         """Best-effort Abort in a background task (it must run even when the request's task is cancelled)."""
@@ -214,10 +235,10 @@ class Orchestrator:
         async def run() -> None:
             try:
                 await reserve_call
-            except grpc.aio.AioRpcError as err:
-                if err.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT,
-                                  grpc.StatusCode.UNAVAILABLE):
-                    return                           # nothing was reserved
+            except (WorkerBusy, WorkerUnreachable, InvalidRequestError):
+                return                           # nothing was reserved
+            except Exception:
+                pass                             # it may have reserved (e.g. answered after our timeout)
             await self._abort(candidate, "decode", worker_request_id)
 
         self._spawn(run())
@@ -229,20 +250,19 @@ class Orchestrator:
         return task
 
     async def _abort(self, candidate: Candidate, role: str, worker_request_id: str) -> None:
-        stub = self.channels.decode(candidate.endpoint) if role == "decode" else \
-            self.channels.prefill(candidate.endpoint)
         try:
-            await stub.Abort(worker_pb2.AbortRequest(request_id=worker_request_id), timeout=CONTROL_TIMEOUT_S)
-        except grpc.aio.AioRpcError as err:
-            log.warning("Abort(%s) on %s worker %s failed: %s %s", worker_request_id, role, candidate.worker_id,
-                        err.code().name, err.details())
+            await self.client.abort(candidate.endpoint, role, worker_request_id, CONTROL_TIMEOUT_S)
+        except (WorkerError, InvalidRequestError) as err:
+            log.warning("Abort(%s) on %s worker %s failed: %s", worker_request_id, role, candidate.worker_id, err)
+        if role == "decode":
+            self.room_freed()
 
 
 @dataclass
 class _Reservation:
     decode: Candidate
     worker_request_id: str
-    target: worker_pb2.TransferTarget
+    target: TransferTarget
 
 
 class _Run:
@@ -255,7 +275,6 @@ class _Run:
         self.deadline = deadline
         self.arrival = arrival
         self.trace = trace
-        self.sampling_pb = sampling_to_pb(req.sampling)          # stop strings stay here
         self.reservation: _Reservation | None = None             # live on D until its stream finishes
         self.prefilling: tuple[Candidate, str] | None = None     # P and worker-side id while Prefill runs
         self.num_reservations = 0
@@ -286,27 +305,18 @@ class _Run:
     def _ms(self, t: float) -> float:
         return (t - self.arrival) * 1000.0
 
-    def _worker_request(self, worker_request_id: str) -> worker_pb2.WorkerRequest:
-        return worker_pb2.WorkerRequest(request_id=worker_request_id, prompt_token_ids=self.req.prompt_token_ids,
-                                        sampling=self.sampling_pb, cache_salt=self.req.cache_salt,
-                                        seed=self.req.sampling.seed)
+    def _job(self, worker_request_id: str) -> WorkerJob:
+        return WorkerJob(worker_request_id, self.req.prompt_token_ids, self.req.sampling, self.req.cache_salt)
 
     # --- steps ------------------------------------------------------------------------------------------------
     async def execute(self) -> AsyncIterator[OutputChunk]:
         orch, req, policy = self.orch, self.req, self.orch.policy
         hashes = hash_prompt_blocks(req.prompt_token_ids, policy.block_size, orch.root_hash, req.cache_salt or None)
-        matches = await orch.lookup(hashes)
-        suspects = orch.suspects()
-        decode_ranked = rank_decode_workers(matches, policy, req.num_prompt_tokens, orch._inflight, suspects,
-                                            orch.take_turn("decode"))
-        if not decode_ranked:
-            raise NoWorkerAvailable("no live decode worker serves this model")
-        check_context(req, decode_ranked)
-        await self._reserve(decode_ranked)
+        matches, decode_ranked = await self._reserve_or_queue(hashes)
 
         # Ranked now, not before Reserve: with no await between ranking and _prefill counting its choice, a
         # burst of requests sees each other's prefills and spreads over the prefill workers.
-        prefill_ranking = rank_prefill_workers(matches, policy, orch._inflight, orch.suspects(),
+        prefill_ranking = rank_prefill_workers(matches, policy, orch._inflight, orch.suspects(matches),
                                                orch.take_turn("prefill"),
                                                orch.dispatched.leading_blocks(hashes, time.monotonic()))
         num_cached_on_decode = self.reservation.target.num_cached_blocks * policy.block_size
@@ -315,7 +325,7 @@ class _Run:
         if plan.local:
             self.trace.local_reason = plan.reason
         else:
-            for candidate in plan.candidates[:orch.prefill_attempts]:
+            for candidate in plan.candidates[:orch.limits.prefill_attempts]:
                 try:
                     prefill = await self._prefill(candidate, hashes)
                     break
@@ -332,55 +342,90 @@ class _Run:
         async for chunk in self._decode(prefill):
             yield chunk
 
+    async def _reserve_or_queue(self, hashes: Sequence[int]) -> tuple[list[PrefixMatch], list[Candidate]]:
+        """Look up and Reserve; while every decode worker is busy, wait in the gateway's queue (module doc)."""
+        orch, limits = self.orch, self.orch.limits
+        give_up = time.monotonic() + limits.queue_timeout_s
+        if self.deadline is not None:
+            give_up = min(give_up, self.deadline)
+        queued = False
+        try:
+            while True:
+                matches = await orch.lookup(hashes)
+                decode_ranked = rank_decode_workers(matches, orch.policy, self.req.num_prompt_tokens, orch._inflight,
+                                                    orch.suspects(matches), orch.take_turn("decode"))
+                if not decode_ranked:
+                    raise NoWorkerAvailable("no live decode worker serves this model")
+                check_context(self.req, decode_ranked)
+                try:
+                    await self._reserve(decode_ranked)
+                    return matches, decode_ranked
+                except Overloaded as exc:
+                    if not queued:
+                        if orch.num_queued >= limits.max_queued:
+                            raise Overloaded(f"{exc}; the gateway's queue is full ({limits.max_queued})") from exc
+                        orch.num_queued += 1
+                        queued = True
+                    left = give_up - time.monotonic()
+                    if left <= 0:
+                        if _is_past(self.deadline):
+                            raise DeadlineExceeded("the request's deadline passed while queued") from exc
+                        raise Overloaded(f"{exc}; waited {limits.queue_timeout_s:g}s in the gateway's queue") \
+                            from exc
+                    await orch.wait_for_room(min(left, QUEUE_POLL_S))
+        finally:
+            if queued:
+                orch.num_queued -= 1
+
     async def _reserve(self, candidates: Sequence[Candidate]) -> None:
-        """Reserve on the first decode worker that has room; sets self.reservation."""
+        """Reserve on the first decode worker that has room; sets self.reservation. Raises Overloaded when every
+        one that answered was full or slow, NoWorkerAvailable when none could be reached."""
         worker_request_id = self.req.request_id if self.num_reservations == 0 else \
             f"{self.req.request_id}.retry{self.num_reservations}"
         self.num_reservations += 1
-        request = worker_pb2.ReserveRequest(request=self._worker_request(worker_request_id),
-                                            lease_ms=self.orch.lease_ms)
-        num_full = 0
+        job = self._job(worker_request_id)
+        num_busy = 0
         for candidate in candidates:
-            call = asyncio.ensure_future(self.orch.channels.decode(candidate.endpoint).Reserve(
-                request, timeout=_remaining(self.deadline, CONTROL_TIMEOUT_S)))
+            call = asyncio.ensure_future(self.orch.client.reserve(
+                candidate.endpoint, job, self.orch.limits.lease_ms, _remaining(self.deadline, CONTROL_TIMEOUT_S)))
             self._count(candidate.worker_id, 1)      # before awaiting, so concurrent rankings see it
             try:
                 # Shielded: a cancelled caller must not cancel the RPC, whose reservation is then aborted once
                 # D has made it (an Abort racing ahead of the Reserve would find nothing).
-                response = await asyncio.shield(call)
+                target = await asyncio.shield(call)
             except asyncio.CancelledError:
                 self.orch.abort_after(call, candidate, worker_request_id)
                 raise
-            except grpc.aio.AioRpcError as err:
+            except InvalidRequestError:
                 self._count(candidate.worker_id, -1)
-                code = err.code()
-                if code == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise _invalid_from_status(err) from err
-                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    num_full += 1
-                    continue
+                raise
+            except WorkerBusy:
+                self._count(candidate.worker_id, -1)
+                num_busy += 1
+                continue
+            except WorkerError as err:
+                self._count(candidate.worker_id, -1)
                 if _is_past(self.deadline):
                     raise DeadlineExceeded("the request's deadline passed while reserving") from err
-                if code == grpc.StatusCode.UNAVAILABLE:
-                    self.orch.mark_suspect(candidate.worker_id)
-                else:  # it may hold blocks for us (e.g. it answered after our timeout)
+                if isinstance(err, WorkerUnreachable):
+                    self.orch.mark_suspect(candidate, unreachable=True)
+                else:   # slow (alive: overload, not outage) or failed; it may hold blocks for us
+                    num_busy += isinstance(err, WorkerTimedOut)
                     self.orch.abort_later(candidate, "decode", worker_request_id)
-                log.warning("Reserve on decode worker %s failed (%s: %s); trying the next one",
-                            candidate.worker_id, code.name, err.details())
+                log.warning("Reserve on decode worker %s failed (%s); trying the next one", candidate.worker_id, err)
                 continue
-            self.reservation = _Reservation(candidate, worker_request_id, response.target)
+            self.reservation = _Reservation(candidate, worker_request_id, target)
             self.trace.decode_worker = candidate.worker_id
             self.reserved_at = time.monotonic()
-            self.cached_on_decode = response.target.num_cached_blocks * self.orch.policy.block_size
+            self.cached_on_decode = target.num_cached_blocks * self.orch.policy.block_size
             return
-        if num_full:
+        if num_busy:
             raise Overloaded(f"no decode worker has room for {self.req.num_prompt_tokens} prompt tokens "
-                             f"({num_full} full)")
+                             f"({num_busy} full or too slow to answer)")
         raise NoWorkerAvailable("no decode worker answered Reserve")
 
-    async def _prefill(self, candidate: Candidate,
-                       hashes: Sequence[int]) -> tuple[worker_pb2.PrefillResponse, float]:
-        """Prefill on `candidate` into the current reservation; returns (response, RPC wall ms). `hashes`: the
+    async def _prefill(self, candidate: Candidate, hashes: Sequence[int]) -> tuple[PrefillResult, float]:
+        """Prefill on `candidate` into the current reservation; returns (result, RPC wall ms). `hashes`: the
         prompt's block hashes, remembered as dispatched to `candidate` (no await before, see execute)."""
         res = self.reservation
         self.trace.prefill_workers.append(candidate.worker_id)
@@ -390,18 +435,16 @@ class _Run:
         held = False
         start = time.monotonic()
         try:
-            response = await self.orch.channels.prefill(candidate.endpoint).Prefill(
-                worker_pb2.PrefillRequest(request=self._worker_request(res.worker_request_id), target=res.target),
-                timeout=_remaining(self.deadline))
-        except grpc.aio.AioRpcError as err:
+            result = await self.orch.client.prefill(candidate.endpoint, self._job(res.worker_request_id),
+                                                    res.target, _remaining(self.deadline))
+        except (WorkerError, InvalidRequestError) as err:
             self.orch.abort_later(candidate, "prefill", res.worker_request_id)
             self.prefilling = None
             if _is_past(self.deadline):
                 raise DeadlineExceeded("the request's deadline passed during prefill") from err
-            if err.code() == grpc.StatusCode.UNAVAILABLE:
-                self.orch.mark_suspect(candidate.worker_id)
-            log.warning("Prefill of %s on %s failed (%s: %s)", res.worker_request_id, candidate.worker_id,
-                        err.code().name, err.details())
+            if isinstance(err, WorkerUnreachable):
+                self.orch.mark_suspect(candidate, unreachable=True)
+            log.warning("Prefill of %s on %s failed (%s)", res.worker_request_id, candidate.worker_id, err)
             raise _PrefillFailed() from err
         else:
             held = True
@@ -409,63 +452,65 @@ class _Run:
             self._count(candidate.worker_id, -1)
             self.orch.dispatched.finish(candidate.worker_id, hashes, time.monotonic(), held)
         self.prefilling = None
-        return response, (time.monotonic() - start) * 1000.0
+        return result, (time.monotonic() - start) * 1000.0
 
-    async def _decode(self, prefill: tuple[worker_pb2.PrefillResponse, float] | None
-                      ) -> AsyncIterator[OutputChunk]:
-        res = self.reservation
-        local = prefill is None
-        request = worker_pb2.DecodeRequest(request_id=res.worker_request_id, handle=res.target.handle,
-                                           prefill_locally=local)
-        if not local:
-            response = prefill[0]
-            request.first_token_id = response.first_token_id
-            if response.HasField("first_logprob"):
-                request.first_logprob.CopyFrom(response.first_logprob)
+    async def _decode(self, prefill: tuple[PrefillResult, float] | None) -> AsyncIterator[OutputChunk]:
+        res, orch = self.reservation, self.orch
+        first = prefill[0] if prefill is not None else None
         decode_start = time.monotonic()
-        call = self.orch.channels.decode(res.decode.endpoint).Decode(request, timeout=_remaining(self.deadline))
-        out = _Output(self.orch.tokenizer, self.req)
+        out = _Output(orch.tokenizer, self.req)
+        token_timeout_s = orch.limits.token_timeout_s
+        stream = orch.client.decode(res.decode.endpoint, res.worker_request_id, res.target.handle, first,
+                                    _remaining(self.deadline))
         try:
-            if not local:
-                first_lp = (logprob_from_pb(response.first_logprob),) if response.HasField("first_logprob") else ()
-                chunk = out.add([response.first_token_id], first_lp)
+            if first is not None:
+                chunk = out.add([first.first_token_id], (first.first_logprob,) if first.first_logprob is not None else ())
                 self.first_token_at = time.monotonic()
                 if out.stopped:
                     yield self._final(out, chunk, FinishReason.STOP, prefill, decode_start)
                     return
                 yield chunk
-            async for msg in call:
+            while True:
+                try:
+                    msg = await asyncio.wait_for(anext(stream), token_timeout_s)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    if _is_past(self.deadline):
+                        raise DeadlineExceeded("the request's deadline passed while decoding") from None
+                    orch.mark_suspect(res.decode, unreachable=False)
+                    raise WorkerFailed(f"decode worker {res.decode.worker_id} sent nothing for {token_timeout_s:g}s "
+                                       f"after {out.num_tokens} tokens") from None
                 if msg.token_ids and self.first_token_at is None:
                     self.first_token_at = time.monotonic()
-                chunk = out.add(list(msg.token_ids), tuple(logprob_from_pb(lp) for lp in msg.logprobs))
+                chunk = out.add(list(msg.token_ids), msg.logprobs)
                 if out.stopped:
                     yield self._final(out, chunk, FinishReason.STOP, prefill, decode_start)
                     return
-                reason = finish_reason_from_pb(msg.finish_reason)
-                if reason is not None:
+                if msg.finish_reason is not None:
                     self.reservation = None          # D finished it: nothing left to abort there
+                    orch.room_freed()
                     final = out.merge(chunk, out.finish())   # the flushed tail may complete a stop string
-                    yield self._final(out, final, FinishReason.STOP if out.stopped else reason, prefill,
+                    yield self._final(out, final, FinishReason.STOP if out.stopped else msg.finish_reason, prefill,
                                       decode_start)
                     return
                 if chunk.token_ids or chunk.text:
                     yield chunk
-        except grpc.aio.AioRpcError as err:
-            code = err.code()
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED or _is_past(self.deadline):
+        except InvalidRequestError:
+            raise
+        except WorkerError as err:
+            if isinstance(err, WorkerTimedOut) or _is_past(self.deadline):
                 raise DeadlineExceeded("the request's deadline passed while decoding") from err
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
-                raise _invalid_from_status(err) from err
-            if code == grpc.StatusCode.UNAVAILABLE:
-                self.orch.mark_suspect(res.decode.worker_id)
+            orch.mark_suspect(res.decode, unreachable=isinstance(err, WorkerUnreachable))
             raise WorkerFailed(f"decode worker {res.decode.worker_id} failed after {out.num_tokens} tokens: "
-                               f"{code.name}: {err.details()}") from err
+                               f"{err}") from err
         finally:
-            call.cancel()                            # no-op when the stream already ended
-        raise WorkerFailed(f"decode worker {res.decode.worker_id} ended the stream without a finish reason")
+            await stream.aclose()
+        raise WorkerFailed(f"decode worker {res.decode.worker_id} ended the stream without a finish reason "
+                           f"after {out.num_tokens} tokens")
 
     def _final(self, out: _Output, chunk: OutputChunk, reason: FinishReason,
-               prefill: tuple[worker_pb2.PrefillResponse, float] | None, decode_start: float) -> OutputChunk:
+               prefill: tuple[PrefillResult, float] | None, decode_start: float) -> OutputChunk:
         first_token_at = self.first_token_at or time.monotonic()
         reserved_at = self.reserved_at
         if prefill is None:

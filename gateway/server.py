@@ -11,6 +11,7 @@ decided in one place, `status_of` (from request_types.error_code; applied to eve
 `ErrorMappingInterceptor`):
 
     InvalidRequestError          INVALID_ARGUMENT    "field: message"
+    unparsable request message   INVALID_ARGUMENT    "GenerateRequest: is not a valid protobuf message (...)"
     Overloaded / OverloadedError RESOURCE_EXHAUSTED  message says when to retry; trailing "retry-after-ms"
     NoWorkerAvailable            UNAVAILABLE         (retryable)
     WorkerFailed                 UNAVAILABLE         (retryable)
@@ -18,8 +19,11 @@ decided in one place, `status_of` (from request_types.error_code; applied to eve
     client cancel                CANCELLED           (recorded in the metrics only)
     anything else                INTERNAL            (logged with its traceback)
 
-Workers are discovered through the prefix index (`WorkerDirectory`); while Redis is unreachable the last
-known worker list is used with no prefix information (routing by load only). Each response stream's trailing
+Workers are discovered through the prefix index (gateway.discovery.WorkerDirectory); while Redis is unreachable
+the last known worker list is used with no prefix information (routing by load only). grpc.health.v1 ("" and
+the Generation service) is SERVING while a usable decode worker is up (WorkerDirectory.watch: within about a
+second of the last one failing, and back when one is reachable). Messages larger than max_request_bytes are
+refused by grpc (RESOURCE_EXHAUSTED). Each response stream's trailing
 metadata names the workers that served it (pdserve-decode-worker, pdserve-prefill-workers,
 pdserve-local-prefill).
 """
@@ -31,7 +35,6 @@ import contextlib
 import logging
 import signal
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,19 +50,21 @@ from gateway.config import GatewayConfig
 from gateway.frontend import Frontend
 from gateway.http_front import HttpFront
 from gateway.metrics import GatewayMetrics
-from gateway.orchestrator import ChannelPool, Orchestrator
+from gateway.discovery import WorkerDirectory
+from gateway.orchestrator import Orchestrator, OrchestratorLimits
 from gateway.request_types import RETRY_AFTER_MS, OutputChunk, error_code
-from gateway.routing import RoutingPolicy, incompatibility
-from gateway.validation import ModelSpec, validate_chat, validate_generate
+from gateway.routing import RoutingPolicy
+from gateway.validation import ModelSpec, max_bytes_per_token, validate_chat, validate_generate
+from gateway.worker_client import ChannelPool
 from kvstore.hashing import root_hash
 from kvstore.index import PrefixIndex
-from kvstore.local_index import PrefixMatch, WorkerInfo
 from protos.convert import finish_reason_to_pb, logprob_to_pb
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+_SERVICE_DESCRIPTOR = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
+_SERVICE = _SERVICE_DESCRIPTOR.full_name
 
 
 # ------------------------------------------------------------------------------------------------ status mapping
@@ -81,17 +86,49 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     await context.abort(code, details, tuple(context.trailing_metadata() or ()) + metadata)
 
 
+class _Unparsable:
+    """A request message protobuf could not parse (answered INVALID_ARGUMENT naming the message)."""
+
+    def __init__(self, message_name: str, error: Exception) -> None:
+        self.message_name = message_name
+        self.error = error
+
+
+def _tolerant(deserializer, message_name: str):
+    """`deserializer` returning an _Unparsable instead of raising (grpc would answer INTERNAL)."""
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:
+            return _Unparsable(message_name, exc)
+
+    return deserialize
+
+
+async def _refuse_unparsable(request, context) -> None:
+    if isinstance(request, _Unparsable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"{request.message_name}: is not a valid protobuf message "
+                            f"({type(request.error).__name__}: {request.error})")
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Turns exceptions escaping a Generation handler into their status (`status_of`)."""
+    """Turns exceptions escaping a Generation handler into their status (`status_of`), and request messages that
+    do not parse (bad UTF-8 in a string field, truncated bytes) into INVALID_ARGUMENT naming the message."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or not handler_call_details.method.startswith(f"/{_SERVICE}/"):
             return handler
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        message_name = _SERVICE_DESCRIPTOR.methods_by_name[method].input_type.name \
+            if method in _SERVICE_DESCRIPTOR.methods_by_name else "request"
+        deserializer = _tolerant(handler.request_deserializer, message_name)
         if handler.unary_stream is not None:
             behavior = handler.unary_stream
 
             async def unary_stream(request, context):
+                await _refuse_unparsable(request, context)
                 try:
                     async for response in behavior(request, context):
                         yield response
@@ -100,12 +137,12 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 except Exception as exc:
                     await _abort(context, exc)
 
-            return grpc.unary_stream_rpc_method_handler(unary_stream, handler.request_deserializer,
-                                                        handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(unary_stream, deserializer, handler.response_serializer)
         if handler.unary_unary is not None:
             behavior = handler.unary_unary
 
             async def unary_unary(request, context):
+                await _refuse_unparsable(request, context)
                 try:
                     return await behavior(request, context)
                 except grpc.aio.AbortError:
@@ -113,49 +150,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 except Exception as exc:
                     await _abort(context, exc)
 
-            return grpc.unary_unary_rpc_method_handler(unary_unary, handler.request_deserializer,
-                                                       handler.response_serializer)
+            return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, handler.response_serializer)
         return handler
-
-
-# ------------------------------------------------------------------------------------------------ discovery
-class WorkerDirectory:
-    """Prefix matches from the Redis index, falling back to the last known workers (no prefix hits) while the
-    index is unreachable; lookups are bounded by the index's own timeout (kvstore.index)."""
-
-    def __init__(self, index: PrefixIndex, policy: RoutingPolicy) -> None:
-        self._index = index
-        self._policy = policy
-        self._last_known: list[WorkerInfo] = []
-        self._seen: set[tuple[str, int]] = set()
-
-    async def list_workers(self) -> list[WorkerInfo]:
-        """Every live worker, compatible or not (the last known ones while the index is unreachable)."""
-        return [m.worker for m in await self.match(())]
-
-    def is_usable(self, worker: WorkerInfo) -> bool:
-        """Whether requests may be routed to `worker` (same model, block size and context as the gateway)."""
-        return incompatibility(worker, self._policy) is None
-
-    async def match(self, block_hashes: Sequence[int]) -> list[PrefixMatch]:
-        matches = await asyncio.to_thread(self._index.match, list(block_hashes))
-        if matches is None:
-            return [PrefixMatch(worker, 0) for worker in self._last_known]
-        self._last_known = [m.worker for m in matches]
-        self._warn_incompatible(self._last_known)
-        return matches
-
-    def _warn_incompatible(self, workers: Sequence[WorkerInfo]) -> None:
-        for worker in workers:
-            if (worker.worker_id, worker.epoch) in self._seen:
-                continue
-            self._seen.add((worker.worker_id, worker.epoch))
-            reason = incompatibility(worker, self._policy)
-            if reason is not None:
-                log.warning("ignoring %s worker %s: %s", worker.role, worker.worker_id, reason)
-
-    def close(self) -> None:
-        self._index.close()
 
 
 # ------------------------------------------------------------------------------------------------ servicer
@@ -193,7 +189,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         f = self.frontend
         f.active.track(context)
         with f.call("grpc", endpoint) as call:
-            req = validate(request, f.model, f.tokenizer, f.running_ids)
+            req = await f.validate(validate, request)
             async for response in self._run(call, req, context):
                 yield response
 
@@ -223,7 +219,9 @@ def load_model_spec(config: GatewayConfig) -> tuple[ModelSpec, Tokenizer]:
         max_len = min(max_len, config.max_model_len)
     name = config.served_model_name or path.stem
     spec = ModelSpec(name=name, max_model_len=max_len, vocab_size=loaded.config.vocab_size,
-                     fingerprint=quantized_fingerprint(loaded.fingerprint, config.quantization), aliases=frozenset({config.model, str(path)}))
+                     fingerprint=quantized_fingerprint(loaded.fingerprint, config.quantization),
+                     aliases=frozenset({config.model, str(path)}),
+                     max_bytes_per_token=max_bytes_per_token(loaded.tokenizer))
     return spec, loaded.tokenizer
 
 
@@ -237,23 +235,28 @@ class _Parts:
     port: int
     http: HttpFront | None
     http_port: int | None
+    health_watch: asyncio.Task | None = None
 
 
 async def _start(config: GatewayConfig, model: ModelSpec, tokenizer: Tokenizer) -> _Parts:
     policy = RoutingPolicy(block_size=config.block_size, fingerprint=model.fingerprint,
                            local_prefill_threshold=config.local_prefill_threshold,
                            max_prefill_load=config.max_prefill_load, mode=config.routing)
-    directory = WorkerDirectory(PrefixIndex(config.redis_url), policy)
-    orchestrator = Orchestrator(policy, root_hash(model.fingerprint), tokenizer, directory.match, ChannelPool(),
-                                lease_ms=config.lease_ms, prefill_attempts=config.prefill_attempts,
-                                max_inflight=config.max_inflight)
+    channels = ChannelPool()
+    directory = WorkerDirectory(PrefixIndex(config.redis_url), policy, channels)
+    limits = OrchestratorLimits(lease_ms=config.lease_ms, prefill_attempts=config.prefill_attempts,
+                                max_inflight=config.max_inflight, max_queued=config.max_queued,
+                                queue_timeout_s=config.queue_timeout_s, token_timeout_s=config.token_timeout_s)
+    orchestrator = Orchestrator(policy, root_hash(model.fingerprint), tokenizer, directory.match, channels, limits,
+                                on_unreachable=directory.report_unreachable, down=directory.down_endpoints)
     frontend = Frontend(model, tokenizer, orchestrator, GatewayMetrics())
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()])
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()],
+                             options=[("grpc.max_receive_message_length", config.max_request_bytes)])
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    http = HttpFront(frontend, directory) if config.http_port >= 0 else None
+    http = HttpFront(frontend, directory, config.max_request_bytes) if config.http_port >= 0 else None
     try:
         port = server.add_insecure_port(f"{config.host}:{config.port}")
         if port == 0:
@@ -265,17 +268,27 @@ async def _start(config: GatewayConfig, model: ModelSpec, tokenizer: Tokenizer) 
         await orchestrator.close()
         directory.close()
         raise
-    for name in ("", _SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    async def set_health(serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", _SERVICE):
+            await health_servicer.set(name, status)
+
+    await directory.refresh()
+    await set_health(directory.serving)
+    health_watch = asyncio.get_running_loop().create_task(directory.watch(set_health))
     log.info("gateway serving %s on %s:%d (gRPC)%s (max_model_len %d)", model.name, config.host, port,
              f" and {config.host}:{http_port} (OpenAI HTTP)" if http is not None else "", model.max_model_len)
-    return _Parts(server, health_servicer, frontend, orchestrator, directory, port, http, http_port)
+    return _Parts(server, health_servicer, frontend, orchestrator, directory, port, http, http_port, health_watch)
 
 
 async def _drain(parts: _Parts, grace_s: float) -> None:
     """NOT_SERVING, refuse new RPCs and HTTP connections, let in-flight requests of both APIs finish for up to
     grace_s, then cancel what is left (health watches, overdue requests: their workers are aborted) and release
     everything."""
+    if parts.health_watch is not None:
+        parts.health_watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await parts.health_watch
     await parts.health.enter_graceful_shutdown()
     if parts.http is not None:
         await parts.http.stop_accepting()
@@ -289,6 +302,7 @@ async def _drain(parts: _Parts, grace_s: float) -> None:
         await parts.http.close()
     await parts.orchestrator.close()
     parts.directory.close()
+    parts.frontend.close()
 
 
 def serve(config: GatewayConfig) -> None:

@@ -17,6 +17,16 @@ server maps it to INVALID_ARGUMENT "field: message" (the HTTP front renames it t
     sampling.<name>     a SamplingParams field out of range (SamplingParams.validate), or a float not finite
     sampling.stop[i]    an empty stop string (it would match everywhere); sampling.stop: too many / too long
     cache_salt          longer than MAX_CACHE_SALT_CHARS
+    (any text field)    not encodable as UTF-8 (a lone surrogate such as "\ud800")
+
+Integers must fit the proto field they travel in (uint32 max_tokens / top_k / logprobs / stop_token_ids,
+seed < 2**63) and floats the proto's float32. A temperature in (0, MIN_TEMPERATURE) is treated as greedy
+(temperature 0): dividing logits by it would overflow the sampler's float32 arithmetic (vLLM does the same
+below 1e-5).
+
+Prompts that cannot fit are refused before they are tokenized: a token covers at most
+ModelSpec.max_bytes_per_token bytes of UTF-8 text (measured over the vocabulary at load, `max_bytes_per_token`),
+so a text of B bytes has at least ceil(B / max_bytes_per_token) tokens.
 
 Protobuf messages are read by attribute only (nothing here imports protobuf, grpc or torch); text prompts and
 chat renderings are tokenized as the offline `engine.llm.LLM` does, so the same prompt gives the same ids.
@@ -45,6 +55,10 @@ DEFAULT_MAX_TOKENS = 16
 """max_tokens when the request leaves it unset (as common.proto documents)."""
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+UINT32_MAX = 2**32 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+MIN_TEMPERATURE = 1e-5
+"""Temperatures in (0, MIN_TEMPERATURE) are treated as greedy (see the module doc)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,9 @@ class ModelSpec:
     """Checkpoint identity; workers must register the same one."""
     aliases: frozenset[str] = frozenset()
     """Other names accepted in `model` (e.g. the path or "default" it was started with)."""
+    max_bytes_per_token: int | None = None
+    """Most UTF-8 bytes of text one token covers (`max_bytes_per_token`); None skips the check before
+    tokenizing."""
 
     def accepts(self, model: str) -> bool:
         return model == "" or model == self.name or model in self.aliases
@@ -82,6 +99,40 @@ class GenerationRequest:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+class ModelNotFound(InvalidRequestError):
+    """`model` names a model this gateway does not serve (HTTP 404; gRPC INVALID_ARGUMENT)."""
+
+
+def max_bytes_per_token(tokenizer: Tokenizer) -> int:
+    """A bound on the UTF-8 bytes of input text one token covers: the longest token of the vocabulary (special
+    and added tokens included) as decoded text, plus one (a tokenizer may drop a token's leading space when it
+    decodes it alone; a partial UTF-8 sequence decodes to U+FFFD, 3 bytes, which only over-estimates). A
+    normalizer may shrink text before it is split (NFC composes up to three code points into one), so with one
+    the bound is multiplied by 4. Takes ~0.1 s for a 50k vocabulary."""
+    backend = tokenizer.backend
+    longest = max((len(backend.decode([token_id], skip_special_tokens=False).encode("utf-8", "replace"))
+                   for token_id in backend.get_vocab(with_added_tokens=True).values()), default=1)
+    return (longest + 1) * (4 if backend.normalizer is not None else 1)
+
+
+def _check_text(field: str, text: str) -> int:
+    """Refuse text that is not valid Unicode for UTF-8 (lone surrogates); returns its UTF-8 length."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(field, f"is not valid Unicode: {exc.reason} at character {exc.start}") from None
+
+
+def _check_byte_bound(field: str, text: str, model: ModelSpec, where: str = "") -> None:
+    """Refuse, before tokenizing, text whose byte length proves it holds at least max_model_len tokens."""
+    num_bytes = _check_text(field, text)
+    per_token = model.max_bytes_per_token
+    if per_token is not None and -(-num_bytes // per_token) >= model.max_model_len:
+        raise InvalidRequestError(field, f"has {num_bytes} bytes{where}, so at least {-(-num_bytes // per_token)} "
+                                         f"tokens (a token covers at most {per_token} bytes); the context holds "
+                                         f"{model.max_model_len} (prompt plus at least one generated token)")
 
 
 def new_request_id() -> str:
@@ -111,13 +162,29 @@ def check_sampling(params: SamplingParams, stop: Sequence[str], vocab_size: int 
     """Raise InvalidRequestError naming the first bad field as "sampling.<name>" (stop strings included)."""
     for name in _FLOAT_FIELDS:
         value = getattr(params, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidRequestError(f"sampling.{name}", f"must be a number, got {type(value).__name__}")
         if not math.isfinite(value):
             raise InvalidRequestError(f"sampling.{name}", f"must be a finite number, got {value}")
+        if abs(value) > FLOAT32_MAX:
+            raise InvalidRequestError(f"sampling.{name}", f"must be at most {FLOAT32_MAX:.6g} in magnitude, got {value}")
+    for name in ("max_tokens", "top_k", "logprobs", "seed"):
+        value = getattr(params, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise InvalidRequestError(f"sampling.{name}", f"must be an integer, got {type(value).__name__}")
+    for name in ("max_tokens", "top_k", "logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > UINT32_MAX:
+            raise InvalidRequestError(f"sampling.{name}", f"must be at most {UINT32_MAX}, got {value}")
+    for token_id in params.stop_token_ids:
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id <= UINT32_MAX:
+            raise InvalidRequestError("sampling.stop_token_ids", f"{token_id!r} is not a token id")
     if len(stop) > MAX_STOP_STRINGS:
         raise InvalidRequestError("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
     for i, s in enumerate(stop):
         if not s:
             raise InvalidRequestError(f"sampling.stop[{i}]", "must not be empty")
+        _check_text(f"sampling.stop[{i}]", s)
         if len(s) > MAX_STOP_STRING_CHARS:
             raise InvalidRequestError(f"sampling.stop[{i}]",
                                       f"has {len(s)} characters; at most {MAX_STOP_STRING_CHARS}")
@@ -189,6 +256,7 @@ def validate_prompt(fields: RequestFields, prompt: str | Sequence[int] | None, m
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt", "must not be empty")
+        _check_byte_bound("prompt", prompt, model)
         prompt_token_ids = tokenizer.encode(prompt)
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "tokenizes to no tokens")
@@ -196,8 +264,10 @@ def validate_prompt(fields: RequestFields, prompt: str | Sequence[int] | None, m
         prompt_token_ids = list(prompt)
         if not prompt_token_ids:
             raise InvalidRequestError("prompt", "must not be empty")
+        if len(prompt_token_ids) >= model.max_model_len:
+            _check_length("prompt", len(prompt_token_ids), model)
         for i, token_id in enumerate(prompt_token_ids):
-            if not 0 <= token_id < model.vocab_size:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < model.vocab_size:
                 raise InvalidRequestError("token_ids", f"token_ids[{i}] = {token_id} is outside the vocabulary "
                                                        f"[0, {model.vocab_size})")
     _check_length("prompt", len(prompt_token_ids), model)
@@ -211,9 +281,10 @@ def validate_messages(fields: RequestFields, messages: Sequence[tuple[str, str]]
     request_id = _check_common(fields, model, running)
     if not messages:
         raise InvalidRequestError("messages", "must not be empty")
-    for i, (role, _) in enumerate(messages):
+    for i, (role, content) in enumerate(messages):
         if role not in CHAT_ROLES:
             raise InvalidRequestError(f"messages[{i}].role", f"must be one of {CHAT_ROLES}, got {role!r}")
+        _check_text(f"messages[{i}].content", content)
     try:
         text = tokenizer.apply_chat_template([{"role": role, "content": content} for role, content in messages],
                                              add_generation_prompt=True)
@@ -222,6 +293,7 @@ def validate_messages(fields: RequestFields, messages: Sequence[tuple[str, str]]
         if field.startswith("messages[") and detail:
             raise InvalidRequestError(field, detail) from exc
         raise InvalidRequestError("messages", str(exc)) from exc
+    _check_byte_bound("messages", text, model, " after the chat template")
     prompt_token_ids = tokenizer.encode(text)
     _check_length("messages", len(prompt_token_ids), model, " after the chat template")
     return _finish(request_id, prompt_token_ids, fields, seed_source)
@@ -250,12 +322,13 @@ def _request_id(request_id: str, running: Container[str]) -> str:
 
 def _check_model(name: str, model: ModelSpec) -> None:
     if not model.accepts(name):
-        raise InvalidRequestError("model", f"{name!r} is not served here; the served model is {model.name!r}")
+        raise ModelNotFound("model", f"{name!r} is not served here; the served model is {model.name!r}")
 
 
 def _check_cache_salt(cache_salt: str) -> None:
     if len(cache_salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidRequestError("cache_salt", f"has {len(cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}")
+    _check_text("cache_salt", cache_salt)
 
 
 def _check_length(field: str, num_tokens: int, model: ModelSpec, where: str = "") -> None:
@@ -269,4 +342,6 @@ def _finish(request_id: str, prompt_token_ids: list[int], fields: RequestFields,
     sampling = fields.sampling
     if sampling.seed is None:
         sampling = dataclasses.replace(sampling, seed=seed_source())
+    if 0.0 < sampling.temperature < MIN_TEMPERATURE:
+        sampling = dataclasses.replace(sampling, temperature=0.0)
     return GenerationRequest(request_id, tuple(prompt_token_ids), sampling, tuple(fields.stop), fields.cache_salt)

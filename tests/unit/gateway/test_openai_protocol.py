@@ -112,6 +112,22 @@ def test_chat_renders_the_template_and_defaults_max_tokens_to_the_rest_of_the_co
     (dict(prompt=[-1]), "prompt"),
     (dict(prompt={"text": "a"}), "prompt"),
     (dict(prompt=" ".join(["hello"] * 16)), "prompt"),
+    (dict(prompt="a", max_tokens=2**32), "max_tokens"),
+    (dict(prompt="a", max_tokens=2**64), "max_tokens"),
+    (dict(prompt="a", top_k=5 * 10**9), "top_k"),
+    (dict(prompt="a", seed=2**64), "seed"),
+    (dict(prompt="a", stop_token_ids=[2**40]), "stop_token_ids"),
+    (dict(prompt="a", max_tokens=True), "max_tokens"),
+    (dict(prompt="a", top_k=False), "top_k"),
+    (dict(prompt="a", temperature=True), "temperature"),
+    (dict(prompt="a", temperature=float("nan")), "temperature"),
+    (dict(prompt="a", top_p=float("inf")), "top_p"),
+    (dict(prompt="a", temperature=1e39), "temperature"),
+    (dict(prompt="a", repetition_penalty=-float("inf")), "repetition_penalty"),
+    (dict(prompt="hello \ud800"), "prompt"),
+    (dict(prompt="a", stop=["\udfff"]), "stop"),
+    (dict(prompt="a", cache_salt="\ud800"), "cache_salt"),
+    (dict(prompt="a", model=5), "model"),
 ])
 def test_bad_completion_parameters_are_named(tokenizer, body, param):
     assert param_of(completion, tokenizer, **body) == param
@@ -131,6 +147,9 @@ def test_bad_completion_parameters_are_named(tokenizer, body, param):
     ([{"role": "user", "content": "a"}], {"max_completion_tokens": 0}, "max_completion_tokens"),
     ([{"role": "user", "content": "a"}], {"tools": [{"type": "function"}]}, "tools"),
     ([{"role": "user", "content": "a"}], {"response_format": {"type": "json_object"}}, "response_format"),
+    ([{"role": "user", "content": "a\ud800"}], {}, "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}], {}, "messages[0].content"),
+    ([{"role": "user", "content": "a"}], {"max_tokens": 2**32}, "max_tokens"),
 ])
 def test_bad_chat_parameters_are_named(tokenizer, messages, body, param):
     assert param_of(parse_chat, {"messages": messages, **body}, MODEL, tokenizer) == param
@@ -194,3 +213,17 @@ def test_chat_response_is_an_assistant_message(tokenizer):
     assert body["object"] == "chat.completion"
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "hello world"},
                                 "logprobs": None, "finish_reason": "length"}]
+
+
+def test_a_model_that_is_not_a_string_is_a_plain_bad_parameter_and_an_unknown_name_is_model_not_found(tokenizer):
+    from gateway.validation import ModelNotFound
+    with pytest.raises(InvalidRequestError) as e:
+        completion(tokenizer, prompt="a", model=5)
+    assert not isinstance(e.value, ModelNotFound)
+    with pytest.raises(ModelNotFound):
+        completion(tokenizer, prompt="a", model="gpt-4")
+
+
+@pytest.mark.parametrize("temperature, expected", [(1e-45, 0.0), (5e-324, 0.0), (9e-6, 0.0), (1e-5, 1e-5), (0.0, 0.0)])
+def test_a_temperature_that_would_underflow_is_greedy(tokenizer, temperature, expected):
+    assert completion(tokenizer, prompt="a", temperature=temperature).request.sampling.temperature == expected

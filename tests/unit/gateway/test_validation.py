@@ -1,6 +1,8 @@
 """Request validation: exact GenerationRequests for good input, the named field for each kind of bad input."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models
@@ -8,8 +10,9 @@ from tokenizers import models
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from gateway.validation import (MAX_REQUEST_ID_CHARS, MAX_STOP_STRINGS, ModelSpec, sampling_from_pb,
-                                validate_chat, validate_generate)
+from gateway.validation import (MAX_REQUEST_ID_CHARS, MAX_STOP_STRINGS, ModelSpec, RequestFields,
+                                max_bytes_per_token, sampling_from_pb, validate_chat, validate_generate,
+                                validate_prompt)
 from protos.pdserve.v1 import common_pb2, generation_pb2
 from word_tokenizer import WORDS, word_tokenizer
 
@@ -172,3 +175,31 @@ def test_chat_without_a_template_is_refused():
     with pytest.raises(InvalidRequestError, match="no chat template") as info:
         validate_chat(pb, MODEL, plain)
     assert info.value.field == "messages"
+
+
+# ------------------------------------------------------------------------------------------------ size bound
+def test_a_prompt_whose_bytes_prove_it_cannot_fit_is_refused_before_tokenizing(tokenizer):
+    class Untouchable:
+        def encode(self, text):
+            raise AssertionError("tokenized a prompt that cannot fit")
+
+    bounded = dataclasses.replace(MODEL, max_bytes_per_token=6)        # "hello" + a space: 6 bytes
+    with pytest.raises(InvalidRequestError) as e:
+        validate_generate(generation_pb2.GenerateRequest(text="x" * 48), bounded, Untouchable())
+    assert e.value.field == "prompt" and "at least 8 tokens" in str(e.value)
+    assert len(validate_generate(generation_pb2.GenerateRequest(text="hello " * 7), bounded, tokenizer)
+               .prompt_token_ids) == 7                                  # 42 bytes: may fit, so tokenized
+
+
+def test_max_bytes_per_token_bounds_every_token_of_the_vocabulary(tokenizer):
+    bound = max_bytes_per_token(tokenizer)
+    assert bound == len("<|im_start|>") + 1
+    for text in ("hello world a b", "<|im_start|>user hello<|im_end|>"):
+        assert len(tokenizer.encode(text)) >= -(-len(text.encode()) // bound)
+
+
+def test_grpc_text_with_a_lone_surrogate_cannot_arrive_but_plain_values_are_checked(tokenizer):
+    fields = RequestFields(SamplingParams(seed=1))
+    with pytest.raises(InvalidRequestError) as e:
+        validate_prompt(fields, "hello \ud800", MODEL, tokenizer)
+    assert e.value.field == "prompt"

@@ -1,0 +1,89 @@
+"""What the gateway's worker client returns and raises (plain dataclasses and exceptions; no grpc, no protobuf),
+so the orchestrator and discovery stay free of the transport. The client itself is gateway.worker_client."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+from engine.sequence import FinishReason, TokenLogprob
+
+
+# ------------------------------------------------------------------------------------------------------ errors
+class WorkerError(Exception):
+    """A worker RPC failed (the subclasses say how)."""
+
+
+class WorkerBusy(WorkerError):
+    """RESOURCE_EXHAUSTED: the worker has no room now and did nothing."""
+
+
+class WorkerTimedOut(WorkerError):
+    """DEADLINE_EXCEEDED: no answer in time (the worker is alive but slow, or hung)."""
+
+
+class WorkerUnreachable(WorkerError):
+    """UNAVAILABLE: the worker could not be reached, or its connection broke."""
+
+
+class WorkerCallFailed(WorkerError):
+    """Any other failure; the worker may hold state for the request."""
+
+
+# ------------------------------------------------------------------------------------------------------ records
+@dataclass(frozen=True)
+class WorkerJob:
+    """What both workers are told about a request (worker.proto WorkerRequest)."""
+
+    request_id: str
+    """The worker-side id (the request's id, or "<id>.retry<n>")."""
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    """Seed set; stop strings stay in the gateway."""
+    cache_salt: str = ""
+
+
+@dataclass(frozen=True)
+class TransferTarget:
+    """Where a prefill worker pushes the KV of a reservation (worker.proto TransferTarget)."""
+
+    endpoint: str
+    handle: str
+    num_cached_blocks: int
+    """Leading prompt blocks the decode worker already holds (it needs only the rest)."""
+    block_ids: tuple[int, ...] = ()
+    host_id: str = ""
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """A prefill worker's answer: the first token, and what the prefill and the KV push cost."""
+
+    first_token_id: int
+    first_logprob: TokenLogprob | None
+    cached_tokens: int
+    computed_tokens: int
+    transfer_bytes: int
+    transfer_ms: float
+    transport: str
+    prefill_ms: float
+
+
+@dataclass(frozen=True)
+class DecodeMessage:
+    """One message of a decode stream; the last one has a finish_reason."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+
+
+class ChannelState(enum.Enum):
+    """A worker channel's connectivity (grpc.ChannelConnectivity without grpc)."""
+
+    IDLE = "idle"
+    CONNECTING = "connecting"
+    READY = "ready"
+    TRANSIENT_FAILURE = "transient_failure"
+    SHUTDOWN = "shutdown"
