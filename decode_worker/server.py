@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop, build_engine
 from engine.llm_engine import LLMEngine
 from kvstore.transfer_service import KvTransferServicer
-from pdserve.worker_runtime import Registration, WorkerHandle, WorkerServer, wait_for_termination
+from protos.service_runtime import Registration, WorkerHandle, WorkerServer, wait_for_termination
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)

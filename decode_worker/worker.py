@@ -1,15 +1,16 @@
 """The decode worker's request handling: reservations with leases, KV receipt, decoding in the running batch.
 
-Lifecycle of one request (DESIGN section 3, steps 4-6):
+Lifecycle of one request (DESIGN section 3, steps 4-6), as states of its blocks' lease (engine.block_lease):
 
-    reserve ──▶ RESERVED (blocks held, lease running) ──KvTransfer commit──▶ COMMITTED ──decode──▶ engine batch
-        │                 │                                                               ▲
-        │                 └──decode(prefill_locally)──────────────────────────────────────┘
-        └── lease expires / transfer rejected / abort ──▶ released (blocks freed exactly once, by the engine)
+    reserve ──▶ RESERVED ──KvTransfer check (pin)──▶ RECEIVING ──commit (unpin)──▶ COMMITTED ──decode──▶ RUNNING
+                   │                                     └──reject (unpin)──▶ RESERVED ──▶ released
+                   └──decode(prefill locally)──────────────────────────────────────────────────────▶ RUNNING
+    lease expiry (RESERVED / COMMITTED), abort, rejected transfer ──▶ released, once, by the engine
 
-Reservation bookkeeping lives here under a lock (gRPC threads call in concurrently); every engine operation
-goes through the EngineLoop, so the engine itself stays single-threaded. A transfer writes only into blocks
-its reservation holds, which the engine neither reads nor writes until the request is started.
+The lease is the one owner of the blocks; a `Reservation` adds what the gateway was told (handle, lease
+deadline). gRPC threads pin and unpin the lease themselves (it has its own lock); every release goes through
+the EngineLoop, so the engine and its pool stay single-threaded. An abort while the KV is arriving only marks
+the lease: the transfer's commit is then refused and its reject releases the blocks, after the last write.
 """
 
 from __future__ import annotations
@@ -20,47 +21,44 @@ import threading
 import time
 from dataclasses import dataclass
 
+from engine.block_lease import BlockLease, IllegalTransition, LeaseState
 from engine.engine_loop import EngineLoop, RequestStream
-from engine.llm_engine import LLMEngine
+from engine.errors import PreconditionError
+from engine.llm_engine import EngineStats, LLMEngine
 from engine.sequence import TokenLogprob
 from kvstore.transfer import KvLayoutSpec, TransferManifest, TransferRejected
 from kvstore.transfer_service import ReceivedBlocks, ReceiveTarget
-from pdserve.worker_runtime import PreconditionError, WorkerRequestData
+from protos.convert import WorkerRequestData
+
+_EXPIRABLE = (LeaseState.RESERVED, LeaseState.COMMITTED)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Reservation:
-    request_id: str
+    """A reservation as the gateway knows it: the lease of its blocks, the transfer handle and the deadline."""
+
+    lease: BlockLease
     handle: str
-    block_ids: list[int]          # all prompt blocks, in order
+    block_ids: tuple[int, ...]    # all prompt blocks, in order
     num_cached_blocks: int        # leading blocks this worker already had
     lease_deadline: float         # time.monotonic()
     lease_expiry_unix_ms: int
-    receiving: bool = False
-    committed: bool = False
-    aborted: bool = False         # aborted while receiving: released when the transfer ends
 
     @property
     def missing_block_ids(self) -> list[int]:
-        return self.block_ids[self.num_cached_blocks:]
-
-
-class ReservationError(PreconditionError):
-    """Decode was asked for a reservation that is unknown, expired, or whose KV has not arrived."""
+        return list(self.block_ids[self.num_cached_blocks:])
 
 
 class DecodeWorker:
     def __init__(self, loop: EngineLoop, max_lease_ms: int) -> None:
         self.loop = loop
         engine = loop.engine
-        self.block_size = engine.config.block_size
         self.layout = KvLayoutSpec.from_cache(engine.runner.kv_cache, engine.fingerprint)
         self.max_lease_ms = max_lease_ms
         self._reservations: dict[str, Reservation] = {}
         self._lock = threading.Lock()
         self._handles = itertools.count()
         self.num_transfer_errors = 0
-        self.num_expired = 0
         loop.add_housekeeping(self._expire_leases)
 
     # --- Reserve ----------------------------------------------------------------------------------------------
@@ -69,9 +67,9 @@ class DecodeWorker:
         seq = self.loop.call(lambda e: e.reserve(req.request_id, req.prompt_token_ids, req.params,
                                                  req.cache_salt, req.seed))
         lease_ms = min(max(lease_ms, 1), self.max_lease_ms)
-        res = Reservation(req.request_id, f"{next(self._handles)}-{secrets.token_hex(8)}", list(seq.block_ids),
-                          seq.num_computed_tokens // self.block_size, time.monotonic() + lease_ms / 1000,
-                          int(time.time() * 1000) + lease_ms)
+        res = Reservation(seq.lease, f"{next(self._handles)}-{secrets.token_hex(8)}", tuple(seq.block_ids),
+                          seq.num_computed_tokens // self.loop.engine.config.block_size,
+                          time.monotonic() + lease_ms / 1000, int(time.time() * 1000) + lease_ms)
         with self._lock:
             self._reservations[req.request_id] = res
         return res
@@ -79,72 +77,75 @@ class DecodeWorker:
     # --- KvReceiver -------------------------------------------------------------------------------------------
     def check(self, manifest: TransferManifest) -> ReceiveTarget:
         with self._lock:
-            res = self._reservations.get(manifest.request_id)
-            if res is None or res.handle != manifest.handle:
+            res = self._live(manifest.request_id, manifest.handle)
+            if res is None:
                 raise TransferRejected(f"no live reservation {manifest.handle!r} for {manifest.request_id!r}",
                                        "handle")
-            if res.receiving or res.committed:
-                raise TransferRejected("this reservation already has a transfer", "handle")
-            res.receiving = True
+            try:
+                res.lease.pin(LeaseState.RESERVED, LeaseState.RECEIVING)
+            except IllegalTransition:
+                raise TransferRejected(f"this reservation is {res.lease.state.value}, not waiting for its KV",
+                                       "handle") from None
         return ReceiveTarget(self.layout, tuple(res.missing_block_ids), self.loop.engine.runner.kv_cache)
 
     def commit(self, request_id: str, handle: str, blocks: ReceivedBlocks) -> None:
         with self._lock:
-            res = self._reservations.get(request_id)
-            if res is None or res.handle != handle or res.aborted:
-                raise TransferRejected("the request was aborted during the transfer", "handle")
-            res.receiving, res.committed = False, True
+            res = self._live(request_id, handle)
+        assert res is not None and res.lease.state is LeaseState.RECEIVING, "commit without a checked transfer"
+        if res.lease.unpin(LeaseState.COMMITTED):
+            raise TransferRejected("the request was aborted during the transfer", "handle")
 
     def reject(self, request_id: str, handle: str, reason: str) -> None:
         with self._lock:
-            res = self._reservations.get(request_id)
-            if res is None or res.handle != handle:
+            res = self._live(request_id, handle)
+            if res is None:
                 return
             del self._reservations[request_id]
-            if not res.aborted:
-                self.num_transfer_errors += 1
+        if res.lease.state is LeaseState.RECEIVING:
+            res.lease.unpin(LeaseState.RESERVED)
+        if not res.lease.release_requested:
+            self.num_transfer_errors += 1
         self.loop.abort(request_id)
 
     # --- Decode -----------------------------------------------------------------------------------------------
     def decode(self, request_id: str, handle: str, first_token_id: int | None,
                first_logprob: TokenLogprob | None = None) -> RequestStream:
-        """Start a reservation: with first_token_id its KV must be committed; None prefills locally."""
+        """Start a reservation: with first_token_id its KV must be committed; None prefills locally. Raises
+        PreconditionError (unknown, expired, aborted, or KV not committed)."""
         with self._lock:
-            res = self._reservations.get(request_id)
-            if res is None or res.handle != handle:
-                raise ReservationError(f"no live reservation {handle!r} for {request_id!r} (expired or aborted)")
-            if first_token_id is not None and not res.committed:
-                raise ReservationError(f"the KV of {request_id!r} has not been committed")
-            if res.receiving:
-                raise ReservationError(f"the KV of {request_id!r} is still arriving")
-            del self._reservations[request_id]
-        return self.loop.open_stream(request_id, lambda e: e.start_reserved(request_id, first_token_id, first_logprob))
+            res = self._live(request_id, handle)
+        if res is None:
+            raise PreconditionError(f"no live reservation {handle!r} for {request_id!r} (expired or aborted)")
+        stream = self.loop.open_stream(request_id, lambda e: e.start_reserved(request_id, first_token_id,
+                                                                              first_logprob))
+        with self._lock:
+            if self._reservations.get(request_id) is res:
+                del self._reservations[request_id]
+        return stream
 
     def abort(self, request_id: str) -> bool:
-        """Drop the request. A transfer in flight may still be writing its blocks: they are released when it
-        ends (commit refuses, reject frees), never while being written."""
+        """Drop the request. A transfer in flight keeps the lease pinned: the engine only marks it, the
+        transfer's commit is refused and its reject releases the blocks after the last write."""
         with self._lock:
             res = self._reservations.get(request_id)
-            if res is not None and res.receiving:
-                res.aborted = True
-                return True
-            self._reservations.pop(request_id, None)
+            if res is not None and res.lease.state is not LeaseState.RECEIVING:
+                del self._reservations[request_id]
         return self.loop.abort(request_id)
 
-    def stats(self) -> dict[str, int]:
-        stats = self.loop.call(LLMEngine.stats)
-        with self._lock:
-            stats["reserved"] = len(self._reservations)
-        stats["transfer_errors"] = self.num_transfer_errors
-        return stats
+    def stats(self) -> EngineStats:
+        return self.loop.call(LLMEngine.stats)
+
+    def _live(self, request_id: str, handle: str) -> Reservation | None:
+        res = self._reservations.get(request_id)
+        return res if res is not None and res.handle == handle else None
 
     def _expire_leases(self, engine: LLMEngine) -> None:
-        """Housekeeping on the loop thread: release reservations whose KV never came."""
+        """Housekeeping on the loop thread: release reservations whose KV never came, or that never started."""
         now = time.monotonic()
         with self._lock:
-            expired = [r for r in self._reservations.values() if r.lease_deadline < now and not r.receiving]
+            expired = [r for r in self._reservations.values()
+                       if r.lease_deadline < now and r.lease.state in _EXPIRABLE]
             for r in expired:
-                del self._reservations[r.request_id]
+                del self._reservations[r.lease.request_id]
         for r in expired:
-            self.num_expired += 1
-            engine.abort(r.request_id)
+            engine.abort(r.lease.request_id)

@@ -15,6 +15,11 @@ class OverloadedError(RuntimeError):
     """The waiting queue is full (maps to gRPC RESOURCE_EXHAUSTED / HTTP 429)."""
 
 
+class PreconditionError(Exception):
+    """The request is valid but the worker's state does not allow it, e.g. a reservation that expired or
+    whose KV has not arrived (maps to gRPC FAILED_PRECONDITION)."""
+
+
 class RequestFailedError(RuntimeError):
     """One request failed inside the engine (its sampling or bookkeeping raised); the other requests of its
     batch went on. Not retryable as is: the same request fails the same way (maps to gRPC INTERNAL)."""

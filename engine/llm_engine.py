@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError, OverloadedError
+from engine.block_lease import BlockLease, LeaseState
+from engine.errors import InvalidRequestError, OverloadedError, PreconditionError
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import LoadedModel, load_model
 from engine.model_fetch import resolve_model_path
@@ -26,6 +27,20 @@ from engine.sequence import FinishReason, Sequence, TokenLogprob
 from kvstore.hashing import root_hash
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load and KV accounting (what a worker's Stats RPC and registration report)."""
+
+    num_blocks: int
+    free_blocks: int      # ref_count 0, cached-but-evictable included
+    used_blocks: int
+    running: int
+    waiting: int
+    reserved: int         # leases RESERVED, RECEIVING or COMMITTED (decode side)
+    held: int             # leases HELD or PUSHING (prefill side)
+    preemptions: int      # since start
 
 
 @dataclass
@@ -69,11 +84,10 @@ class LLMEngine:
                             self.max_model_len),
             self.kv, self.model_config.eos_token_ids)
         self._seed_rng = random.Random(config.seed)
-        self._requests: dict[str, Sequence] = {}
-        self._reserved: dict[str, Sequence] = {}
+        self._leases: dict[str, BlockLease] = {}
+        """Every request not yet released, by id: its lease owns its blocks (engine.block_lease)."""
         self.num_steps = 0
         """Steps that ran the model (a step with nothing schedulable does not count)."""
-        self._held: dict[str, Sequence] = {}
 
     # --- requests ---------------------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -93,15 +107,15 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, seed: int | None = None, hold_blocks: bool = False) -> Sequence:
         """Queue a request. `seed` overrides params.seed (a gateway draws one so that two workers sample one
-        stream); `hold_blocks` keeps its KV blocks after it finishes, until `release`."""
+        stream); `hold_blocks` keeps its KV blocks after it finishes (lease HELD), until `abort`."""
         seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt, seed)
         seq.hold_blocks = hold_blocks
         self.scheduler.add(seq)
-        self._requests[request_id] = seq
+        self._leases[request_id] = seq.lease
         return seq
 
     def _new_sequence(self, request_id, prompt_token_ids, params, cache_salt, seed) -> Sequence:
-        if request_id in self._requests or request_id in self._reserved or request_id in self._held:
+        if request_id in self._leases:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         if seed is None:
@@ -119,20 +133,25 @@ class LLMEngine:
         num_new = seq.num_tokens - len(hit_block_ids) * self.kv.block_size
         if not self.kv.can_allocate(seq, num_new, hit_block_ids):
             raise OverloadedError(f"no room for {seq.num_tokens} prompt tokens in the KV cache")
+        seq.lease = BlockLease(seq, self.kv, LeaseState.RESERVED)
         self.kv.allocate(seq, num_new, hit_block_ids)
         seq.num_cached_tokens = seq.num_computed_tokens
-        self._reserved[request_id] = seq
+        self._leases[request_id] = seq.lease
         return seq
 
     def start_reserved(self, request_id: str, first_token_id: int | None = None,
                        first_logprob: TokenLogprob | None = None) -> StepOutput | None:
-        """Start decoding a reservation. With `first_token_id`, the prompt's KV has been written into its blocks
-        and the first token sampled elsewhere; without, this worker computes the rest of the prompt itself.
-        Returns the finished StepOutput when the first token already ends the request, else None."""
-        seq = self._reserved.pop(request_id, None)
-        if seq is None:
-            raise KeyError(f"no reservation for request {request_id!r}")
-        self._requests[request_id] = seq
+        """Start decoding a reservation. With `first_token_id`, the prompt's KV has been committed into its
+        blocks (lease COMMITTED) and the first token sampled elsewhere; without, this worker computes the rest
+        of the prompt itself (lease RESERVED). Raises PreconditionError when the lease is elsewhere. Returns
+        the finished StepOutput when the first token already ends the request, else None."""
+        lease = self._leases.get(request_id)
+        want = LeaseState.RESERVED if first_token_id is None else LeaseState.COMMITTED
+        if lease is None or lease.state is not want:
+            state = "unknown (expired or aborted)" if lease is None else lease.state.value
+            raise PreconditionError(f"request {request_id!r} cannot start decoding: its reservation is {state}, "
+                                    f"expected {want.value}")
+        seq = lease.seq
         if first_token_id is None:
             self.scheduler.adopt(seq)
             return None
@@ -146,25 +165,27 @@ class LLMEngine:
             self.scheduler.adopt(seq)
             return None
         self.scheduler.finish(seq, reason)
-        self._requests.pop(request_id)
+        del self._leases[request_id]
         return StepOutput(seq, [], [], True)
 
-    def release(self, request_id: str) -> bool:
-        """Free the blocks a finished `hold_blocks` request kept (exactly once)."""
-        seq = self._held.pop(request_id, None)
-        if seq is None:
-            return False
-        self.kv.free(seq)
-        return True
+    def get_lease(self, request_id: str) -> BlockLease | None:
+        """The lease of a request not yet released (no side effects)."""
+        return self._leases.get(request_id)
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is (waiting, running, reserved, held); its blocks are freed once."""
-        seq = self.scheduler.abort(request_id)
-        self._requests.pop(request_id, None)
-        reserved = self._reserved.pop(request_id, None)
-        if reserved is not None:
-            self.kv.free(reserved)
-        return seq is not None or reserved is not None or self.release(request_id)
+        """Drop a request wherever it is (queued, running, reserved, committed, held); returns whether it was
+        here. Its blocks are released exactly once, by its lease. A pinned lease (a transfer or push uses the
+        blocks) is only marked: the pin's holder releases it through here once it unpinned."""
+        lease = self._leases.get(request_id)
+        if lease is None:
+            return False
+        if lease.state in (LeaseState.QUEUED, LeaseState.RUNNING):
+            self.scheduler.abort(request_id)
+        elif not lease.request_release():
+            return True
+        assert lease.released
+        del self._leases[request_id]
+        return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -195,10 +216,8 @@ class LLMEngine:
                 continue
             if row is None:
                 continue
-            if done:
-                self._requests.pop(seq.request_id, None)
-                if seq.hold_blocks:
-                    self._held[seq.request_id] = seq
+            if done and seq.lease.released:
+                del self._leases[seq.request_id]
             results.append(StepOutput(seq, [row.token_id], [row.logprob] if row.logprob is not None else [], done))
         return results
 
@@ -208,15 +227,26 @@ class LLMEngine:
         seq.error = f"{type(exc).__name__}: {exc}"
         if not seq.is_finished:
             self.scheduler.abort(seq.request_id, FinishReason.ERROR)
-        self._requests.pop(seq.request_id, None)
+        else:                                   # finished (maybe HELD) before the error: still fail it
+            seq.finish_reason = FinishReason.ERROR
+            if not seq.lease.released:
+                seq.lease.request_release()
+        if seq.lease.released:
+            self._leases.pop(seq.request_id, None)
         return StepOutput(seq, [], [], True)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> EngineStats:
         pool = self.kv.pool
-        return {"num_blocks": pool.num_blocks, "free_blocks": pool.get_num_free_blocks(),
-                "used_blocks": pool.get_num_used_blocks(), "running": len(self.scheduler.running),
-                "waiting": len(self.scheduler.waiting), "reserved": len(self._reserved), "held": len(self._held),
-                "preemptions": self.scheduler.num_preemptions}
+        states = [lease.state for lease in self._leases.values()]
+        return EngineStats(
+            num_blocks=pool.num_blocks, free_blocks=pool.get_num_free_blocks(), used_blocks=pool.get_num_used_blocks(),
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            reserved=sum(s in _RESERVED_STATES for s in states), held=sum(s in _HELD_STATES for s in states),
+            preemptions=self.scheduler.num_preemptions)
 
 
-__all__ = ["LLMEngine", "StepOutput", "FinishReason"]
+_RESERVED_STATES = frozenset({LeaseState.RESERVED, LeaseState.RECEIVING, LeaseState.COMMITTED})
+_HELD_STATES = frozenset({LeaseState.HELD, LeaseState.PUSHING})
+
+
+__all__ = ["EngineStats", "LLMEngine", "StepOutput", "FinishReason"]

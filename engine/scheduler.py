@@ -4,7 +4,7 @@ Every step gets a token budget (`max_num_batched_tokens`). Running sequences are
 order: a decoding sequence takes 1 token, a sequence still prefilling takes the next chunk of its prompt.
 Then waiting sequences join (FCFS) while budget, `max_num_seqs` and KV blocks allow; a prompt longer than
 the remaining budget is split into chunks across steps. When a running sequence needs a block and none is
-free, the most recently arrived running sequence is preempted: its blocks are freed and it goes back to the
+free, the most recently arrived running sequence is preempted: its lease frees its blocks and it goes back to the
 front of the waiting queue, to be recomputed (prompt + tokens generated so far) when blocks are available
 again. Nothing joins from the waiting queue in a step that preempted.
 
@@ -16,9 +16,15 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.block_lease import BlockLease, LeaseState
 from engine.errors import OverloadedError
 from engine.kv_cache_manager import KVCacheManager
 from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+_QUEUED = frozenset({LeaseState.QUEUED})
+_RUNNING = frozenset({LeaseState.RUNNING})
+_ADOPTABLE = frozenset({LeaseState.RESERVED, LeaseState.COMMITTED})
 
 
 @dataclass(frozen=True)
@@ -65,8 +71,11 @@ class Scheduler:
 
     # --- queue management -------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        """Queue `seq`; it gets the lease (engine.block_lease) that owns its blocks from now on."""
         if len(self.waiting) >= self.config.max_waiting:
             raise OverloadedError(f"waiting queue is full ({self.config.max_waiting} requests); retry later")
+        assert seq.lease is None, "a sequence is queued once"
+        seq.lease = BlockLease(seq, self.kv)
         seq.arrival_order = self._num_arrivals
         self._num_arrivals += 1
         self.waiting.append(seq)
@@ -89,6 +98,7 @@ class Scheduler:
         """Run `seq`, which already holds blocks for its computed tokens (a reservation whose KV arrived, or
         whose prompt the decode worker prefills itself), from the next step on."""
         assert seq.block_ids and seq.num_computed_tokens < seq.num_tokens
+        seq.lease.advance(LeaseState.RUNNING, expect=_ADOPTABLE)
         seq.arrival_order = self._num_arrivals
         self._num_arrivals += 1
         seq.status = SequenceStatus.RUNNING
@@ -126,6 +136,7 @@ class Scheduler:
             if not self.kv.can_allocate(seq, num_new, hit_block_ids):
                 break
             self.kv.allocate(seq, num_new, hit_block_ids)
+            seq.lease.advance(LeaseState.RUNNING, expect=_QUEUED)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_computed
             self.waiting.popleft()
@@ -163,14 +174,17 @@ class Scheduler:
         return None
 
     def _preempt(self, seq: Sequence) -> None:
-        self.kv.free(seq)
+        seq.lease.advance(LeaseState.QUEUED, expect=_RUNNING)  # frees the blocks
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End `seq`: its lease is released, or HELD for a push (hold_blocks, finished normally)."""
         if reason in (FinishReason.ABORT, FinishReason.ERROR) or not seq.hold_blocks:
-            self.kv.free(seq)
+            seq.lease.release()
+        else:
+            seq.lease.advance(LeaseState.HELD, expect=_RUNNING)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.block_lease import BlockLease
 
 
 class SequenceStatus(enum.Enum):
@@ -62,8 +66,10 @@ class Sequence:
     """time.perf_counter() when a step first computed part of it (what came before was queueing)."""
     num_preemptions: int = 0
     hold_blocks: bool = False
-    """Keep the KV blocks when the sequence finishes (a prefill worker still has to send them); the owner
-    releases them with LLMEngine.release. An aborted sequence always frees its blocks."""
+    """Keep the KV blocks when the sequence finishes (a prefill worker still has to send them): its lease goes
+    HELD until LLMEngine.abort releases it. An aborted or failed sequence always frees its blocks."""
+    lease: BlockLease | None = field(default=None, repr=False, compare=False)
+    """The one owner of `block_ids` (engine.block_lease); set when the engine first takes the request."""
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None

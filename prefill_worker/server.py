@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop, build_engine
 from engine.llm_engine import LLMEngine
 from kvstore.shm import remove_orphaned_segments
-from pdserve.worker_runtime import Registration, WorkerHandle, WorkerServer, wait_for_termination
+from protos.service_runtime import Registration, WorkerHandle, WorkerServer, wait_for_termination
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.service import PrefillWorkerServicer
 from prefill_worker.worker import PrefillWorker

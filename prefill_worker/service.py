@@ -1,24 +1,22 @@
-"""gRPC servicer of the prefill worker: unpack, call PrefillWorker, pack. Status mapping: worker_runtime."""
+"""gRPC servicer of the prefill worker: unpack, call PrefillWorker, pack. Status mapping: protos.service_runtime."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 
-from pdserve.worker_runtime import request_from_pb, status_on_error
-from prefill_worker.worker import PrefillWorker, RequestAborted, TransferTargetData
-from protos.convert import logprob_to_pb
+from prefill_worker.worker import PrefillWorker, RequestAborted
+from protos.convert import WorkerStatsData, logprob_to_pb, request_from_pb, target_from_pb, worker_stats_to_pb
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from protos.service_runtime import status_on_error
 
 MAX_PREFILL_S = 600.0
 """Longest a prefill (queueing, compute and KV push) may take when the caller set no deadline."""
 
 
-def target_from_pb(pb: worker_pb2.TransferTarget) -> TransferTargetData:
-    return TransferTargetData(pb.endpoint, pb.handle, pb.num_cached_blocks, list(pb.block_ids), pb.host_id)
-
-
 class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, worker: PrefillWorker, worker_id: str, epoch: callable) -> None:
+    def __init__(self, worker: PrefillWorker, worker_id: str, epoch: Callable[[], int]) -> None:
         self.worker = worker
         self.worker_id = worker_id
         self.epoch = epoch
@@ -44,8 +42,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.AbortResponse(found=self.worker.abort(request.request_id))
 
     def Stats(self, request, context):
-        s = self.worker.stats()
-        return worker_pb2.WorkerStats(
-            worker_id=self.worker_id, role="prefill", epoch=self.epoch(), num_blocks=s["num_blocks"],
-            free_blocks=s["free_blocks"], used_blocks=s["used_blocks"], running=s["running"], waiting=s["waiting"],
-            transfer_errors=s["transfer_errors"], preemptions=s["preemptions"])
+        with status_on_error(context):
+            stats = WorkerStatsData(self.worker_id, "prefill", self.epoch(), self.worker.stats(),
+                                    self.worker.num_transfer_failures)
+        return worker_stats_to_pb(stats)

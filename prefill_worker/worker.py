@@ -3,12 +3,15 @@
 One request (DESIGN section 3, step 5):
 
     add_request(max_tokens=1, hold_blocks) ─▶ engine batch (chunked, prefix cache) ─▶ first token sampled
-    ─▶ push blocks [num_cached_blocks:] of the prompt to the decode worker's reservation (shm or grpc)
-    ─▶ release the held blocks (always, exactly once: success, rejected transfer or abort)
+    ─▶ lease HELD ─pin─▶ PUSHING: push blocks [num_cached_blocks:] of the prompt to the decode worker's
+       reservation (shm or grpc) ─unpin─▶ HELD
+    ─▶ released by the engine (always, exactly once: success, rejected transfer or abort)
 
 The push runs on the gRPC handler's thread while the engine keeps stepping other requests; it reads only
-blocks this request holds. Sending overlaps gathering (the sender prepares the next group of blocks while
-one is on the wire); sending layer by layer during the forward pass is not done.
+blocks this request's lease holds, and only while it holds the lease's pin (engine.block_lease): an Abort
+that arrives before the pin releases the blocks and the pin is refused (no push); one that arrives during the
+push is deferred until the push ends. Sending overlaps gathering (the sender prepares the next group of
+blocks while one is on the wire); sending layer by layer during the forward pass is not done.
 """
 
 from __future__ import annotations
@@ -18,23 +21,16 @@ import threading
 import time
 from dataclasses import dataclass
 
+from engine.block_lease import IllegalTransition, LeaseState
 from engine.engine_loop import EngineLoop
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, PreconditionError
+from engine.llm_engine import EngineStats
 from engine.sequence import TokenLogprob
 from kvstore.shm import host_id
 from kvstore.transfer import KvLayoutSpec
 from kvstore.transfer_service import FaultInjection, KvSender, TransferFailed
-from pdserve.worker_runtime import PreconditionError, WorkerRequestData
 from prefill_worker.config import PrefillWorkerConfig
-
-
-@dataclass(frozen=True)
-class TransferTargetData:
-    endpoint: str
-    handle: str
-    num_cached_blocks: int
-    block_ids: list[int]
-    host_id: str
+from protos.convert import TransferTargetData, WorkerRequestData
 
 
 @dataclass(frozen=True)
@@ -50,11 +46,7 @@ class PrefillResult:
 
 
 class RequestAborted(Exception):
-    """The request was aborted while it was being prefilled."""
-
-
-class TransferRejectedError(PreconditionError):
-    """The decode worker refused the KV; nothing was committed there."""
+    """The request was aborted while it was being prefilled or pushed."""
 
 
 class PrefillWorker:
@@ -66,11 +58,12 @@ class PrefillWorker:
         self.sender = KvSender(chunk_bytes=config.chunk_bytes)
         self.host_id = host_id()
         self._lock = threading.Lock()
-        self._pushing: set[str] = set()
         self._faults_left = config.fault_corrupt_transfers
         self.num_transfer_failures = 0
 
     def prefill(self, req: WorkerRequestData, target: TransferTargetData, timeout_s: float) -> PrefillResult:
+        """Raises RequestAborted, PreconditionError (the decode worker refused the KV; nothing was committed
+        there), InvalidRequestError, or RequestFailedError (this request failed in the engine)."""
         start = time.perf_counter()
         params = dataclasses.replace(req.params, max_tokens=1)
         rid = req.request_id
@@ -83,43 +76,48 @@ class PrefillWorker:
             seq = out.seq
             # compute only: from the step that first scheduled it (queueing on this worker excluded)
             prefill_ms = (time.perf_counter() - (seq.first_scheduled_s or start)) * 1000
-            src_block_ids = seq.block_ids[target.num_cached_blocks:]
-            if len(src_block_ids) != len(target.block_ids):
-                raise InvalidRequestError("target.block_ids", f"{len(target.block_ids)} destination blocks for "
-                                          f"{len(src_block_ids)} blocks the decode worker lacks")
-            with self._lock:
-                self._pushing.add(rid)
-                fault = FaultInjection(0) if self._faults_left > 0 and src_block_ids else None
-                self._faults_left -= fault is not None
             try:
-                stats = self.sender.push(
-                    target.endpoint, request_id=rid, handle=target.handle, layout=self.layout,
-                    kv_cache=self.loop.engine.runner.kv_cache, src_block_ids=src_block_ids,
-                    dst_block_ids=target.block_ids, transport=self._transport(target), codec=self.config.codec,
-                    timeout_s=max(timeout_s - (time.perf_counter() - start), 0.001), fault=fault)
-            except TransferFailed as exc:
-                self.num_transfer_failures += 1
-                raise TransferRejectedError(f"KV transfer to {target.endpoint} failed: {exc}") from exc
+                seq.lease.pin(LeaseState.HELD, LeaseState.PUSHING)
+            except IllegalTransition:
+                raise RequestAborted(f"request {rid!r} was aborted before its KV push") from None
+            try:
+                stats = self._push(rid, seq.block_ids[target.num_cached_blocks:], target, start, timeout_s)
             finally:
-                with self._lock:
-                    self._pushing.discard(rid)
+                aborted = seq.lease.unpin(LeaseState.HELD)
+            if aborted:
+                raise RequestAborted(f"request {rid!r} was aborted during its KV push")
         finally:
-            stream.close()  # aborts the finished request: its held blocks are released here, exactly once
+            stream.close()  # aborts the finished request: the engine releases its lease here, exactly once
         return PrefillResult(out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None,
                              seq.num_cached_tokens, seq.num_prompt_tokens - seq.num_cached_tokens,
                              stats.num_bytes, stats.elapsed_ms, stats.transport, prefill_ms)
 
-    def abort(self, request_id: str) -> bool:
-        """Drop the request. During its push the blocks stay held until the push ends (they are being read)."""
+    def _push(self, rid: str, src_block_ids: list[int], target: TransferTargetData, start: float,
+              timeout_s: float):
+        """Send `src_block_ids` (pinned by the caller) to the target reservation; returns TransferStats."""
+        if len(src_block_ids) != len(target.block_ids):
+            raise InvalidRequestError("target.block_ids", f"{len(target.block_ids)} destination blocks for "
+                                      f"{len(src_block_ids)} blocks the decode worker lacks")
         with self._lock:
-            if request_id in self._pushing:
-                return True
+            fault = FaultInjection(0) if self._faults_left > 0 and src_block_ids else None
+            self._faults_left -= fault is not None
+        try:
+            return self.sender.push(
+                target.endpoint, request_id=rid, handle=target.handle, layout=self.layout,
+                kv_cache=self.loop.engine.runner.kv_cache, src_block_ids=src_block_ids,
+                dst_block_ids=target.block_ids, transport=self._transport(target), codec=self.config.codec,
+                timeout_s=max(timeout_s - (time.perf_counter() - start), 0.001), fault=fault)
+        except TransferFailed as exc:
+            with self._lock:
+                self.num_transfer_failures += 1
+            raise PreconditionError(f"KV transfer to {target.endpoint} failed: {exc}") from exc
+
+    def abort(self, request_id: str) -> bool:
+        """Drop the request. During its push the lease is pinned: the release waits until the push ends."""
         return self.loop.abort(request_id)
 
-    def stats(self) -> dict[str, int]:
-        stats = self.loop.call(lambda e: e.stats())
-        stats["transfer_errors"] = self.num_transfer_failures
-        return stats
+    def stats(self) -> EngineStats:
+        return self.loop.call(lambda e: e.stats())
 
     def _transport(self, target: TransferTargetData) -> str:
         if self.config.transport != "auto":

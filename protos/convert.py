@@ -1,13 +1,20 @@
-"""Conversions between pdserve.v1 messages and the engine's plain dataclasses (the protobuf edge).
+"""Conversions between pdserve.v1 messages and plain dataclasses (the protobuf edge), and the dataclasses of
+the worker RPCs' boundary (`WorkerRequestData`, `TransferTargetData`, `WorkerStatsData`).
 
 Services call these at their boundary; nothing inside the engine, kvstore or routing sees a protobuf type.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, TokenLogprob
-from protos.pdserve.v1 import common_pb2
+from protos.pdserve.v1 import common_pb2, worker_pb2
+
+if TYPE_CHECKING:
+    from engine.llm_engine import EngineStats, StepOutput
 
 _FINISH_TO_PB = {None: common_pb2.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
                  FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH, FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT}
@@ -61,3 +68,66 @@ def finish_reason_to_pb(reason: FinishReason | None) -> int:
 
 def finish_reason_from_pb(value: int) -> FinishReason | None:
     return _FINISH_FROM_PB[value]
+
+
+# --------------------------------------------------------------------------------------------- worker RPCs
+@dataclass(frozen=True)
+class WorkerRequestData:
+    """A tokenized, validated request as the gateway sends it to a worker (WorkerRequest in worker.proto)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    seed: int
+
+
+def request_from_pb(pb: worker_pb2.WorkerRequest) -> WorkerRequestData:
+    return WorkerRequestData(pb.request_id, list(pb.prompt_token_ids), sampling_from_pb(pb.sampling),
+                             pb.cache_salt or None, pb.seed)
+
+
+@dataclass(frozen=True)
+class TransferTargetData:
+    """Where a prefill worker pushes a request's KV (TransferTarget in worker.proto)."""
+
+    endpoint: str
+    handle: str
+    num_cached_blocks: int
+    block_ids: list[int]      # destination ids of the blocks the decode worker lacks, in prompt order
+    host_id: str
+
+
+def target_from_pb(pb: worker_pb2.TransferTarget) -> TransferTargetData:
+    return TransferTargetData(pb.endpoint, pb.handle, pb.num_cached_blocks, list(pb.block_ids), pb.host_id)
+
+
+def target_to_pb(t: TransferTargetData) -> worker_pb2.TransferTarget:
+    return worker_pb2.TransferTarget(endpoint=t.endpoint, handle=t.handle, num_cached_blocks=t.num_cached_blocks,
+                                     block_ids=t.block_ids, host_id=t.host_id)
+
+
+def step_to_pb(out: StepOutput) -> worker_pb2.DecodeResponse:
+    return worker_pb2.DecodeResponse(
+        token_ids=out.new_token_ids, logprobs=[logprob_to_pb(lp) for lp in out.new_logprobs],
+        finish_reason=finish_reason_to_pb(out.seq.finish_reason if out.finished else None),
+        cached_tokens=out.seq.num_cached_tokens)
+
+
+@dataclass(frozen=True)
+class WorkerStatsData:
+    """A worker's Stats answer (WorkerStats in worker.proto)."""
+
+    worker_id: str
+    role: str
+    epoch: int
+    engine: EngineStats
+    transfer_errors: int      # transfers rejected (receiver) or failed (sender) since start
+
+
+def worker_stats_to_pb(s: WorkerStatsData) -> worker_pb2.WorkerStats:
+    e = s.engine
+    return worker_pb2.WorkerStats(
+        worker_id=s.worker_id, role=s.role, epoch=s.epoch, num_blocks=e.num_blocks, free_blocks=e.free_blocks,
+        used_blocks=e.used_blocks, running=e.running, waiting=e.waiting, reserved=e.reserved,
+        transfer_errors=s.transfer_errors, preemptions=e.preemptions)

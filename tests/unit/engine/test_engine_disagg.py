@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import kernels
+from engine.block_lease import LeaseState
 from engine.errors import OverloadedError
 from engine.sampling_params import SamplingParams
 from test_engine_tiny import prompts
@@ -23,8 +24,11 @@ def prefill_then_decode(prefill, decode, rid, prompt, params, seed):
     while not seq.is_finished:
         prefill.step()
     staging = kernels.gather_blocks(prefill.runner.kv_cache, torch.tensor(seq.block_ids[num_hit_blocks:]))
+    lease = decode.get_lease(rid)
+    lease.pin(LeaseState.RESERVED, LeaseState.RECEIVING)   # what the KvTransfer receiver does around the write
     kernels.scatter_blocks(staging, decode.runner.kv_cache, torch.tensor(reserved.block_ids[num_hit_blocks:]))
-    assert prefill.release(rid) and not prefill.release(rid)
+    assert not lease.unpin(LeaseState.COMMITTED)
+    assert prefill.abort(rid) and not prefill.abort(rid)
     decode.start_reserved(rid, seq.output_token_ids[0])
     while decode.has_unfinished():
         decode.step()
@@ -42,7 +46,7 @@ def test_prefill_on_one_engine_decode_on_another_equals_one_engine(params):
         expected = run(tiny_engine(), ps, [dataclasses.replace(params, seed=0)] * 4)
     assert got == expected
     for engine in (prefill, decode):
-        assert engine.stats()["used_blocks"] == 0 and engine.stats()["held"] == 0
+        assert engine.stats().used_blocks == 0 and engine.stats().held == 0
 
 
 def test_decode_worker_reuses_its_own_prefix_and_needs_fewer_blocks():
@@ -72,9 +76,11 @@ def test_local_prefill_of_a_reservation_equals_normal_run():
 def test_first_token_that_ends_the_request_finishes_at_once():
     engine = tiny_engine()
     engine.reserve("a", [1, 2, 3], SamplingParams(max_tokens=1))
+    engine.get_lease("a").pin(LeaseState.RESERVED, LeaseState.RECEIVING)
+    engine.get_lease("a").unpin(LeaseState.COMMITTED)
     out = engine.start_reserved("a", 42)
     assert out.finished and out.seq.output_token_ids == [42]
-    assert engine.stats()["used_blocks"] == 0 and not engine.has_unfinished()
+    assert engine.stats().used_blocks == 0 and not engine.has_unfinished()
 
 
 def test_abort_releases_reserved_and_held_blocks_exactly_once():
@@ -84,10 +90,10 @@ def test_abort_releases_reserved_and_held_blocks_exactly_once():
                               hold_blocks=True)
     while not held.is_finished:
         engine.step()
-    assert engine.stats()["held"] == 1 and engine.stats()["reserved"] == 1
+    assert engine.stats().held == 1 and engine.stats().reserved == 1
     assert engine.abort("r") and engine.abort("h")
     assert not engine.abort("r") and not engine.abort("h")
-    assert engine.stats()["used_blocks"] == 0
+    assert engine.stats().used_blocks == 0
 
 
 def test_reserve_without_room_is_overload_and_leaks_nothing():
@@ -96,7 +102,7 @@ def test_reserve_without_room_is_overload_and_leaks_nothing():
     with pytest.raises(OverloadedError):
         engine.reserve("b", list(range(1, 60)), PARAMS[0])      # 15 more do not fit
     engine.abort("a")
-    assert engine.stats()["used_blocks"] == 0
+    assert engine.stats().used_blocks == 0
 
 
 def test_engine_loop_stop_fails_waiting_callers_instead_of_hanging():
@@ -105,7 +111,7 @@ def test_engine_loop_stop_fails_waiting_callers_instead_of_hanging():
     loop = EngineLoop(tiny_engine(num_kv_blocks=30, max_model_len=100)).start()
     loop.call(lambda e: e.reserve("hog", list(range(1, 90)), PARAMS[0]))       # 23 of 30 blocks, never started
     stream = loop.open_stream("s", lambda e: e.add_request("s", list(range(1, 41)), PARAMS[0]))  # needs 11
-    assert loop.call(lambda e: e.stats())["waiting"] == 1                       # cannot be scheduled
+    assert loop.call(lambda e: e.stats()).waiting == 1                       # cannot be scheduled
     loop.stop()
     with pytest.raises(LoopStopped):
         stream.get(timeout=30)

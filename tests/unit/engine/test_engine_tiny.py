@@ -90,7 +90,7 @@ def test_preemption_completes_every_request_with_same_tokens():
     engine = tiny_engine(num_kv_blocks=20, max_model_len=40)   # 80 slots for 8 x ~36 tokens
     tight = run(engine, ps, params)
     assert tight == roomy
-    assert engine.stats()["used_blocks"] == 0
+    assert engine.stats().used_blocks == 0
 
 
 def test_prefix_cache_hit_gives_same_tokens_as_cold_run():

@@ -1,5 +1,11 @@
-"""What both worker roles share: the gRPC server (health, reflection, message limits, graceful stop), the
-engine loop's registration in the prefix index, and waiting for SIGTERM."""
+"""gRPC plumbing every pdserve service process shares: the server (health, reflection, message limits,
+graceful stop), the one mapping of engine errors to status codes, the worker's registration in the prefix
+index fed from its engine loop, and waiting for SIGTERM.
+
+Status mapping (`status_on_error`): InvalidRequestError -> INVALID_ARGUMENT, OverloadedError ->
+RESOURCE_EXHAUSTED, PreconditionError -> FAILED_PRECONDITION, LoopStopped -> UNAVAILABLE, RequestFailedError
+(one request failed inside the engine) -> INTERNAL, anything else -> INTERNAL naming the exception type.
+"""
 
 from __future__ import annotations
 
@@ -15,41 +21,18 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.errors import InvalidRequestError, OverloadedError
-from engine.sampling_params import SamplingParams
-from engine.engine_loop import LoopStopped
+from engine.engine_loop import EngineLoop, LoopStopped
+from engine.errors import InvalidRequestError, OverloadedError, PreconditionError, RequestFailedError
 from engine.llm_engine import LLMEngine
-from kvstore.index import PrefixIndex
+from kvstore.index import PrefixIndex, WorkerInfo
 from kvstore.index_publisher import IndexPublisher
-from kvstore.local_index import WorkerInfo
 from kvstore.shm import host_id
 from kvstore.transfer_service import GRPC_OPTIONS
-from protos.convert import sampling_from_pb
-from protos.pdserve.v1 import worker_pb2
-
-
-@dataclass(frozen=True)
-class WorkerRequestData:
-    """A tokenized, validated request as the gateway sends it to a worker (WorkerRequest in worker.proto)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None
-    seed: int
-
-
-def request_from_pb(pb: worker_pb2.WorkerRequest) -> WorkerRequestData:
-    return WorkerRequestData(pb.request_id, list(pb.prompt_token_ids), sampling_from_pb(pb.sampling),
-                             pb.cache_salt or None, pb.seed)
-
-
-class PreconditionError(Exception):
-    """The request is valid but the worker's state does not allow it (e.g. a reservation that expired)."""
 
 
 _STATUS = [(InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT), (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-           (PreconditionError, grpc.StatusCode.FAILED_PRECONDITION), (LoopStopped, grpc.StatusCode.UNAVAILABLE)]
+           (PreconditionError, grpc.StatusCode.FAILED_PRECONDITION), (LoopStopped, grpc.StatusCode.UNAVAILABLE),
+           (RequestFailedError, grpc.StatusCode.INTERNAL)]
 
 
 @contextlib.contextmanager
@@ -130,8 +113,8 @@ class Registration:
         stats = engine.stats()
         self.worker = WorkerInfo(worker_id, role, grpc_endpoint=endpoint, host_id=host_id(),
                                  block_size=engine.config.block_size, fingerprint=engine.fingerprint,
-                                 max_model_len=engine.max_model_len, capacity_blocks=stats["num_blocks"],
-                                 free_blocks=stats["free_blocks"])
+                                 max_model_len=engine.max_model_len, capacity_blocks=stats.num_blocks,
+                                 free_blocks=stats.free_blocks)
         self.publisher = None
         if redis_url:
             self.publisher = IndexPublisher(PrefixIndex(redis_url, worker_ttl_s=ttl_s), self.worker,
@@ -147,7 +130,7 @@ class Registration:
             if events:
                 self.publisher.submit(events)
             stats = engine.stats()
-            self.publisher.set_load(stats["free_blocks"], stats["running"], stats["waiting"])
+            self.publisher.set_load(stats.free_blocks, stats.running, stats.waiting)
 
     def stop(self) -> None:
         """Leave the index (deregister) so the gateway stops routing here."""
@@ -160,7 +143,7 @@ class WorkerHandle:
     """A running worker: its gRPC server, engine loop, role object (PrefillWorker / DecodeWorker) and registration."""
 
     server: WorkerServer
-    loop: object
+    loop: EngineLoop
     worker: object
     registration: Registration
 
