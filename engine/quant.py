@@ -30,13 +30,13 @@ token embedding at 8 bits or more: it is the largest matrix of a small model and
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from engine.config import QUANTIZATIONS
+from engine.fingerprint import quantized_fingerprint  # noqa: F401  (re-exported: torch-free home)
 
 INT8_MAX = 127
 
@@ -310,14 +310,6 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantization: s
 def lm_head_quantization(quantization: str | None) -> str | None:
     """The LM head's quantization under the model's `quantization` (int4 keeps the head int8)."""
     return "int8" if quantization == "int4" else quantization
-
-
-def quantized_fingerprint(fingerprint: str, quantization: str | None) -> str:
-    """The model fingerprint of a checkpoint served with `quantization`: the checkpoint's own when None, else
-    a different one, because quantized weights produce different KV and tokens (caches must not mix)."""
-    if quantization is None:
-        return fingerprint
-    return hashlib.sha256(f"{fingerprint}\0quantization={quantization}".encode()).hexdigest()
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:

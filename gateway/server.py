@@ -44,7 +44,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.loader import load_model
 from engine.model_fetch import resolve_model_path
-from engine.quant import quantized_fingerprint
+from engine.fingerprint import quantized_fingerprint
 from engine.tokenizer import Tokenizer
 from gateway.config import GatewayConfig
 from gateway.frontend import Frontend
