@@ -28,9 +28,11 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 _FLAG_NAMES = {"num_threads": "--threads", "enable_prefix_caching": "--no-prefix-caching",
                "drain_timeout_s": "--drain-timeout", "worker_ttl_s": "--worker-ttl", "num_prefill": "--prefill",
                "num_decode": "--decode", "num_cpus": "--cpus", "start_timeout_s": "--start-timeout",
-               "stop_timeout_s": "--stop-timeout"}
+               "stop_timeout_s": "--stop-timeout", "queue_timeout_s": "--queue-timeout",
+               "token_timeout_s": "--token-timeout"}
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-GATEWAY_TUNING = ("max_inflight", "local_prefill_threshold", "lease_ms", "prefill_attempts", "max_prefill_load", "routing",
+GATEWAY_TUNING = ("max_inflight", "max_queued", "queue_timeout_s", "token_timeout_s", "max_request_bytes",
+                  "local_prefill_threshold", "lease_ms", "prefill_attempts", "max_prefill_load", "routing",
                   "drain_timeout_s", "served_model_name")
 """GatewayConfig fields `pdserve up` passes through to its gateway."""
 
@@ -147,6 +149,14 @@ def _add_gateway_tuning(g: Any, defaults: bool) -> None:
     G = GatewayConfig
     kw = {} if defaults else {"default": None}
     _arg(g, G, "max_inflight", "requests admitted at once; one more gets RESOURCE_EXHAUSTED", type=int, **kw)
+    _arg(g, G, "max_queued", "admitted requests that may wait for room on a full decode pool (0: no queue); one "
+         "more gets RESOURCE_EXHAUSTED", type=int, **kw)
+    _arg(g, G, "queue_timeout_s", "seconds a queued request waits before RESOURCE_EXHAUSTED with a retry hint",
+         type=float, **kw)
+    _arg(g, G, "token_timeout_s", "seconds a decode stream may stay silent before the request fails with "
+         "UNAVAILABLE (a hung worker)", type=float, **kw)
+    _arg(g, G, "max_request_bytes", "largest request: HTTP body (413 beyond) and gRPC message, e.g. 4M",
+         type=parse_bytes, **kw)
     _arg(g, G, "local_prefill_threshold", "prefill on the decode worker when fewer prompt tokens than this "
          "are uncached (0: always use a prefill worker)", type=int, **kw)
     _arg(g, G, "lease_ms", "how long a decode worker holds a reservation whose KV has not arrived", type=int, **kw)
