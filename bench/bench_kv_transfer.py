@@ -9,7 +9,7 @@ the receiver's cache. A push is timed end to end: encode (gather [+ int8 quantiz
 chunks, the receiver's digest checks and scatter, the reply. Rows:
 
     memcpy         torch uint8 .copy_ of the raw payload's bytes: the physical limit of a memory-to-memory move
-    encode only    the sender's encode_blocks (kernels gather [+ quantize] + xxh3 digests), no transport
+    encode only    the sender's encode_stream, one group (kernels gather [+ quantize] + xxh3 digests), no transport
     shm / grpc     KvSender.push, raw and int8
 
 "wire GB/s" is payload bytes per second; "KV GB/s" is the raw float32 KV moved per second (what int8 buys).
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from kvstore.transfer import KvLayoutSpec, encode_blocks  # noqa: E402
+from kvstore.transfer import KvLayoutSpec, encode_stream  # noqa: E402
 
 LAYOUT = KvLayoutSpec(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32",
                       model_fingerprint="smollm2-135m-bench")
@@ -122,7 +122,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 for codec in ("raw", "int8"):
                     rows.append(dict(blocks=num_blocks, path="encode only", codec=codec,
                                      wire=num_blocks * LAYOUT.block_bytes(codec),
-                                     ms=median_ms(lambda: encode_blocks(src, src_ids, codec), args.repeats)))
+                                     ms=median_ms(lambda: list(encode_stream(src, src_ids, codec, len(src_ids)).groups),
+                                                    args.repeats)))
                 for codec in ("raw", "int8"):
                     for transport in ("shm", "grpc"):
                         def push():

@@ -11,7 +11,8 @@ Layout of one sequence (block_size 4, 10 tokens, 3 of them new this step):
 Invariants (asserted where they are enforced):
 - a sequence's `block_ids` cover at least its computed tokens; each id holds one reference of the pool;
 - `block_hashes[i]` is the chained hash of block i, present only for full blocks;
-- every block is freed exactly once, by `free`, which also empties the table.
+- every block is freed exactly once, by `free`, which also empties the table; its one caller is the
+  sequence's lease (engine.block_lease), which asserts that a release happens once.
 
 Pure Python: no torch, no I/O.
 """
@@ -101,7 +102,3 @@ class KVCacheManager:
         seq.block_ids = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
-
-    def slot(self, seq: Sequence, position: int) -> int:
-        """Physical slot (block_id * block_size + offset) of token `position` of `seq`."""
-        return seq.block_ids[position // self.block_size] * self.block_size + position % self.block_size

@@ -120,14 +120,6 @@ class KvLayoutSpec:
 
 
 @dataclass(frozen=True)
-class Reservation:
-    """What the receiver set aside for one transfer: destination ids, in order, inside a cache of
-    `num_cache_blocks` blocks."""
-    block_ids: tuple[int, ...]
-    num_cache_blocks: int
-
-
-@dataclass(frozen=True)
 class TransferManifest:
     """The head of a transfer (mirror of pdserve.v1.KvManifest)."""
     request_id: str
@@ -139,26 +131,6 @@ class TransferManifest:
     transport: str
     shm_name: str
     payload_bytes: int
-
-
-@dataclass(frozen=True)
-class Payload:
-    """Encoded blocks: `data` is num_blocks block records back to back (see the module docstring)."""
-    codec: str
-    block_bytes: int
-    data: torch.Tensor  # [num_blocks * block_bytes] uint8, CPU, contiguous
-    digests: tuple[bytes, ...]
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.digests)
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel()
-
-    def view(self) -> memoryview:
-        return memoryview(self.data.numpy())
 
 
 def block_digest(data) -> bytes:
@@ -201,17 +173,9 @@ def _digest_records(view: memoryview, block_bytes: int, num_blocks: int) -> tupl
     return tuple(block_digest(view[i * block_bytes:(i + 1) * block_bytes]) for i in range(num_blocks))
 
 
-def encode_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, codec: str) -> Payload:
-    """Gather and encode `block_ids` of `kv_cache` into one payload with per-block digests."""
-    data = encode_records(kv_cache, block_ids, codec)
-    num_blocks = len(block_ids)
-    block_bytes = KvLayoutSpec.from_cache(kv_cache, "").block_bytes(codec)
-    return Payload(codec, block_bytes, data, _digest_records(memoryview(data.numpy()), block_bytes, num_blocks))
-
-
 def digest_blocks_in_place(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> tuple[bytes, ...]:
-    """Raw-codec digests read straight from a dense CPU cache, without gathering: equal to
-    encode_blocks(kv_cache, block_ids, "raw").digests."""
+    """Raw-codec digests read straight from a dense CPU cache, without gathering: equal to the digests of the
+    gathered records, encode_records(kv_cache, block_ids, "raw")."""
     if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
         raise ValueError("digest_blocks_in_place needs a contiguous CPU kv_cache")
     # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]; block b's raw record is kv_cache[l, kv, b] for l, then kv
@@ -293,17 +257,14 @@ def iter_chunks(buffers: Iterable, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> It
         yield bytes(pending)
 
 
-def chunk(payload: Payload, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
-    """The payload's bytes in pieces of `chunk_bytes` (1-4 MiB), the last one possibly shorter."""
-    return iter_chunks([payload.data], chunk_bytes)
-
-
 def num_chunks(payload_bytes: int, chunk_bytes: int) -> int:
     return -(-payload_bytes // chunk_bytes)
 
 
-def validate_manifest(manifest: TransferManifest, expected_layout: KvLayoutSpec, reservation: Reservation) -> None:
-    """Raise TransferRejected naming the first field that makes `manifest` unacceptable."""
+def validate_manifest(manifest: TransferManifest, expected_layout: KvLayoutSpec, block_ids: Sequence[int],
+                      num_cache_blocks: int) -> None:
+    """Raise TransferRejected naming the first field that makes `manifest` unacceptable. `block_ids`: the
+    destination ids the receiver set aside, in order, inside its cache of `num_cache_blocks` blocks."""
     if manifest.codec not in CODECS:
         raise TransferRejected(f"unknown codec {manifest.codec!r}, expected one of {CODECS}", "codec",
                                INVALID_ARGUMENT)
@@ -317,13 +278,13 @@ def validate_manifest(manifest: TransferManifest, expected_layout: KvLayoutSpec,
     if mismatch is not None:
         raise TransferRejected(f"sender has {getattr(manifest.layout, mismatch)!r}, receiver expects "
                                f"{getattr(expected_layout, mismatch)!r}", f"layout.{mismatch}")
-    outside = [b for b in manifest.block_ids if not 0 <= b < reservation.num_cache_blocks]
+    outside = [b for b in manifest.block_ids if not 0 <= b < num_cache_blocks]
     if outside:
-        raise TransferRejected(f"ids {outside[:8]} outside the receiver's cache of {reservation.num_cache_blocks} "
+        raise TransferRejected(f"ids {outside[:8]} outside the receiver's cache of {num_cache_blocks} "
                                "blocks", "block_ids", INVALID_ARGUMENT)
-    if tuple(manifest.block_ids) != tuple(reservation.block_ids):
+    if tuple(manifest.block_ids) != tuple(block_ids):
         raise TransferRejected(f"{len(manifest.block_ids)} ids {list(manifest.block_ids[:8])}... are not the "
-                               f"reservation's {len(reservation.block_ids)} ids {list(reservation.block_ids[:8])}...",
+                               f"reservation's {len(block_ids)} ids {list(block_ids[:8])}...",
                                "block_ids", INVALID_ARGUMENT)
     if len(manifest.block_digests) != len(manifest.block_ids):
         raise TransferRejected(f"{len(manifest.block_digests)} digests for {len(manifest.block_ids)} blocks",

@@ -36,7 +36,7 @@ import torch
 
 from kvstore.shm import OutgoingSegment, attach_segment
 from kvstore.transfer import (CODECS, DEFAULT_CHUNK_BYTES, INVALID_ARGUMENT, TRANSPORTS, DecodedBlocks, KvLayoutSpec,
-                              PayloadAssembler, Reservation, TransferManifest, TransferRejected, check_chunk_bytes,
+                              PayloadAssembler, TransferManifest, TransferRejected, check_chunk_bytes,
                               decode_payload, encode_stream, iter_chunks, num_chunks, validate_manifest,
                               verify_digests)
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
@@ -80,10 +80,6 @@ class ReceiveTarget:
     layout: KvLayoutSpec
     block_ids: tuple[int, ...]
     kv_cache: torch.Tensor  # [L, 2, num_blocks, block_size, Hkv, D]
-
-    @property
-    def reservation(self) -> Reservation:
-        return Reservation(tuple(self.block_ids), self.kv_cache.shape[2])
 
 
 @dataclass(frozen=True)
@@ -149,7 +145,7 @@ def receive_transfer(manifest: TransferManifest, data_chunks: Iterator[bytes], r
     and a busy reservation must stay with the transfer that holds it)."""
     target = receiver.check(manifest)
     try:
-        validate_manifest(manifest, target.layout, target.reservation)
+        validate_manifest(manifest, target.layout, target.block_ids, target.kv_cache.shape[2])
         target.layout.check_cache(target.kv_cache)
         block_bytes = target.layout.block_bytes(manifest.codec)
         if manifest.transport == "grpc":

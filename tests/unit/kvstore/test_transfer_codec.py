@@ -9,9 +9,9 @@ import xxhash
 
 from kernels import dequantize_blocks_int8, gather_blocks, quantize_blocks_int8
 from kvstore.transfer import (DEFAULT_CHUNK_BYTES, FAILED_PRECONDITION, INVALID_ARGUMENT, MAX_CHUNK_BYTES,
-                              MIN_CHUNK_BYTES, KvLayoutSpec, PayloadAssembler, Reservation, TransferManifest,
-                              TransferRejected, block_digest, chunk, decode_payload, digest_blocks_in_place,
-                              encode_blocks, encode_stream, iter_chunks, validate_manifest)
+                              MIN_CHUNK_BYTES, KvLayoutSpec, PayloadAssembler, TransferManifest,
+                              TransferRejected, block_digest, decode_payload, digest_blocks_in_place,
+                              encode_records, encode_stream, iter_chunks, validate_manifest)
 
 # 48 KiB fp32 blocks: 40 of them make a 1.875 MiB payload, i.e. two 1 MiB chunks with block 21 split across them.
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 3, 2, 64, 16
@@ -25,6 +25,33 @@ def make_cache(num_blocks: int, dtype=torch.float32, seed: int = 0) -> torch.Ten
     # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]
     shape = (NUM_LAYERS, 2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     return (torch.randn(shape, generator=gen) * 3).to(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """Blocks gathered in one piece, with a digest per record: the reference the sender's streams must equal."""
+    codec: str
+    block_bytes: int
+    data: torch.Tensor  # [num_blocks * block_bytes] uint8
+    digests: tuple[bytes, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def view(self) -> memoryview:
+        return memoryview(self.data.numpy())
+
+
+def encode_blocks(kv_cache, block_ids, codec) -> Encoded:
+    data = encode_records(kv_cache, block_ids, codec)
+    bb = KvLayoutSpec.from_cache(kv_cache, "").block_bytes(codec)
+    view = memoryview(data.numpy())
+    return Encoded(codec, bb, data, tuple(block_digest(view[i * bb:(i + 1) * bb]) for i in range(len(block_ids))))
+
+
+def chunk(payload: Encoded, chunk_bytes: int):
+    return iter_chunks([payload.data], chunk_bytes)
 
 
 def receive(manifest: TransferManifest, chunks, layout: KvLayoutSpec) -> torch.Tensor:
@@ -173,16 +200,16 @@ def test_assembler_rejects_corruption_before_the_stream_ends_and_short_or_long_s
 
 
 LAYOUT = KvLayoutSpec(NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, "float32", "smollm2-fp")
-RESERVATION = Reservation((4, 9, 2), num_cache_blocks=10)
+RESERVATION = ((4, 9, 2), 10)   # destination ids, blocks in the receiver's cache
 GOOD = TransferManifest("req-1", "handle-1", LAYOUT, (4, 9, 2), (b"\x00" * 16,) * 3, "raw", "grpc", "",
                         3 * LAYOUT.block_bytes("raw"))
 
 
 def test_a_consistent_manifest_passes():
-    validate_manifest(GOOD, LAYOUT, RESERVATION)
-    validate_manifest(dataclasses.replace(GOOD, transport="shm", shm_name="pdkv_1_ab"), LAYOUT, RESERVATION)
+    validate_manifest(GOOD, LAYOUT, *RESERVATION)
+    validate_manifest(dataclasses.replace(GOOD, transport="shm", shm_name="pdkv_1_ab"), LAYOUT, *RESERVATION)
     validate_manifest(dataclasses.replace(GOOD, codec="int8", payload_bytes=3 * LAYOUT.block_bytes("int8")),
-                      LAYOUT, RESERVATION)
+                      LAYOUT, *RESERVATION)
 
 
 @pytest.mark.parametrize("field, value", [("num_layers", 30), ("num_kv_heads", 3), ("head_dim", 128),
@@ -191,7 +218,7 @@ def test_a_consistent_manifest_passes():
 def test_every_layout_mismatch_is_rejected_naming_its_field(field, value):
     sent = dataclasses.replace(GOOD, layout=dataclasses.replace(LAYOUT, **{field: value}))
     with pytest.raises(TransferRejected) as info:
-        validate_manifest(sent, LAYOUT, RESERVATION)
+        validate_manifest(sent, LAYOUT, *RESERVATION)
     assert (info.value.field, info.value.code) == (f"layout.{field}", FAILED_PRECONDITION)
     assert repr(value) in info.value.reason
 
@@ -212,7 +239,7 @@ def test_every_layout_mismatch_is_rejected_naming_its_field(field, value):
 ])
 def test_every_manifest_rejection_names_its_field(changes, field, code):
     with pytest.raises(TransferRejected) as info:
-        validate_manifest(dataclasses.replace(GOOD, **changes), LAYOUT, RESERVATION)
+        validate_manifest(dataclasses.replace(GOOD, **changes), LAYOUT, *RESERVATION)
     assert (info.value.field, info.value.code) == (field, code)
     assert str(info.value).startswith(f"{field}: ")
 
