@@ -93,8 +93,8 @@ def test_preemption_under_a_small_pool_gives_same_tokens(llm, default_model_path
                 enable_prefix_caching=False, progress=False)
     tight = small.generate(BATCH_PROMPTS, params)
     assert [o.outputs[0].token_ids for o in tight] == roomy
-    assert small.engine.stats()["preemptions"] > 0
-    assert small.engine.stats()["used_blocks"] == 0
+    assert small.engine.stats().preemptions > 0
+    assert small.engine.stats().used_blocks == 0
 
 
 def test_prefix_cache_hit_reports_cached_tokens_and_same_tokens(llm):
