@@ -35,6 +35,7 @@ import contextlib
 import logging
 import signal
 import threading
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,11 +55,12 @@ from gateway.discovery import WorkerDirectory
 from gateway.orchestrator import Orchestrator, OrchestratorLimits
 from gateway.request_types import RETRY_AFTER_MS, OutputChunk, error_code
 from gateway.routing import RoutingPolicy
-from gateway.validation import ModelSpec, max_bytes_per_token, validate_chat, validate_generate
+from gateway.validation import (GenerationRequest, ModelSpec, RequestFields, draw_seed, max_bytes_per_token,
+                                validate_messages, validate_prompt)
 from gateway.worker_client import ChannelPool
 from kvstore.hashing import root_hash
 from kvstore.index import PrefixIndex
-from protos.convert import finish_reason_to_pb, logprob_to_pb
+from protos.convert import finish_reason_to_pb, logprob_to_pb, sampling_from_pb
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -152,6 +154,28 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_unary_rpc_method_handler(unary_unary, deserializer, handler.response_serializer)
         return handler
+
+
+# ------------------------------------------------------------------------------------------------ protobuf edge
+def fields_from_pb(pb: generation_pb2.GenerateRequest | generation_pb2.ChatRequest) -> RequestFields:
+    """What GenerateRequest and ChatRequest share, as plain values (validated by gateway.validation)."""
+    sampling = pb.sampling
+    return RequestFields(sampling_from_pb(sampling), tuple(sampling.stop), pb.request_id, pb.model, pb.cache_salt)
+
+
+def validate_generate(pb: generation_pb2.GenerateRequest, model: ModelSpec, tokenizer: Tokenizer,
+                      running: Container[str] = (), seed_source: Callable[[], int] = draw_seed) -> GenerationRequest:
+    """A GenerateRequest validated and tokenized (gateway.validation.validate_prompt; no chat template)."""
+    kind = pb.WhichOneof("prompt")
+    prompt = None if kind is None else pb.text if kind == "text" else list(pb.token_ids.ids)
+    return validate_prompt(fields_from_pb(pb), prompt, model, tokenizer, running, seed_source)
+
+
+def validate_chat(pb: generation_pb2.ChatRequest, model: ModelSpec, tokenizer: Tokenizer,
+                  running: Container[str] = (), seed_source: Callable[[], int] = draw_seed) -> GenerationRequest:
+    """A ChatRequest rendered with the model's chat template, validated and tokenized (validate_messages)."""
+    messages = [(message.role, message.content) for message in pb.messages]
+    return validate_messages(fields_from_pb(pb), messages, model, tokenizer, running, seed_source)
 
 
 # ------------------------------------------------------------------------------------------------ servicer

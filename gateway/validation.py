@@ -1,8 +1,7 @@
-"""Public requests -> a validated, tokenized `GenerationRequest` (pure). One set of checks for both public APIs:
-
-    validate_generate / validate_chat     generation.proto GenerateRequest / ChatRequest (the gRPC API)
-    validate_prompt / validate_messages   the same checks on plain values (`RequestFields` plus a prompt or
-                                          (role, content) pairs), which the OpenAI HTTP front reads its JSON into
+"""Public requests -> a validated, tokenized `GenerationRequest` (pure). One set of checks for both public APIs,
+on plain values: `RequestFields` plus a prompt (validate_prompt) or (role, content) pairs (validate_messages).
+The gRPC servicer reads its messages into them (gateway.server, validate_generate / validate_chat), the OpenAI
+HTTP front its JSON (gateway.openai_protocol).
 
 Every rejection is an `engine.errors.InvalidRequestError` whose `field` is the gRPC request's own field path, so the
 server maps it to INVALID_ARGUMENT "field: message" (the HTTP front renames it to the OpenAI parameter):
@@ -28,7 +27,7 @@ Prompts that cannot fit are refused before they are tokenized: a token covers at
 ModelSpec.max_bytes_per_token bytes of UTF-8 text (measured over the vocabulary at load, `max_bytes_per_token`),
 so a text of B bytes has at least ceil(B / max_bytes_per_token) tokens.
 
-Protobuf messages are read by attribute only (nothing here imports protobuf, grpc or torch); text prompts and
+Nothing here imports protobuf, grpc or torch; text prompts and
 chat renderings are tokenized as the offline `engine.llm.LLM` does, so the same prompt gives the same ids.
 A request without a seed gets one drawn here: prefill and decode workers then sample one random stream.
 """
@@ -192,57 +191,6 @@ def check_sampling(params: SamplingParams, stop: Sequence[str], vocab_size: int 
         params.validate(vocab_size)
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"sampling.{exc.field}", str(exc).partition(": ")[2]) from exc
-
-
-def _params_from_pb(pb) -> SamplingParams:
-    """common.proto SamplingParams -> SamplingParams with the proto's defaults (not validated)."""
-    return SamplingParams(
-        max_tokens=pb.max_tokens if pb.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
-        temperature=pb.temperature if pb.HasField("temperature") else 1.0,
-        top_k=pb.top_k,
-        top_p=pb.top_p if pb.HasField("top_p") else 1.0,
-        min_p=pb.min_p,
-        seed=pb.seed if pb.HasField("seed") else None,
-        repetition_penalty=pb.repetition_penalty if pb.HasField("repetition_penalty") else 1.0,
-        presence_penalty=pb.presence_penalty,
-        frequency_penalty=pb.frequency_penalty,
-        stop_token_ids=tuple(pb.stop_token_ids),
-        ignore_eos=pb.ignore_eos,
-        logprobs=pb.logprobs if pb.HasField("logprobs") else None,
-    )
-
-
-def sampling_from_pb(pb, vocab_size: int | None = None) -> tuple[SamplingParams, tuple[str, ...]]:
-    """common.proto SamplingParams -> (validated SamplingParams with the proto's defaults, stop strings).
-
-    The seed stays None when unset (drawn later, once the whole request is valid)."""
-    params, stop = _params_from_pb(pb), tuple(pb.stop)
-    check_sampling(params, stop, vocab_size)
-    return params, stop
-
-
-def _fields_from_pb(pb) -> RequestFields:
-    return RequestFields(_params_from_pb(pb.sampling), tuple(pb.sampling.stop), pb.request_id, pb.model,
-                         pb.cache_salt)
-
-
-def validate_generate(pb, model: ModelSpec, tokenizer: Tokenizer, running: Container[str] = (),
-                      seed_source: Callable[[], int] = draw_seed) -> GenerationRequest:
-    """Validate a generation.proto GenerateRequest and tokenize its prompt (no chat template).
-
-    `running`: request ids in flight on this gateway (a caller-chosen id must not be among them).
-    """
-    kind = pb.WhichOneof("prompt")
-    prompt = None if kind is None else pb.text if kind == "text" else list(pb.token_ids.ids)
-    return validate_prompt(_fields_from_pb(pb), prompt, model, tokenizer, running, seed_source)
-
-
-def validate_chat(pb, model: ModelSpec, tokenizer: Tokenizer, running: Container[str] = (),
-                  seed_source: Callable[[], int] = draw_seed) -> GenerationRequest:
-    """Validate a generation.proto ChatRequest, render it with the model's chat template (generation prompt
-    added) and tokenize it. `running` as in validate_generate."""
-    messages = [(message.role, message.content) for message in pb.messages]
-    return validate_messages(_fields_from_pb(pb), messages, model, tokenizer, running, seed_source)
 
 
 def validate_prompt(fields: RequestFields, prompt: str | Sequence[int] | None, model: ModelSpec,

@@ -10,9 +10,9 @@ from tokenizers import models
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from gateway.validation import (MAX_REQUEST_ID_CHARS, MAX_STOP_STRINGS, ModelSpec, RequestFields,
-                                max_bytes_per_token, sampling_from_pb, validate_chat, validate_generate,
-                                validate_prompt)
+from gateway.server import validate_chat, validate_generate
+from gateway.validation import (MAX_REQUEST_ID_CHARS, MAX_STOP_STRINGS, ModelSpec, RequestFields, check_sampling,
+                                max_bytes_per_token, validate_prompt)
 from protos.pdserve.v1 import common_pb2, generation_pb2
 from word_tokenizer import WORDS, word_tokenizer
 
@@ -143,7 +143,7 @@ def test_bad_sampling_names_the_field(tokenizer, sampling, field):
 
 def test_sampling_message_keeps_the_engine_wording():
     with pytest.raises(InvalidRequestError) as info:
-        sampling_from_pb(common_pb2.SamplingParams(top_p=0.0))
+        check_sampling(SamplingParams(top_p=0.0), ())
     assert str(info.value) == "sampling.top_p: must be in (0, 1], got 0.0"
 
 
