@@ -61,13 +61,17 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
+                    sliding_window: int | None = None, softcap: float | None = None,
                     max_query_len: int | None = None, max_seq_len: int | None = None) -> torch.Tensor:
-    """Varlen causal attention over paged KV. max_query_len / max_seq_len are optional host-side hints that
-    spare the Triton path a device->host sync; they must be upper bounds when given."""
+    """Varlen causal attention over paged KV. A token at position p sees positions p - sliding_window + 1 .. p
+    when sliding_window is given; softcap c turns scaled scores s into c * tanh(s / c). max_query_len /
+    max_seq_len are optional host-side hints that spare the Triton path a device->host sync; they must be upper
+    bounds when given."""
     # query: [num_query_tokens, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]
     # block_tables: [B, max_blocks_per_seq] int32; seq_lens: [B] int32; query_start_loc: [B+1] int32
     if not _use_triton(query):
-        return ref.paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        return ref.paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                       sliding_window, softcap)
     batch = seq_lens.shape[0]
     if query.shape[0] == 0:
         return torch.empty_like(query)
@@ -76,10 +80,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if max_query_len == 1 and query.shape[0] == batch:
         from kernels.triton_decode_attention import decode_attention_triton
         return decode_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, scale,
-                                       max_seq_len=max_seq_len)
+                                       sliding_window=sliding_window, softcap=softcap, max_seq_len=max_seq_len)
     from kernels.triton_prefill_attention import prefill_attention_triton
     return prefill_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                    max_query_len=max_query_len)
+                                    sliding_window=sliding_window, softcap=softcap, max_query_len=max_query_len)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

@@ -46,26 +46,55 @@ def _gather_seq_kv(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: 
     return blocks.flatten(0, 1)[:seq_len].float()  # [seq_len, Hkv, D]
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            softcap: float | None) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v, all fp32; with `softcap` the scores s become softcap * tanh(s / softcap)
+    before the mask (transformers' Gemma 2 order), which SDPA cannot express, so that case is written out."""
+    # q: [..., M, D]; k, v: [..., N, D]; mask: broadcastable to [..., M, N] bool (True = visible) or None
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap  # [..., M, N]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
 def _decode_attention_batched(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
-                              scale: float) -> torch.Tensor:
-    """One query token per sequence: gather K/V padded to max_seq_len, mask by length, one SDPA call."""
+                              scale: float, sliding_window: int | None = None,
+                              softcap: float | None = None) -> torch.Tensor:
+    """One query token per sequence: gather K/V padded to max_seq_len, mask by length (and window), one SDPA call."""
     # query: [n, Hq, D]; block_tables: [n, max_blocks]; seq_lens: [n] (each >= 1)
     n, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     if n == 1:  # batch-1 decode (latency-bound): the sequence's own blocks, cut to its length, no mask
         # 4-D operands: torch's CPU flash kernel (3-D ones take its slower math path)
-        k = _gather_seq_kv(k_cache, block_tables[0], max_seq_len).transpose(0, 1)[None]  # [1, Hkv, seq_len, D]
-        v = _gather_seq_kv(v_cache, block_tables[0], max_seq_len).transpose(0, 1)[None]
+        first = _first_visible_block(max_seq_len, 1, sliding_window, block_size)
+        start = first * block_size
+        if sliding_window is not None and max_seq_len - start > sliding_window:
+            start = max_seq_len - sliding_window
+        k = _gather_seq_kv(k_cache, block_tables[0, first:], max_seq_len - first * block_size)
+        v = _gather_seq_kv(v_cache, block_tables[0, first:], max_seq_len - first * block_size)
+        k = k[start - first * block_size:].transpose(0, 1)[None]  # [1, Hkv, visible, D]
+        v = v[start - first * block_size:].transpose(0, 1)[None]
         q = query.view(1, num_kv_heads, group, head_dim).float()  # [1, Hkv, G, D]
-        return F.scaled_dot_product_attention(q, k, v, scale=scale).reshape(1, num_heads, head_dim)
+        return _attend(q, k, v, None, scale, softcap).reshape(1, num_heads, head_dim)
     num_blocks_max = _cdiv(max_seq_len, block_size)
     seq_lens = seq_lens.to(torch.long)
-    block_ids = block_tables[:, :num_blocks_max].long()  # [n, nb]
     # Table entries past a sequence's last block are padding with any value: point them at block 0.
     blocks_used = torch.div(seq_lens + block_size - 1, block_size, rounding_mode="floor")  # [n]
-    in_use = torch.arange(num_blocks_max, device=query.device)[None, :] < blocks_used[:, None]  # [n, nb]
+    if sliding_window is None:
+        first = torch.zeros_like(seq_lens)
+        block_ids = block_tables[:, :num_blocks_max].long()  # [n, nb]
+        in_use = torch.arange(num_blocks_max, device=query.device)[None, :] < blocks_used[:, None]  # [n, nb]
+    else:
+        # Only the blocks that hold a visible position: from each sequence's first visible block on.
+        first = torch.div(seq_lens - sliding_window, block_size, rounding_mode="floor").clamp_(min=0)  # [n]
+        num_blocks_max = min(num_blocks_max, _cdiv(sliding_window - 1, block_size) + 1)
+        cols = first[:, None] + torch.arange(num_blocks_max, device=query.device)[None, :]  # [n, nb]
+        in_use = cols < blocks_used[:, None]
+        block_ids = block_tables.long().gather(1, cols.clamp(max=block_tables.shape[1] - 1))
     block_ids = torch.where(in_use, block_ids, torch.zeros_like(block_ids))
     padded_len = num_blocks_max * block_size
     # k_cache[block_ids]: [n, nb, block_size, Hkv, D] -> [n, Hkv, padded_len, D]
@@ -75,14 +104,26 @@ def _decode_attention_batched(query: torch.Tensor, k_cache: torch.Tensor, v_cach
     v = v_cache.index_select(0, flat_ids).view(n, padded_len, num_kv_heads, head_dim).transpose(1, 2).float()
     # GQA without copying K/V per query head: the `group` query heads of a kv head act as `group` query rows.
     q = query.view(n, num_kv_heads, group, head_dim).float()  # [n, Hkv, G, D]
-    mask = torch.arange(padded_len, device=query.device)[None, :] < seq_lens[:, None]  # [n, padded_len]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)  # [n, Hkv, G, D]
+    kv_pos = first[:, None] * block_size + torch.arange(padded_len, device=query.device)[None, :]  # [n, padded]
+    mask = kv_pos < seq_lens[:, None]  # [n, padded_len]
+    if sliding_window is not None:
+        mask &= kv_pos >= seq_lens[:, None] - sliding_window
+    out = _attend(q, k, v, mask[:, None, None, :], scale, softcap)  # [n, Hkv, G, D]
     return out.reshape(n, num_heads, head_dim)
 
 
-def _prefill_attention_one(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of q_len new tokens that sit at the end of a seq_len-long contiguous K/V."""
-    # query: [q_len, Hq, D]; k, v: [seq_len, Hkv, D] fp32
+def _first_visible_block(seq_len: int, q_len: int, sliding_window: int | None, block_size: int) -> int:
+    """Index in the block table of the first block any of the q_len last tokens sees (0 without a window)."""
+    if sliding_window is None:
+        return 0
+    return max(0, seq_len - q_len - sliding_window + 1) // block_size
+
+
+def _prefill_attention_one(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                           sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Causal attention of q_len new tokens that sit at the end of a contiguous K/V (with a window, K/V may
+    start at any position before the first token's window: only its length up to the last token matters)."""
+    # query: [q_len, Hq, D]; k, v: [seq_len, Hkv, D] fp32 (seq_len counted from K/V's first position)
     q_len, num_heads, head_dim = query.shape
     seq_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -90,23 +131,31 @@ def _prefill_attention_one(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     q = query.float().view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(
         num_kv_heads, group * q_len, head_dim)
     rows = torch.arange(q_len, device=query.device) + (seq_len - q_len)  # absolute position of each query
-    mask = torch.arange(seq_len, device=query.device)[None, :] <= rows[:, None]  # [q_len, seq_len]
+    kv_pos = torch.arange(seq_len, device=query.device)[None, :]
+    mask = kv_pos <= rows[:, None]  # [q_len, seq_len]
+    if sliding_window is not None:
+        mask &= kv_pos > rows[:, None] - sliding_window
     # 4-D operands: torch's CPU flash kernel (3-D ones take its math path, ~3.5x slower at 512 tokens)
-    out = F.scaled_dot_product_attention(q[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         attn_mask=mask.repeat(group, 1), scale=scale)[0]  # [Hkv, G*q_len, D]
+    out = _attend(q[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask.repeat(group, 1), scale,
+                  softcap)[0]  # [Hkv, G*q_len, D]
     return out.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
 
 
 def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                        scale: float) -> torch.Tensor:
+                        scale: float, sliding_window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
     """Varlen causal attention over paged KV (GQA/MQA); new tokens of seq b end at position seq_lens[b]-1.
 
+    With `sliding_window` W a token at position p sees positions p - W + 1 .. p only; with `softcap` c the
+    scores s (already scaled) become c * tanh(s / c) before the softmax.
     Sequences whose new tokens are all single (decode) run as one padded batch; the rest (prefill, prefix
     hits, chunks) run one sequence at a time. Sequences with no new tokens are skipped.
     """
     # query: [num_query_tokens, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]
     # block_tables: [B, max_blocks_per_seq] int32; seq_lens: [B] int32; query_start_loc: [B+1] int32
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     num_query_tokens = query.shape[0]
     out = torch.empty_like(query)  # [num_query_tokens, Hq, D]
     if num_query_tokens == 0:
@@ -121,7 +170,7 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if decode_ids and len(decode_ids) == len(lens) == num_query_tokens:
         # Only decode tokens, one per sequence in order: query and output rows are the sequences themselves.
         return _decode_attention_batched(query, k_cache, v_cache, block_tables, seq_lens, max(lens),
-                                         scale).to(query.dtype)
+                                         scale, sliding_window, softcap).to(query.dtype)
     if decode_ids:
         if len(decode_ids) == len(lens):
             rows, tables, dec_lens = query_start_loc[:-1].long(), block_tables, seq_lens
@@ -131,14 +180,17 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             tables, dec_lens = block_tables[sel], seq_lens[sel]
         max_len = max(lens[b] for b in decode_ids)
         out[rows] = _decode_attention_batched(query[rows], k_cache, v_cache, tables, dec_lens, max_len,
-                                              scale).to(query.dtype)
+                                              scale, sliding_window, softcap).to(query.dtype)
     for b, q_len in enumerate(q_lens):
         if q_len <= 1:
             continue
-        k = _gather_seq_kv(k_cache, block_tables[b], lens[b])  # [seq_len, Hkv, D]
-        v = _gather_seq_kv(v_cache, block_tables[b], lens[b])
+        # blocks wholly before the window are never read (they may be freed)
+        first = _first_visible_block(lens[b], q_len, sliding_window, k_cache.shape[1])
+        visible_len = lens[b] - first * k_cache.shape[1]
+        k = _gather_seq_kv(k_cache, block_tables[b, first:], visible_len)  # [visible_len, Hkv, D]
+        v = _gather_seq_kv(v_cache, block_tables[b, first:], visible_len)
         out[starts[b]:starts[b + 1]] = _prefill_attention_one(query[starts[b]:starts[b + 1]], k, v,
-                                                              scale).to(query.dtype)
+                                                              scale, sliding_window, softcap).to(query.dtype)
     return out
 
 

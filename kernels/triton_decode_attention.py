@@ -4,6 +4,8 @@ One program per (sequence, kv head, split): it loads the group's query heads as 
 (padded to 16 rows for tl.dot), so each K/V tile is read once per kv head, not once per query head. Long contexts
 are cut into `num_splits` ranges per sequence; each split writes a normalized partial output and its log-sum-exp
 (base 2), and a second kernel merges them. With one split the first kernel writes the output directly.
+A sliding window W (window > 0) starts the range at seq_len - W: blocks before it are never read. A softcap c
+(SOFTCAP) turns each scaled score s into c * tanh(s / c) before the softmax.
 Reference: kernels.reference.paged_attention_ref (decode rows).
 """
 
@@ -21,20 +23,49 @@ MAX_SPLITS = 64
 
 
 @triton.jit
+def tanh(x):
+    """tanh from exp2 of -2|x| (no overflow, full precision near 0 and at the tails)."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)
+
+
+def softcap_args(scale: float, softcap: float | None) -> tuple[float, float, float, bool]:
+    """(scale_log2, softcap_scale, softcap_log2, SOFTCAP) as the attention kernels take them: without a softcap
+    scores are dot * scale_log2; with one, tanh(dot * softcap_scale) * softcap_log2 (log2 units)."""
+    if softcap is None:
+        return float(scale) * LOG2E, 0.0, 0.0, False
+    if softcap <= 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    return float(scale) * LOG2E, float(scale) / softcap, float(softcap) * LOG2E, True
+
+
+def check_window(sliding_window: int | None) -> int:
+    """The kernels' `window` argument: 0 for none."""
+    if sliding_window is None:
+        return 0
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    return int(sliding_window)
+
+
+@triton.jit
 def _decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                             out_ptr, part_out_ptr, part_lse_ptr, scale_log2, num_splits,
+                             out_ptr, part_out_ptr, part_lse_ptr, scale_log2, softcap_scale, softcap_log2,
+                             window, num_splits,
                              stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                              stride_vb, stride_vs, stride_vh, stride_bt, stride_ot, stride_oh,
                              num_heads, group, head_dim, block_size,
-                             SINGLE_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_D: tl.constexpr):
+                             SINGLE_SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_G: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     # grid (B, Hkv, num_splits). q[b]: [Hq, D]; k/v_cache: [num_blocks, block_size, Hkv, D]
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
-    start = split * tiles_per_split * BLOCK_N
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # first visible position
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len - lo, BLOCK_N), num_splits)
+    start = lo + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
     g = tl.arange(0, BLOCK_G)
@@ -57,7 +88,10 @@ def _decode_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, 
         slot_v = phys * stride_vb + (pos % block_size) * stride_vs + kv_head * stride_vh
         k = tl.load(k_cache_ptr + slot_k[None, :] + d[:, None],
                     mask=p_mask[None, :] & d_mask[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [BLOCK_G, BLOCK_N] fp32, log2 units
+        if SOFTCAP:
+            s = tanh(tl.dot(q, k, input_precision="ieee") * softcap_scale) * softcap_log2
+        else:
+            s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [BLOCK_G, BLOCK_N] fp32, log2 units
         s = tl.where(p_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
@@ -112,9 +146,11 @@ def _default_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device:
 
 def decode_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                            sliding_window: int | None = None, softcap: float | None = None,
                             max_seq_len: int | None = None, num_splits: int | None = None,
                             block_n: int | None = None) -> torch.Tensor:
     """Decode attention; query row b is sequence b's single new token (already written to the cache).
+    sliding_window / softcap as in kernels.paged_attention.
 
     max_seq_len (upper bound, host int) only sizes the split count; without it the block-table width is used.
     num_splits / block_n override the heuristics (tests use them to force the split-K path).
@@ -138,8 +174,12 @@ def decode_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     out = torch.empty_like(query)
     if batch == 0:
         return out
+    window = check_window(sliding_window)
+    scale_log2, softcap_scale, softcap_log2, has_softcap = softcap_args(scale, softcap)
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
+    if window:
+        max_seq_len = min(max_seq_len, window)  # what one sequence reads
     if num_splits is None:
         num_splits = _default_num_splits(batch, num_kv_heads, max_seq_len, device)
     group = num_heads // num_kv_heads
@@ -154,11 +194,12 @@ def decode_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         part_out = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=device)
         part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=device)
     _decode_attention_kernel[(batch, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, float(scale) * LOG2E, num_splits,
+        query, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, scale_log2, softcap_scale,
+        softcap_log2, window, num_splits,
         query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), num_heads, group, head_dim, block_size,
-        SINGLE_SPLIT=single, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4)
+        SINGLE_SPLIT=single, SOFTCAP=has_softcap, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4)
     if not single:
         _merge_splits_kernel[(batch, num_heads)](
             part_out, part_lse, out, num_splits, out.stride(0), out.stride(1), num_heads, head_dim,

@@ -3,7 +3,9 @@
 One program per (sequence, tile of BLOCK_Q new tokens, kv head). Its rows are the BLOCK_Q tokens x the group's
 query heads (row r = token r // BLOCK_G, head r % BLOCK_G), so a K/V tile serves the whole group at once. New token
 i of sequence b sits at position seq_lens[b] - q_len_b + i and sees positions <= its own; the K/V loop stops at the
-tile's last visible position. Sequences with q_len 0 exit at once.
+tile's last visible position. Sequences with q_len 0 exit at once. With a sliding window W (window > 0) a row at
+position p also needs position > p - W, and the K/V loop starts at the tile's first row's window. SOFTCAP turns
+each scaled score s into c * tanh(s / c) before the softmax.
 Reference: kernels.reference.paged_attention_ref.
 """
 
@@ -14,15 +16,16 @@ import triton
 import triton.language as tl
 
 from kernels._checks import INDEX_DTYPES, STORAGE_DTYPES, check_last_dim_contiguous, check_tensor, next_pow2
+from kernels.triton_decode_attention import check_window, softcap_args, tanh
 
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
-                              scale_log2, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+                              scale_log2, softcap_scale, softcap_log2, window,
+                              stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                               stride_vb, stride_vs, stride_vh, stride_bt, stride_ot, stride_oh,
-                              group, head_dim, block_size,
+                              group, head_dim, block_size, SOFTCAP: tl.constexpr,
                               BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     # grid (B, cdiv(max_q_len, BLOCK_Q), Hkv). q: [Nq, Hq, D]; k/v_cache: [num_blocks, block_size, Hkv, D]
@@ -54,7 +57,10 @@ def _prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + b * stride_bt
     kv_end = tl.minimum(seq_len, context_len + (q_tile + 1) * BLOCK_Q)  # last visible position + 1
-    for tile_start in range(0, kv_end, BLOCK_N):
+    # first position any row of the tile sees; rows see positions > lo_row
+    kv_start = tl.where(window > 0, tl.maximum(context_len + q_tile * BLOCK_Q - window + 1, 0), 0)
+    lo_row = tl.where(window > 0, q_pos - window, -1)  # [BLOCK_M]
+    for tile_start in range(kv_start, kv_end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         p_mask = pos < kv_end
         phys = tl.load(table + pos // block_size, mask=p_mask, other=0).to(tl.int64)
@@ -62,12 +68,18 @@ def _prefill_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
         slot_v = phys * stride_vb + (pos % block_size) * stride_vs + kv_head * stride_vh
         k = tl.load(k_cache_ptr + slot_k[None, :] + d[:, None],
                     mask=p_mask[None, :] & d_mask[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N] fp32, log2 units
-        visible = p_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+        if SOFTCAP:
+            s = tanh(tl.dot(q, k, input_precision="ieee") * softcap_scale) * softcap_log2
+        else:
+            s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [BLOCK_M, BLOCK_N] fp32, log2 units
+        visible = p_mask[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > lo_row[:, None])
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: position tile_start=0 is visible to every row
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        # Without a window position 0 is visible to every row, so m_new is finite; with one, a row may see
+        # nothing in the tile's first K/V tiles: subtract 0 then (every p is 0 and the empty state stays empty).
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
         l_sum = l_sum * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + slot_v[:, None] + d[None, :],
                     mask=p_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
@@ -87,7 +99,8 @@ def default_block_m(head_dim: int, device: torch.device) -> int:
 
 def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                             scale: float, *, max_query_len: int | None = None, block_m: int | None = None,
+                             scale: float, *, sliding_window: int | None = None, softcap: float | None = None,
+                             max_query_len: int | None = None, block_m: int | None = None,
                              block_n: int | None = None) -> torch.Tensor:
     """Same semantics as paged_attention. max_query_len (host int, upper bound) sizes the grid; computed with a
     device sync when omitted. block_m / block_n override the tile sizes (rows = tokens x group heads)."""
@@ -113,6 +126,8 @@ def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache
     out = torch.empty_like(query)
     if query.shape[0] == 0 or batch == 0:
         return out
+    window = check_window(sliding_window)
+    scale_log2, softcap_scale, softcap_log2, has_softcap = softcap_args(scale, softcap)
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     if max_query_len <= 0:
@@ -124,10 +139,10 @@ def prefill_attention_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache
     block_n = block_n or (64 if head_dim <= 64 else 32)
     grid = (batch, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _prefill_attention_kernel[grid](
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, float(scale) * LOG2E,
-        query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale_log2, softcap_scale,
+        softcap_log2, window, query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1), group, head_dim, block_size,
+        out.stride(0), out.stride(1), group, head_dim, block_size, SOFTCAP=has_softcap,
         BLOCK_Q=block_q, BLOCK_G=block_g, BLOCK_M=block_q * block_g, BLOCK_N=block_n,
         BLOCK_D=max(16, next_pow2(head_dim)), num_warps=4)
     return out
