@@ -1,9 +1,12 @@
 """Loading a Hugging Face model directory: config.json, *.safetensors, tokenizer.json, tokenizer_config.json.
 
 Supported `architectures`: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM (Qwen2 always has q/k/v
-biases). Weights come from `model.safetensors`, from the shards listed in `model.safetensors.index.json`, or
-from every `*.safetensors` file in the directory, and are returned under their own (Hugging Face) names, so
-the result has the same structure as the GGUF loader's.
+biases), Qwen3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM (text), Phi3ForCausalLM, MixtralForCausalLM.
+Weights come from `model.safetensors`, from the shards listed in `model.safetensors.index.json`, or from every
+`*.safetensors` file in the directory, and are returned under their own (Hugging Face) names (Phi-3's fused
+projections split, engine.arch), so the result has the same structure as the GGUF loader's.
+RoPE settings are read from `rope_scaling` (keyed "type" or "rope_type") or transformers 5's `rope_parameters`
+(for Gemma 3, one entry per layer type).
 """
 
 from __future__ import annotations
@@ -17,11 +20,14 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from engine.arch import check_weights, split_fused_phi3
 from engine.config import ModelConfig, RopeScaling
-from engine.loaded_model import LoadedModel, ModelLoadError, check_weights
+from engine.loaded_model import LoadedModel, ModelLoadError
 from engine.tokenizer import Tokenizer
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+                 "Phi3ForCausalLM": "phi3", "MixtralForCausalLM": "mixtral"}
 """config.json `architectures[0]` values this loader accepts -> ModelConfig.architecture."""
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed by the model
@@ -47,6 +53,8 @@ def load_hf_directory(path: str | Path, dtype: torch.dtype = torch.float32, prog
     weights = {}
     if with_weights:
         weights = _read_weights(files, config, dtype, progress)
+        if config.architecture == "phi3":
+            split_fused_phi3(weights, config)
         check_weights(weights, config, path)
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer, fingerprint=hf_fingerprint(path, files))
 
@@ -70,45 +78,133 @@ def config_from_hf(config: Mapping[str, Any], eos_token_ids: tuple[int, ...] | l
 
     if config.get("mlp_bias"):
         raise ValueError("mlp_bias = true is not supported")
-    if arch != "qwen2" and config.get("attention_bias"):
-        raise ValueError("attention_bias = true is not supported for Llama/Mistral (it adds an o_proj bias)")
+    if arch not in ("qwen2", "qwen3") and config.get("attention_bias"):
+        raise ValueError(f"attention_bias = true is not supported for {arch}")
+    if arch == "qwen3" and config.get("attention_bias"):
+        raise ValueError("attention_bias = true is not supported for qwen3 (it adds an o_proj bias)")
     hidden = int(required("hidden_size"))
     num_heads = int(required("num_attention_heads"))
+    num_layers = int(required("num_hidden_layers"))
     max_positions = int(config.get("max_position_embeddings") or 4096)
     window = config.get("sliding_window")
-    if window and (arch != "qwen2" or config.get("use_sliding_window")):
-        max_positions = min(max_positions, int(window))
+    if arch in ("llama", "mistral", "qwen2", "qwen3"):
+        if window and (arch not in ("qwen2", "qwen3") or config.get("use_sliding_window")):
+            max_positions = min(max_positions, int(window))
+        window = None
     rope = dict(config.get("rope_parameters") or {})  # transformers 5 nests rope settings here
+    local_rope = None
+    if arch == "gemma3" and isinstance(rope.get("full_attention"), Mapping):
+        local_rope, rope = dict(rope.get("sliding_attention") or {}), dict(rope["full_attention"])
     rope_theta = float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    scaling = config.get("rope_scaling") or rope
     eos = tuple(eos_token_ids) or _ids(config.get("eos_token_id"))
     bos = config.get("bos_token_id")
+    gemma = arch in ("gemma2", "gemma3")
+    family: dict[str, Any] = {}
+    if gemma:
+        family = dict(
+            hidden_act=config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh",
+            norm_unit_offset=True, feedforward_norms=True, embedding_multiplier=hidden ** 0.5,
+            query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or 256),
+            attn_logit_softcapping=_optional_float(config.get("attn_logit_softcapping")),
+            final_logit_softcapping=_optional_float(config.get("final_logit_softcapping")),
+            qk_norm=arch == "gemma3")
+    elif config.get("hidden_act") not in (None, "silu"):
+        raise ValueError(f"hidden_act {config.get('hidden_act')!r} is not supported for {arch} (only silu is)")
+    if arch == "gemma3":
+        family["rope_local_theta"] = float(config.get("rope_local_base_freq") or (local_rope or {}).get("rope_theta")
+                                           or 10000.0)
+    if arch == "qwen3":
+        family["qk_norm"] = True
+    if arch == "mixtral":
+        family.update(num_experts=int(required("num_local_experts")),
+                      num_experts_per_tok=int(required("num_experts_per_tok")))
     return ModelConfig(
         architecture=arch,
         vocab_size=int(required("vocab_size")),
         hidden_size=hidden,
         intermediate_size=int(required("intermediate_size")),
-        num_layers=int(required("num_hidden_layers")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
         head_dim=int(config.get("head_dim") or hidden // num_heads),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6 if arch == "qwen2" else 1e-5)),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6 if arch in ("qwen2", "qwen3", "gemma2", "gemma3")
+                                      else 1e-5)),
         rope_theta=rope_theta,
-        rope_scaling=_rope_scaling(config.get("rope_scaling") or rope),
+        rope_scaling=_rope_scaling(scaling, config),
         max_position_embeddings=max_positions,
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", gemma)),
         attention_bias=arch == "qwen2",
         bos_token_id=int(bos) if isinstance(bos, int) else None,
         eos_token_ids=eos,
+        partial_rotary_factor=float(config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),
+        layer_types=_layer_types(arch, config, num_layers, window),
+        sliding_window=int(window) if window else None,
+        **family,
     )
 
 
-def _rope_scaling(scaling: Mapping[str, Any]) -> RopeScaling | None:
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _layer_types(arch: str, config: Mapping[str, Any], num_layers: int, window: Any) -> tuple[str, ...]:
+    """Per-layer attention kinds: config.json's layer_types, else the family's pattern (transformers' defaults)."""
+    if not window:
+        return ()
+    if arch in ("phi3", "mixtral"):
+        return ("sliding_attention",) * num_layers  # one window for every layer
+    if config.get("layer_types"):
+        kinds = tuple(config["layer_types"])
+        if len(kinds) != num_layers:
+            raise ValueError(f"layer_types has {len(kinds)} entries for {num_layers} layers")
+        return kinds
+    pattern = 2 if arch == "gemma2" else int(config.get("sliding_window_pattern") or 6)
+    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers))
+
+
+_ROPE_TYPE_ALIASES = {"su": "longrope", "default": None}
+
+
+def _rope_scaling(scaling: Mapping[str, Any], config: Mapping[str, Any] | None = None) -> RopeScaling | None:
+    """RopeScaling from a config.json rope_scaling / rope_parameters mapping; None for plain RoPE."""
+    config = config or {}
     kind = scaling.get("rope_type") or scaling.get("type")
-    if kind in (None, "default"):
+    kind = _ROPE_TYPE_ALIASES.get(kind, kind)
+    if kind is None:
         return None
-    if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (only llama3 is)")
-    return RopeScaling(factor=float(scaling["factor"]),
+    if kind not in ("llama3", "linear", "dynamic", "yarn", "longrope"):
+        raise ValueError(f"rope_scaling type {kind!r} is not supported "
+                         "(supported: llama3, linear, dynamic, yarn, longrope)")
+    original = scaling.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+    factor = scaling.get("factor")
+    if kind == "longrope":
+        if original is None:
+            raise ValueError("longrope rope_scaling needs original_max_position_embeddings")
+        if factor is None:  # transformers: the ratio of the extended to the original context
+            factor = float(config.get("max_position_embeddings") or original) / float(original)
+        return RopeScaling(factor=float(factor), rope_type=kind, original_max_position_embeddings=int(original),
+                           short_factor=tuple(float(f) for f in scaling["short_factor"]),
+                           long_factor=tuple(float(f) for f in scaling["long_factor"]),
+                           attention_factor=_optional_float(scaling.get("attention_factor")))
+    if factor is None:
+        raise ValueError(f"rope_scaling type {kind!r} needs a factor")
+    if kind == "yarn":
+        if original is None:  # transformers 5: the model's context before scaling
+            original = config.get("max_position_embeddings")
+        return RopeScaling(factor=float(factor), rope_type=kind,
+                           original_max_position_embeddings=int(original or 8192),
+                           beta_fast=float(scaling.get("beta_fast") or 32.0),
+                           beta_slow=float(scaling.get("beta_slow") or 1.0),
+                           mscale=_optional_float(scaling.get("mscale")),
+                           mscale_all_dim=_optional_float(scaling.get("mscale_all_dim")),
+                           truncate=bool(scaling.get("truncate", True)),
+                           attention_factor=_optional_float(scaling.get("attention_factor")))
+    if kind in ("linear", "dynamic"):
+        return RopeScaling(factor=float(factor), rope_type=kind,
+                           original_max_position_embeddings=int(original or config.get("max_position_embeddings")
+                                                                or 8192))
+    return RopeScaling(factor=float(factor),
                        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
                        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
                        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)))

@@ -1,27 +1,44 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+"""Pre-norm decoder over a paged KV cache: the Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2), Qwen3, Gemma 2/3,
+Phi-3 and Mixtral, each a set of `ModelConfig` switches on one layer loop.
 
 The model is a flat batch of tokens from many sequences ("varlen"): no padding, no per-sequence tensors.
 Attention metadata says where each sequence's tokens are and which KV blocks hold its context. Every
 kernel call goes through `kernels`, which picks Triton on CUDA and the torch reference elsewhere.
 
-Weights use Hugging Face names and the HF "rotate_half" RoPE layout (the GGUF loader un-permutes q/k).
-q/k/v and gate/up are fused into single matrices at load time: one GEMM each instead of three and two.
-Every matmul goes through an `engine.quant` linear: float weights, int8 (`quantization="int8"`: every linear and
-the LM head) or int4 (`quantization="int4"`: every layer's linears, the LM head int8). A tied embedding shares the
-LM head's table; norms and biases stay float.
+Weights use Hugging Face names (engine.arch lists them) and the HF "rotate_half" RoPE layout (the GGUF loader
+un-permutes q/k). q/k/v and gate/up are fused into single matrices at load time: one GEMM each instead of three
+and two. Every matmul goes through an `engine.quant` linear: float weights, int8 (`quantization="int8"`: every
+linear and the LM head) or int4 (`quantization="int4"`: every layer's linears, the LM head int8). A tied
+embedding shares the LM head's table; norms, biases and the MoE router stay float.
+
+What the other families add, in the order a layer runs it:
+    embedding * embedding_multiplier                         (Gemma: sqrt(hidden))
+    q/k RMSNorm per head before RoPE                         (qk_norm: Qwen3, Gemma 3)
+    per-layer RoPE table and sliding window                  (layer_types; Gemma 3's local RoPE base)
+    attention scale query_pre_attn_scalar ** -0.5, softcap   (Gemma)
+    branch norms before each residual add                    (feedforward_norms: Gemma 2/3)
+    GeGLU with tanh GELU                                     (hidden_act: Gemma)
+    sparse MoE MLP                                           (num_experts: Mixtral; engine.moe)
+    logits softcap                                           (final_logit_softcapping: Gemma 2)
+RMSNorm with a (1 + weight) scale (Gemma) is folded into the weights at load, in float32 as transformers adds it.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 import kernels
-from engine.config import ModelConfig, RopeScaling
+from engine.config import ModelConfig
+from engine.moe import SparseMoE
 from engine.quant import DequantWorkspace, FloatLinear, Linear, lm_head_quantization, make_linear
+from engine.rope import rope_cos_sin_cache
+
+__all__ = ["AttentionMetadata", "DecoderModel", "LlamaModel", "rope_cos_sin_cache"]
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 @dataclass
@@ -34,50 +51,71 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [batch + 1] int32: offsets of each sequence's tokens in the flat batch
 
 
+class DenseMLP:
+    """down(act(gate) * up) with gate and up fused into one GEMM."""
+
+    def __init__(self, gate_up: Linear, down: Linear, act) -> None:
+        self.gate_up = gate_up  # [2 * intermediate, hidden]
+        self.down = down        # [hidden, intermediate]
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up.forward(x).chunk(2, dim=-1)  # [T, intermediate] each
+        return self.down.forward(self.act(gate) * up)
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+
 @dataclass
 class _Layer:
-    input_norm: torch.Tensor  # [hidden]
-    qkv: Linear               # [(num_heads + 2 * num_kv_heads) * head_dim, hidden], bias when attention_bias
-    o: Linear                 # [hidden, num_heads * head_dim]
-    post_norm: torch.Tensor   # [hidden]
-    gate_up: Linear           # [2 * intermediate, hidden]
-    down: Linear              # [hidden, intermediate]
+    input_norm: torch.Tensor                 # [hidden]
+    qkv: Linear                              # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    o: Linear                                # [hidden, num_heads * head_dim]
+    post_norm: torch.Tensor                  # [hidden]: post_attention_layernorm
+    mlp: DenseMLP | SparseMoE
+    cos_sin_cache: torch.Tensor              # [max_position, rotary_dim] fp32
+    window: int | None                       # sliding window, None for full attention
+    q_norm: torch.Tensor | None = None       # [head_dim] when qk_norm
+    k_norm: torch.Tensor | None = None       # [head_dim] when qk_norm
+    pre_ff_norm: torch.Tensor | None = None  # [hidden] when feedforward_norms
+    post_ff_norm: torch.Tensor | None = None  # [hidden] when feedforward_norms
+
+    @property
+    def gate_up(self) -> Linear:
+        """The dense MLP's fused gate/up linear."""
+        return self.mlp.gate_up
+
+    @property
+    def down(self) -> Linear:
+        """The dense MLP's down linear."""
+        return self.mlp.down
+
+    @property
+    def nbytes(self) -> int:
+        norms = (self.input_norm, self.post_norm, self.q_norm, self.k_norm, self.pre_ff_norm, self.post_ff_norm)
+        return sum(t.nbytes for t in norms if t is not None) + self.qkv.nbytes + self.o.nbytes + self.mlp.nbytes
 
 
-def rope_cos_sin_cache(head_dim: int, max_position: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """[max_position, head_dim] float32: cos of each (position, frequency) then sin, the layout kernels expect."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is not None:
-        inv_freq = _llama3_scale(inv_freq, scaling)
-    freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-
-
-def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
-    wavelen = 2 * math.pi / inv_freq
-    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    smoothed = (1 - smooth) * inv_freq / s.factor + smooth * inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-class LlamaModel:
+class DecoderModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, max_position: int, quantization: str | None = None) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
+        c = config
 
         def get(name: str) -> torch.Tensor:
             if name not in weights:
                 raise KeyError(f"checkpoint has no tensor {name!r}")
             return weights[name]
 
-        def w(name: str) -> torch.Tensor:
-            return get(name).to(device=device, dtype=dtype)
+        def norm(name: str) -> torch.Tensor:
+            weight = get(name)
+            if c.norm_unit_offset:
+                weight = 1.0 + weight.float()
+            return weight.to(device=device, dtype=dtype)
 
         workspace = DequantWorkspace()
 
@@ -87,28 +125,55 @@ class LlamaModel:
             b = torch.cat([get(n) for n in bias]) if bias else None
             return make_linear(weight, b, quant, dtype, device, workspace)
 
-        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        tied = c.tie_word_embeddings or "lm_head.weight" not in weights
         self.lm_head = linear("model.embed_tokens.weight" if tied else "lm_head.weight",
                               quant=lm_head_quantization(quantization))
         # A tied table is looked up through the LM head's (possibly int8) copy; an untied one stays float.
-        self.embed = self.lm_head if tied else FloatLinear(w("model.embed_tokens.weight"))
-        self.final_norm = w("model.norm.weight")
+        self.embed = self.lm_head if tied else FloatLinear(get("model.embed_tokens.weight").to(device, dtype))
+        self.final_norm = norm("model.norm.weight")
+        act = _ACTIVATIONS[c.hidden_act]
+        caches: dict[tuple, torch.Tensor] = {}
+
+        def cos_sin(layer: int) -> torch.Tensor:
+            local = c.rope_local_theta is not None and c.layer_window(layer) is not None
+            theta, scaling = (c.rope_local_theta, None) if local else (c.rope_theta, c.rope_scaling)
+            if (theta, scaling) not in caches:
+                caches[theta, scaling] = rope_cos_sin_cache(c.rotary_dim, max_position, theta, scaling,
+                                                            c.max_position_embeddings).to(device)
+            return caches[theta, scaling]
+
+        def mlp(p: str) -> DenseMLP | SparseMoE:
+            if not c.num_experts:
+                return DenseMLP(linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                                linear(p + "mlp.down_proj.weight"), act)
+            e = p + "block_sparse_moe."
+            experts = range(c.num_experts)
+            return SparseMoE(
+                router=linear(e + "gate.weight", quant=None),
+                gate_up=[linear(f"{e}experts.{j}.w1.weight", f"{e}experts.{j}.w3.weight") for j in experts],
+                down=[linear(f"{e}experts.{j}.w2.weight") for j in experts],
+                top_k=c.num_experts_per_tok, act=act)
+
         self.layers = []
-        for i in range(config.num_layers):
+        for i in range(c.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            qkv_bias = (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if config.attention_bias else ()
+            qkv_bias = (a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if c.attention_bias else ()
             self.layers.append(_Layer(
-                input_norm=w(p + "input_layernorm.weight"),
+                input_norm=norm(p + "input_layernorm.weight"),
                 qkv=linear(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight", bias=qkv_bias),
                 o=linear(a + "o_proj.weight"),
-                post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                down=linear(p + "mlp.down_proj.weight"),
+                post_norm=norm(p + "post_attention_layernorm.weight"),
+                mlp=mlp(p),
+                cos_sin_cache=cos_sin(i),
+                window=c.layer_window(i),
+                q_norm=norm(a + "q_norm.weight") if c.qk_norm else None,
+                k_norm=norm(a + "k_norm.weight") if c.qk_norm else None,
+                pre_ff_norm=norm(p + "pre_feedforward_layernorm.weight") if c.feedforward_norms else None,
+                post_ff_norm=norm(p + "post_feedforward_layernorm.weight") if c.feedforward_norms else None,
             ))
-        self.cos_sin_cache = rope_cos_sin_cache(config.head_dim, max_position, config.rope_theta,
-                                                config.rope_scaling).to(device)
-        self.scale = config.head_dim ** -0.5
+        self.cos_sin_cache = self.layers[0].cos_sin_cache if self.layers else cos_sin(0)
+        self.scale = (c.query_pre_attn_scalar if c.query_pre_attn_scalar is not None else c.head_dim) ** -0.5
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -118,41 +183,59 @@ class LlamaModel:
         Returns the final-norm hidden states [num_tokens, hidden].
         """
         c = self.config
+        eps = c.rms_norm_eps
         q_size = c.num_heads * c.head_dim
         kv_size = c.num_kv_heads * c.head_dim
         num_tokens = input_ids.shape[0]
         h = self.embed.embed(input_ids).to(self.dtype)              # [T, hidden]
+        if c.embedding_multiplier != 1.0:
+            h = h * torch.tensor(c.embedding_multiplier, dtype=self.dtype)  # rounded to dtype, as transformers
         residual = None
         for i, layer in enumerate(self.layers):
             if residual is None:
                 residual = h
-                x = kernels.rms_norm(h, layer.input_norm, c.rms_norm_eps)
+                x = kernels.rms_norm(h, layer.input_norm, eps)
             else:
-                x, residual = kernels.rms_norm(h, layer.input_norm, c.rms_norm_eps, residual=residual)
+                x, residual = kernels.rms_norm(h, layer.input_norm, eps, residual=residual)
             qkv = layer.qkv.forward(x)                               # [T, q_size + 2 * kv_size]
             q = qkv[:, :q_size].view(num_tokens, c.num_heads, c.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(num_tokens, c.num_kv_heads, c.head_dim)
             v = qkv[:, q_size + kv_size:].view(num_tokens, c.num_kv_heads, c.head_dim)
-            kernels.rotary_embedding(positions, q, k, self.cos_sin_cache)
+            if layer.q_norm is not None:
+                # [T * heads, head_dim] rows: one RMSNorm per head
+                q = kernels.rms_norm(q.reshape(-1, c.head_dim), layer.q_norm, eps).view(q.shape)
+                k = kernels.rms_norm(k.reshape(-1, c.head_dim), layer.k_norm, eps).view(k.shape)
+            kernels.rotary_embedding(positions, q, k, layer.cos_sin_cache)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]      # [blocks, block_size, kv_heads, head_dim]
             kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                           meta.query_start_loc, self.scale)  # [T, heads, head_dim]
+                                           meta.query_start_loc, self.scale, sliding_window=layer.window,
+                                           softcap=c.attn_logit_softcapping)  # [T, heads, head_dim]
             h = layer.o.forward(attn.reshape(num_tokens, q_size))
-            x, residual = kernels.rms_norm(h, layer.post_norm, c.rms_norm_eps, residual=residual)
-            gate, up = layer.gate_up.forward(x).chunk(2, dim=-1)    # [T, intermediate] each
-            h = layer.down.forward(F.silu(gate) * up)
-        out, _ = kernels.rms_norm(h, self.final_norm, c.rms_norm_eps, residual=residual)
+            if layer.pre_ff_norm is not None:
+                h = kernels.rms_norm(h, layer.post_norm, eps)
+                x, residual = kernels.rms_norm(h, layer.pre_ff_norm, eps, residual=residual)
+                h = kernels.rms_norm(layer.mlp.forward(x), layer.post_ff_norm, eps)
+            else:
+                x, residual = kernels.rms_norm(h, layer.post_norm, eps, residual=residual)
+                h = layer.mlp.forward(x)
+        out, _ = kernels.rms_norm(h, self.final_norm, eps, residual=residual)
         return out
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [n, hidden] -> logits [n, vocab] in float32."""
-        return self.lm_head.logits(hidden)
+        logits = self.lm_head.logits(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def decode_weight_bytes(self) -> int:
         """Weight bytes one decode step reads whatever its batch: every layer, the final norm and the LM head
-        (an embedding lookup reads only its rows)."""
-        layer_bytes = sum(layer.input_norm.nbytes + layer.post_norm.nbytes + layer.qkv.nbytes + layer.o.nbytes
-                          + layer.gate_up.nbytes + layer.down.nbytes for layer in self.layers)
-        return layer_bytes + self.final_norm.nbytes + self.lm_head.nbytes
+        (an embedding lookup reads only its rows; a MoE layer counts all its experts)."""
+        return sum(layer.nbytes for layer in self.layers) + self.final_norm.nbytes + self.lm_head.nbytes
+
+
+LlamaModel = DecoderModel
+"""The name the engine and its tests have always used."""
