@@ -91,6 +91,7 @@ def _raise_exit(signum: int, frame: Any) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from kvstore.embedded_redis import redacted_url
     from pdserve.launcher import LocalCluster
 
     config = cli_args.cluster_config(args)
@@ -99,7 +100,7 @@ def cmd_up(args: argparse.Namespace) -> int:
          f"the gateway (model {config.engine.model}) ...")
     with LocalCluster(config) as cluster:
         http = [("http", cluster.http_url)] if cluster.http_url is not None else []
-        rows = [("gateway", cluster.gateway_target), *http, *cluster.workers.items(), ("redis", cluster.redis_url),
+        rows = [("gateway", cluster.gateway_target), *http, *cluster.workers.items(), ("redis", redacted_url(cluster.redis_url)),
                 ("logs", str(cluster.run_dir))]
         width = max(len(name) for name, _ in rows)
         _err("\n".join(f"  {name:<{width}}  {value}" for name, value in rows))

@@ -47,7 +47,7 @@ from pathlib import Path
 import redis
 
 from engine.model_fetch import fetch_default_model
-from kvstore.embedded_redis import EmbeddedRedis
+from kvstore.embedded_redis import EmbeddedRedis, redacted_url
 from pdserve import health
 from pdserve.cli_args import engine_flags
 from pdserve.cluster_config import LocalClusterConfig
@@ -319,7 +319,7 @@ class LocalCluster:
         self._gateway = self._spawn("gateway", argv, f"{connect_host(config.host)}:{gateway_port}")
         _wait_serving([self._gateway], deadline)
         log.info("local cluster up: gateway %s, workers %s, redis %s", self.gateway_target, self.workers,
-                 self._redis_url)
+                 redacted_url(self._redis_url))
 
     def _spawn(self, name: str, argv: list[str], endpoint: str) -> _Child:
         assert self._run_dir is not None

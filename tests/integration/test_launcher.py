@@ -161,8 +161,9 @@ def test_up_stops_everything_on_sigterm(default_model_path, tmp_path):
             if "Ctrl-C stops everything" in line:
                 break
         output = "".join(lines)
-        redis_address = re.search(r"redis://([\d.]+:\d+)", output)
+        redis_address = re.search(r"redis://(?:[^@/\s]*@)?([\d.]+:\d+)", output)
         assert redis_address, output
+        assert ":***@" in output                                # the password is never printed
         assert processes_mentioning([redis_address[1]]) != []  # serving: Redis and the workers are running
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 128 + signal.SIGTERM
@@ -174,7 +175,7 @@ def test_up_stops_everything_on_sigterm(default_model_path, tmp_path):
 
 
 def assert_all_stopped(cluster: LocalCluster) -> None:
-    redis_address = cluster.redis_url.removeprefix("redis://").split("/")[0]
+    redis_address = cluster.redis_url.removeprefix("redis://").split("/")[0].split("@")[-1]
     ports = [endpoint.rsplit(":", 1)[1] for endpoint in cluster.workers.values()]
     assert processes_mentioning([redis_address, *(f"--port {port} " for port in ports)]) == []
 
@@ -290,7 +291,7 @@ def test_a_sigkilled_launcher_leaves_no_process_and_no_directory(default_model_p
             if "Ctrl-C stops everything" in line:
                 break
         output = "".join(lines)
-        redis_address = re.search(r"redis://([\d.]+:\d+)", output)
+        redis_address = re.search(r"redis://(?:[^@/\s]*@)?([\d.]+:\d+)", output)
         assert redis_address, output
         made = sorted(path.name for path in tmpdir.iterdir())
         assert any(name.startswith("pdserve-redis-") for name in made), made
