@@ -6,7 +6,11 @@ validation       protobuf request or plain values -> GenerationRequest, errors n
 openai_protocol  OpenAI JSON bodies -> GenerationRequest, output chunks -> OpenAI response objects (pure)
 routing          which decode / prefill worker, and when the decode worker prefills locally (pure)
 stop_strings     incremental stop-string matching over streamed text (pure)
-orchestrator     one request's lifecycle over grpc.aio stubs of the workers
+orchestrator     one request's lifecycle (reserve, prefill, decode; queue, retries, aborts) over a worker client;
+                 no grpc, no protobuf
+worker_types     what the worker client returns and raises: dataclasses and domain errors (no grpc)
+worker_client    the worker RPCs over grpc.aio channels (keepalive, connectivity): the gateway's only worker I/O
+discovery        workers from the Redis index, and their health as this gateway sees it (health checks)
 metrics          Prometheus metrics of one gateway (its own registry)
 frontend         the request path both APIs share: admission, orchestrator, metrics, drain accounting
 http_front       the aiohttp OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models,

@@ -6,6 +6,7 @@ Requests, both APIs (label api: "grpc" or "http"; endpoint: generate, chat, comp
                                                      INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE,
                                                      DEADLINE_EXCEEDED, CANCELLED, INTERNAL)
     pdserve_requests_in_flight{api}                  requests between arrival and their last byte
+    pdserve_gateway_queued_requests                  admitted requests waiting for room on a decode worker
     pdserve_time_to_first_token_seconds{api}         arrival -> first token leaving the gateway
     pdserve_inter_token_latency_seconds{api}         between consecutive chunks of tokens of one request
     pdserve_time_per_output_token_seconds{api}       (last token - first token) / (tokens - 1), finished requests
@@ -27,7 +28,7 @@ requests count only in pdserve_requests_total and, for tokens they did get, the 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -85,6 +86,8 @@ class GatewayMetrics:
                                 ["api", "endpoint", "code"], registry=r)
         self.in_flight = Gauge("pdserve_requests_in_flight", "Requests between arrival and their last byte", ["api"],
                                registry=r)
+        self.queued = Gauge("pdserve_gateway_queued_requests",
+                            "Admitted requests waiting in the gateway for room on a decode worker", registry=r)
         self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Arrival to the first token leaving the gateway",
                               ["api"], buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("pdserve_inter_token_latency_seconds",
@@ -116,6 +119,10 @@ class GatewayMetrics:
 
     def request(self, api: str, endpoint: str, arrival: float, trace: RequestTrace) -> RequestRecorder:
         return RequestRecorder(self, api, endpoint, arrival, trace)
+
+    def track_queue(self, num_queued: Callable[[], int]) -> None:
+        """pdserve_gateway_queued_requests reads `num_queued()` at each scrape."""
+        self.queued.set_function(num_queued)
 
     def set_workers(self, workers: Sequence[WorkerInfo]) -> None:
         """The workers the per-worker gauges report from now on."""

@@ -273,7 +273,9 @@ async def _start(config: GatewayConfig, model: ModelSpec, tokenizer: Tokenizer) 
                                 queue_timeout_s=config.queue_timeout_s, token_timeout_s=config.token_timeout_s)
     orchestrator = Orchestrator(policy, root_hash(model.fingerprint), tokenizer, directory.match, channels, limits,
                                 on_unreachable=directory.report_unreachable, down=directory.down_endpoints)
-    frontend = Frontend(model, tokenizer, orchestrator, GatewayMetrics())
+    metrics = GatewayMetrics()
+    metrics.track_queue(lambda: orchestrator.num_queued)
+    frontend = Frontend(model, tokenizer, orchestrator, metrics)
     server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()],
                              options=[("grpc.max_receive_message_length", config.max_request_bytes)])
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend), server)

@@ -108,3 +108,12 @@ def test_worker_gauges_follow_the_latest_worker_list():
 ])
 def test_error_code_of_each_error(exc, code):
     assert error_code(exc) == code
+
+
+def test_the_queue_depth_gauge_reads_the_orchestrator_at_each_scrape():
+    m = GatewayMetrics()
+    depth = [3]
+    m.track_queue(lambda: depth[0])
+    assert "pdserve_gateway_queued_requests 3.0" in m.exposition().decode()
+    depth[0] = 0
+    assert "pdserve_gateway_queued_requests 0.0" in m.exposition().decode()
