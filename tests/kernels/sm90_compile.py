@@ -153,6 +153,15 @@ def _decode_launches(m: ModelShape, dtype, block_size: int):
         yield (f"B={batch} ctx={context} splits={num_splits}",
                partial(decode_attention_triton, q, k_cache, v_cache, block_tables, seq_lens, m.head_dim ** -0.5,
                        num_splits=num_splits))
+    # Gemma 2's sliding layers: a 4096 window over a longer context, scores soft-capped at 50
+    batch, context, window = 32, 8192, 4096
+    q, _, _ = _qkv(m, batch, dtype)
+    block_tables = _meta((batch, -(-context // block_size)), torch.int32)
+    seq_lens = _meta((batch,), torch.int32)
+    num_splits = _h200_num_splits(batch, m.num_kv_heads, window)
+    yield (f"B={batch} ctx={context} window={window} softcap splits={num_splits}",
+           partial(decode_attention_triton, q, k_cache, v_cache, block_tables, seq_lens, m.head_dim ** -0.5,
+                   sliding_window=window, softcap=50.0, num_splits=num_splits))
 
 
 def _prefill_launches(m: ModelShape, dtype, block_size: int):
@@ -162,8 +171,10 @@ def _prefill_launches(m: ModelShape, dtype, block_size: int):
     kv_cache = _kv_cache(m, block_size, dtype)
     k_cache, v_cache = kv_cache[-1, 0], kv_cache[-1, 1]
     # (cached tokens, new tokens) per sequence: one chunk over a cached prefix; a chunk batched with decode rows
-    for label, seqs in (("chunk 2048 over 4096 cached", [(4096, 2048)]),
-                        ("chunk 512 + 7 decode rows", [(1000, 512)] + [(300 + 90 * i, 1) for i in range(7)])):
+    for label, seqs, window in (
+            ("chunk 2048 over 4096 cached", [(4096, 2048)], None),
+            ("chunk 512 + 7 decode rows", [(1000, 512)] + [(300 + 90 * i, 1) for i in range(7)], None),
+            ("chunk 2048 over 4096 cached, window 4096, softcap", [(4096, 2048)], 4096)):
         num_new = sum(new for _, new in seqs)
         width = max(-(-(cached + new) // block_size) for cached, new in seqs)
         q, _, _ = _qkv(m, num_new, dtype)
@@ -173,7 +184,8 @@ def _prefill_launches(m: ModelShape, dtype, block_size: int):
         max_query_len = max(new for _, new in seqs)
         yield (label, partial(prefill_attention_triton, q, k_cache, v_cache, block_tables, seq_lens,
                               query_start_loc, m.head_dim ** -0.5, max_query_len=max_query_len,
-                              block_m=default_block_m(m.head_dim, torch.device("cuda"))))
+                              block_m=default_block_m(m.head_dim, torch.device("cuda")), sliding_window=window,
+                              softcap=None if window is None else 50.0))
 
 
 def _write_kv_launches(m: ModelShape, dtype, block_size: int):
