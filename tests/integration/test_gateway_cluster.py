@@ -341,6 +341,126 @@ def test_no_decode_worker_is_unavailable(cluster):
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "decode worker" in info.value.details()
 
 
+def raw_generate(gateway, payload: bytes, method: str = "Generate"):
+    """Send `payload` as the request message's bytes, unparsed (what a buggy or hostile client can send)."""
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        call = channel.unary_stream(f"/pdserve.v1.Generation/{method}", request_serializer=lambda b: b,
+                                    response_deserializer=generation_pb2.GenerateResponse.FromString)
+        return list(call(payload, timeout=RPC_TIMEOUT_S))
+
+
+@pytest.mark.parametrize("method, payload, message", [
+    ("Generate", b"\x12\x02\xff\xfe", "GenerateRequest"),                 # text = invalid UTF-8
+    ("Generate", b"\x12\x05ab", "GenerateRequest"),                       # truncated string
+    ("Chat", b"\x12\x04\x0a\x02\xc3\x28", "ChatRequest"),                 # messages[0].role = invalid UTF-8
+    ("Generate", b"\x22\x03\x08\x80\x80", "GenerateRequest"),             # sampling: truncated varint
+])
+def test_unparsable_messages_are_invalid_argument_naming_the_message(gateway, cluster, method, payload, message):
+    before = cluster.wait_idle()
+    with pytest.raises(grpc.RpcError) as info:
+        raw_generate(gateway, payload, method)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(f"{message}: ")
+    assert cluster.wait_idle() == before
+
+
+def test_a_message_past_max_request_bytes_is_refused_by_grpc(cluster):
+    small = cluster.gateway(max_request_bytes=64 << 10)
+    with grpc.insecure_channel(f"127.0.0.1:{small.port}") as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            list(generation_pb2_grpc.GenerationStub(channel).Generate(
+                generation_pb2.GenerateRequest(text="a" * (100 << 10)), timeout=RPC_TIMEOUT_S))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_a_huge_prompt_is_refused_while_list_models_is_answered_beside_it(gateway, cluster):
+    huge = "lorem ipsum dolor sit amet " * ((3 << 20) // 27)    # ~3 MB: cannot fit, refused before tokenizing
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}",
+                                             options=[("grpc.max_send_message_length", 8 << 20)]) as channel:
+            aio_stub = generation_pb2_grpc.GenerationStub(channel)
+            big = aio_stub.Generate(generation_pb2.GenerateRequest(text=huge), timeout=RPC_TIMEOUT_S)
+            big_task = asyncio.ensure_future(big.read())
+            models = await aio_stub.ListModels(generation_pb2.ListModelsRequest(), timeout=RPC_TIMEOUT_S)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await big_task
+            return models, info.value
+
+    models, error = asyncio.run(scenario())
+    assert [m.name for m in models.models] == [cluster.model[0].name]
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith("prompt: ")
+    assert "bytes" in error.details()
+
+
+def test_a_temperature_that_underflows_is_greedy(stub, reference):
+    result = generate(stub, PROMPTS[0], common_pb2.SamplingParams(max_tokens=8, temperature=1e-45))
+    assert result.token_ids == reference(PROMPTS[0], 8)[1]
+
+
+@pytest.mark.parametrize("penalty", [dict(presence_penalty=1.5), dict(frequency_penalty=1.0),
+                                     dict(repetition_penalty=1.3)])
+def test_penalties_through_the_cluster_succeed_and_change_nothing_else(stub, cluster, penalty):
+    sampling = common_pb2.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, **penalty)
+    results = [generate(stub, PROMPTS[3], sampling) for _ in range(2)]
+    assert all(len(r.token_ids) == 12 for r in results)
+    assert results[0].token_ids == results[1].token_ids              # greedy with penalties is deterministic
+    assert_idle(cluster.wait_idle())
+
+
+def long_prompts(n: int, num_tokens: int, seed: int) -> list[list[int]]:
+    """Distinct token-id prompts (no shared prefix blocks)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(num_tokens)] for _ in range(n)]
+
+
+def run_concurrently(gateway, prompts, max_tokens: int) -> list:
+    """Each prompt's (status code, trailing metadata, number of tokens), all sent at once."""
+    async def run_all():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+            aio_stub = generation_pb2_grpc.GenerationStub(channel)
+
+            async def one(prompt):
+                call = aio_stub.Generate(generation_pb2.GenerateRequest(
+                    token_ids=generation_pb2.TokenIds(ids=prompt), sampling=greedy(max_tokens, ignore_eos=True)),
+                    timeout=RPC_TIMEOUT_S * 3)
+                num_tokens = 0
+                try:
+                    async for chunk in call:
+                        num_tokens += len(chunk.token_ids)
+                except grpc.aio.AioRpcError as err:
+                    return err.code(), dict(err.trailing_metadata() or ()), num_tokens
+                return grpc.StatusCode.OK, {}, num_tokens
+
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    return asyncio.run(run_all())
+
+
+def test_a_full_decode_pool_is_resource_exhausted_with_a_retry_hint_never_unavailable(cluster):
+    # d0's pool holds ~180 blocks of 16; each prompt needs 94: one fits at a time.
+    capacity = cluster.stats("d0").num_blocks
+    num_tokens = BLOCK_SIZE * (capacity // 2 + 4)
+    shedding = cluster.gateway(max_queued=0)
+    results = run_concurrently(shedding, long_prompts(3, num_tokens, seed=7), max_tokens=32)
+    codes = [code for code, _, _ in results]
+    assert grpc.StatusCode.OK in codes and grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    for code, metadata, _ in results:
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            assert int(metadata["retry-after-ms"]) > 0
+    assert_idle(cluster.wait_idle())
+
+
+def test_the_gateway_queues_work_a_full_decode_pool_cannot_take_yet(cluster):
+    capacity = cluster.stats("d0").num_blocks
+    num_tokens = BLOCK_SIZE * (capacity // 2 + 4)
+    queueing = cluster.gateway(queue_timeout_s=RPC_TIMEOUT_S * 3)
+    results = run_concurrently(queueing, long_prompts(3, num_tokens, seed=8), max_tokens=32)
+    assert [(code, n) for code, _, n in results] == [(grpc.StatusCode.OK, 32)] * 3
+    assert_idle(cluster.wait_idle())
+
+
 # ------------------------------------------------------------------------------------------------ drain
 GATEWAY_MAIN = r"""
 import json, logging, sys

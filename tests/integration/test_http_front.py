@@ -7,6 +7,7 @@ accounting is checked through each worker's Stats with bounded polling, never wi
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import time
 import urllib.error
@@ -188,6 +189,84 @@ def test_bad_input_is_an_openai_error_naming_the_field_and_never_reaches_a_worke
     error = answer["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
     assert cluster.wait_idle() == before
+
+
+@pytest.mark.parametrize("path, raw, param", [
+    ("/v1/completions", b'{"prompt": "hello", "max_tokens": 4294967296}', "max_tokens"),
+    ("/v1/completions", b'{"prompt": "hello", "max_tokens": 18446744073709551616}', "max_tokens"),
+    ("/v1/completions", b'{"prompt": "hello", "top_k": 5000000000}', "top_k"),
+    ("/v1/completions", b'{"prompt": "hello", "seed": 18446744073709551616}', "seed"),
+    ("/v1/completions", b'{"prompt": "hello", "max_tokens": true}', "max_tokens"),
+    ("/v1/completions", b'{"prompt": "hello", "temperature": NaN}', "temperature"),
+    ("/v1/completions", b'{"prompt": "hello", "top_p": Infinity}', "top_p"),
+    ("/v1/completions", b'{"prompt": "hello", "temperature": 1e39}', "temperature"),
+    ("/v1/completions", b'{"prompt": "hello \\ud800"}', "prompt"),
+    ("/v1/completions", b'{"prompt": "hello", "stop": ["\\udfff"]}', "stop"),
+    ("/v1/completions", b'{"prompt": "hello", "model": 5}', "model"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "messages[0].content"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4294967296}',
+     "max_tokens"),
+])
+def test_out_of_range_and_ill_typed_values_are_400_naming_the_field(gateway, cluster, path, raw, param):
+    before = cluster.wait_idle()
+    status, _, answer = request(gateway, "POST", path, raw=raw)
+    assert status == 400, answer
+    assert answer["error"]["param"] == param and answer["error"]["type"] == "invalid_request_error"
+    assert cluster.wait_idle() == before
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_a_body_that_is_not_declared_json_is_415(gateway, content_type):
+    connection = http.client.HTTPConnection("127.0.0.1", gateway.http_port, timeout=RPC_TIMEOUT_S)
+    try:
+        connection.request("POST", "/v1/completions", body=json.dumps(greedy("hello")).encode(),
+                           headers={"Content-Type": content_type} if content_type else {})
+        response = connection.getresponse()
+        status, answer = response.status, json.loads(response.read())
+    finally:
+        connection.close()
+    assert status == 415 and answer["error"]["code"] == "unsupported_media_type"
+
+
+def test_a_body_past_max_request_bytes_is_413(cluster):
+    small = cluster.gateway(max_request_bytes=64 << 10)
+    status, _, answer = request(small, "POST", "/v1/completions", greedy("a" * (100 << 10)))
+    assert status == 413 and answer["error"]["code"] == "request_entity_too_large"
+    assert request(small, "POST", "/v1/completions", greedy("Hello", 2))[0] == 200
+
+
+def test_a_huge_prompt_is_400_while_models_is_answered_beside_it(gateway, cluster):
+    huge = greedy("lorem ipsum dolor sit amet " * ((3 << 20) // 27))    # ~3 MB: refused before tokenizing
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            big = asyncio.ensure_future(session.post(url(gateway, "/v1/completions"), json=huge))
+            async with session.get(url(gateway, "/v1/models")) as models:
+                models_answer = (models.status, await models.json())
+            async with await big as refused:
+                return models_answer, (refused.status, await refused.json())
+
+    (models_status, models), (status, answer) = asyncio.run(scenario())
+    assert models_status == 200 and models["data"][0]["id"] == cluster.model[0].name
+    assert status == 400 and answer["error"]["param"] == "prompt" and "bytes" in answer["error"]["message"]
+
+
+def test_a_temperature_that_underflows_is_greedy(gateway, reference):
+    answer = post(gateway, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 1e-45})
+    assert answer["choices"][0]["text"] == reference(PROMPTS[0], 8)[0]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("penalty", [{"presence_penalty": 1.5}, {"frequency_penalty": 1.0},
+                                     {"repetition_penalty": 1.3}])
+def test_penalties_succeed_over_http(gateway, cluster, path, penalty):
+    body = {"max_tokens": 12, "temperature": 0, "ignore_eos": True, **penalty}
+    body |= {"prompt": PROMPTS[0]} if path == "/v1/completions" else \
+        {"messages": [{"role": "user", "content": "Name three colors."}]}
+    answers = [post(gateway, path, body) for _ in range(2)]
+    assert all(a["usage"]["completion_tokens"] == 12 for a in answers)
+    assert answers[0]["choices"] == answers[1]["choices"]
+    assert_idle(cluster.wait_idle())
 
 
 def test_over_max_inflight_is_429_with_retry_after(cluster):
