@@ -2,8 +2,8 @@
 
 block_pool      block ref counts, prefix caching, LRU eviction, KV events (pure)
 hashing         chained, process-independent block hashes (pure)
-local_index     in-process prefix index and the types every index shares (pure)
-index           prefix index on Redis (key schema in its docstring)
+local_index     the types every prefix index shares: WorkerInfo, PrefixMatch (pure)
+index           prefix index on Redis (key schema and worker record format in its docstring)
 index_publisher the worker-side IndexPublisher: events, heartbeats, re-publish on reconnect
 embedded_redis  a real redis-server child process for the embedded default and tests
 transfer        KV transfer codec: manifest, per-block digests, raw/int8 payloads, validation (no grpc)
