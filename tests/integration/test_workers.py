@@ -1,6 +1,6 @@
 """Prefill and decode workers over real gRPC sockets (tiny random Llama, so no checkpoint is loaded):
-the disaggregated path gives the single-engine tokens over both KV transports, and every failure path
-returns the workers' blocks to idle."""
+the disaggregated path gives the single-engine tokens over both KV transports (penalties included), a
+request whose sampling raises fails alone, and every failure path returns the workers' blocks to idle."""
 
 import threading
 import time
@@ -10,11 +10,17 @@ import pytest
 
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.server import start_server as start_decode
+from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
+from engine.engine_loop import EngineLoop
+from engine.errors import PreconditionError
+from engine.faults import SAMPLING_FAULTS
 from engine.sampling_params import SamplingParams
+from kvstore.transfer import TransferManifest, TransferRejected
+from kvstore.transfer_service import ReceivedBlocks
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.server import start_server as start_prefill
-from protos.convert import sampling_to_pb
+from protos.convert import request_from_pb, sampling_to_pb
 from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.unit.engine.tiny_model import run, tiny_engine
 
@@ -201,7 +207,6 @@ def test_penalties_over_grpc_give_the_single_engine_tokens(pair):
 def test_a_request_whose_sampling_raises_fails_alone_on_the_decode_worker(pair):
     """Three requests decode in one batch; the sampling of one raises (engine.faults): that stream ends with
     INTERNAL naming the fault, the others finish with their single-engine tokens, and no block leaks."""
-    from engine.faults import SAMPLING_FAULTS
     _, _, pstub, dstub = pair
     prompts = [PROMPT, PROMPT[3:], PROMPT[7:]]
     starts = []
@@ -233,3 +238,41 @@ def test_a_request_whose_sampling_raises_fails_alone_on_the_decode_worker(pair):
     assert "injected sampling fault" in errors["f1"].details()
     assert [results["f0"], results["f2"]] == [run(tiny_engine(), [prompts[i]], [PENALIZED[i]])[0] for i in (0, 2)]
     assert wait_idle(dstub).used_blocks == 0 and wait_idle(pstub).used_blocks == 0
+
+
+def test_a_request_whose_prefill_sampling_raises_fails_alone_and_leaks_nothing(pair):
+    _, _, pstub, dstub = pair
+    res = dstub.Reserve(worker_pb2.ReserveRequest(request=worker_request("pf"), lease_ms=30_000))
+    with SAMPLING_FAULTS.armed("pf"), pytest.raises(grpc.RpcError) as e:
+        pstub.Prefill(worker_pb2.PrefillRequest(request=worker_request("pf"), target=res.target))
+    assert e.value.code() == grpc.StatusCode.INTERNAL and "injected sampling fault" in e.value.details()
+    assert dstub.Abort(worker_pb2.AbortRequest(request_id="pf")).found
+    assert wait_idle(pstub).used_blocks == 0 and wait_idle(dstub).used_blocks == 0
+    assert disaggregated(pstub, dstub, "after")[0] == run(tiny_engine(), [PROMPT], [GREEDY])[0]
+
+
+def test_abort_while_the_kv_arrives_is_released_by_the_transfer_after_its_last_write():
+    """DecodeWorker's KvReceiver calls in the order a KvTransfer thread makes them, with an Abort landing
+    between check (pin) and commit: the blocks stay reserved while written, commit is refused, reject
+    releases them once, and Decode finds no reservation."""
+    loop = EngineLoop(tiny_engine(num_kv_blocks=32)).start()
+    try:
+        worker = DecodeWorker(loop, max_lease_ms=60_000)
+        res = worker.reserve(request_from_pb(worker_request("ab")), 30_000)
+        assert list(res.block_ids) == list(range(10))               # 37 prompt tokens in blocks of 4
+        manifest = TransferManifest("ab", res.handle, worker.layout, tuple(res.missing_block_ids), (), "raw",
+                                    "grpc", "", 0)
+        target = worker.check(manifest)
+        assert target.block_ids == tuple(range(10))
+        assert worker.abort("ab")                                  # found: marked, not released
+        assert loop.call(lambda e: e.kv.pool.get_num_used_blocks()) == 10
+        with pytest.raises(TransferRejected, match="aborted"):
+            worker.commit("ab", res.handle, ReceivedBlocks(target.block_ids, 0, "raw", "grpc"))
+        worker.reject("ab", res.handle, "aborted")
+        assert loop.call(lambda e: e.kv.pool.get_num_used_blocks()) == 0
+        assert worker.num_transfer_errors == 0                      # an abort is not a transfer error
+        with pytest.raises(PreconditionError):
+            worker.decode("ab", res.handle, first_token_id=5)
+        assert not worker.abort("ab")
+    finally:
+        loop.stop()

@@ -6,12 +6,14 @@ import threading
 import pytest
 
 from engine.block_lease import BlockLease, IllegalTransition, LeaseState as S
+from engine.engine_loop import EngineLoop
 from engine.kv_cache_manager import KVCacheManager
 from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+from tiny_model import tiny_engine
 
 
 def kv_and_seq(num_tokens=5, num_blocks=6):
-    from engine.sequence import Sequence
     kv = KVCacheManager(num_blocks=num_blocks, block_size=2, root_hash=1, enable_caching=False)
     return kv, Sequence("r", list(range(1, num_tokens + 1)), SamplingParams(), seed=0)
 
@@ -132,8 +134,6 @@ def test_abort_during_a_push_waits_for_the_push_to_end():
 
 def held_request_on_a_loop():
     """A prefill worker's first steps on a real engine loop: a hold_blocks request prefilled to its token."""
-    from engine.engine_loop import EngineLoop
-    from tiny_model import tiny_engine
     loop = EngineLoop(tiny_engine(num_kv_blocks=8)).start()
     params = SamplingParams(max_tokens=1, temperature=0.0)
     stream = loop.open_stream("p", lambda e: e.add_request("p", list(range(1, 10)), params, hold_blocks=True))

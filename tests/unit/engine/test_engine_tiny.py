@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+from kvstore.hashing import hash_prompt_blocks, root_hash
 from tiny_model import TINY, run, tiny_engine, tiny_weights
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -138,7 +139,6 @@ def test_first_scheduled_time_marks_the_end_of_queueing():
 def test_worker_block_hashes_equal_the_gateways(salt):
     """The gateway routes by kvstore.hashing.hash_prompt_blocks; the blocks a worker caches (and publishes to
     the prefix index) must carry exactly those hashes, salted or not."""
-    from kvstore.hashing import hash_prompt_blocks, root_hash
     engine = tiny_engine()
     prompt = list(range(5, 23))                        # 18 tokens: 4 full blocks of 4
     seq = engine.add_request("h", prompt, SamplingParams(max_tokens=1, temperature=0.0), cache_salt=salt)

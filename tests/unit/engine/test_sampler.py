@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.sampler import SamplingRow, sample, token_seed
+from engine.faults import SAMPLING_FAULTS, InjectedFault
+from engine.sampler import SamplingRow, sample, sample_rows, token_seed
 from engine.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -136,8 +137,6 @@ def test_penalties_never_write_into_the_input():
 
 
 def test_a_raising_row_fails_alone_and_the_others_keep_their_tokens():
-    from engine.faults import SAMPLING_FAULTS, InjectedFault
-    from engine.sampler import sample_rows
     logits = infer(torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(8)))
     rows = [SamplingRow(SamplingParams(temperature=0.9, frequency_penalty=0.5), 40 + i, [1], [2, 2], f"q{i}")
             for i in range(3)]
