@@ -2,6 +2,11 @@
 
 `LLMEngine.step()` schedules, runs the model once and returns what changed for each request. Workers drive
 it from their service loop; the offline `LLM` drives it until every request finishes.
+
+Ownership: every request the engine knows has one `BlockLease` (engine.block_lease) in `_leases` until it
+is released; `abort` is the one way out for callers (queued, running, reserved, committed or held), and a
+request whose own sampling or bookkeeping raises in a step is finished with FinishReason.ERROR and released
+while the rest of the batch goes on (an error of the forward pass itself still raises from `step`).
 """
 
 from __future__ import annotations
