@@ -26,7 +26,7 @@ from engine.engine_loop import EngineLoop, RequestStream
 from engine.errors import PreconditionError
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.sequence import TokenLogprob
-from kvstore.transfer import KvLayoutSpec, TransferManifest, TransferRejected
+from kvstore.transfer_manifest import KvLayoutSpec, TransferManifest, TransferRejected
 from kvstore.transfer_service import ReceivedBlocks, ReceiveTarget
 from protos.convert import WorkerRequestData
 

@@ -1,6 +1,7 @@
 """KV transfer codec: what the bytes of a transfer are, how they are checked, chunked and scattered.
 
-No grpc here (kvstore/transfer_service.py is the wire, kvstore/shm.py the same-host data path).
+No grpc here (kvstore/transfer_service.py is the wire, kvstore/shm.py the same-host data path); the manifest,
+layout and their checks are plain data in kvstore/transfer_manifest.py.
 
 Payload byte layout (all multi-byte values in the machine's native order, little-endian on every platform
 torch supports). A payload is ``num_blocks`` fixed-size *block records*, in the manifest's ``block_ids`` order,
@@ -37,101 +38,8 @@ import torch
 import xxhash
 
 from kernels import gather_blocks, gather_blocks_int8, scatter_blocks, scatter_blocks_int8
-
-CODECS = ("raw", "int8")
-TRANSPORTS = ("grpc", "shm")
-
-MIN_CHUNK_BYTES = 1 << 20
-MAX_CHUNK_BYTES = 4 << 20
-DEFAULT_CHUNK_BYTES = 2 << 20
-
-DIGEST_BYTES = 16
-
-# Status names (grpc.StatusCode member names) a rejection maps to; grpc itself stays in the service layer.
-FAILED_PRECONDITION = "FAILED_PRECONDITION"
-INVALID_ARGUMENT = "INVALID_ARGUMENT"
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-class TransferRejected(Exception):
-    """A transfer the receiver refuses as a whole. `field` names what mismatched ("layout.head_dim",
-    "block_ids", "block_digests[3]", ...); `code` is the grpc status name the service answers with."""
-
-    def __init__(self, reason: str, field: str, code: str = FAILED_PRECONDITION) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.reason = reason
-        self.field = field
-        self.code = code
-
-
-@dataclass(frozen=True)
-class KvLayoutSpec:
-    """What a block's bytes mean; sender and receiver must agree on every field."""
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: str  # "float32" | "float16" | "bfloat16"
-    model_fingerprint: str
-
-    @classmethod
-    def from_cache(cls, kv_cache: torch.Tensor, model_fingerprint: str) -> KvLayoutSpec:
-        # kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        names = {v: k for k, v in _DTYPES.items()}
-        if kv_cache.dim() != 6 or kv_cache.shape[1] != 2 or kv_cache.dtype not in names:
-            raise ValueError(f"kv_cache must be [L, 2, num_blocks, block_size, Hkv, D] in {list(_DTYPES)}, "
-                             f"got {tuple(kv_cache.shape)} {kv_cache.dtype}")
-        num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        return cls(num_layers, num_kv_heads, head_dim, block_size, names[kv_cache.dtype], model_fingerprint)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
-        return _DTYPES[self.dtype]
-
-    @property
-    def block_elems(self) -> int:
-        """Elements of one block across all layers, K and V."""
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
-
-    def block_bytes(self, codec: str) -> int:
-        """Bytes of one block record on the wire (see the module docstring)."""
-        if codec == "raw":
-            return self.block_elems * self.torch_dtype.itemsize
-        if codec == "int8":
-            return self.block_elems + self.num_layers * 2 * self.num_kv_heads * 4
-        raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
-
-    def check_cache(self, kv_cache: torch.Tensor) -> None:
-        """ValueError unless kv_cache has this layout (any number of blocks)."""
-        want = (self.num_layers, 2, None, self.block_size, self.num_kv_heads, self.head_dim)
-        if (kv_cache.dim() != 6 or any(w is not None and w != g for w, g in zip(want, kv_cache.shape))
-                or kv_cache.dtype != self.torch_dtype):
-            raise ValueError(f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype} does not match layout {self}")
-
-    def first_mismatch(self, other: KvLayoutSpec) -> str | None:
-        """Name of the first field whose value differs, or None."""
-        for f in fields(self):
-            if getattr(self, f.name) != getattr(other, f.name):
-                return f.name
-        return None
-
-
-@dataclass(frozen=True)
-class TransferManifest:
-    """The head of a transfer (mirror of pdserve.v1.KvManifest)."""
-    request_id: str
-    handle: str
-    layout: KvLayoutSpec
-    block_ids: tuple[int, ...]  # destination ids on the receiver, in send order
-    block_digests: tuple[bytes, ...]  # one per block, same order
-    codec: str
-    transport: str
-    shm_name: str
-    payload_bytes: int
-
+from kvstore.transfer_manifest import (CODECS, DEFAULT_CHUNK_BYTES, KvLayoutSpec, TransferManifest,
+                                       TransferRejected, check_chunk_bytes)
 
 def block_digest(data) -> bytes:
     """xxh3-128 (seed 0) of one block record: 16 bytes. `data` is any bytes-like object."""
@@ -230,11 +138,6 @@ def encode_stream(kv_cache: torch.Tensor, block_ids: Sequence[int], codec: str,
     return EncodedStream(codec, block_bytes, digests, iter(encoded), lazy=False)
 
 
-def check_chunk_bytes(chunk_bytes: int) -> None:
-    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
-        raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
-
-
 def iter_chunks(buffers: Iterable, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
     """Cut the concatenation of `buffers` (bytes-like objects or 1-D uint8 CPU tensors) into pieces of exactly
     `chunk_bytes`, the last one possibly shorter. Pieces span buffer boundaries."""
@@ -255,48 +158,6 @@ def iter_chunks(buffers: Iterable, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> It
         pending += view[pos:]
     if pending:
         yield bytes(pending)
-
-
-def num_chunks(payload_bytes: int, chunk_bytes: int) -> int:
-    return -(-payload_bytes // chunk_bytes)
-
-
-def validate_manifest(manifest: TransferManifest, expected_layout: KvLayoutSpec, block_ids: Sequence[int],
-                      num_cache_blocks: int) -> None:
-    """Raise TransferRejected naming the first field that makes `manifest` unacceptable. `block_ids`: the
-    destination ids the receiver set aside, in order, inside its cache of `num_cache_blocks` blocks."""
-    if manifest.codec not in CODECS:
-        raise TransferRejected(f"unknown codec {manifest.codec!r}, expected one of {CODECS}", "codec",
-                               INVALID_ARGUMENT)
-    if manifest.transport not in TRANSPORTS:
-        raise TransferRejected(f"unknown transport {manifest.transport!r}, expected one of {TRANSPORTS}",
-                               "transport", INVALID_ARGUMENT)
-    if (manifest.transport == "shm") != bool(manifest.shm_name):
-        raise TransferRejected(f"shm_name {manifest.shm_name!r} with transport {manifest.transport!r}: required "
-                               "for shm and only for shm", "shm_name", INVALID_ARGUMENT)
-    mismatch = manifest.layout.first_mismatch(expected_layout)
-    if mismatch is not None:
-        raise TransferRejected(f"sender has {getattr(manifest.layout, mismatch)!r}, receiver expects "
-                               f"{getattr(expected_layout, mismatch)!r}", f"layout.{mismatch}")
-    outside = [b for b in manifest.block_ids if not 0 <= b < num_cache_blocks]
-    if outside:
-        raise TransferRejected(f"ids {outside[:8]} outside the receiver's cache of {num_cache_blocks} "
-                               "blocks", "block_ids", INVALID_ARGUMENT)
-    if tuple(manifest.block_ids) != tuple(block_ids):
-        raise TransferRejected(f"{len(manifest.block_ids)} ids {list(manifest.block_ids[:8])}... are not the "
-                               f"reservation's {len(block_ids)} ids {list(block_ids[:8])}...",
-                               "block_ids", INVALID_ARGUMENT)
-    if len(manifest.block_digests) != len(manifest.block_ids):
-        raise TransferRejected(f"{len(manifest.block_digests)} digests for {len(manifest.block_ids)} blocks",
-                               "block_digests")
-    bad = [i for i, d in enumerate(manifest.block_digests) if len(d) != DIGEST_BYTES]
-    if bad:
-        raise TransferRejected(f"digest {bad[0]} has {len(manifest.block_digests[bad[0]])} bytes, expected "
-                               f"{DIGEST_BYTES}", "block_digests")
-    expected_bytes = len(manifest.block_ids) * expected_layout.block_bytes(manifest.codec)
-    if manifest.payload_bytes != expected_bytes:
-        raise TransferRejected(f"{manifest.payload_bytes} bytes announced, {len(manifest.block_ids)} {manifest.codec} "
-                               f"blocks of this layout are {expected_bytes}", "payload_bytes")
 
 
 def verify_digests(view: memoryview, block_bytes: int, manifest: TransferManifest, start: int, stop: int) -> None:
@@ -369,7 +230,7 @@ def decode_payload(buffer: torch.Tensor, layout: KvLayoutSpec, codec: str, num_b
     shape = (num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
     if codec == "raw":
         # buffer: [n * block_bytes] uint8 -> [n, L, 2, block_size, Hkv, D] cache dtype, no copy
-        return DecodedBlocks(codec, buffer.view(layout.torch_dtype).view(shape), None)
+        return DecodedBlocks(codec, buffer.view(getattr(torch, layout.dtype)).view(shape), None)
     records = buffer.view(num_blocks, block_bytes)  # [n, block_elems + L * 2 * Hkv * 4]
     data = records[:, :layout.block_elems].view(torch.int8).reshape(shape)  # [n, L, 2, block_size, Hkv, D]
     scales = (records[:, layout.block_elems:].contiguous().view(torch.float32)

@@ -35,10 +35,11 @@ import grpc
 import torch
 
 from kvstore.shm import OutgoingSegment, attach_segment
-from kvstore.transfer import (CODECS, DEFAULT_CHUNK_BYTES, INVALID_ARGUMENT, TRANSPORTS, DecodedBlocks, KvLayoutSpec,
-                              PayloadAssembler, TransferManifest, TransferRejected, check_chunk_bytes,
-                              decode_payload, encode_stream, iter_chunks, num_chunks, validate_manifest,
-                              verify_digests)
+from kvstore.transfer import DecodedBlocks, PayloadAssembler, decode_payload, encode_stream, iter_chunks, verify_digests
+from kvstore.transfer_manifest import (CODECS, DEFAULT_CHUNK_BYTES, INVALID_ARGUMENT, TRANSPORTS, KvLayoutSpec,
+                                       TransferManifest, TransferRejected, check_chunk_bytes, num_chunks,
+                                       validate_manifest)
+from protos.convert import manifest_from_pb, manifest_to_pb
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -49,28 +50,6 @@ GRPC_OPTIONS = [("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
 DEFAULT_GROUP_BYTES = 4 << 20
 
 T = TypeVar("T")
-
-
-# ----------------------------------------------------------------------------------------------- protobuf edge
-def layout_from_pb(pb: kv_transfer_pb2.KvLayout) -> KvLayoutSpec:
-    return KvLayoutSpec(pb.num_layers, pb.num_kv_heads, pb.head_dim, pb.block_size, pb.dtype, pb.model_fingerprint)
-
-
-def layout_to_pb(layout: KvLayoutSpec) -> kv_transfer_pb2.KvLayout:
-    return kv_transfer_pb2.KvLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-                                    head_dim=layout.head_dim, block_size=layout.block_size, dtype=layout.dtype,
-                                    model_fingerprint=layout.model_fingerprint)
-
-
-def manifest_from_pb(pb: kv_transfer_pb2.KvManifest) -> TransferManifest:
-    return TransferManifest(pb.request_id, pb.handle, layout_from_pb(pb.layout), tuple(pb.block_ids),
-                            tuple(pb.block_digests), pb.codec, pb.transport, pb.shm_name, pb.payload_bytes)
-
-
-def manifest_to_pb(m: TransferManifest) -> kv_transfer_pb2.KvManifest:
-    return kv_transfer_pb2.KvManifest(request_id=m.request_id, handle=m.handle, layout=layout_to_pb(m.layout),
-                                      block_ids=m.block_ids, block_digests=m.block_digests, codec=m.codec,
-                                      transport=m.transport, shm_name=m.shm_name, payload_bytes=m.payload_bytes)
 
 
 # ----------------------------------------------------------------------------------------------- receiving

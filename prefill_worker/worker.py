@@ -27,7 +27,7 @@ from engine.errors import InvalidRequestError, PreconditionError
 from engine.llm_engine import EngineStats
 from engine.sequence import TokenLogprob
 from kvstore.shm import host_id
-from kvstore.transfer import KvLayoutSpec
+from kvstore.transfer_manifest import KvLayoutSpec
 from kvstore.transfer_service import FaultInjection, KvSender, TransferFailed
 from prefill_worker.config import PrefillWorkerConfig
 from protos.convert import TransferTargetData, WorkerRequestData

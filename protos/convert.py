@@ -2,6 +2,7 @@
 the worker RPCs' boundary (`WorkerRequestData`, `TransferTargetData`, `WorkerStatsData`).
 
 Services call these at their boundary; nothing inside the engine, kvstore or routing sees a protobuf type.
+Imports stay light (no torch, no grpc): the gateway converts here too.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, TokenLogprob
-from protos.pdserve.v1 import common_pb2, worker_pb2
+from kvstore.transfer_manifest import KvLayoutSpec, TransferManifest
+from protos.pdserve.v1 import common_pb2, kv_transfer_pb2, worker_pb2
 
 if TYPE_CHECKING:
     from engine.llm_engine import EngineStats, StepOutput
@@ -131,3 +133,25 @@ def worker_stats_to_pb(s: WorkerStatsData) -> worker_pb2.WorkerStats:
         worker_id=s.worker_id, role=s.role, epoch=s.epoch, num_blocks=e.num_blocks, free_blocks=e.free_blocks,
         used_blocks=e.used_blocks, running=e.running, waiting=e.waiting, reserved=e.reserved,
         transfer_errors=s.transfer_errors, preemptions=e.preemptions)
+
+
+# --------------------------------------------------------------------------------------------- KV transfer
+def layout_from_pb(pb: kv_transfer_pb2.KvLayout) -> KvLayoutSpec:
+    return KvLayoutSpec(pb.num_layers, pb.num_kv_heads, pb.head_dim, pb.block_size, pb.dtype, pb.model_fingerprint)
+
+
+def layout_to_pb(layout: KvLayoutSpec) -> kv_transfer_pb2.KvLayout:
+    return kv_transfer_pb2.KvLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                                    head_dim=layout.head_dim, block_size=layout.block_size, dtype=layout.dtype,
+                                    model_fingerprint=layout.model_fingerprint)
+
+
+def manifest_from_pb(pb: kv_transfer_pb2.KvManifest) -> TransferManifest:
+    return TransferManifest(pb.request_id, pb.handle, layout_from_pb(pb.layout), tuple(pb.block_ids),
+                            tuple(pb.block_digests), pb.codec, pb.transport, pb.shm_name, pb.payload_bytes)
+
+
+def manifest_to_pb(m: TransferManifest) -> kv_transfer_pb2.KvManifest:
+    return kv_transfer_pb2.KvManifest(request_id=m.request_id, handle=m.handle, layout=layout_to_pb(m.layout),
+                                      block_ids=m.block_ids, block_digests=m.block_digests, codec=m.codec,
+                                      transport=m.transport, shm_name=m.shm_name, payload_bytes=m.payload_bytes)

@@ -11,9 +11,10 @@ import torch
 
 from kernels import gather_blocks
 from kvstore.shm import choose_transport, host_id, segment_exists
-from kvstore.transfer import DEFAULT_CHUNK_BYTES, KvLayoutSpec, TransferManifest, TransferRejected
+from kvstore.transfer_manifest import DEFAULT_CHUNK_BYTES, KvLayoutSpec, TransferManifest, TransferRejected
 from kvstore.transfer_service import (GRPC_OPTIONS, FaultInjection, KvSender, KvTransferServicer, ReceiveTarget,
-                                      ReceivedBlocks, TransferFailed, layout_to_pb)
+                                      ReceivedBlocks, TransferFailed)
+from protos.convert import layout_to_pb
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 TIMEOUT_S = 120.0
@@ -28,7 +29,7 @@ class CacheReceiver:
         gen = torch.Generator().manual_seed(1234)
         # kv_cache: [L, 2, num_blocks, block_size, Hkv, D], filled with noise so "untouched" is checkable
         self.kv_cache = torch.randn((layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads,
-                                     layout.head_dim), generator=gen).to(layout.torch_dtype)
+                                     layout.head_dim), generator=gen).to(getattr(torch, layout.dtype))
         self._reservations: dict[str, tuple[str, tuple[int, ...]]] = {}
         self._lock = threading.Lock()
         self.checked: list[TransferManifest] = []
@@ -70,7 +71,7 @@ def layout_of(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="f
 def source_cache(layout: KvLayoutSpec, num_blocks: int, seed: int = 7) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    return (torch.randn(shape, generator=gen) * 2).to(layout.torch_dtype)
+    return (torch.randn(shape, generator=gen) * 2).to(getattr(torch, layout.dtype))
 
 
 @pytest.fixture

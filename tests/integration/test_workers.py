@@ -16,7 +16,7 @@ from engine.engine_loop import EngineLoop
 from engine.errors import PreconditionError
 from engine.faults import SAMPLING_FAULTS
 from engine.sampling_params import SamplingParams
-from kvstore.transfer import TransferManifest, TransferRejected
+from kvstore.transfer_manifest import TransferManifest, TransferRejected
 from kvstore.transfer_service import ReceivedBlocks
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.server import start_server as start_prefill

@@ -8,10 +8,11 @@ import torch
 import xxhash
 
 from kernels import dequantize_blocks_int8, gather_blocks, quantize_blocks_int8
-from kvstore.transfer import (DEFAULT_CHUNK_BYTES, FAILED_PRECONDITION, INVALID_ARGUMENT, MAX_CHUNK_BYTES,
-                              MIN_CHUNK_BYTES, KvLayoutSpec, PayloadAssembler, TransferManifest,
-                              TransferRejected, block_digest, decode_payload, digest_blocks_in_place,
-                              encode_records, encode_stream, iter_chunks, validate_manifest)
+from kvstore.transfer import (PayloadAssembler, block_digest, decode_payload, digest_blocks_in_place, encode_records,
+                              encode_stream, iter_chunks)
+from kvstore.transfer_manifest import (DEFAULT_CHUNK_BYTES, FAILED_PRECONDITION, INVALID_ARGUMENT, MAX_CHUNK_BYTES,
+                                       MIN_CHUNK_BYTES, KvLayoutSpec, TransferManifest, TransferRejected,
+                                       validate_manifest)
 
 # 48 KiB fp32 blocks: 40 of them make a 1.875 MiB payload, i.e. two 1 MiB chunks with block 21 split across them.
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 3, 2, 64, 16

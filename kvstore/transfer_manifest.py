@@ -1,0 +1,151 @@
+"""The head of a KV transfer and its checks, as plain data: layout, manifest, rejection, chunk bounds.
+
+Pure Python (no torch, no grpc), so that protos.convert converts manifests without pulling torch into the
+gateway. The payload's bytes and codecs are in kvstore/transfer.py; the wire in kvstore/transfer_service.py.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+CODECS = ("raw", "int8")
+TRANSPORTS = ("grpc", "shm")
+
+MIN_CHUNK_BYTES = 1 << 20
+MAX_CHUNK_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = 2 << 20
+
+DIGEST_BYTES = 16
+
+# Status names (grpc.StatusCode member names) a rejection maps to; grpc itself stays in the service layer.
+FAILED_PRECONDITION = "FAILED_PRECONDITION"
+INVALID_ARGUMENT = "INVALID_ARGUMENT"
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+"""KV cache dtypes a transfer carries, by name, and their item size."""
+
+
+class TransferRejected(Exception):
+    """A transfer the receiver refuses as a whole. `field` names what mismatched ("layout.head_dim",
+    "block_ids", "block_digests[3]", ...); `code` is the grpc status name the service answers with."""
+
+    def __init__(self, reason: str, field: str, code: str = FAILED_PRECONDITION) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.reason = reason
+        self.field = field
+        self.code = code
+
+
+@dataclass(frozen=True)
+class KvLayoutSpec:
+    """What a block's bytes mean; sender and receiver must agree on every field."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str  # "float32" | "float16" | "bfloat16"
+    model_fingerprint: str
+
+    @classmethod
+    def from_cache(cls, kv_cache, model_fingerprint: str) -> KvLayoutSpec:
+        """The layout of a cache tensor (anything with torch's `shape` and `dtype`)."""
+        # kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        shape, dtype = tuple(kv_cache.shape), _dtype_name(kv_cache.dtype)
+        if len(shape) != 6 or shape[1] != 2 or dtype not in DTYPE_BYTES:
+            raise ValueError(f"kv_cache must be [L, 2, num_blocks, block_size, Hkv, D] in {list(DTYPE_BYTES)}, "
+                             f"got {shape} {kv_cache.dtype}")
+        num_layers, _, _, block_size, num_kv_heads, head_dim = shape
+        return cls(num_layers, num_kv_heads, head_dim, block_size, dtype, model_fingerprint)
+
+    @property
+    def block_elems(self) -> int:
+        """Elements of one block across all layers, K and V."""
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+
+    def block_bytes(self, codec: str) -> int:
+        """Bytes of one block record on the wire (see the module docstring)."""
+        if codec == "raw":
+            if self.dtype not in DTYPE_BYTES:
+                raise ValueError(f"dtype must be one of {list(DTYPE_BYTES)}, got {self.dtype!r}")
+            return self.block_elems * DTYPE_BYTES[self.dtype]
+        if codec == "int8":
+            return self.block_elems + self.num_layers * 2 * self.num_kv_heads * 4
+        raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
+
+    def check_cache(self, kv_cache) -> None:
+        """ValueError unless kv_cache has this layout (any number of blocks)."""
+        want = (self.num_layers, 2, None, self.block_size, self.num_kv_heads, self.head_dim)
+        if (len(kv_cache.shape) != 6 or any(w is not None and w != g for w, g in zip(want, kv_cache.shape))
+                or _dtype_name(kv_cache.dtype) != self.dtype):
+            raise ValueError(f"kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype} does not match layout {self}")
+
+    def first_mismatch(self, other: KvLayoutSpec) -> str | None:
+        """Name of the first field whose value differs, or None."""
+        for f in fields(self):
+            if getattr(self, f.name) != getattr(other, f.name):
+                return f.name
+        return None
+
+
+@dataclass(frozen=True)
+class TransferManifest:
+    """The head of a transfer (mirror of pdserve.v1.KvManifest)."""
+    request_id: str
+    handle: str
+    layout: KvLayoutSpec
+    block_ids: tuple[int, ...]  # destination ids on the receiver, in send order
+    block_digests: tuple[bytes, ...]  # one per block, same order
+    codec: str
+    transport: str
+    shm_name: str
+    payload_bytes: int
+
+
+def validate_manifest(manifest: TransferManifest, expected_layout: KvLayoutSpec, block_ids: Sequence[int],
+                      num_cache_blocks: int) -> None:
+    """Raise TransferRejected naming the first field that makes `manifest` unacceptable. `block_ids`: the
+    destination ids the receiver set aside, in order, inside its cache of `num_cache_blocks` blocks."""
+    if manifest.codec not in CODECS:
+        raise TransferRejected(f"unknown codec {manifest.codec!r}, expected one of {CODECS}", "codec",
+                               INVALID_ARGUMENT)
+    if manifest.transport not in TRANSPORTS:
+        raise TransferRejected(f"unknown transport {manifest.transport!r}, expected one of {TRANSPORTS}",
+                               "transport", INVALID_ARGUMENT)
+    if (manifest.transport == "shm") != bool(manifest.shm_name):
+        raise TransferRejected(f"shm_name {manifest.shm_name!r} with transport {manifest.transport!r}: required "
+                               "for shm and only for shm", "shm_name", INVALID_ARGUMENT)
+    mismatch = manifest.layout.first_mismatch(expected_layout)
+    if mismatch is not None:
+        raise TransferRejected(f"sender has {getattr(manifest.layout, mismatch)!r}, receiver expects "
+                               f"{getattr(expected_layout, mismatch)!r}", f"layout.{mismatch}")
+    outside = [b for b in manifest.block_ids if not 0 <= b < num_cache_blocks]
+    if outside:
+        raise TransferRejected(f"ids {outside[:8]} outside the receiver's cache of {num_cache_blocks} "
+                               "blocks", "block_ids", INVALID_ARGUMENT)
+    if tuple(manifest.block_ids) != tuple(block_ids):
+        raise TransferRejected(f"{len(manifest.block_ids)} ids {list(manifest.block_ids[:8])}... are not the "
+                               f"reservation's {len(block_ids)} ids {list(block_ids[:8])}...",
+                               "block_ids", INVALID_ARGUMENT)
+    if len(manifest.block_digests) != len(manifest.block_ids):
+        raise TransferRejected(f"{len(manifest.block_digests)} digests for {len(manifest.block_ids)} blocks",
+                               "block_digests")
+    bad = [i for i, d in enumerate(manifest.block_digests) if len(d) != DIGEST_BYTES]
+    if bad:
+        raise TransferRejected(f"digest {bad[0]} has {len(manifest.block_digests[bad[0]])} bytes, expected "
+                               f"{DIGEST_BYTES}", "block_digests")
+    expected_bytes = len(manifest.block_ids) * expected_layout.block_bytes(manifest.codec)
+    if manifest.payload_bytes != expected_bytes:
+        raise TransferRejected(f"{manifest.payload_bytes} bytes announced, {len(manifest.block_ids)} {manifest.codec} "
+                               f"blocks of this layout are {expected_bytes}", "payload_bytes")
+
+
+def check_chunk_bytes(chunk_bytes: int) -> None:
+    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+
+
+def num_chunks(payload_bytes: int, chunk_bytes: int) -> int:
+    return -(-payload_bytes // chunk_bytes)
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
