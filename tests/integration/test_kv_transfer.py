@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels import gather_blocks
-from kvstore.shm import choose_transport, host_id, segment_exists
+from kvstore.shm import SHM_DIR
 from kvstore.transfer_manifest import DEFAULT_CHUNK_BYTES, KvLayoutSpec, TransferManifest, TransferRejected
 from kvstore.transfer_service import (GRPC_OPTIONS, FaultInjection, KvSender, KvTransferServicer, ReceiveTarget,
                                       ReceivedBlocks, TransferFailed)
@@ -19,6 +19,10 @@ from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 TIMEOUT_S = 120.0
 FINGERPRINT = "test-weights-v1"
+
+
+def segment_exists(name: str) -> bool:
+    return (SHM_DIR / name).exists()
 
 
 class CacheReceiver:
@@ -279,11 +283,3 @@ def test_64_blocks_of_a_smollm2_layout_move_exactly(serve, sender, transport):
     assert torch.equal(gather_blocks(receiver.kv_cache, torch.tensor(dst_ids)),
                        gather_blocks(src, torch.tensor(src_ids)))
     assert len(receiver.committed) == 1
-
-
-def test_shm_is_chosen_only_for_the_same_host():
-    assert host_id() == host_id() != ""
-    assert choose_transport(host_id()) == "shm"
-    assert choose_transport(host_id(), allow_shm=False) == "grpc"
-    assert choose_transport("linux:another-boot:1") == "grpc"
-    assert choose_transport("") == "grpc"

@@ -276,3 +276,17 @@ def test_abort_while_the_kv_arrives_is_released_by_the_transfer_after_its_last_w
         assert not worker.abort("ab")
     finally:
         loop.stop()
+
+
+def test_auto_transport_is_shm_on_the_same_host_and_grpc_for_another(pair):
+    _, _, pstub, dstub = pair
+    expected = run(tiny_engine(), [PROMPT], [GREEDY])[0]
+    for rid, other_host, transport in [("same", False, "shm"), ("other", True, "grpc")]:
+        res = dstub.Reserve(worker_pb2.ReserveRequest(request=worker_request(rid), lease_ms=30_000))
+        if other_host:
+            res.target.host_id = "linux:another-boot:1"
+        pre = pstub.Prefill(worker_pb2.PrefillRequest(request=worker_request(rid), target=res.target))
+        assert pre.transport == transport
+        tokens = [pre.first_token_id] + [t for m in dstub.Decode(worker_pb2.DecodeRequest(
+            request_id=rid, handle=res.target.handle, first_token_id=pre.first_token_id)) for t in m.token_ids]
+        assert tokens == expected
