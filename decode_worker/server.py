@@ -8,6 +8,7 @@ for tests and embedding.
 from __future__ import annotations
 
 import logging
+
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.service import DecodeWorkerServicer
 from decode_worker.worker import DecodeWorker
@@ -15,8 +16,8 @@ from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop, build_engine
 from engine.llm_engine import LLMEngine
 from kvstore.transfer_service import KvTransferServicer
-from protos.service_runtime import Registration, WorkerHandle, WorkerServer, wait_for_termination
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from protos.service_runtime import Registration, WorkerHandle, WorkerServer, wait_for_termination
 
 log = logging.getLogger(__name__)
 

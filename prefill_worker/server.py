@@ -7,15 +7,16 @@ prefills, stop). `start_server` returns a running handle for tests and embedding
 from __future__ import annotations
 
 import logging
+
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop, build_engine
 from engine.llm_engine import LLMEngine
 from kvstore.shm import remove_orphaned_segments
-from protos.service_runtime import Registration, WorkerHandle, WorkerServer, wait_for_termination
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.service import PrefillWorkerServicer
 from prefill_worker.worker import PrefillWorker
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from protos.service_runtime import Registration, WorkerHandle, WorkerServer, wait_for_termination
 
 log = logging.getLogger(__name__)
 
