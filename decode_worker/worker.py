@@ -101,10 +101,10 @@ class DecodeWorker:
             if res is None:
                 return
             del self._reservations[request_id]
-        if res.lease.state is LeaseState.RECEIVING:
-            res.lease.unpin(LeaseState.RESERVED)
-        if not res.lease.release_requested:
-            self.num_transfer_errors += 1
+            if res.lease.state is LeaseState.RECEIVING:  # this transfer's own pin: only its thread moves it
+                res.lease.unpin(LeaseState.RESERVED)
+            if not res.lease.release_requested:          # an aborted request's refused commit is no error
+                self.num_transfer_errors += 1
         self.loop.abort(request_id)
 
     # --- Decode -----------------------------------------------------------------------------------------------
