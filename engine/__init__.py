@@ -12,6 +12,7 @@ _EXPORTS = {
     "EngineConfig": "engine.config", "ModelConfig": "engine.config",
     "SamplingParams": "engine.sampling_params",
     "InvalidRequestError": "engine.errors", "OverloadedError": "engine.errors",
+    "PreconditionError": "engine.errors", "RequestFailedError": "engine.errors",
 }
 __all__ = list(_EXPORTS)
 

@@ -7,10 +7,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from engine.errors import RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel
 from engine.sampling_params import SamplingParams
-from engine.sequence import TokenLogprob
+from engine.sequence import FinishReason, TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer
 
 
@@ -80,7 +81,8 @@ class LLM:
         ) for prompt, seq in zip(prompts, seqs)]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Generate one completion, yielding text as it is produced (never a broken UTF-8 character)."""
+        """Generate one completion, yielding text as it is produced (never a broken UTF-8 character). Raises
+        RequestFailedError when the request failed inside the engine."""
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         seq = self.engine.add_request(f"offline-{next(self._ids)}", token_ids, sampling_params or SamplingParams())
         detok = IncrementalDetokenizer(self.tokenizer, token_ids)
@@ -91,6 +93,8 @@ class LLM:
                         delta = detok.add(out.new_token_ids)
                         if delta:
                             yield delta
+            if seq.finish_reason is FinishReason.ERROR:
+                raise RequestFailedError(f"request {seq.request_id!r} failed: {seq.error}")
         finally:
             self.engine.abort(seq.request_id)
 

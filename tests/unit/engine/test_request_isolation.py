@@ -56,6 +56,13 @@ def test_offline_llm_fails_only_the_request_whose_sampling_raises():
     assert llm.engine.kv.pool.get_num_used_blocks() == 0
 
 
+def test_offline_stream_of_a_failing_request_raises_request_failed():
+    llm = tiny_llm()
+    with SAMPLING_FAULTS.armed("offline-0"), pytest.raises(RequestFailedError, match="injected sampling fault"):
+        list(llm.stream(PROMPTS[0], PENALIZED[0]))
+    assert llm.engine.kv.pool.get_num_used_blocks() == 0
+
+
 def test_a_fault_mid_decode_fails_that_request_and_frees_its_blocks_while_others_finish():
     engine = tiny_engine()
     expected = run(tiny_engine(), PROMPTS, PENALIZED)
