@@ -23,3 +23,7 @@ class PreconditionError(Exception):
 class RequestFailedError(RuntimeError):
     """One request failed inside the engine (its sampling or bookkeeping raised); the other requests of its
     batch went on. Not retryable as is: the same request fails the same way (maps to gRPC INTERNAL)."""
+
+
+class RequestAborted(Exception):
+    """The request was aborted by its caller before this call could complete (maps to gRPC CANCELLED)."""

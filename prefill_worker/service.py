@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import grpc
-
-from prefill_worker.worker import PrefillWorker, RequestAborted
+from prefill_worker.worker import PrefillWorker
 from protos.convert import WorkerStatsData, logprob_to_pb, request_from_pb, target_from_pb, worker_stats_to_pb
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from protos.service_runtime import status_on_error
@@ -25,11 +23,8 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         req = request_from_pb(request.request)
         context.add_callback(lambda: self.worker.abort(req.request_id) if not context.is_active() else None)
         remaining = min(context.time_remaining() or MAX_PREFILL_S, MAX_PREFILL_S)  # no deadline: a huge value
-        try:
-            with status_on_error(context):
-                r = self.worker.prefill(req, target_from_pb(request.target), remaining)
-        except RequestAborted as exc:
-            context.abort(grpc.StatusCode.CANCELLED, str(exc))
+        with status_on_error(context):
+            r = self.worker.prefill(req, target_from_pb(request.target), remaining)
         response = worker_pb2.PrefillResponse(
             first_token_id=r.first_token_id, cached_tokens=r.cached_tokens, computed_tokens=r.computed_tokens,
             transfer_bytes=r.transfer_bytes, transfer_ms=r.transfer_ms, transport=r.transport,

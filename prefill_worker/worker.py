@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from engine.block_lease import IllegalTransition, LeaseState
 from engine.engine_loop import EngineLoop
-from engine.errors import InvalidRequestError, PreconditionError
+from engine.errors import InvalidRequestError, PreconditionError, RequestAborted
 from engine.llm_engine import EngineStats
 from engine.sequence import TokenLogprob
 from kvstore.shm import host_id
@@ -43,10 +43,6 @@ class PrefillResult:
     transfer_ms: float
     transport: str
     prefill_ms: float
-
-
-class RequestAborted(Exception):
-    """The request was aborted while it was being prefilled or pushed."""
 
 
 class PrefillWorker:

@@ -3,8 +3,9 @@ graceful stop), the one mapping of engine errors to status codes, the worker's r
 index fed from its engine loop, and waiting for SIGTERM.
 
 Status mapping (`status_on_error`): InvalidRequestError -> INVALID_ARGUMENT, OverloadedError ->
-RESOURCE_EXHAUSTED, PreconditionError -> FAILED_PRECONDITION, LoopStopped -> UNAVAILABLE, RequestFailedError
-(one request failed inside the engine) -> INTERNAL, anything else -> INTERNAL naming the exception type.
+RESOURCE_EXHAUSTED, PreconditionError -> FAILED_PRECONDITION, LoopStopped -> UNAVAILABLE, RequestAborted ->
+CANCELLED, RequestFailedError (one request failed inside the engine) -> INTERNAL, anything else -> INTERNAL
+naming the exception type.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.engine_loop import EngineLoop, LoopStopped
-from engine.errors import InvalidRequestError, OverloadedError, PreconditionError, RequestFailedError
+from engine.errors import (InvalidRequestError, OverloadedError, PreconditionError, RequestAborted,
+                           RequestFailedError)
 from engine.llm_engine import LLMEngine
 from kvstore.index import PrefixIndex, WorkerInfo
 from kvstore.index_publisher import IndexPublisher
@@ -32,7 +34,7 @@ from kvstore.transfer_service import GRPC_OPTIONS
 
 _STATUS = [(InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT), (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
            (PreconditionError, grpc.StatusCode.FAILED_PRECONDITION), (LoopStopped, grpc.StatusCode.UNAVAILABLE),
-           (RequestFailedError, grpc.StatusCode.INTERNAL)]
+           (RequestAborted, grpc.StatusCode.CANCELLED), (RequestFailedError, grpc.StatusCode.INTERNAL)]
 
 
 @contextlib.contextmanager

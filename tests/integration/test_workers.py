@@ -4,9 +4,11 @@ request whose sampling raises fails alone, and every failure path returns the wo
 
 import threading
 import time
+from concurrent import futures
 
 import grpc
 import pytest
+import torch
 
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.server import start_server as start_decode
@@ -17,11 +19,11 @@ from engine.errors import PreconditionError
 from engine.faults import SAMPLING_FAULTS
 from engine.sampling_params import SamplingParams
 from kvstore.transfer_manifest import TransferManifest, TransferRejected
-from kvstore.transfer_service import ReceivedBlocks
+from kvstore.transfer_service import GRPC_OPTIONS, KvTransferServicer, ReceivedBlocks, ReceiveTarget
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.server import start_server as start_prefill
 from protos.convert import request_from_pb, sampling_to_pb
-from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from protos.pdserve.v1 import common_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.unit.engine.tiny_model import run, tiny_engine
 
 ENGINE = EngineConfig(model="tiny-random", num_kv_blocks=256, block_size=4, dtype="float32")
@@ -290,3 +292,62 @@ def test_auto_transport_is_shm_on_the_same_host_and_grpc_for_another(pair):
         tokens = [pre.first_token_id] + [t for m in dstub.Decode(worker_pb2.DecodeRequest(
             request_id=rid, handle=res.target.handle, first_token_id=pre.first_token_id)) for t in m.token_ids]
         assert tokens == expected
+
+
+class StallingReceiver:
+    """A KvTransfer receiver that holds each transfer at `check` until `go` is set (so a push is in flight
+    for as long as the test needs), then accepts it."""
+
+    def __init__(self, layout, kv_cache):
+        self.layout, self.kv_cache = layout, kv_cache
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def check(self, manifest):
+        self.entered.set()
+        self.go.wait(60)
+        return ReceiveTarget(self.layout, manifest.block_ids, self.kv_cache)
+
+    def commit(self, request_id, handle, blocks):
+        pass
+
+    def reject(self, request_id, handle, reason):
+        pass
+
+
+def test_abort_during_the_push_keeps_the_blocks_until_the_push_ends_then_releases_them():
+    """Prefill's push is held mid-flight by the receiver; an Abort then finds the request but its blocks stay
+    pinned (the push still reads them); when the push ends the Prefill is CANCELLED and every block is free."""
+    p = start_prefill(PrefillWorkerConfig("p0", None, transport="grpc"), ENGINE, engine=tiny_engine())
+    layout = p.worker.layout
+    receiver = StallingReceiver(layout, torch.zeros(layout.num_layers, 2, 16, layout.block_size,
+                                                    layout.num_kv_heads, layout.head_dim))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
+    kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(KvTransferServicer(receiver), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        pstub = worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(f"127.0.0.1:{p.port}"))
+        target = worker_pb2.TransferTarget(endpoint=f"127.0.0.1:{port}", handle="h", num_cached_blocks=0,
+                                           block_ids=list(range(10)), host_id="elsewhere")
+        errors = []
+
+        def prefill():
+            try:
+                pstub.Prefill(worker_pb2.PrefillRequest(request=worker_request("mid"), target=target))
+            except grpc.RpcError as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=prefill)
+        thread.start()
+        assert receiver.entered.wait(60)                       # the push is in flight: its pin is held
+        assert pstub.Abort(worker_pb2.AbortRequest(request_id="mid")).found
+        assert pstub.Stats(worker_pb2.StatsRequest()).used_blocks == 10   # not released under the push
+        receiver.go.set()
+        thread.join(60)
+        assert [e.code() for e in errors] == [grpc.StatusCode.CANCELLED]
+        assert "during its KV push" in errors[0].details()
+        assert wait_idle(pstub).used_blocks == 0
+    finally:
+        receiver.go.set()
+        server.stop(0)
+        p.stop(0)
