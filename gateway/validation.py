@@ -104,16 +104,24 @@ class ModelNotFound(InvalidRequestError):
     """`model` names a model this gateway does not serve (HTTP 404; gRPC INVALID_ARGUMENT)."""
 
 
-def max_bytes_per_token(tokenizer: Tokenizer) -> int:
-    """A bound on the UTF-8 bytes of input text one token covers: the longest token of the vocabulary (special
-    and added tokens included) as decoded text, plus one (a tokenizer may drop a token's leading space when it
-    decodes it alone; a partial UTF-8 sequence decodes to U+FFFD, 3 bytes, which only over-estimates). A
-    normalizer may shrink text before it is split (NFC composes up to three code points into one), so with one
-    the bound is multiplied by 4. Takes ~0.1 s for a 50k vocabulary."""
+def max_bytes_per_token(tokenizer: Tokenizer) -> int | None:
+    """A bound on the UTF-8 bytes of input text one token covers, or None when the tokenizer has none.
+
+    BPE: the longest token of the vocabulary (special and added tokens included) as decoded text, plus one (a
+    tokenizer may drop a token's leading space when it decodes it alone; a partial UTF-8 sequence decodes to
+    U+FFFD, 3 bytes, which only over-estimates), and at least 4 (an unknown-token stands for one character).
+    A normalizer may shrink text before it is split (NFC composes up to three code points into one), so with
+    one the bound is multiplied by 4. None for models where one token can stand for any amount of text: a
+    whole unknown word (WordLevel, WordPiece, Unigram) or a fused run of unknown characters (BPE fuse_unk).
+    Takes ~0.1 s for a 50k vocabulary."""
     backend = tokenizer.backend
+    model = backend.model
+    if type(model).__name__ in ("WordLevel", "WordPiece", "Unigram") or \
+            (getattr(model, "unk_token", None) and getattr(model, "fuse_unk", False)):
+        return None
     longest = max((len(backend.decode([token_id], skip_special_tokens=False).encode("utf-8", "replace"))
                    for token_id in backend.get_vocab(with_added_tokens=True).values()), default=1)
-    return (longest + 1) * (4 if backend.normalizer is not None else 1)
+    return max(longest + 1, 4) * (4 if backend.normalizer is not None else 1)
 
 
 def _check_text(field: str, text: str) -> int:

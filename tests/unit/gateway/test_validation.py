@@ -191,11 +191,20 @@ def test_a_prompt_whose_bytes_prove_it_cannot_fit_is_refused_before_tokenizing(t
                .prompt_token_ids) == 7                                  # 42 bytes: may fit, so tokenized
 
 
-def test_max_bytes_per_token_bounds_every_token_of_the_vocabulary(tokenizer):
-    bound = max_bytes_per_token(tokenizer)
+def test_max_bytes_per_token_bounds_every_token_of_a_bpe_vocabulary():
+    vocab = {"a": 0, "b": 1, "ab": 2, "abab": 3, "<|im_start|>": 4}
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[("a", "b"), ("ab", "ab")]))
+    backend.add_special_tokens(["<|im_start|>"])
+    bpe = Tokenizer(backend, bos_token=None, eos_token=None, chat_template=None)
+    bound = max_bytes_per_token(bpe)
     assert bound == len("<|im_start|>") + 1
-    for text in ("hello world a b", "<|im_start|>user hello<|im_end|>"):
-        assert len(tokenizer.encode(text)) >= -(-len(text.encode()) // bound)
+    for text in ("abababab", "<|im_start|>ab", "ba" * 10):
+        assert len(bpe.encode(text)) >= -(-len(text.encode()) // bound)
+
+
+def test_a_word_level_vocabulary_has_no_bound_an_unknown_word_is_one_token(tokenizer):
+    assert max_bytes_per_token(tokenizer) is None
+    assert len(tokenizer.encode("x" * 1000)) == 1
 
 
 def test_grpc_text_with_a_lone_surrogate_cannot_arrive_but_plain_values_are_checked(tokenizer):
