@@ -138,9 +138,19 @@ def test_rope_scaling_from_metadata_keys(tiny_path):
 
 
 def test_unsupported_rope_scaling_is_named(tiny_path):
-    write_tiny_gguf(tiny_path, extra={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0})
-    with pytest.raises(ModelLoadError, match=r"llama\.rope\.scaling\.type = 'yarn' is not supported"):
+    write_tiny_gguf(tiny_path, extra={"llama.rope.scaling.type": "mrope", "llama.rope.scaling.factor": 4.0})
+    with pytest.raises(ModelLoadError, match=r"llama\.rope\.scaling\.type = 'mrope' is not supported"):
         load_model(tiny_path, progress=False)
+
+
+def test_yarn_and_linear_rope_scaling_from_metadata_keys(tiny_path):
+    write_tiny_gguf(tiny_path, extra={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+                                      "llama.rope.scaling.original_context_length": 512})
+    assert load_model(tiny_path, progress=False).config.rope_scaling == RopeScaling(
+        factor=4.0, rope_type="yarn", original_max_position_embeddings=512)
+    write_tiny_gguf(tiny_path, extra={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0})
+    assert load_model(tiny_path, progress=False).config.rope_scaling == RopeScaling(
+        factor=2.0, rope_type="linear", original_max_position_embeddings=2048)
 
 
 def test_fingerprint_is_stable_and_tracks_content(tmp_path):
@@ -180,8 +190,12 @@ def test_unknown_architecture_is_named(tiny_path):
         load_model(tiny_path, progress=False)
 
 
-def test_unsupported_quant_type_names_the_tensor(tiny_path):
+def test_unsupported_quant_type_names_the_tensor(tiny_path, monkeypatch):
+    import engine.gguf_loader
+
     write_tiny_gguf(tiny_path, qtypes={**DEFAULT_QTYPES, "ffn_up": Q.Q5_0})
+    without_q5_0 = tuple(t for t in engine.gguf_loader.supported_types() if t != Q.Q5_0)
+    monkeypatch.setattr(engine.gguf_loader, "supported_types", lambda: without_q5_0)
     with pytest.raises(ModelLoadError, match=r"tensor blk\.0\.ffn_up\.weight has GGML type Q5_0, which is not "
                                              r"supported"):
         load_model(tiny_path, progress=False)
