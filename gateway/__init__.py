@@ -6,9 +6,10 @@ validation       protobuf request or plain values -> GenerationRequest, errors n
 openai_protocol  OpenAI JSON bodies -> GenerationRequest, output chunks -> OpenAI response objects (pure)
 routing          which decode / prefill worker, and when the decode worker prefills locally (pure)
 stop_strings     incremental stop-string matching over streamed text (pure)
+output_stream    token ids -> text deltas -> stop strings, as output chunks (pure)
 orchestrator     one request's lifecycle (reserve, prefill, decode; queue, retries, aborts) over a worker client;
                  no grpc, no protobuf
-worker_types     what the worker client returns and raises: dataclasses and domain errors (no grpc)
+worker_types     the worker client's interface, what it returns and raises: dataclasses, domain errors (no grpc)
 worker_client    the worker RPCs over grpc.aio channels (keepalive, connectivity): the gateway's only worker I/O
 discovery        workers from the Redis index, and their health as this gateway sees it (health checks)
 metrics          Prometheus metrics of one gateway (its own registry)

@@ -38,19 +38,18 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence, Set
 from dataclasses import dataclass
-from typing import Protocol
 
 from engine.errors import InvalidRequestError
-from engine.sequence import FinishReason, TokenLogprob
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.sequence import FinishReason
+from engine.tokenizer import Tokenizer
+from gateway.output_stream import OutputStream
 from gateway.request_types import (DeadlineExceeded, NoWorkerAvailable, OutputChunk, Overloaded, RequestTrace,
                                     Timings, Usage, WorkerFailed)
 from gateway.routing import (Candidate, DispatchedPrefixes, RoutingPolicy, plan_prefill, rank_decode_workers,
                              rank_prefill_workers)
-from gateway.stop_strings import StopStringMatcher
 from gateway.validation import GenerationRequest
-from gateway.worker_types import (DecodeMessage, PrefillResult, TransferTarget, WorkerBusy, WorkerError, WorkerJob,
-                                   WorkerTimedOut, WorkerUnreachable)
+from gateway.worker_types import (PrefillResult, TransferTarget, WorkerBusy, WorkerClient, WorkerError, WorkerJob,
+                                  WorkerTimedOut, WorkerUnreachable)
 from kvstore.hashing import hash_prompt_blocks
 from kvstore.local_index import PrefixMatch
 
@@ -65,24 +64,6 @@ DISPATCHED_HOLD_S = 5.0
 says (the worker publishes them within milliseconds; this covers a slow Redis and a publisher retrying)."""
 QUEUE_POLL_S = 0.2
 """A queued request also retries this often (room may come from another gateway's requests)."""
-
-
-class WorkerClient(Protocol):
-    """The worker RPCs the orchestrator uses (gateway.worker_client.ChannelPool; in-memory fakes in tests).
-    Errors: InvalidRequestError and gateway.worker_client.WorkerError subclasses."""
-
-    async def reserve(self, endpoint: str, job: WorkerJob, lease_ms: int,
-                      timeout: float | None) -> TransferTarget: ...
-
-    async def prefill(self, endpoint: str, job: WorkerJob, target: TransferTarget,
-                      timeout: float | None) -> PrefillResult: ...
-
-    def decode(self, endpoint: str, request_id: str, handle: str, first: PrefillResult | None,
-               timeout: float | None) -> AsyncIterator[DecodeMessage]: ...
-
-    async def abort(self, endpoint: str, role: str, request_id: str, timeout: float | None) -> bool: ...
-
-    async def close(self) -> None: ...
 
 
 Lookup = Callable[[Sequence[int]], Awaitable[list[PrefixMatch]]]
@@ -458,7 +439,7 @@ class _Run:
         res, orch = self.reservation, self.orch
         first = prefill[0] if prefill is not None else None
         decode_start = time.monotonic()
-        out = _Output(orch.tokenizer, self.req)
+        out = OutputStream(orch.tokenizer, self.req)
         token_timeout_s = orch.limits.token_timeout_s
         stream = orch.client.decode(res.decode.endpoint, res.worker_request_id, res.target.handle, first,
                                     _remaining(self.deadline))
@@ -509,7 +490,7 @@ class _Run:
         raise WorkerFailed(f"decode worker {res.decode.worker_id} ended the stream without a finish reason "
                            f"after {out.num_tokens} tokens")
 
-    def _final(self, out: _Output, chunk: OutputChunk, reason: FinishReason,
+    def _final(self, out: OutputStream, chunk: OutputChunk, reason: FinishReason,
                prefill: tuple[PrefillResult, float] | None, decode_start: float) -> OutputChunk:
         first_token_at = self.first_token_at or time.monotonic()
         reserved_at = self.reserved_at
@@ -527,30 +508,3 @@ class _Run:
                               transport=response.transport, transfer_bytes=response.transfer_bytes)
         usage = Usage(self.req.num_prompt_tokens, out.num_tokens, cached)
         return OutputChunk(chunk.text, chunk.token_ids, chunk.logprobs, reason, usage, timings)
-
-
-class _Output:
-    """Token ids -> text deltas (UTF-8 safe) -> stop strings."""
-
-    def __init__(self, tokenizer: Tokenizer, req: GenerationRequest) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer, req.prompt_token_ids)
-        self._stop = StopStringMatcher(req.stop)
-        self.num_tokens = 0
-
-    @property
-    def stopped(self) -> bool:
-        return self._stop.stopped
-
-    def add(self, token_ids: list[int], logprobs: tuple[TokenLogprob, ...]) -> OutputChunk:
-        self.num_tokens += len(token_ids)
-        text, _ = self._stop.add(self._detokenizer.add(token_ids)) if token_ids else ("", False)
-        return OutputChunk(text, tuple(token_ids), logprobs)
-
-    def finish(self) -> OutputChunk:
-        """The end of the stream: text held back by the detokenizer or the stop-string matcher."""
-        text, _ = self._stop.add(self._detokenizer.flush())
-        return OutputChunk(text + self._stop.flush(), ())
-
-    @staticmethod
-    def merge(a: OutputChunk, b: OutputChunk) -> OutputChunk:
-        return OutputChunk(a.text + b.text, a.token_ids + b.token_ids, a.logprobs + b.logprobs)

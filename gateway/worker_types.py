@@ -1,10 +1,13 @@
-"""What the gateway's worker client returns and raises (plain dataclasses and exceptions; no grpc, no protobuf),
-so the orchestrator and discovery stay free of the transport. The client itself is gateway.worker_client."""
+"""The gateway's worker client as the request path sees it: its interface (`WorkerClient`), what it returns and
+what it raises (plain dataclasses and exceptions; no grpc, no protobuf), so the orchestrator and discovery stay
+free of the transport. The gRPC implementation is gateway.worker_client.ChannelPool."""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, TokenLogprob
@@ -87,3 +90,21 @@ class ChannelState(enum.Enum):
     READY = "ready"
     TRANSIENT_FAILURE = "transient_failure"
     SHUTDOWN = "shutdown"
+
+
+class WorkerClient(Protocol):
+    """The worker RPCs the orchestrator uses (gateway.worker_client.ChannelPool; in-memory fakes in tests).
+    Errors: InvalidRequestError and WorkerError subclasses (above)."""
+
+    async def reserve(self, endpoint: str, job: WorkerJob, lease_ms: int,
+                      timeout: float | None) -> TransferTarget: ...
+
+    async def prefill(self, endpoint: str, job: WorkerJob, target: TransferTarget,
+                      timeout: float | None) -> PrefillResult: ...
+
+    def decode(self, endpoint: str, request_id: str, handle: str, first: PrefillResult | None,
+               timeout: float | None) -> AsyncIterator[DecodeMessage]: ...
+
+    async def abort(self, endpoint: str, role: str, request_id: str, timeout: float | None) -> bool: ...
+
+    async def close(self) -> None: ...
