@@ -14,7 +14,8 @@ PDSERVE_LLAMA_SERVER, the default of `pdserve bench --llama-server`.
 """
 
 # Flags are read here, in cli_args and in bench/cli (its own subcommand); PDSERVE_HOME only through
-# engine.model_fetch.default_home.
+# engine.model_fetch.default_home. The servers are imported by the command that runs them: they load torch and
+# the engine, which no client command needs (no cycle: nothing below imports this module).
 
 from __future__ import annotations
 
@@ -25,14 +26,17 @@ import signal
 import sys
 import threading
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pdserve import cli_args
+from decode_worker.config import DecodeWorkerConfig
+from engine.model_fetch import ModelFetchError, fetch_default_model
+from kvstore.embedded_redis import redacted_url
+from pdserve import cli_args, health
 from pdserve.bench import cli as bench_cli
 from pdserve.cli_args import UsageError
-
-if TYPE_CHECKING:
-    from pdserve.client import Chunk, Client, Completion
+from pdserve.client import Chunk, Client, Completion, PdserveError, collect
+from pdserve.launcher import ClusterError, LocalCluster
+from prefill_worker.config import PrefillWorkerConfig
 
 _SERVER_COMMANDS = ("gateway", "prefill-worker", "decode-worker")
 
@@ -62,8 +66,6 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def cmd_prefill_worker(args: argparse.Namespace) -> int:
-    from prefill_worker.config import PrefillWorkerConfig
-
     config = cli_args.worker_config(PrefillWorkerConfig, "prefill", args)
     engine_config = cli_args.engine_config(args)
     _exit_with_parent(args.parent_pipe_fd)
@@ -74,8 +76,6 @@ def cmd_prefill_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_decode_worker(args: argparse.Namespace) -> int:
-    from decode_worker.config import DecodeWorkerConfig
-
     config = cli_args.worker_config(DecodeWorkerConfig, "decode", args)
     engine_config = cli_args.engine_config(args)
     _exit_with_parent(args.parent_pipe_fd)
@@ -91,9 +91,6 @@ def _raise_exit(signum: int, frame: Any) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from kvstore.embedded_redis import redacted_url
-    from pdserve.launcher import LocalCluster
-
     config = cli_args.cluster_config(args)
     signal.signal(signal.SIGTERM, _raise_exit)
     _err(f"pdserve: starting Redis, {config.num_prefill} prefill and {config.num_decode} decode worker(s) and "
@@ -122,8 +119,6 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def _chat_once(target: str, args: argparse.Namespace) -> int:
-    from pdserve.client import Client
-
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.once}]
     with Client(target) as client, client.chat(messages, max_tokens=args.max_tokens, temperature=0.0) as stream:
@@ -134,8 +129,6 @@ def _chat_once(target: str, args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------------------------ clients
 def _print_stream(chunks: Iterable[Chunk], stats: bool = False) -> Completion:
     """Write each chunk's text as it arrives; returns the whole completion."""
-    from pdserve.client import collect
-
     def echo() -> Iterator[Chunk]:
         for chunk in chunks:
             sys.stdout.write(chunk.text)
@@ -165,8 +158,6 @@ def _format_stats(c: Completion) -> str:
 
 
 def _client(args: argparse.Namespace) -> Client:
-    from pdserve.client import Client
-
     return Client(args.target, timeout=args.timeout)
 
 
@@ -201,8 +192,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    from pdserve import health
-
     status = health.status(args.target, args.service, args.timeout)
     print(status)
     return 0 if status == health.SERVING else 1
@@ -213,8 +202,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_fetch_model(args: argparse.Namespace) -> int:
-    from engine.model_fetch import fetch_default_model
-
     print(fetch_default_model())
     return 0
 
@@ -238,10 +225,6 @@ def main(argv: list[str] | None = None) -> int:
     verbose = args.verbose or args.command in _SERVER_COMMANDS
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from engine.model_fetch import ModelFetchError
-    from pdserve.client import PdserveError
-    from pdserve.launcher import ClusterError
-
     try:
         return COMMANDS[args.command](args)
     except (UsageError, PdserveError, ModelFetchError) as exc:
