@@ -4,10 +4,12 @@
 Face `tokenizer.json` (`from_file`), and renders the model's jinja chat template the way transformers does
 (sandboxed, `trim_blocks`/`lstrip_blocks`, `raise_exception`, `bos_token`/`eos_token` variables).
 
-From GGUF only byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) are built, with the pre-tokenizer
-the file's `tokenizer.ggml.pre` names; each supported pre type reproduces the split of llama.cpp and of the
-model's own tokenizer.json. Anything else raises `UnsupportedTokenizerError` naming the type, rather than a
-tokenizer that silently splits text differently from the one the model was trained with.
+From GGUF, byte-level BPE vocabularies (`tokenizer.ggml.model == "gpt2"`) are built with the pre-tokenizer the
+file's `tokenizer.ggml.pre` names; each supported pre type reproduces the split of llama.cpp and of the model's
+own tokenizer.json. SentencePiece vocabularies (`"llama"`: Llama 2, Mistral, Gemma, Phi-3) are built as
+transformers' GGUF conversion builds them (see the SentencePiece section at the end). Anything else raises
+`UnsupportedTokenizerError` naming the type, rather than a tokenizer that silently splits text differently from
+the one the model was trained with.
 
 `IncrementalDetokenizer` turns a stream of generated ids into text deltas without ever emitting a broken
 UTF-8 character.
@@ -164,10 +166,13 @@ class Tokenizer:
         ValueError naming the key when a required key is missing or malformed.
         """
         model = metadata.get("tokenizer.ggml.model")
+        if model == "llama":
+            return cls.from_gguf_sentencepiece(metadata)
         if model != "gpt2":
             raise UnsupportedTokenizerError(
-                f"GGUF tokenizer.ggml.model {model!r} is not supported: only byte-level BPE (\"gpt2\") "
-                "vocabularies can be built from GGUF metadata; use the model's Hugging Face directory instead")
+                f"GGUF tokenizer.ggml.model {model!r} is not supported: only byte-level BPE (\"gpt2\") and "
+                "SentencePiece (\"llama\") vocabularies can be built from GGUF metadata; use the model's Hugging "
+                "Face directory instead")
         pre = metadata.get("tokenizer.ggml.pre")
         family = _GGUF_PRE_TYPES.get(pre)
         if family is None:
@@ -210,6 +215,20 @@ class Tokenizer:
         bos_token = _token_at(tokens, metadata.get("tokenizer.ggml.bos_token_id"), "tokenizer.ggml.bos_token_id")
         eos_token = _token_at(tokens, metadata.get("tokenizer.ggml.eos_token_id"), "tokenizer.ggml.eos_token_id")
         _set_template_post_processor(backend, bos_token if metadata.get("tokenizer.ggml.add_bos_token") else None,
+                                     eos_token if metadata.get("tokenizer.ggml.add_eos_token") else None)
+        return cls(backend, bos_token=bos_token, eos_token=eos_token,
+                   chat_template=metadata.get("tokenizer.chat_template"))
+
+    @classmethod
+    def from_gguf_sentencepiece(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+        """Build from the GGUF metadata of a SentencePiece vocabulary (`tokenizer.ggml.model == "llama"`)."""
+        tokens = _required(metadata, "tokenizer.ggml.tokens", list)
+        backend = sentencepiece_backend(metadata, str(metadata.get("general.architecture")))
+        bos_token = _token_at(tokens, metadata.get("tokenizer.ggml.bos_token_id"), "tokenizer.ggml.bos_token_id")
+        eos_token = _token_at(tokens, metadata.get("tokenizer.ggml.eos_token_id"), "tokenizer.ggml.eos_token_id")
+        # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise (older files have no flag)
+        add_bos = metadata.get("tokenizer.ggml.add_bos_token", True)
+        _set_template_post_processor(backend, bos_token if add_bos else None,
                                      eos_token if metadata.get("tokenizer.ggml.add_eos_token") else None)
         return cls(backend, bos_token=bos_token, eos_token=eos_token,
                    chat_template=metadata.get("tokenizer.chat_template"))
@@ -418,3 +437,72 @@ class IncrementalDetokenizer:
             del self._ids[:self._prefix_offset]
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
+
+
+# --------------------------------------------------------------------------------------------------- SentencePiece
+# A SentencePiece GGUF stores pieces (U+2581 for a space), scores and token types, and usually no merges. The
+# tokenizer is rebuilt as a BPE with byte fallback exactly as transformers' GGUF conversion does
+# (integrations/gguf/gguf_tokenizer_mapping.py: LlamaTokenizer; GemmaTokenizer for Gemma; Phi-3's own
+# normalizer), merges recovered from the vocabulary when the file has none, so both give the same ids.
+_SPIECE_SPACE = "\u2581"
+_GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+
+
+def sentencepiece_backend(metadata: Mapping[str, Any], architecture: str) -> BackendTokenizer:
+    """A `tokenizers` BPE for a SentencePiece GGUF vocabulary; `architecture` picks the Gemma / Phi-3 variants."""
+    tokens = list(_required(metadata, "tokenizer.ggml.tokens", list))
+    token_types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(token_types) != len(tokens):
+        raise ValueError(f"GGUF tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens")
+    gemma = architecture in _GEMMA_ARCHITECTURES
+    if gemma:
+        # Gemma stores a run of spaces as spaces; its pieces spell them U+2581. Its merge order is the file's
+        # token order, not its scores.
+        tokens = [_SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+        ranks = {token: -index for index, token in enumerate(tokens)}
+    else:
+        scores = metadata.get("tokenizer.ggml.scores")
+        if not isinstance(scores, list) or len(scores) != len(tokens):
+            raise ValueError("GGUF tokenizer.ggml.scores is missing or does not match tokenizer.ggml.tokens")
+        ranks = dict(zip(tokens, scores))
+    vocab = {token: index for index, token in enumerate(tokens)}
+    if isinstance(metadata.get("tokenizer.ggml.merges"), list):
+        merges = [tuple(m.split(" ")) for m in metadata["tokenizer.ggml.merges"]]
+    else:
+        merges = merges_from_vocab(vocab, ranks)
+    unk_token = "<unk>" if gemma else None
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True,
+                                          unk_token=unk_token))
+    decode = [decoders.Replace(_SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if gemma:
+        backend.normalizer = normalizers.Replace(" ", _SPIECE_SPACE)
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous", invert=False)
+    elif architecture == "phi3":
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend(_SPIECE_SPACE),
+                                                   normalizers.Replace(" ", _SPIECE_SPACE)])
+        decode.append(decoders.Strip(content=" ", left=1))
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement=_SPIECE_SPACE, prepend_scheme="first",
+                                                         split=False)
+        decode.append(decoders.Strip(content=" ", left=1))
+    backend.decoder = decoders.Sequence(decode)
+    unk = _token_at(tokens, metadata.get("tokenizer.ggml.unknown_token_id"), "tokenizer.ggml.unknown_token_id")
+    special = [AddedToken(tok, special=True, normalized=False)
+               for tok, kind in zip(tokens, token_types) if kind == TOKEN_TYPE_CONTROL or tok == unk]
+    backend.add_special_tokens(special)
+    backend.add_tokens([AddedToken(tok, special=False, normalized=False)
+                        for tok, kind in zip(tokens, token_types) if kind == TOKEN_TYPE_USER_DEFINED])
+    return backend
+
+
+def merges_from_vocab(vocab: Mapping[str, int], ranks: Mapping[str, float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a vocabulary: every split of a piece into two pieces of the vocabulary, best rank
+    first (ties: shorter left, then shorter right piece), as transformers' `generate_merges`."""
+    merges = []
+    for piece, rank in ranks.items():
+        local = [(piece[:i], piece[i:], rank) for i in range(1, len(piece))
+                 if piece[:i] in vocab and piece[i:] in vocab]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]

@@ -177,10 +177,17 @@ def test_unsupported_pre_tokenizer_is_named(tmp_path):
         load_gguf_tokenizer(path)
 
 
-def test_sentencepiece_vocabulary_is_unsupported():
+def test_unigram_vocabulary_is_unsupported():
+    tokens, types, merges = tiny_vocab()
+    metadata = {"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": tokens}
+    with pytest.raises(UnsupportedTokenizerError, match=r"tokenizer\.ggml\.model 't5' is not supported"):
+        Tokenizer.from_gguf(metadata)
+
+
+def test_sentencepiece_vocabulary_without_scores_names_the_key():
     tokens, types, merges = tiny_vocab()
     metadata = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens}
-    with pytest.raises(UnsupportedTokenizerError, match=r"tokenizer\.ggml\.model 'llama' is not supported"):
+    with pytest.raises(ValueError, match=r"tokenizer\.ggml\.scores is missing"):
         Tokenizer.from_gguf(metadata)
 
 
