@@ -22,7 +22,7 @@ decided in one place, `status_of` (from request_types.error_code; applied to eve
 Workers are discovered through the prefix index (gateway.discovery.WorkerDirectory); while Redis is unreachable
 the last known worker list is used with no prefix information (routing by load only). grpc.health.v1 ("" and
 the Generation service) is SERVING while a usable decode worker is up (WorkerDirectory.watch: within about a
-second of the last one failing, and back when one is reachable). Messages larger than max_request_bytes are
+second of the last one failing, and back when one is reachable); "liveness" is SERVING until the drain. Messages larger than max_request_bytes are
 refused by grpc (RESOURCE_EXHAUSTED). Each response stream's trailing
 metadata names the workers that served it (pdserve-decode-worker, pdserve-prefill-workers,
 pdserve-local-prefill).
@@ -67,6 +67,9 @@ log = logging.getLogger(__name__)
 
 _SERVICE_DESCRIPTOR = generation_pb2.DESCRIPTOR.services_by_name["Generation"]
 _SERVICE = _SERVICE_DESCRIPTOR.full_name
+LIVENESS_SERVICE = "liveness"
+"""grpc.health.v1 service name that is SERVING while the process runs and is not draining, whatever the workers
+(a liveness probe must not restart gateways because the decode pool is down)."""
 
 
 # ------------------------------------------------------------------------------------------------ status mapping
@@ -299,6 +302,7 @@ async def _start(config: GatewayConfig, model: ModelSpec, tokenizer: Tokenizer) 
         for name in ("", _SERVICE):
             await health_servicer.set(name, status)
 
+    await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     await directory.refresh()
     await set_health(directory.serving)
     health_watch = asyncio.get_running_loop().create_task(directory.watch(set_health))

@@ -41,9 +41,10 @@ def gateway(cluster):
     return cluster.gateway(token_timeout_s=TOKEN_TIMEOUT_S)
 
 
-def grpc_health(gateway) -> int:
+def grpc_health(gateway, service: str = "") -> int:
     with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                         timeout=10).status
 
 
 def http_health(gateway) -> int:
@@ -94,6 +95,8 @@ def test_health_follows_a_killed_decode_worker_and_comes_back_with_a_new_one(clu
     cluster.stop_worker("d0", kill=True)                     # SIGKILL: no deregistration
     wait_for(lambda: grpc_health(gateway) == health_pb2.HealthCheckResponse.NOT_SERVING, "NOT_SERVING")
     assert http_health(gateway) == 503
+    assert grpc_health(gateway, "pdserve.v1.Generation") == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert grpc_health(gateway, "liveness") == health_pb2.HealthCheckResponse.SERVING    # no restart for this
     assert "d0" in {w.worker_id for w in cluster.index.list_workers()}   # its registration has not expired
     with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
         with pytest.raises(grpc.RpcError) as info:
