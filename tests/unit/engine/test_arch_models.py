@@ -86,19 +86,24 @@ def _write_tokenizer(path) -> None:
         {"chat_template": CHAT_TEMPLATE, "bos_token": "<|im_start|>", "eos_token": "<|endoftext|>"}))
 
 
-@pytest.fixture(scope="module", params=list(_configs()))
-def arch_pair(request, tmp_path_factory):
-    """(name, transformers model, pdserve LLM) over the same saved directory."""
-    config_cls, model_cls, extra = _configs()[request.param]
+def _build(name: str, tmp_path_factory, **engine_kwargs):
+    """(transformers model, pdserve LLM) over the same saved directory."""
+    config_cls, model_cls, extra = _configs()[name]
     torch.manual_seed(0)
     hf = model_cls(config_cls(**COMMON, **extra)).eval()
     _randomize(hf, seed=1)
-    path = tmp_path_factory.mktemp(request.param) / "model"
+    path = tmp_path_factory.mktemp(name) / "model"
     hf.save_pretrained(path, safe_serialization=True)
     _write_tokenizer(path)
     llm = LLM(model=str(path), dtype="float32", num_kv_blocks=64, block_size=4, progress=False,
-              max_model_len=max_model_len(request.param))
-    return request.param, hf, llm
+              max_model_len=max_model_len(name), **engine_kwargs)
+    return hf, llm
+
+
+@pytest.fixture(scope="module", params=list(_configs()))
+def arch_pair(request, tmp_path_factory):
+    """(name, transformers model, pdserve LLM) over the same saved directory."""
+    return request.param, *_build(request.param, tmp_path_factory)
 
 
 def max_model_len(name: str) -> int | None:
@@ -157,3 +162,16 @@ def test_batched_decode_matches_single(arch_pair):
     prompts = [PROMPT, PROMPT[3:10]]
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert together == [_hf_greedy(hf, p, 6) for p in prompts]
+
+
+def test_int8_quantization_covers_every_expert(tmp_path_factory):
+    """quantization="int8" quantizes each expert's matrices (the router stays float) and stays close to float32."""
+    from engine.quant import FloatLinear, Int8Linear
+
+    _, float32 = _build("mixtral", tmp_path_factory)
+    _, int8 = _build("mixtral", tmp_path_factory, quantization="int8")
+    moe = int8.engine.runner.model.layers[0].mlp
+    assert isinstance(moe.router, FloatLinear)
+    assert all(isinstance(w, Int8Linear) for w in moe.gate_up + moe.down)
+    diff = (_engine_logits(int8, PROMPT) - _engine_logits(float32, PROMPT)).abs().max().item()
+    assert 0 < diff < 0.5  # int8 rounding moves the logits (of magnitude ~5), a little
