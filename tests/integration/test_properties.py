@@ -21,7 +21,7 @@ import re
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -29,7 +29,7 @@ from tests.integration.cluster import assert_idle, running_cluster
 
 pytestmark = pytest.mark.slow
 
-MAX_EXAMPLES = 40
+MAX_EXAMPLES = 60
 CALL_TIMEOUT_S = 60.0
 MAX_MESSAGES = 4
 """Stream messages (gRPC) or events (SSE) read before the call is cancelled."""
@@ -211,6 +211,8 @@ def test_grpc_chat_answers_ok_or_names_the_field(channel, request):
 
 @SETTINGS
 @given(method_and_bytes=raw_request_bytes())
+@example(method_and_bytes=("Chat", b"\x1e\xed\x06"))                    # corrupt wire format
+@example(method_and_bytes=("Generate", _field_bytes(2, "\ud800".encode("utf-8", "surrogatepass"))))
 def test_grpc_raw_bytes_answer_ok_or_invalid_argument_naming_the_message(channel, method_and_bytes):
     method, data = method_and_bytes
     # Identity serializers: the bytes go on the wire as they are.
@@ -303,8 +305,14 @@ message = st.fixed_dictionaries(
 messages = field(st.lists(message, max_size=3))
 
 
+# Inputs answered with a 500 (or accepted) on fd09d1a, always tried first.
 @SETTINGS
 @given(body=st.fixed_dictionaries({"prompt": prompts}, optional=COMPLETION_FIELDS), ascii_only=st.booleans())
+@example(body={"prompt": "\ud800"}, ascii_only=True)
+@example(body={"prompt": "a", "max_tokens": 2**32}, ascii_only=True)
+@example(body={"prompt": "a", "top_k": 5 * 10**9}, ascii_only=True)
+@example(body={"prompt": "a", "model": 5}, ascii_only=True)
+@example(body={"prompt": "a", "temperature": 1e-45}, ascii_only=True)
 def test_http_completions_answer_ok_or_a_4xx_naming_the_field(gateway, body, ascii_only):
     body = bounded(body)
     status, answer = http_post(gateway, "/v1/completions", encode(body, ascii_only))
@@ -313,6 +321,7 @@ def test_http_completions_answer_ok_or_a_4xx_naming_the_field(gateway, body, asc
 
 @SETTINGS
 @given(body=st.fixed_dictionaries({"messages": messages}, optional=CHAT_FIELDS), ascii_only=st.booleans())
+@example(body={"messages": [{"role": "user", "content": "\udfff"}]}, ascii_only=False)
 def test_http_chat_completions_answer_ok_or_a_4xx_naming_the_field(gateway, body, ascii_only):
     body = bounded(body)
     status, answer = http_post(gateway, "/v1/chat/completions", encode(body, ascii_only))
@@ -326,6 +335,9 @@ def test_http_chat_completions_answer_ok_or_a_4xx_naming_the_field(gateway, body
                                        b'{"prompt": "a", "prompt": 1}', b'{"max_tokens": 1' + b"0" * 5000 + b"}"])),
        content_type=st.sampled_from(["application/json", "text/plain", "application/x-www-form-urlencoded",
                                      "multipart/form-data; boundary=x", "application/json; charset=latin-1", None]))
+@example(path="/v1/completions", body=b'{"prompt": "a", "max_tokens": 1' + b"0" * 5000 + b"}",
+         content_type="application/json")                                # past int()'s 4300-digit limit
+@example(path="/v1/chat/completions", body=b'{"prompt": "a"}', content_type="text/plain")
 def test_http_raw_bodies_answer_a_4xx(gateway, path, body, content_type):
     try:
         parsed = json.loads(body)
