@@ -36,7 +36,7 @@ from engine.moe import SparseMoE
 from engine.quant import DequantWorkspace, FloatLinear, Linear, lm_head_quantization, make_linear
 from engine.rope import rope_cos_sin_cache
 
-__all__ = ["AttentionMetadata", "DecoderModel", "LlamaModel", "rope_cos_sin_cache"]
+__all__ = ["AttentionMetadata", "DecoderModel", "LlamaModel"]
 
 _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -172,7 +172,6 @@ class DecoderModel:
                 pre_ff_norm=norm(p + "pre_feedforward_layernorm.weight") if c.feedforward_norms else None,
                 post_ff_norm=norm(p + "post_feedforward_layernorm.weight") if c.feedforward_norms else None,
             ))
-        self.cos_sin_cache = self.layers[0].cos_sin_cache if self.layers else cos_sin(0)
         self.scale = (c.query_pre_attn_scalar if c.query_pre_attn_scalar is not None else c.head_dim) ** -0.5
 
     @torch.inference_mode()
