@@ -62,8 +62,9 @@ def load_hf_directory(path: str | Path, dtype: torch.dtype = torch.float32, prog
 def config_from_hf(config: Mapping[str, Any], eos_token_ids: tuple[int, ...] | list[int] = ()) -> ModelConfig:
     """Build a ModelConfig from a parsed config.json; `eos_token_ids` replaces its eos_token_id when given.
 
-    A sliding attention window shorter than max_position_embeddings (Mistral 7B v0.1) caps
-    max_position_embeddings at the window, since within it full attention is exactly the windowed one.
+    For Llama/Mistral/Qwen2/Qwen3 a sliding attention window shorter than max_position_embeddings (Mistral 7B
+    v0.1) caps max_position_embeddings at the window, since within it full attention is exactly the windowed
+    one; Gemma 2/3, Phi-3 and Mixtral attend through the window on their sliding layers (layer_types).
     Raises ValueError naming the key at fault.
     """
     architectures = config.get("architectures") or []
