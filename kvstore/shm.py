@@ -27,8 +27,8 @@ takes the tracker too) leaves it behind: `remove_orphaned_segments`, run when a 
 the ones whose creator is gone. The receiver maps the file descriptor it checked (a private copy-on-write
 mapping: it never writes the sender's pages) and never registers it with a resource tracker.
 
-The sender picks the shm transport only when the target's ``host_id()`` equals its own (``choose_transport``);
-the choice is explicit and reported, a receiver that cannot open the segment rejects the transfer.
+The prefill worker picks the shm transport only when the target's ``host_id()`` equals its own; the choice is
+explicit and reported, and a receiver that cannot open the segment rejects the transfer.
 """
 from __future__ import annotations
 
@@ -273,14 +273,6 @@ def attach_segment(name: str) -> AttachedSegment:
     return AttachedSegment(name)
 
 
-def segment_exists(name: str) -> bool:
-    try:
-        attach_segment(name).close()
-    except FileNotFoundError:
-        return False
-    return True
-
-
 @functools.lru_cache(maxsize=1)
 def host_id() -> str:
     """Identity of the shared-memory domain this process lives in: equal for two processes exactly when one
@@ -294,8 +286,3 @@ def host_id() -> str:
         except OSError:
             pass
     return f"{platform.system().lower()}:{socket.gethostname()}:{uuid.getnode():x}"
-
-
-def choose_transport(target_host_id: str, *, allow_shm: bool = True) -> str:
-    """"shm" when the target shares this host's shared memory (and shm is allowed), else "grpc"."""
-    return "shm" if allow_shm and target_host_id and target_host_id == host_id() else "grpc"

@@ -5,7 +5,8 @@ Receiving (``KvTransferServicer``, thin; the flow is ``receive_transfer``):
     manifest ─▶ receiver.check(manifest) ─▶ ReceiveTarget(layout, reserved block ids, kv_cache)   (or refuses)
              ─▶ validate_manifest (codec, transport, layout field by field, bounds, reservation ids, digests, size)
     grpc:    data chunks ─▶ receive staging buffer, each block's digest checked once its last byte is in
-    shm:     attach the named segment, check every digest on the mapped bytes
+    shm:     take the named segment (kvstore.shm.take_segment: one this host's sender made for this
+             reservation, else rejected naming shm_name), check every digest on the mapped bytes
              ─▶ decode + scatter into kv_cache (only after every digest passed) ─▶ receiver.commit
     any failure after check ─▶ receiver.reject(request_id, handle, reason); the RPC fails with the rejection's code
                    (FAILED_PRECONDITION: layout/fingerprint, digest, size, shm segment; INVALID_ARGUMENT: bounds,
@@ -34,13 +35,14 @@ from typing import Protocol, TypeVar
 import grpc
 import torch
 
-from kvstore.shm import OutgoingSegment, attach_segment
+from kvstore.shm import OutgoingSegment, SegmentRefused, take_segment
 from kvstore.transfer import DecodedBlocks, PayloadAssembler, decode_payload, encode_stream, iter_chunks, verify_digests
 from kvstore.transfer_manifest import (CODECS, DEFAULT_CHUNK_BYTES, INVALID_ARGUMENT, TRANSPORTS, KvLayoutSpec,
                                        TransferManifest, TransferRejected, check_chunk_bytes, num_chunks,
                                        validate_manifest)
 from protos.convert import manifest_from_pb, manifest_to_pb
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from protos.tls import TlsFiles, channel_credentials, channel_options, peer_identity
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +65,12 @@ class ReceiveTarget:
 
 @dataclass(frozen=True)
 class ReceivedBlocks:
-    """What a committed transfer wrote."""
+    """What a committed transfer wrote, and who sent it."""
     block_ids: tuple[int, ...]
     num_bytes: int
     codec: str
     transport: str
+    sender_role: str | None = None  # the pusher's role as its mutual-TLS certificate proves it; None: plaintext
 
 
 class KvReceiver(Protocol):
@@ -100,8 +103,10 @@ def _scatter_verified(buffer: torch.Tensor, manifest: TransferManifest, target: 
 
 
 def _receive_shm(manifest: TransferManifest, target: ReceiveTarget, block_bytes: int) -> None:
-    try:
-        segment = attach_segment(manifest.shm_name)
+    try:  # only a segment this host's sender made for this reservation (kvstore.shm), unlinked once taken
+        segment = take_segment(manifest.shm_name, request_id=manifest.request_id, handle=manifest.handle)
+    except SegmentRefused as exc:
+        raise TransferRejected(str(exc), "shm_name") from None
     except FileNotFoundError:
         raise TransferRejected(f"no shared-memory segment {manifest.shm_name!r} on this host (sender on another "
                                "host, or already unlinked)", "shm_name") from None
@@ -118,10 +123,12 @@ def _receive_shm(manifest: TransferManifest, target: ReceiveTarget, block_bytes:
             del buffer  # release the mapping's export before the segment closes
 
 
-def receive_transfer(manifest: TransferManifest, data_chunks: Iterator[bytes], receiver: KvReceiver) -> ReceivedBlocks:
+def receive_transfer(manifest: TransferManifest, data_chunks: Iterator[bytes], receiver: KvReceiver,
+                     sender_role: str | None = None) -> ReceivedBlocks:
     """One whole transfer after its manifest: check, receive, verify, scatter, commit; reject on any failure
     after check handed out the reservation (a refused check is the receiver's own decision: nothing to release,
-    and a busy reservation must stay with the transfer that holds it)."""
+    and a busy reservation must stay with the transfer that holds it). `sender_role`: the pusher's
+    authenticated role (None over plaintext), handed to commit with the blocks."""
     target = receiver.check(manifest)
     try:
         validate_manifest(manifest, target.layout, target.block_ids, target.kv_cache.shape[2])
@@ -137,7 +144,7 @@ def receive_transfer(manifest: TransferManifest, data_chunks: Iterator[bytes], r
                 raise TransferRejected("data chunks on an shm transfer", "data", INVALID_ARGUMENT)
             _receive_shm(manifest, target, block_bytes)
         received = ReceivedBlocks(tuple(manifest.block_ids), manifest.payload_bytes, manifest.codec,
-                                  manifest.transport)
+                                  manifest.transport, sender_role)
         receiver.commit(manifest.request_id, manifest.handle, received)
         return received
     except Exception as exc:
@@ -171,7 +178,9 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
     def Push(self, request_iterator, context):
         try:
             manifest = _read_manifest(request_iterator)
-            received = receive_transfer(manifest, _data_of(request_iterator), self._receiver)
+            sender = peer_identity(context.auth_context())
+            received = receive_transfer(manifest, _data_of(request_iterator), self._receiver,
+                                        sender.role if sender is not None else None)
         except TransferRejected as exc:
             context.abort(grpc.StatusCode[exc.code], str(exc))
         except Exception as exc:
@@ -246,19 +255,26 @@ def _prefetch(items: Iterator[T], depth: int = 1) -> Iterator[T]:
 
 class KvSender:
     """Pushes blocks of a local cache to decode workers' KvTransfer services. One cached channel per endpoint;
-    thread-safe."""
+    thread-safe. With `tls` (the prefill worker's cluster files, read once) every channel is mutual TLS and
+    accepts only a server certificate of role decode."""
 
-    def __init__(self, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, group_bytes: int = DEFAULT_GROUP_BYTES) -> None:
+    def __init__(self, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, group_bytes: int = DEFAULT_GROUP_BYTES,
+                 tls: TlsFiles | None = None) -> None:
         check_chunk_bytes(chunk_bytes)
         self.chunk_bytes = chunk_bytes
         self.group_bytes = group_bytes
+        self._credentials = channel_credentials(tls) if tls is not None else None
         self._stubs: dict[str, tuple[grpc.Channel, kv_transfer_pb2_grpc.KvTransferStub]] = {}
         self._lock = threading.Lock()
 
     def _stub(self, endpoint: str) -> kv_transfer_pb2_grpc.KvTransferStub:
         with self._lock:
             if endpoint not in self._stubs:
-                channel = grpc.insecure_channel(endpoint, options=GRPC_OPTIONS)
+                if self._credentials is None:
+                    channel = grpc.insecure_channel(endpoint, options=GRPC_OPTIONS)
+                else:  # the server must hold a decode certificate of our CA: nothing else gets a connection
+                    channel = grpc.secure_channel(endpoint, self._credentials,
+                                                  options=[*GRPC_OPTIONS, *channel_options("decode")])
                 self._stubs[endpoint] = (channel, kv_transfer_pb2_grpc.KvTransferStub(channel))
             return self._stubs[endpoint][1]
 
@@ -298,7 +314,8 @@ class KvSender:
             errors: list[BaseException] = []
             result = self._call(stub, self._grpc_messages(manifest(), stream, corrupt, errors), deadline, errors)
         else:
-            with OutgoingSegment(stream.payload_bytes) as segment:  # unlinked on every path out
+            with OutgoingSegment(stream.payload_bytes, request_id=request_id,
+                                 handle=handle) as segment:  # unlinked on every path out
                 offset = 0
                 for group in stream.groups:
                     segment.write(offset, group)
