@@ -12,7 +12,12 @@ class InvalidRequestError(ValueError):
 
 
 class OverloadedError(RuntimeError):
-    """The waiting queue is full (maps to gRPC RESOURCE_EXHAUSTED / HTTP 429)."""
+    """No room now: the waiting queue or the KV pool is full, or a caller holds its share of reservations
+    (maps to gRPC RESOURCE_EXHAUSTED / HTTP 429). `retry_after_ms`, when known, is when to try again."""
+
+    def __init__(self, message: str, retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
 
 
 class PreconditionError(Exception):
@@ -27,3 +32,12 @@ class RequestFailedError(RuntimeError):
 
 class RequestAborted(Exception):
     """The request was aborted by its caller before this call could complete (maps to gRPC CANCELLED)."""
+
+
+class PermissionDeniedError(Exception):
+    """The caller may not ask for this, whoever it is authenticated as (maps to gRPC PERMISSION_DENIED).
+    `field` names the request field that was refused."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field

@@ -3,17 +3,22 @@ graceful stop), the one mapping of engine errors to status codes, the worker's r
 index fed from its engine loop, and waiting for SIGTERM.
 
 Status mapping (`status_on_error`): InvalidRequestError -> INVALID_ARGUMENT, OverloadedError ->
-RESOURCE_EXHAUSTED, PreconditionError -> FAILED_PRECONDITION, LoopStopped -> UNAVAILABLE, RequestAborted ->
-CANCELLED, RequestFailedError (one request failed inside the engine) -> INTERNAL, anything else -> INTERNAL
-naming the exception type.
+RESOURCE_EXHAUSTED (with a trailing "retry-after-ms" when it carries a hint), PreconditionError ->
+FAILED_PRECONDITION, LoopStopped -> UNAVAILABLE, RequestAborted -> CANCELLED, RequestFailedError (one request
+failed inside the engine) -> INTERNAL, PermissionDeniedError -> PERMISSION_DENIED, anything else -> INTERNAL naming the exception type.
+
+Internal security: a WorkerServer given the worker's TlsFiles serves mutual TLS and enforces the cluster role
+table (protos.tls); `caller_of` names the caller per-caller limits count against.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -23,18 +28,21 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.engine_loop import EngineLoop, LoopStopped
-from engine.errors import (InvalidRequestError, OverloadedError, PreconditionError, RequestAborted,
-                           RequestFailedError)
+from engine.errors import (InvalidRequestError, OverloadedError, PermissionDeniedError, PreconditionError,
+                           RequestAborted, RequestFailedError)
 from engine.llm_engine import LLMEngine
 from kvstore.index import PrefixIndex, WorkerInfo
 from kvstore.index_publisher import IndexPublisher
 from kvstore.shm import host_id
 from kvstore.transfer_service import GRPC_OPTIONS
+from protos.tls import RoleInterceptor, TlsFiles, cluster_role_table, peer_identity, reloading_server_credentials
+from protos.worker_metrics import MetricsServer
 
 
 _STATUS = [(InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT), (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
            (PreconditionError, grpc.StatusCode.FAILED_PRECONDITION), (LoopStopped, grpc.StatusCode.UNAVAILABLE),
-           (RequestAborted, grpc.StatusCode.CANCELLED), (RequestFailedError, grpc.StatusCode.INTERNAL)]
+           (RequestAborted, grpc.StatusCode.CANCELLED), (RequestFailedError, grpc.StatusCode.INTERNAL),
+           (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED)]
 
 
 @contextlib.contextmanager
@@ -43,10 +51,24 @@ def status_on_error(context: grpc.ServicerContext) -> Iterator[None]:
     try:
         yield
     except Exception as exc:
+        if isinstance(exc, OverloadedError) and exc.retry_after_ms is not None:
+            context.set_trailing_metadata((("retry-after-ms", str(exc.retry_after_ms)),))
         for exc_type, code in _STATUS:
             if isinstance(exc, exc_type):
                 context.abort(code, str(exc))
         context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+def caller_of(context: grpc.ServicerContext) -> str:
+    """Who is calling, for per-caller limits: the peer certificate's identity name over mutual TLS, else the
+    peer's address without its port (every connection from one host counts as one caller)."""
+    identity = peer_identity(context.auth_context())
+    if identity is not None:
+        return identity.name
+    kind, _, address = context.peer().partition(":")  # "ipv4:127.0.0.1:5678", "ipv6:[::1]:5678", "unix:/path"
+    if kind in ("ipv4", "ipv6"):
+        address = address.rpartition(":")[0]
+    return f"{kind}:{address}"
 
 
 def _single_threaded_torch() -> None:
@@ -57,29 +79,145 @@ def _single_threaded_torch() -> None:
     torch.set_num_threads(1)
 
 
-class WorkerServer:
-    """A grpc.server with the health and reflection services, bound to host:port (0 picks a free port)."""
+def _refuse_draining(request, context) -> None:
+    context.abort(grpc.StatusCode.UNAVAILABLE, "this worker is draining; use another one")
 
-    def __init__(self, host: str, port: int, max_workers: int = 64) -> None:
-        # No SO_REUSEPORT: a port already in use must fail the start, not be shared with another server.
-        executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc",
-                                              initializer=_single_threaded_torch)
-        self.server = grpc.server(executor, options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)])
-        self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self._service_names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+
+class RpcGate(grpc.ServerInterceptor):
+    """Every RPC of a worker's main server passes here. Once `close()`d (the worker drains), the methods
+    registered as refused (Reserve, Prefill) answer UNAVAILABLE at once, so the gateway picks another worker;
+    everything else (Decode and Push of work already taken, Abort, Stats) goes on. Observers get each RPC's
+    end: `observer(method, code, response or None)` (full method name; streaming responses are not passed)."""
+
+    def __init__(self) -> None:
+        self.refused: set[str] = set()
+        self.observers: list[Callable[[str, grpc.StatusCode, object], None]] = []
+        self._closed = threading.Event()
+
+    def close(self) -> None:
+        self._closed.set()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method
+        if handler is None or method.startswith("/grpc."):     # health and reflection
+            return handler
+        if self._closed.is_set() and method in self.refused:
+            kind = "unary_unary" if handler.unary_unary is not None else "stream_unary"
+            handler = handler._replace(**{kind: _refuse_draining})
+        return self._observed(handler, method)
+
+    def _report(self, method: str, code: grpc.StatusCode, response) -> None:
+        for observer in self.observers:
+            observer(method, code, response)
+
+    def _observed(self, handler, method: str):
+        if not self.observers:
+            return handler
+        for kind in ("unary_unary", "stream_unary"):
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                def unary(request, context, behavior=behavior):
+                    try:
+                        response = behavior(request, context)
+                    except BaseException:
+                        self._report(method, context.code() or grpc.StatusCode.UNKNOWN, None)
+                        raise
+                    self._report(method, context.code() or grpc.StatusCode.OK, response)
+                    return response
+                return handler._replace(**{kind: unary})
+        for kind in ("unary_stream", "stream_stream"):
+            behavior = getattr(handler, kind)
+            if behavior is not None:
+                def streaming(request, context, behavior=behavior):
+                    code = grpc.StatusCode.OK
+                    try:
+                        yield from behavior(request, context)
+                    except GeneratorExit:            # the client went away (cancel, deadline)
+                        code = grpc.StatusCode.CANCELLED
+                        raise
+                    except BaseException:
+                        code = context.code() or grpc.StatusCode.UNKNOWN
+                        raise
+                    finally:
+                        self._report(method, context.code() or code, None)
+                return handler._replace(**{kind: streaming})
+        return handler
+
+
+class HealthOnlyServer:
+    """Plaintext grpc.health.v1 and nothing else on host:port (0 picks a free port), answering from the main
+    server's HealthServicer, so both report the same status (overall and per service). For the kubelet's
+    native gRPC probes and compose healthchecks while the main port requires mutual TLS."""
+
+    def __init__(self, servicer: health.HealthServicer, host: str, port: int, max_workers: int = 8) -> None:
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="health"),
+                                  options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, self.server)
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"cannot bind {host}:{port}")
 
-    def add(self, add_fn: Callable, servicer, service_name: str) -> None:
-        """Register `servicer` with its generated `add_*_to_server` function under its full service name."""
+    def start(self) -> None:
+        self.server.start()
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self.server.stop(grace_s).wait()
+
+
+class WorkerServer:
+    """A grpc.server with the health and reflection services, bound to host:port (0 picks a free port).
+
+    With `tls` (the worker's cluster certificate, key and CA) the port is mutual TLS
+    (protos.tls.reloading_server_credentials: rotated files are picked up at the next handshake) and every RPC
+    passes protos.tls.RoleInterceptor with the cluster role table (DESIGN section 10). Without, it is
+    plaintext: any caller that reaches the port may call anything.
+
+    `health_port` (None: none) adds a HealthOnlyServer on the same host. Every RPC passes `gate` (RpcGate):
+    `start_draining` closes it and turns health NOT_SERVING."""
+
+    def __init__(self, host: str, port: int, max_workers: int = 64, tls: TlsFiles | None = None,
+                 health_port: int | None = None) -> None:
+        # No SO_REUSEPORT: a port already in use must fail the start, not be shared with another server.
+        executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc",
+                                              initializer=_single_threaded_torch)
+        interceptors = [RoleInterceptor(cluster_role_table())] if tls is not None else []
+        self.gate = RpcGate()
+        interceptors.append(self.gate)
+        self.server = grpc.server(executor, options=[*GRPC_OPTIONS, ("grpc.so_reuseport", 0)],
+                                  interceptors=interceptors)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._service_names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+        self.tls = tls
+        if tls is not None:
+            self.port = self.server.add_secure_port(f"{host}:{port}", reloading_server_credentials(tls))
+        else:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {host}:{port}")
+        self.health_server = HealthOnlyServer(self.health, host, health_port) if health_port is not None else None
+
+    @property
+    def health_port(self) -> int | None:
+        return self.health_server.port if self.health_server is not None else None
+
+    def add(self, add_fn: Callable, servicer, service_name: str, refused_when_draining: Iterable[str] = ()) -> None:
+        """Register `servicer` with its generated `add_*_to_server` function under its full service name;
+        `refused_when_draining`: its methods that take new work (answered UNAVAILABLE once draining)."""
         add_fn(servicer, self.server)
         self._service_names.append(service_name)
+        self.gate.refused.update(f"/{service_name}/{method}" for method in refused_when_draining)
 
     def start(self) -> None:
         reflection.enable_server_reflection(self._service_names, self.server)
         self.server.start()
+        if self.health_server is not None:
+            self.health_server.start()
         self.set_serving(True)
 
     def set_serving(self, serving: bool) -> None:
@@ -87,10 +225,30 @@ class WorkerServer:
         for name in ["", *self._service_names]:
             self.health.set(name, status)
 
+    def start_draining(self) -> None:
+        """NOT_SERVING (probes and balancers stop sending) and new work refused; running work goes on."""
+        self.set_serving(False)
+        self.gate.close()
+
     def stop(self, grace_s: float) -> None:
-        """NOT_SERVING first (balancers stop sending), then let in-flight RPCs finish for up to grace_s."""
+        """NOT_SERVING first (balancers stop sending), then let in-flight RPCs finish for up to grace_s; the
+        health-only port goes last."""
         self.set_serving(False)
         self.server.stop(grace_s).wait()
+        if self.health_server is not None:
+            self.health_server.stop()
+
+
+def log_internal_security(log: logging.Logger, what: str, tls: TlsFiles | None, insecure_internal: bool) -> None:
+    """Say at start how the cluster-internal port is protected; plaintext is loud."""
+    if tls is not None:
+        log.info("%s: mutual TLS inside the cluster (CA %s, certificate %s)", what, tls.ca_path, tls.cert_path)
+    elif insecure_internal:
+        log.warning("%s: INSECURE INTERNAL (--insecure-internal): plaintext gRPC without authentication; anyone "
+                    "who reaches this port may call every internal RPC, and KV anyone pushes is cached", what)
+    else:
+        log.warning("%s: no cluster certificate configured: plaintext gRPC without authentication (the same as "
+                    "--insecure-internal)", what)
 
 
 def wait_for_termination(on_stop: Callable[[], None]) -> None:
@@ -148,13 +306,42 @@ class WorkerHandle:
     loop: EngineLoop
     worker: object
     registration: Registration
+    metrics_server: MetricsServer | None = None
 
     @property
     def port(self) -> int:
         return self.server.port
 
+    @property
+    def metrics_port(self) -> int | None:
+        return self.metrics_server.port if self.metrics_server is not None else None
+
     def stop(self, grace_s: float = 5.0) -> None:
-        """Leave the index, finish in-flight RPCs for up to grace_s, then stop the engine loop."""
+        """Drain, then stop (SIGTERM, scale-down): NOT_SERVING and new work (Reserve, Prefill) refused with
+        UNAVAILABLE at once, then leave the index; requests already taken get up to grace_s to finish (Decode
+        and Push of reservations made before still come in); then the engine loop stops, which ends what is
+        left with UNAVAILABLE (LoopStopped: retryable, the gateway says so to its client), and the servers go."""
+        self.server.start_draining()
         self.registration.stop()
-        self.server.stop(grace_s)
+        self._wait_idle(grace_s)
         self.loop.stop()
+        self.server.stop(STREAM_END_GRACE_S)
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+
+    def _wait_idle(self, timeout_s: float) -> None:
+        """Until the engine holds no request (running, waiting, reserved or held), for up to timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                s = self.loop.call(LLMEngine.stats, timeout=max(deadline - time.monotonic(), 0.01))
+            except Exception:     # the loop is gone or too busy to answer in time: nothing to wait for
+                return
+            if not (s.running or s.waiting or s.reserved or s.held) or time.monotonic() >= deadline:
+                return
+            time.sleep(DRAIN_POLL_S)
+
+
+STREAM_END_GRACE_S = 2.0
+"""After the drain: how long RPCs ended by the stopping loop get to send their status."""
+DRAIN_POLL_S = 0.1
