@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+from protos.tls import TlsFiles
 
 TRANSPORTS = ("auto", "grpc", "shm")
 CODECS = ("raw", "int8")
@@ -29,15 +32,49 @@ class PrefillWorkerConfig:
     """Payload bytes per gRPC message on the grpc transport (1-4 MiB)."""
     worker_ttl_s: float = 10.0
     """Registration TTL in the index; heartbeats refresh it every third of it."""
+    health_port: int | None = None
+    """Plaintext port serving only grpc.health.v1, with the main port's status (for the kubelet's gRPC probes
+    when the main port is mutual TLS); None: none. Bound on `host`; 0 picks a free one."""
+    metrics_port: int | None = None
+    """HTTP port of Prometheus GET /metrics (protos.worker_metrics); None: none. Bound on `host`."""
+    drain_timeout_s: float = 15.0
+    """On SIGTERM: how long requests already taken may take to finish once the worker left the index and
+    refuses new ones; what is left then ends with UNAVAILABLE (below `pdserve up`'s 20 s stop timeout)."""
     fault_corrupt_transfers: int = 0
     """Fault injection for tests: flip a byte in the first data chunk of this many transfers, after their
     digests were computed, so the receiver must reject them. 0 in production."""
 
+    cluster_ca: str | None = None
+    """CA bundle of the cluster (PEM path). With cluster_cert and cluster_key: the port is mutual TLS (only
+    gateways call Prefill/Abort) and KV goes only to servers holding a decode certificate of this CA."""
+    cluster_cert: str | None = None
+    """This worker's certificate (PEM path), issued by the cluster CA for role prefill."""
+    cluster_key: str | None = None
+    """This worker's private key (PEM path)."""
+    insecure_internal: bool = False
+    """Serve and push plaintext, on purpose (anyone who reaches the port may call anything). Without TLS files
+    the port is plaintext too (logged as a warning); the CLI requires one or the other explicitly."""
+    decode_endpoints: tuple[str, ...] = ()
+    """Decode workers (host:port) an unregistered worker (no redis_url) may push KV to; a registered one
+    pushes only to live decode workers of its index."""
+
     def __post_init__(self) -> None:
         if not self.worker_id:
             raise ValueError("PrefillWorkerConfig.worker_id must not be empty")
+        tls = (self.cluster_ca, self.cluster_cert, self.cluster_key)
+        if any(tls) and not all(tls):
+            raise ValueError("PrefillWorkerConfig.cluster_ca, cluster_cert and cluster_key go together: give all "
+                             "three or none")
+        if self.insecure_internal and any(tls):
+            raise ValueError("PrefillWorkerConfig.insecure_internal excludes cluster_ca/cluster_cert/cluster_key")
         if not 0 <= self.port < 65536:
             raise ValueError(f"PrefillWorkerConfig.port must be in [0, 65535], got {self.port}")
+        for name in ("health_port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 65536:
+                raise ValueError(f"PrefillWorkerConfig.{name} must be None or in [0, 65535], got {value}")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"PrefillWorkerConfig.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"PrefillWorkerConfig.transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.codec not in CODECS:
@@ -48,3 +85,10 @@ class PrefillWorkerConfig:
             raise ValueError("PrefillWorkerConfig.fault_corrupt_transfers must be >= 0")
         if self.worker_ttl_s <= 0:
             raise ValueError("PrefillWorkerConfig.worker_ttl_s must be positive")
+
+    @property
+    def tls_files(self) -> TlsFiles | None:
+        """The cluster TLS material, or None for plaintext."""
+        if not self.cluster_cert:
+            return None
+        return TlsFiles(Path(self.cluster_cert), Path(self.cluster_key), Path(self.cluster_ca))

@@ -2,6 +2,8 @@
 
 One request (DESIGN section 3, step 5):
 
+    target.endpoint checked first (prefill_worker.destinations: a live decode worker of this cluster, or
+    PERMISSION_DENIED before anything is computed)
     add_request(max_tokens=1, hold_blocks) ─▶ engine batch (chunked, prefix cache) ─▶ first token sampled
     ─▶ lease HELD ─pin─▶ PUSHING: push blocks [num_cached_blocks:] of the prompt to the decode worker's
        reservation (shm or grpc) ─unpin─▶ HELD
@@ -30,6 +32,7 @@ from kvstore.shm import host_id
 from kvstore.transfer_manifest import KvLayoutSpec
 from kvstore.transfer_service import FaultInjection, KvSender, TransferFailed
 from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.destinations import DecodeDestinations
 from protos.convert import TransferTargetData, WorkerRequestData
 
 
@@ -46,21 +49,24 @@ class PrefillResult:
 
 
 class PrefillWorker:
-    def __init__(self, loop: EngineLoop, config: PrefillWorkerConfig) -> None:
+    def __init__(self, loop: EngineLoop, config: PrefillWorkerConfig, destinations: DecodeDestinations) -> None:
         self.loop = loop
         self.config = config
+        self.destinations = destinations
         engine = loop.engine
         self.layout = KvLayoutSpec.from_cache(engine.runner.kv_cache, engine.fingerprint)
-        self.sender = KvSender(chunk_bytes=config.chunk_bytes)
+        self.sender = KvSender(chunk_bytes=config.chunk_bytes, tls=config.tls_files)
         self.host_id = host_id()
         self._lock = threading.Lock()
         self._faults_left = config.fault_corrupt_transfers
         self.num_transfer_failures = 0
 
     def prefill(self, req: WorkerRequestData, target: TransferTargetData, timeout_s: float) -> PrefillResult:
-        """Raises RequestAborted, PreconditionError (the decode worker refused the KV; nothing was committed
+        """Raises DestinationRefused (the target is not a decode worker of this cluster: nothing is computed or
+        sent), RequestAborted, PreconditionError (the decode worker refused the KV; nothing was committed
         there), InvalidRequestError, or RequestFailedError (this request failed in the engine)."""
         start = time.perf_counter()
+        self.destinations.check(target.endpoint)
         params = dataclasses.replace(req.params, max_tokens=1)
         rid = req.request_id
         stream = self.loop.open_stream(rid, lambda e: e.add_request(rid, req.prompt_token_ids, params,

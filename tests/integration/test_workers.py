@@ -33,8 +33,8 @@ PROMPT = list(range(3, 40))
 
 def start_pair(transport="auto", faults=0):
     d = start_decode(DecodeWorkerConfig("d0", None, max_lease_ms=60_000), ENGINE, engine=tiny_engine())
-    p = start_prefill(PrefillWorkerConfig("p0", None, transport=transport, fault_corrupt_transfers=faults), ENGINE,
-                      engine=tiny_engine())
+    p = start_prefill(PrefillWorkerConfig("p0", None, transport=transport, fault_corrupt_transfers=faults,
+                                          decode_endpoints=(f"127.0.0.1:{d.port}",)), ENGINE, engine=tiny_engine())
     return p, d
 
 
@@ -317,14 +317,17 @@ class StallingReceiver:
 def test_abort_during_the_push_keeps_the_blocks_until_the_push_ends_then_releases_them():
     """Prefill's push is held mid-flight by the receiver; an Abort then finds the request but its blocks stay
     pinned (the push still reads them); when the push ends the Prefill is CANCELLED and every block is free."""
-    p = start_prefill(PrefillWorkerConfig("p0", None, transport="grpc"), ENGINE, engine=tiny_engine())
-    layout = p.worker.layout
-    receiver = StallingReceiver(layout, torch.zeros(layout.num_layers, 2, 16, layout.block_size,
-                                                    layout.num_kv_heads, layout.head_dim))
+    receiver = StallingReceiver(None, None)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
     kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(KvTransferServicer(receiver), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
+    p = start_prefill(PrefillWorkerConfig("p0", None, transport="grpc", decode_endpoints=(f"127.0.0.1:{port}",)),
+                      ENGINE, engine=tiny_engine())
+    layout = p.worker.layout
+    receiver.layout = layout
+    receiver.kv_cache = torch.zeros(layout.num_layers, 2, 16, layout.block_size, layout.num_kv_heads,
+                                    layout.head_dim)
     try:
         pstub = worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(f"127.0.0.1:{p.port}"))
         target = worker_pb2.TransferTarget(endpoint=f"127.0.0.1:{port}", handle="h", num_cached_blocks=0,
