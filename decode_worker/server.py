@@ -1,8 +1,10 @@
 """Decode worker process: engine loop + DecodeWorker and KvTransfer services on one gRPC port + registration.
 
-`serve(config, engine_config)` runs until SIGTERM/SIGINT: it then reports NOT_SERVING, leaves the prefix
-index, lets in-flight streams finish (grace period) and stops. `start_server` returns a running handle
-for tests and embedding.
+`serve(config, engine_config)` runs until SIGTERM/SIGINT, then drains (WorkerHandle.stop): NOT_SERVING,
+Reserve refused with UNAVAILABLE and the prefix index left at once, running streams get drain_timeout_s to
+finish, what is left ends with UNAVAILABLE (the gateway retries elsewhere or tells its client so). Optional
+ports: health only (--health-port), Prometheus metrics (--metrics-port, protos.worker_metrics).
+`start_server` returns a running handle for tests and embedding.
 """
 
 from __future__ import annotations
@@ -17,36 +19,43 @@ from engine.engine_loop import EngineLoop, build_engine
 from engine.llm_engine import LLMEngine
 from kvstore.transfer_service import KvTransferServicer
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
-from protos.service_runtime import Registration, WorkerHandle, WorkerServer, wait_for_termination
+from protos.service_runtime import (Registration, WorkerHandle, WorkerServer, log_internal_security,
+                                    wait_for_termination)
+from protos.worker_metrics import WorkerMetrics, model_name, serve_metrics
 
 log = logging.getLogger(__name__)
-
-STOP_GRACE_S = 15.0
-"""On SIGTERM, how long in-flight requests may take to finish (below `pdserve up`'s 20 s stop timeout)."""
 
 
 def start_server(config: DecodeWorkerConfig, engine_config: EngineConfig,
                  engine: LLMEngine | None = None) -> WorkerHandle:
     engine = engine or build_engine(engine_config, progress=False)
     loop = EngineLoop(engine)
-    worker = DecodeWorker(loop, config.max_lease_ms)
-    server = WorkerServer(config.host, config.port)
+    log_internal_security(log, "decode worker", config.tls_files, config.insecure_internal)
+    worker = DecodeWorker(loop, config.max_lease_ms, trust_plaintext_kv=config.tls_files is None,
+                          verify_kv=config.verify_kv,
+                          max_reserved_fraction_per_caller=config.max_reserved_fraction_per_caller)
+    server = WorkerServer(config.host, config.port, tls=config.tls_files, health_port=config.health_port)
+    metrics = WorkerMetrics(engine, model_name(engine_config.model), "decode")
+    metrics.attach(loop)
+    server.gate.observers.append(metrics.on_rpc_end)
     endpoint = f"{config.advertise_host or config.host}:{server.port}"
     registration = Registration(config.redis_url, config.worker_id, "decode", endpoint, engine, config.worker_ttl_s)
     loop.add_housekeeping(registration.on_housekeeping)
     epoch = (lambda: registration.publisher.epoch or 0) if registration.publisher else (lambda: 0)
     server.add(worker_pb2_grpc.add_DecodeWorkerServicer_to_server,
                DecodeWorkerServicer(worker, config.worker_id, endpoint, epoch),
-               worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name)
-    server.add(kv_transfer_pb2_grpc.add_KvTransferServicer_to_server, KvTransferServicer(worker),
+               worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name, refused_when_draining=["Reserve"])
+    server.add(kv_transfer_pb2_grpc.add_KvTransferServicer_to_server,
+               KvTransferServicer(metrics.metered_receiver(worker)),
                kv_transfer_pb2.DESCRIPTOR.services_by_name["KvTransfer"].full_name)
     loop.start()
     server.start()
     registration.start()
+    metrics_server = serve_metrics(metrics.registry, config.host, config.metrics_port)
     log.info("decode worker %s serving on %s", config.worker_id, endpoint)
-    return WorkerHandle(server, loop, worker, registration)
+    return WorkerHandle(server, loop, worker, registration, metrics_server)
 
 
 def serve(config: DecodeWorkerConfig, engine_config: EngineConfig) -> None:
     handle = start_server(config, engine_config)
-    wait_for_termination(lambda: handle.stop(grace_s=STOP_GRACE_S))
+    wait_for_termination(lambda: handle.stop(grace_s=config.drain_timeout_s))

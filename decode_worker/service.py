@@ -9,7 +9,7 @@ from kvstore.shm import host_id
 from protos.convert import (TransferTargetData, WorkerStatsData, logprob_from_pb, request_from_pb, step_to_pb,
                             target_to_pb, worker_stats_to_pb)
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from protos.service_runtime import status_on_error
+from protos.service_runtime import caller_of, status_on_error
 
 
 class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -22,7 +22,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def Reserve(self, request, context):
         with status_on_error(context):
-            res = self.worker.reserve(request_from_pb(request.request), request.lease_ms)
+            res = self.worker.reserve(request_from_pb(request.request), request.lease_ms, caller_of(context))
         target = TransferTargetData(self.endpoint, res.handle, res.num_cached_blocks, res.missing_block_ids,
                                     self.host_id)
         return worker_pb2.ReserveResponse(target=target_to_pb(target), lease_expiry_unix_ms=res.lease_expiry_unix_ms)

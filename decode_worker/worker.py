@@ -11,6 +11,11 @@ The lease is the one owner of the blocks; a `Reservation` adds what the gateway 
 deadline). gRPC threads pin and unpin the lease themselves (it has its own lock); every release goes through
 the EngineLoop, so the engine and its pool stay single-threaded. An abort while the KV is arriving only marks
 the lease: the transfer's commit is then refused and its reject releases the blocks, after the last write.
+
+Limits and trust (DESIGN section 10): a lease is capped at max_lease_ms whatever the caller asks; one caller
+(the peer's certificate name, or its address over plaintext) holds at most its share of the pool in
+reservations whose KV has not been committed. Received KV enters the prefix cache only from a sender
+`trusts` accepts; with verify_kv it is first compared with a recomputation (engine.kv_verify).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from dataclasses import dataclass
 
 from engine.block_lease import BlockLease, IllegalTransition, LeaseState
 from engine.engine_loop import EngineLoop, RequestStream
-from engine.errors import PreconditionError
+from engine.errors import OverloadedError, PreconditionError
+from engine.kv_verify import KvMismatch, verify_received_kv
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.sequence import TokenLogprob
 from kvstore.transfer_manifest import KvLayoutSpec, TransferManifest, TransferRejected
@@ -31,6 +37,9 @@ from kvstore.transfer_service import ReceivedBlocks, ReceiveTarget
 from protos.convert import WorkerRequestData
 
 _EXPIRABLE = (LeaseState.RESERVED, LeaseState.COMMITTED)
+_UNCOMMITTED = (LeaseState.RESERVED, LeaseState.RECEIVING)
+RETRY_AFTER_MS = 1000
+"""Longest retry hint for a caller past its share (sooner when one of its leases ends sooner)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,7 @@ class Reservation:
     num_cached_blocks: int        # leading blocks this worker already had
     lease_deadline: float         # time.monotonic()
     lease_expiry_unix_ms: int
+    caller: str = ""              # who reserved it (protos.service_runtime.caller_of)
 
     @property
     def missing_block_ids(self) -> list[int]:
@@ -50,29 +60,60 @@ class Reservation:
 
 
 class DecodeWorker:
-    def __init__(self, loop: EngineLoop, max_lease_ms: int) -> None:
+    def __init__(self, loop: EngineLoop, max_lease_ms: int, *, trust_plaintext_kv: bool = True,
+                 verify_kv: str = "off", max_reserved_fraction_per_caller: float = 1.0) -> None:
         self.loop = loop
         engine = loop.engine
         self.layout = KvLayoutSpec.from_cache(engine.runner.kv_cache, engine.fingerprint)
         self.max_lease_ms = max_lease_ms
+        self.trust_plaintext_kv = trust_plaintext_kv
+        self.verify_kv = verify_kv
+        self.max_reserved_blocks_per_caller = max(1, int(max_reserved_fraction_per_caller *
+                                                         engine.kv.pool.num_blocks))
         self._reservations: dict[str, Reservation] = {}
+        self._reserving: dict[str, int] = {}  # caller -> blocks of its Reserve calls in flight
         self._lock = threading.Lock()
         self._handles = itertools.count()
         self.num_transfer_errors = 0
         loop.add_housekeeping(self._expire_leases)
 
     # --- Reserve ----------------------------------------------------------------------------------------------
-    def reserve(self, req: WorkerRequestData, lease_ms: int) -> Reservation:
-        """Raises OverloadedError (no room) or InvalidRequestError (bad request)."""
-        seq = self.loop.call(lambda e: e.reserve(req.request_id, req.prompt_token_ids, req.params,
-                                                 req.cache_salt, req.seed))
-        lease_ms = min(max(lease_ms, 1), self.max_lease_ms)
-        res = Reservation(seq.lease, f"{next(self._handles)}-{secrets.token_hex(8)}", tuple(seq.block_ids),
-                          seq.num_computed_tokens // self.loop.engine.config.block_size,
-                          time.monotonic() + lease_ms / 1000, int(time.time() * 1000) + lease_ms)
+    def reserve(self, req: WorkerRequestData, lease_ms: int, caller: str = "") -> Reservation:
+        """Raises OverloadedError (no room, or `caller` holds its share of uncommitted reservations: with a
+        retry hint) or InvalidRequestError (bad request). The lease is capped at max_lease_ms."""
+        needed = -(-len(req.prompt_token_ids) // self.loop.engine.config.block_size)
         with self._lock:
-            self._reservations[req.request_id] = res
+            self._admit(caller, needed)
+            self._reserving[caller] = self._reserving.get(caller, 0) + needed
+        try:
+            seq = self.loop.call(lambda e: e.reserve(req.request_id, req.prompt_token_ids, req.params,
+                                                     req.cache_salt, req.seed))
+            lease_ms = min(max(lease_ms, 1), self.max_lease_ms)
+            res = Reservation(seq.lease, f"{next(self._handles)}-{secrets.token_hex(8)}", tuple(seq.block_ids),
+                              seq.num_computed_tokens // self.loop.engine.config.block_size,
+                              time.monotonic() + lease_ms / 1000, int(time.time() * 1000) + lease_ms, caller)
+            with self._lock:
+                self._reservations[req.request_id] = res
+        finally:
+            with self._lock:
+                self._reserving[caller] -= needed
+                if not self._reserving[caller]:
+                    del self._reserving[caller]
         return res
+
+    def _admit(self, caller: str, needed: int) -> None:
+        """Under the lock: OverloadedError when `caller`'s uncommitted reservations (in flight included) plus
+        `needed` blocks pass its share. A caller holding nothing may always take one reservation (a prompt
+        longer than the share still fits once), so the share bounds what one caller keeps from the others."""
+        mine = [r for r in self._reservations.values() if r.caller == caller and r.lease.state in _UNCOMMITTED]
+        held = sum(len(r.block_ids) for r in mine) + self._reserving.get(caller, 0)
+        if held and held + needed > self.max_reserved_blocks_per_caller:
+            now = time.monotonic()
+            soonest_ms = min((int((r.lease_deadline - now) * 1000) for r in mine), default=RETRY_AFTER_MS)
+            retry_ms = max(1, min(RETRY_AFTER_MS, soonest_ms))
+            raise OverloadedError(f"caller {caller!r} holds {held} reserved blocks whose KV has not arrived; "
+                                  f"{needed} more would pass its share of {self.max_reserved_blocks_per_caller} "
+                                  f"blocks; retry after {retry_ms} ms", retry_after_ms=retry_ms)
 
     # --- KvReceiver -------------------------------------------------------------------------------------------
     def check(self, manifest: TransferManifest) -> ReceiveTarget:
@@ -89,11 +130,28 @@ class DecodeWorker:
         return ReceiveTarget(self.layout, tuple(res.missing_block_ids), self.loop.engine.runner.kv_cache)
 
     def commit(self, request_id: str, handle: str, blocks: ReceivedBlocks) -> None:
+        """Verify the received KV when verify_kv asks (TransferRejected on a mismatch: never decode on bad KV),
+        mark it uncacheable unless its sender is trusted, and let the request decode."""
         with self._lock:
             res = self._live(request_id, handle)
         assert res is not None and res.lease.state is LeaseState.RECEIVING, "commit without a checked transfer"
+        seq = res.lease.seq
+        if self.verify_kv != "off" and not res.lease.release_requested:
+            try:
+                self.loop.call(lambda e: verify_received_kv(
+                    e.runner.model, e.runner.kv_cache, seq.prompt_token_ids, res.num_cached_blocks,
+                    res.missing_block_ids, self.verify_kv, blocks.codec))
+            except KvMismatch as exc:
+                raise TransferRejected(str(exc), f"block_digests[{exc.block_index}]") from None
+        if not self.trusts(blocks.sender_role):
+            seq.cacheable = False  # the engine does not touch a RECEIVING sequence: safe from this thread
         if res.lease.unpin(LeaseState.COMMITTED):
             raise TransferRejected("the request was aborted during the transfer", "handle")
+
+    def trusts(self, sender_role: str | None) -> bool:
+        """Whether KV from this sender may enter the prefix cache: a prefill worker proven by its mutual-TLS
+        certificate, or anyone over plaintext when the operator chose to trust it (insecure internal)."""
+        return sender_role == "prefill" or (sender_role is None and self.trust_plaintext_kv)
 
     def reject(self, request_id: str, handle: str, reason: str) -> None:
         with self._lock:

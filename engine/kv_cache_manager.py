@@ -87,8 +87,9 @@ class KVCacheManager:
         return self.num_blocks_needed(num_computed + num_new_tokens) - num_have
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register every block of `seq` that is full and computed, so later requests can reuse it."""
-        if not self.enable_caching:
+        """Register every block of `seq` that is full and computed, so later requests can reuse it (never the
+        blocks of a sequence that is not `cacheable`)."""
+        if not self.enable_caching or not seq.cacheable:
             return
         self.update_block_hashes(seq)
         num_full_computed = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))

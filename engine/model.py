@@ -184,11 +184,8 @@ class DecoderModel:
         c = self.config
         eps = c.rms_norm_eps
         q_size = c.num_heads * c.head_dim
-        kv_size = c.num_kv_heads * c.head_dim
         num_tokens = input_ids.shape[0]
-        h = self.embed.embed(input_ids).to(self.dtype)              # [T, hidden]
-        if c.embedding_multiplier != 1.0:
-            h = h * torch.tensor(c.embedding_multiplier, dtype=self.dtype)  # rounded to dtype, as transformers
+        h = self._embed(input_ids)                                   # [T, hidden]
         residual = None
         for i, layer in enumerate(self.layers):
             if residual is None:
@@ -196,15 +193,7 @@ class DecoderModel:
                 x = kernels.rms_norm(h, layer.input_norm, eps)
             else:
                 x, residual = kernels.rms_norm(h, layer.input_norm, eps, residual=residual)
-            qkv = layer.qkv.forward(x)                               # [T, q_size + 2 * kv_size]
-            q = qkv[:, :q_size].view(num_tokens, c.num_heads, c.head_dim)
-            k = qkv[:, q_size:q_size + kv_size].view(num_tokens, c.num_kv_heads, c.head_dim)
-            v = qkv[:, q_size + kv_size:].view(num_tokens, c.num_kv_heads, c.head_dim)
-            if layer.q_norm is not None:
-                # [T * heads, head_dim] rows: one RMSNorm per head
-                q = kernels.rms_norm(q.reshape(-1, c.head_dim), layer.q_norm, eps).view(q.shape)
-                k = kernels.rms_norm(k.reshape(-1, c.head_dim), layer.k_norm, eps).view(k.shape)
-            kernels.rotary_embedding(positions, q, k, layer.cos_sin_cache)
+            q, k, v = self._qkv(layer, x, positions)
             k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]      # [blocks, block_size, kv_heads, head_dim]
             kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
@@ -220,6 +209,41 @@ class DecoderModel:
                 h = layer.mlp.forward(x)
         out, _ = kernels.rms_norm(h, self.final_norm, eps, residual=residual)
         return out
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed.embed(input_ids).to(self.dtype)              # [T, hidden]
+        if self.config.embedding_multiplier != 1.0:                 # rounded to dtype, as transformers
+            h = h * torch.tensor(self.config.embedding_multiplier, dtype=self.dtype)
+        return h
+
+    def _qkv(self, layer: _Layer, x: torch.Tensor, positions: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projections of the normed input x [T, hidden]: q [T, heads, D], k and v [T, kv_heads, D], with the
+        per-head norms and RoPE applied to q and k."""
+        c = self.config
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        num_tokens = x.shape[0]
+        qkv = layer.qkv.forward(x)                                   # [T, q_size + 2 * kv_size]
+        q = qkv[:, :q_size].view(num_tokens, c.num_heads, c.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].view(num_tokens, c.num_kv_heads, c.head_dim)
+        v = qkv[:, q_size + kv_size:].view(num_tokens, c.num_kv_heads, c.head_dim)
+        if layer.q_norm is not None:
+            # [T * heads, head_dim] rows: one RMSNorm per head
+            q = kernels.rms_norm(q.reshape(-1, c.head_dim), layer.q_norm, c.rms_norm_eps).view(q.shape)
+            k = kernels.rms_norm(k.reshape(-1, c.head_dim), layer.k_norm, c.rms_norm_eps).view(k.shape)
+        kernels.rotary_embedding(positions, q, k, layer.cos_sin_cache)
+        return q, k, v
+
+    @torch.inference_mode()
+    def first_layer_kv(self, input_ids: torch.Tensor, positions: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer 0's K (after RoPE) and V for tokens at `positions`: [T, kv_heads, D] each, as forward writes
+        them to the cache. They depend only on each token and its position (embed, norm, projections, RoPE),
+        so any subset of a prompt's tokens can be checked without its context."""
+        layer = self.layers[0]
+        x = kernels.rms_norm(self._embed(input_ids), layer.input_norm, self.config.rms_norm_eps)
+        _, k, v = self._qkv(layer, x, positions)
+        return k, v
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

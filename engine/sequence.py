@@ -62,12 +62,18 @@ class Sequence:
     """Tokens whose K/V are in the cache (the rest are computed by the next scheduled chunks)."""
     num_cached_tokens: int = 0
     """Prompt tokens found in the prefix cache when the request was first scheduled."""
+    queued_s: float | None = None
+    """time.perf_counter() when it was queued (add_request) or joined the batch from a reservation
+    (start_reserved); its queue time runs from here to first_scheduled_s."""
     first_scheduled_s: float | None = None
     """time.perf_counter() when a step first computed part of it (what came before was queueing)."""
     num_preemptions: int = 0
     hold_blocks: bool = False
     """Keep the KV blocks when the sequence finishes (a prefill worker still has to send them): its lease goes
     HELD until LLMEngine.abort releases it. An aborted or failed sequence always frees its blocks."""
+    cacheable: bool = True
+    """Whether its blocks may enter the prefix cache. False for KV received from a sender the decode worker
+    does not trust (and everything computed on top of it)."""
     lease: BlockLease | None = field(default=None, repr=False, compare=False)
     """The one owner of `block_ids` (engine.block_lease); set when the engine first takes the request."""
     status: SequenceStatus = SequenceStatus.WAITING
