@@ -1,6 +1,6 @@
 """Loading a checkpoint into plain tensors: one entry point for GGUF files and Hugging Face directories.
 
-`load_model(path)` returns a `LoadedModel` (engine.loaded_model, which also lists the weight names and shapes):
+`load_model(path)` returns a `LoadedModel` (engine.loaded_model; engine.arch lists the weight names and shapes):
 the `ModelConfig`, every weight under its Hugging Face name (dequantized to the requested dtype, on CPU), the
 tokenizer and a cheap fingerprint of the checkpoint.
 q/k rows are in Hugging Face's rotate_half RoPE layout whatever the source (GGUF's interleaved layout is undone).
@@ -12,13 +12,12 @@ from pathlib import Path
 
 import torch
 
-from engine.gguf_loader import load_gguf, load_gguf_tokenizer
-from engine.hf_loader import load_hf_directory, load_hf_tokenizer
-from engine.loaded_model import LoadedModel, ModelLoadError, check_weights, expected_weight_shapes
-from engine.tokenizer import Tokenizer
+from engine.gguf_loader import load_gguf
+from engine.hf_loader import load_hf_directory
+from engine.arch import check_weights, expected_weight_shapes
+from engine.loaded_model import LoadedModel, ModelLoadError
 
-__all__ = ["LoadedModel", "ModelLoadError", "check_weights", "expected_weight_shapes", "load_model",
-           "load_tokenizer"]
+__all__ = ["LoadedModel", "ModelLoadError", "check_weights", "expected_weight_shapes", "load_model"]
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True,
@@ -41,14 +40,3 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, progress: b
         return load_gguf(path, dtype=dtype, progress=progress, with_weights=with_weights)
     raise ModelLoadError(f"{path}: no such file or directory")
 
-
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Only the tokenizer of a .gguf file or Hugging Face directory, without reading any weight."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"{path}: no such file or directory")
-    if path.is_dir():
-        return load_hf_tokenizer(path)
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        return load_gguf_tokenizer(path)
-    raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model directory")

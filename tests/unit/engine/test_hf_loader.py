@@ -12,7 +12,8 @@ from tiny_gguf import CHAT_TEMPLATE, FFN, HEAD_DIM, HIDDEN, NUM_HEADS, NUM_KV_HE
 
 from engine.config import RopeScaling
 from engine.gguf_loader import load_gguf_tokenizer
-from engine.loader import ModelLoadError, load_model, load_tokenizer
+from engine.hf_loader import load_hf_tokenizer
+from engine.loader import ModelLoadError, load_model
 
 
 def _config(**overrides) -> dict:
@@ -62,7 +63,7 @@ def test_weights_config_and_tokenizer(tmp_path, shards):
     assert set(loaded.weights) == set(original)
     for name, value in original.items():
         assert torch.equal(loaded.weights[name], torch.from_numpy(value)), name
-    assert loaded.tokenizer.encode("hello world") == load_tokenizer(tmp_path / "m").encode("hello world")
+    assert loaded.tokenizer.encode("hello world") == load_hf_tokenizer(tmp_path / "m").encode("hello world")
     assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]).endswith("assistant\n")
 
 
