@@ -6,7 +6,8 @@ The engine is not thread-safe, so only the loop thread touches it. Other threads
   every `StepOutput` of that request until it finishes; closing the stream early aborts the request.
 
 Between steps the loop also runs `on_idle(engine)` hooks at most every `housekeeping_interval_s` (lease
-expiry, publishing KV events to the prefix index, load reports). A request that fails alone in a step
+expiry, publishing KV events to the prefix index, load reports), and step hooks after every step that ran
+the model (metrics). A request that fails alone in a step
 (its sampling raised) ends its stream with RequestFailedError while the others go on; if the step itself
 raises (the forward pass), every open stream gets the error and the loop keeps serving (the failed
 requests are aborted so their blocks are freed). After `stop()`, `call` and `open_stream` raise LoopStopped.
@@ -112,6 +113,7 @@ class EngineLoop:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._idle_hooks: list[Callable[[LLMEngine], None]] = []
+        self._step_hooks: list[Callable[[LLMEngine, float], None]] = []
         self._stop = threading.Event()
         self._submit_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -142,6 +144,11 @@ class EngineLoop:
     def add_housekeeping(self, hook: Callable[[LLMEngine], None]) -> None:
         """Run `hook(engine)` on the loop thread every housekeeping interval (register before start)."""
         self._idle_hooks.append(hook)
+
+    def add_step_hook(self, hook: Callable[[LLMEngine, float], None]) -> None:
+        """Run `hook(engine, seconds)` on the loop thread after each step that ran the model, with its duration
+        (register before start; engine.last_step says what it computed)."""
+        self._step_hooks.append(hook)
 
     def call(self, fn: Callable[[LLMEngine], T], timeout: float | None = None) -> T:
         future: Future = Future()
@@ -214,6 +221,7 @@ class EngineLoop:
                 return
 
     def _step(self) -> None:
+        steps_before, started = self.engine.num_steps, time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as exc:
@@ -224,6 +232,8 @@ class EngineLoop:
             self._streams.clear()
             return
         self._dispatch(outputs)
+        if self.engine.num_steps != steps_before:
+            self._run_hooks(self._step_hooks, self.engine, time.perf_counter() - started)
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
@@ -244,8 +254,12 @@ class EngineLoop:
         if now < self._next_housekeeping:
             return
         self._next_housekeeping = now + self.housekeeping_interval_s
-        for hook in self._idle_hooks:
+        self._run_hooks(self._idle_hooks, self.engine)
+
+    @staticmethod
+    def _run_hooks(hooks: list[Callable], *args) -> None:
+        for hook in hooks:
             try:
-                hook(self.engine)
+                hook(*args)
             except Exception:
-                log.exception("housekeeping hook %r failed", hook)
+                log.exception("hook %r failed", hook)

@@ -48,6 +48,14 @@ class EngineStats:
     preemptions: int      # since start
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """What the last step that ran the model computed (worker metrics read it after each step)."""
+
+    num_prompt_tokens: int                # prompt tokens computed (prefix-cache hits and output tokens excluded)
+    queue_times_s: tuple[float, ...]      # requests first scheduled in it: seconds since they were queued
+
+
 @dataclass
 class StepOutput:
     """What one step did for one request: tokens appended (0 or 1) and whether it is finished."""
@@ -93,6 +101,8 @@ class LLMEngine:
         """Every request not yet released, by id: its lease owns its blocks (engine.block_lease)."""
         self.num_steps = 0
         """Steps that ran the model (a step with nothing schedulable does not count)."""
+        self.last_step: StepRecord | None = None
+        """The latest of those steps (no side effects to read)."""
 
     # --- requests ---------------------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -115,6 +125,7 @@ class LLMEngine:
         stream); `hold_blocks` keeps its KV blocks after it finishes (lease HELD), until `abort`."""
         seq = self._new_sequence(request_id, prompt_token_ids, params, cache_salt, seed)
         seq.hold_blocks = hold_blocks
+        seq.queued_s = time.perf_counter()
         self.scheduler.add(seq)
         self._leases[request_id] = seq.lease
         return seq
@@ -157,6 +168,7 @@ class LLMEngine:
             raise PreconditionError(f"request {request_id!r} cannot start decoding: its reservation is {state}, "
                                     f"expected {want.value}")
         seq = lease.seq
+        seq.queued_s = time.perf_counter()
         if first_token_id is None:
             self.scheduler.adopt(seq)
             return None
@@ -202,9 +214,15 @@ class LLMEngine:
             return []
         self.num_steps += 1
         started = time.perf_counter()
+        queue_times = []
         for chunk in out.chunks:
             if chunk.seq.first_scheduled_s is None:
                 chunk.seq.first_scheduled_s = started
+                if chunk.seq.queued_s is not None:
+                    queue_times.append(started - chunk.seq.queued_s)
+        num_prompt = sum(max(0, min(c.seq.num_computed_tokens + c.num_new_tokens, c.seq.num_prompt_tokens)
+                                - c.seq.num_computed_tokens) for c in out.chunks)
+        self.last_step = StepRecord(num_prompt, tuple(queue_times))
         row_results = self.runner.execute(out)
         results = []
         for chunk in out.chunks:
@@ -254,4 +272,4 @@ _RESERVED_STATES = frozenset({LeaseState.RESERVED, LeaseState.RECEIVING, LeaseSt
 _HELD_STATES = frozenset({LeaseState.HELD, LeaseState.PUSHING})
 
 
-__all__ = ["EngineStats", "LLMEngine", "StepOutput", "FinishReason"]
+__all__ = ["EngineStats", "LLMEngine", "StepOutput", "StepRecord", "FinishReason"]
