@@ -20,6 +20,11 @@ class GatewayConfig:
     http_port: int = 8000
     """Port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics) on the same host; 0 picks a free one, -1 turns it off."""
+    health_port: int | None = None
+    """Plaintext port serving only grpc.health.v1, with the public server's statuses (for the kubelet's gRPC
+    probes when the public port needs TLS and an API key); None: none. On `host`; 0 picks a free one."""
+    metrics_port: int | None = None
+    """HTTP port of Prometheus GET /metrics alone (the registry the HTTP API's /metrics serves too); None: none."""
     block_size: int = 16
     """KV block size in tokens; must equal the workers' (checked against their registration)."""
     max_inflight: int = 256
@@ -66,6 +71,10 @@ class GatewayConfig:
         if not -1 <= self.http_port < 65536:
             raise ValueError(f"GatewayConfig.http_port must be in [0, 65535], or -1 for no HTTP API, "
                              f"got {self.http_port}")
+        for name in ("health_port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 65536:
+                raise ValueError(f"GatewayConfig.{name} must be None or in [0, 65535], got {value}")
         for name in ("block_size", "max_inflight", "lease_ms", "prefill_attempts", "max_prefill_load",
                      "max_request_bytes"):
             if getattr(self, name) < 1:

@@ -1,5 +1,6 @@
 """The gateway's servers: pdserve.v1.Generation, grpc.health.v1 and reflection on grpc.aio, and the
 OpenAI-compatible HTTP front (gateway.http_front, unless http_port is -1) on the same event loop; graceful drain.
+Optional plaintext health-only and /metrics ports (gateway.ops_ports) share its health statuses and metrics.
 
     serve(config)          blocking; SIGTERM/SIGINT drains: gRPC health NOT_SERVING and HTTP /health 503, new
                            RPCs and connections refused, in-flight requests of both APIs get up to drain_timeout_s
@@ -51,6 +52,7 @@ from gateway.config import GatewayConfig
 from gateway.frontend import Frontend
 from gateway.http_front import HttpFront
 from gateway.metrics import GatewayMetrics
+from gateway.ops_ports import OpsPorts
 from gateway.discovery import WorkerDirectory
 from gateway.orchestrator import Orchestrator, OrchestratorLimits
 from gateway.request_types import RETRY_AFTER_MS, OutputChunk, error_code
@@ -263,6 +265,7 @@ class _Parts:
     http: HttpFront | None
     http_port: int | None
     health_watch: asyncio.Task | None = None
+    ops: OpsPorts | None = None
 
 
 async def _start(config: GatewayConfig, model: ModelSpec, tokenizer: Tokenizer) -> _Parts:
@@ -286,13 +289,17 @@ async def _start(config: GatewayConfig, model: ModelSpec, tokenizer: Tokenizer) 
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     http = HttpFront(frontend, directory, config.max_request_bytes) if config.http_port >= 0 else None
+    ops = OpsPorts()
     try:
         port = server.add_insecure_port(f"{config.host}:{config.port}")
         if port == 0:
             raise OSError(f"cannot bind {config.host}:{config.port}")
         await server.start()
+        await ops.start(config.host, config.health_port, health_servicer, config.metrics_port,
+                        lambda: _render_metrics(metrics, directory))
         http_port = await http.start(config.host, config.http_port) if http is not None else None
     except BaseException:
+        await ops.close()
         await server.stop(0)
         await orchestrator.close()
         directory.close()
@@ -308,7 +315,13 @@ async def _start(config: GatewayConfig, model: ModelSpec, tokenizer: Tokenizer) 
     health_watch = asyncio.get_running_loop().create_task(directory.watch(set_health))
     log.info("gateway serving %s on %s:%d (gRPC)%s (max_model_len %d)", model.name, config.host, port,
              f" and {config.host}:{http_port} (OpenAI HTTP)" if http is not None else "", model.max_model_len)
-    return _Parts(server, health_servicer, frontend, orchestrator, directory, port, http, http_port, health_watch)
+    return _Parts(server, health_servicer, frontend, orchestrator, directory, port, http, http_port, health_watch,
+                  ops)
+
+
+async def _render_metrics(metrics: GatewayMetrics, directory: WorkerDirectory) -> bytes:
+    metrics.set_workers(await directory.list_workers())
+    return metrics.exposition()
 
 
 async def _drain(parts: _Parts, grace_s: float) -> None:
@@ -333,6 +346,8 @@ async def _drain(parts: _Parts, grace_s: float) -> None:
     await parts.orchestrator.close()
     parts.directory.close()
     parts.frontend.close()
+    if parts.ops is not None:
+        await parts.ops.close()
 
 
 def serve(config: GatewayConfig) -> None:
@@ -365,6 +380,8 @@ class GatewayHandle:
         self.port = parts.port
         self.http_port = parts.http_port
         """Port of the OpenAI-compatible HTTP API; None when it is off."""
+        self.health_port = parts.ops.health_port if parts.ops is not None else None
+        self.metrics_port = parts.ops.metrics_port if parts.ops is not None else None
 
     @property
     def num_inflight(self) -> int:

@@ -133,6 +133,9 @@ def _add_server_args(p: argparse.ArgumentParser, cls: type, port_help: str) -> N
     g = p.add_argument_group("server")
     _arg(g, cls, "host", "address to bind")
     _arg(g, cls, "port", port_help, type=int)
+    _arg(g, cls, "health_port", "plaintext port serving only grpc.health.v1 with the main port's status, on --host "
+         "(for the kubelet's gRPC probes; default: none)", type=int)
+    _arg(g, cls, "metrics_port", "HTTP port of Prometheus /metrics on --host (default: none)", type=int)
 
 
 def _add_worker_args(p: argparse.ArgumentParser, cls: type) -> None:
