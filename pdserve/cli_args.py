@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from engine.config import DTYPES, QUANTIZATIONS, EngineConfig
 from gateway.config import GatewayConfig
-from decode_worker.config import DecodeWorkerConfig
+from decode_worker.config import VERIFY_KV_MODES, DecodeWorkerConfig
 from pdserve.cluster_config import LocalClusterConfig
 from prefill_worker.config import CODECS, TRANSPORTS, PrefillWorkerConfig
 
@@ -145,6 +145,13 @@ def _add_worker_args(p: argparse.ArgumentParser, cls: type) -> None:
     _arg(g, cls, "redis_url", "prefix index and registry, redis://host:port/db (default: run unregistered)")
     _arg(g, cls, "advertise_host", "host other processes reach this worker at (default: --host)")
     _arg(g, cls, "worker_ttl_s", "registration TTL in seconds", type=float)
+    t = p.add_argument_group("cluster security (one of: the three certificate flags, or --insecure-internal)")
+    _arg(t, cls, "cluster_ca", "CA bundle of the cluster (PEM): mutual TLS on this worker's port and its "
+         "connections to other workers, with --cluster-cert and --cluster-key")
+    _arg(t, cls, "cluster_cert", "this worker's certificate (PEM), issued by the cluster CA for its role")
+    _arg(t, cls, "cluster_key", "this worker's private key (PEM)")
+    _arg(t, cls, "insecure_internal", "serve plaintext without authentication: anyone who reaches the port may "
+         "call every internal RPC (and, on a decode worker, put KV into its prefix cache)", action="store_true")
     add_engine_args(p)
 
 
@@ -217,9 +224,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def worker_config(cls: type[C], role: str, args: argparse.Namespace) -> C:
-    """A PrefillWorkerConfig or DecodeWorkerConfig; without --worker-id the id is ROLE-HOSTNAME-PID."""
+    """A PrefillWorkerConfig or DecodeWorkerConfig; without --worker-id the id is ROLE-HOSTNAME-PID. A worker
+    needs its cluster certificate flags or an explicit --insecure-internal (UsageError otherwise)."""
     worker_id = args.worker_id if args.worker_id is not None else f"{role}-{socket.gethostname()}-{os.getpid()}"
-    return build_config(cls, args, worker_id=worker_id)
+    config = build_config(cls, args, worker_id=worker_id)
+    if config.tls_files is None and not config.insecure_internal:
+        raise UsageError(f"{role}-worker needs --cluster-ca, --cluster-cert and --cluster-key (mutual TLS inside "
+                         "the cluster), or --insecure-internal to run plaintext without authentication")
+    return config
 
 
 def cluster_config(args: argparse.Namespace) -> LocalClusterConfig:
@@ -302,13 +314,21 @@ def build_parser(description: str = "", extra_commands: Sequence[AddCommand] = (
     _arg(g, PrefillWorkerConfig, "transport", "KV data path to decode workers", choices=TRANSPORTS)
     _arg(g, PrefillWorkerConfig, "codec", "KV wire format (int8 is lossy)", choices=CODECS)
     _arg(g, PrefillWorkerConfig, "chunk_bytes", "payload bytes per gRPC message, 1M..4M", type=parse_bytes)
+    g.add_argument("--decode-endpoint", dest="decode_endpoints", action="append", default=[], metavar="HOST:PORT",
+                   help="a decode worker this worker may push KV to when it runs without --redis-url "
+                        "(repeatable; with --redis-url only the index's live decode workers)")
     prefill.add_argument("--fault-corrupt-transfers", dest="fault_corrupt_transfers", type=int,  # tests only
                          default=_default(PrefillWorkerConfig, "fault_corrupt_transfers"), help=argparse.SUPPRESS)
 
     decode = sub.add_parser("decode-worker", help="run a decode worker")
     _add_worker_args(decode, DecodeWorkerConfig)
-    _arg(decode.add_argument_group("decode"), DecodeWorkerConfig, "max_lease_ms",
-         "upper bound of a reservation's lease", type=int)
+    g = decode.add_argument_group("decode")
+    _arg(g, DecodeWorkerConfig, "max_lease_ms", "upper bound of a reservation's lease", type=int)
+    _arg(g, DecodeWorkerConfig, "max_reserved_fraction_per_caller", "share of the KV pool one caller may hold in "
+         "reservations whose KV has not arrived; beyond it Reserve is RESOURCE_EXHAUSTED", type=float)
+    _arg(g, DecodeWorkerConfig, "verify_kv", "compare received KV with a recomputation before decoding on it: "
+         "off, sample (layer 0 of a few random blocks) or full (every layer; prefills the prompt again here)",
+         choices=VERIFY_KV_MODES)
 
     gen = sub.add_parser("generate", help="complete a raw prompt through a gateway, streaming the text")
     gen.add_argument("prompt")

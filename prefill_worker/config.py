@@ -67,6 +67,7 @@ class PrefillWorkerConfig:
                              "three or none")
         if self.insecure_internal and any(tls):
             raise ValueError("PrefillWorkerConfig.insecure_internal excludes cluster_ca/cluster_cert/cluster_key")
+        object.__setattr__(self, "decode_endpoints", tuple(self.decode_endpoints))
         if not 0 <= self.port < 65536:
             raise ValueError(f"PrefillWorkerConfig.port must be in [0, 65535], got {self.port}")
         for name in ("health_port", "metrics_port"):

@@ -26,15 +26,19 @@ ENGINE = EngineConfig(model="/models/x.gguf", dtype="bfloat16", quantization="in
                       enable_prefix_caching=False, num_threads=3, seed=7)
 
 
+TLS_FLAGS = ["--cluster-ca", "/pki/ca.pem", "--cluster-cert", "/pki/w.pem", "--cluster-key", "/pki/w-key.pem"]
+
+
 def parse(*argv: str):
     return cli_args.parse_args(list(argv))
 
 
-def assert_every_field_differs_from_default(config) -> None:
-    """Guards the tests below: a field added to a config without a flag makes them fail."""
+def assert_every_field_differs_from_default(config, exclusive=()) -> None:
+    """Guards the tests below: a field added to a config without a flag makes them fail. `exclusive`: fields
+    that cannot be set together with the others (tested on their own)."""
     default_values = {f.name: cli_args._default(type(config), f.name) for f in dataclasses.fields(config)}
     same = [name for name, default in default_values.items() if getattr(config, name) == default]
-    assert same == [], f"test config leaves {same} at the default"
+    assert same == list(exclusive), f"test config leaves {same} at the default"
 
 
 def test_gateway_flags_map_onto_every_field():
@@ -46,11 +50,11 @@ def test_gateway_flags_map_onto_every_field():
                  "--max-request-bytes", "1M", "--health-port", "8081", "--metrics-port", "9090")
     config = cli_args.gateway_config(args)
     expected = GatewayConfig(model="/m.gguf", redis_url="redis://r:1/2", host="0.0.0.0", port=6000, http_port=0,
+                             health_port=8081, metrics_port=9090,
                              block_size=32, max_inflight=9, local_prefill_threshold=0, lease_ms=500, prefill_attempts=3,
                              drain_timeout_s=2.5, max_model_len=1024, served_model_name="smol", max_prefill_load=4,
                              routing="round-robin", quantization="int8", max_queued=7, queue_timeout_s=1.5,
                              token_timeout_s=9.0, max_request_bytes=2**20)
-                             health_port=8081, metrics_port=9090,
     assert config == expected
     assert_every_field_differs_from_default(dataclasses.replace(config, model="x", redis_url="y"))
 
@@ -63,12 +67,15 @@ def test_gateway_defaults_are_the_dataclass_defaults():
 def test_prefill_worker_flags_map_onto_worker_and_engine_configs():
     args = parse("prefill-worker", "--worker-id", "p7", "--host", "0.0.0.0", "--port", "7001", "--advertise-host",
                  "p7.svc", "--redis-url", "redis://r:1/0", "--worker-ttl", "4", "--transport", "grpc", "--codec",
-                 "int8", "--chunk-bytes", "1M", "--fault-corrupt-transfers", "2", *ENGINE_FLAGS)
+                 "int8", "--chunk-bytes", "1M", "--fault-corrupt-transfers", "2", *TLS_FLAGS, "--decode-endpoint",
+                 "d:1", "--decode-endpoint", "d:2", *ENGINE_FLAGS)
     config = cli_args.worker_config(PrefillWorkerConfig, "prefill", args)
     assert config == PrefillWorkerConfig(worker_id="p7", redis_url="redis://r:1/0", host="0.0.0.0", port=7001,
                                          advertise_host="p7.svc", transport="grpc", codec="int8",
-                                         chunk_bytes=2**20, worker_ttl_s=4.0, fault_corrupt_transfers=2)
-    assert_every_field_differs_from_default(dataclasses.replace(config, worker_id="x"))
+                                         chunk_bytes=2**20, worker_ttl_s=4.0, fault_corrupt_transfers=2,
+                                         cluster_ca="/pki/ca.pem", cluster_cert="/pki/w.pem",
+                                         cluster_key="/pki/w-key.pem", decode_endpoints=("d:1", "d:2"))
+    assert_every_field_differs_from_default(dataclasses.replace(config, worker_id="x"), exclusive=["insecure_internal"])
     assert cli_args.engine_config(args) == ENGINE
     assert_every_field_differs_from_default(ENGINE)
 
@@ -76,19 +83,41 @@ def test_prefill_worker_flags_map_onto_worker_and_engine_configs():
 def test_decode_worker_flags_map_onto_worker_and_engine_configs():
     args = parse("decode-worker", "--worker-id", "d1", "--host", "0.0.0.0", "--port", "7002", "--advertise-host",
                  "d1.svc", "--redis-url", "redis://r:1/0", "--worker-ttl", "5", "--max-lease-ms", "900",
-                 *ENGINE_FLAGS)
+                 *TLS_FLAGS, "--verify-kv", "sample", "--max-reserved-fraction-per-caller", "0.25", *ENGINE_FLAGS)
     config = cli_args.worker_config(DecodeWorkerConfig, "decode", args)
     assert config == DecodeWorkerConfig(worker_id="d1", redis_url="redis://r:1/0", host="0.0.0.0", port=7002,
-                                        advertise_host="d1.svc", max_lease_ms=900, worker_ttl_s=5.0)
-    assert_every_field_differs_from_default(dataclasses.replace(config, worker_id="x"))
+                                        advertise_host="d1.svc", max_lease_ms=900, worker_ttl_s=5.0,
+                                        cluster_ca="/pki/ca.pem", cluster_cert="/pki/w.pem",
+                                        cluster_key="/pki/w-key.pem", verify_kv="sample",
+                                        max_reserved_fraction_per_caller=0.25)
+    assert_every_field_differs_from_default(dataclasses.replace(config, worker_id="x"), exclusive=["insecure_internal"])
     assert cli_args.engine_config(args) == ENGINE
 
 
 def test_worker_defaults_unregistered_with_a_host_and_pid_id():
-    args = parse("decode-worker")
+    args = parse("decode-worker", "--insecure-internal")
     assert cli_args.worker_config(DecodeWorkerConfig, "decode", args) == DecodeWorkerConfig(
-        worker_id=f"decode-{socket.gethostname()}-{os.getpid()}", redis_url=None)
+        worker_id=f"decode-{socket.gethostname()}-{os.getpid()}", redis_url=None, insecure_internal=True)
     assert cli_args.engine_config(args) == EngineConfig(model="default")
+
+
+@pytest.mark.parametrize("role, cls", [("prefill", PrefillWorkerConfig), ("decode", DecodeWorkerConfig)])
+def test_a_worker_needs_its_certificates_or_an_explicit_insecure_internal(role, cls):
+    with pytest.raises(cli_args.UsageError, match="--cluster-ca.*--insecure-internal"):
+        cli_args.worker_config(cls, role, parse(f"{role}-worker"))
+    with pytest.raises(cli_args.UsageError, match="go together"):
+        cli_args.worker_config(cls, role, parse(f"{role}-worker", *TLS_FLAGS[:4]))
+    with pytest.raises(cli_args.UsageError, match="insecure_internal excludes"):
+        cli_args.worker_config(cls, role, parse(f"{role}-worker", *TLS_FLAGS, "--insecure-internal"))
+    assert cli_args.worker_config(cls, role, parse(f"{role}-worker", "--insecure-internal")).tls_files is None
+    files = cli_args.worker_config(cls, role, parse(f"{role}-worker", *TLS_FLAGS)).tls_files
+    assert (str(files.ca_path), str(files.cert_path), str(files.key_path)) == (
+        "/pki/ca.pem", "/pki/w.pem", "/pki/w-key.pem")
+
+
+def test_a_worker_command_without_security_flags_exits_2_naming_them(capsys):
+    assert cli.main(["decode-worker"]) == 2
+    assert "--insecure-internal" in capsys.readouterr().err
 
 
 def test_engine_flags_parse_back_to_the_same_config():
@@ -142,8 +171,10 @@ def test_parse_bytes(text, expected):
 
 
 @pytest.mark.parametrize("argv, flag, field", [
-    (["prefill-worker", "--block-size", "3"], "--block-size", "EngineConfig.block_size"),
-    (["decode-worker", "--threads", "0"], "--threads", "EngineConfig.num_threads"),
+    (["prefill-worker", "--insecure-internal", "--block-size", "3"], "--block-size", "EngineConfig.block_size"),
+    (["decode-worker", "--insecure-internal", "--threads", "0"], "--threads", "EngineConfig.num_threads"),
+    (["decode-worker", "--max-reserved-fraction-per-caller", "0"], "--max-reserved-fraction-per-caller",
+     "DecodeWorkerConfig.max_reserved_fraction_per_caller"),
     (["decode-worker", "--worker-id", ""], "--worker-id", "DecodeWorkerConfig.worker_id"),
     (["prefill-worker", "--chunk-bytes", "8M"], "--chunk-bytes", "PrefillWorkerConfig.chunk_bytes"),
     (["gateway", "--redis-url", "redis://r", "--port", "70000"], "--port", "GatewayConfig.port"),
