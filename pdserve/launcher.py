@@ -439,8 +439,9 @@ def worker_argv(role: str, worker_id: str, port: int, redis_url: str, config: Lo
     engine = dataclasses.replace(config.engine, num_threads=num_threads)
     if role == "prefill" and config.prefill_kv_cache_memory is not None:
         engine = dataclasses.replace(engine, kv_cache_memory=config.prefill_kv_cache_memory)
+    # Loopback only, so plaintext on purpose (said explicitly: a worker refuses to start plaintext otherwise).
     argv = [f"{role}-worker", "--worker-id", worker_id, "--host", "127.0.0.1", "--port", str(port),
-            "--redis-url", redis_url, *engine_flags(engine)]
+            "--redis-url", redis_url, "--insecure-internal", *engine_flags(engine)]
     if role == "prefill":
         argv += ["--transport", config.transport, "--codec", config.codec]
     return argv

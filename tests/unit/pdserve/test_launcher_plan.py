@@ -26,7 +26,8 @@ def test_worker_command_line_parses_back_to_the_cluster_engine_with_its_thread_s
     args = cli_args.parse_args(argv)
     assert args.command == "prefill-worker"
     assert cli_args.worker_config(PrefillWorkerConfig, "prefill", args) == PrefillWorkerConfig(
-        worker_id="prefill-0", redis_url="redis://127.0.0.1:9/0", port=4100, transport="grpc", codec="int8")
+        worker_id="prefill-0", redis_url="redis://127.0.0.1:9/0", port=4100, transport="grpc", codec="int8",
+        insecure_internal=True)
     assert cli_args.engine_config(args) == EngineConfig(model="default", kv_cache_memory=2**28, block_size=32,
                                                         num_threads=3)
 
