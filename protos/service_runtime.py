@@ -9,6 +9,13 @@ failed inside the engine) -> INTERNAL, PermissionDeniedError -> PERMISSION_DENIE
 
 Internal security: a WorkerServer given the worker's TlsFiles serves mutual TLS and enforces the cluster role
 table (protos.tls); `caller_of` names the caller per-caller limits count against.
+
+Operations and scale-down: `health_port` adds a plaintext HealthOnlyServer (grpc.health.v1 alone, the main
+server's HealthServicer, so the same statuses) for probes. Every RPC passes an RpcGate: it reports each RPC's
+end to observers (protos.worker_metrics) and, once draining, answers the methods that take new work
+(Reserve, Prefill) UNAVAILABLE. WorkerHandle.stop is the drain: NOT_SERVING and the gate closed, deregister,
+wait (up to the drain timeout) until the engine holds no request, stop the loop (what is left gets LoopStopped:
+UNAVAILABLE), stop the servers.
 """
 
 from __future__ import annotations

@@ -23,8 +23,9 @@ Fed from the service edge:
     pdserve_kv_transfer_seconds_total{transport}  (decode: per committed transfer), and the time they took;
                                                   transport "grpc" or "shm"
     pdserve_request_failures_total{reason}        request RPCs (Reserve, Decode, Push, Prefill) that ended with a
-                                                  status other than OK; reason: the status name (UNAVAILABLE
-                                                  while draining, RESOURCE_EXHAUSTED when full, CANCELLED, ...)
+                                                  status other than OK or CANCELLED (the caller's choice);
+                                                  reason: the status name (UNAVAILABLE while draining,
+                                                  RESOURCE_EXHAUSTED when full, FAILED_PRECONDITION, ...)
 
 Label values that are known in advance start at 0, so every series exists from the first scrape.
 """
@@ -48,7 +49,7 @@ from kvstore.transfer_service import KvReceiver, ReceivedBlocks, ReceiveTarget
 
 LABELS = ("model_name", "role")
 TRANSPORTS = ("grpc", "shm")
-FAILURE_REASONS = ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "UNAVAILABLE", "CANCELLED",
+FAILURE_REASONS = ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "UNAVAILABLE",
                    "DEADLINE_EXCEEDED", "INTERNAL", "UNKNOWN")
 REQUEST_METHODS = frozenset({"Reserve", "Decode", "Push", "Prefill"})
 """RPC method names that carry a request (failures of Stats, Abort and health are not request failures)."""
@@ -169,6 +170,8 @@ class WorkerMetrics:
         """RpcGate observer: count failed request RPCs; a prefill's answer reports the KV it sent."""
         name = method.rsplit("/", 1)[-1]
         if name not in REQUEST_METHODS:
+            return
+        if code is grpc.StatusCode.CANCELLED:   # the caller's choice (or it closed a finished stream early)
             return
         if code is not grpc.StatusCode.OK:
             self._failures.labels(*self._values, code.name).inc()
