@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.config import QUANTIZATIONS
+from protos.tls import TlsFiles
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether binding `host` keeps the ports on this machine ("localhost", 127.0.0.0/8, ::1); "" and 0.0.0.0
+    bind every interface."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -64,6 +79,26 @@ class GatewayConfig:
     max_prefill_load: int = 16
     """A prefill worker whose load (running + waiting as last reported, or this gateway's own prefills in flight
     on it when more) reaches this is saturated: it is not chosen; when all are, decode workers prefill locally."""
+    api_key_file: str | None = None
+    """API keys (gateway.auth's file format; reloaded on SIGHUP). Every gRPC RPC and HTTP endpoint then needs
+    `authorization: Bearer <key>`, except grpc.health.v1 and HTTP /health (the ops ports stay open too); each
+    key's tenant namespaces the prefix cache. None: no authentication."""
+    allow_unauthenticated: bool = False
+    """Allow a non-loopback `host` without api_key_file (anyone who reaches the ports may use the model)."""
+    tls_cert: str | None = None
+    """Certificate chain (PEM) of the public gRPC port and the HTTPS API, with tls_key; None: plaintext."""
+    tls_key: str | None = None
+    """Private key (PEM) of tls_cert."""
+    cluster_ca: str | None = None
+    """CA bundle of the cluster (PEM). With cluster_cert and cluster_key: mutual TLS toward the workers, each
+    connection accepting only a server certificate of the worker's role (protos.tls)."""
+    cluster_cert: str | None = None
+    """This gateway's certificate (PEM), issued by the cluster CA for role gateway."""
+    cluster_key: str | None = None
+    """Private key (PEM) of cluster_cert."""
+    insecure_internal: bool = False
+    """Talk plaintext to the workers, on purpose (without the cluster files it is plaintext anyway, with a
+    warning at start; the CLI requires one or the other)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -98,3 +133,21 @@ class GatewayConfig:
                              f"got {self.quantization!r}")
         if self.served_model_name == "":
             raise ValueError("GatewayConfig.served_model_name must be None or a non-empty name")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("GatewayConfig.tls_cert and tls_key go together: give both or neither")
+        cluster = (self.cluster_ca, self.cluster_cert, self.cluster_key)
+        if any(cluster) and not all(cluster):
+            raise ValueError("GatewayConfig.cluster_ca, cluster_cert and cluster_key go together: give all three "
+                             "or none")
+        if self.insecure_internal and any(cluster):
+            raise ValueError("GatewayConfig.insecure_internal excludes cluster_ca/cluster_cert/cluster_key")
+        if self.api_key_file is None and not self.allow_unauthenticated and not is_loopback_host(self.host):
+            raise ValueError(f"GatewayConfig.host {self.host!r} is reachable from other machines and no "
+                             "api_key_file is given: give API keys, or allow_unauthenticated to serve anyone")
+
+    @property
+    def cluster_tls(self) -> TlsFiles | None:
+        """The gateway's cluster TLS material, or None for plaintext toward the workers."""
+        if not self.cluster_cert:
+            return None
+        return TlsFiles(Path(self.cluster_cert), Path(self.cluster_key), Path(self.cluster_ca))

@@ -7,16 +7,22 @@
     GET  /health                200 while serving with a usable decode worker; 503 when draining or without one
     GET  /metrics               Prometheus text format (gateway.metrics)
 
+With API keys (Frontend.api_keys) every path but /health needs `Authorization: Bearer <key>`, /metrics
+included (Prometheus scrapes the gateway's separate --metrics-port, which has no key); served over HTTPS when
+`start` gets an SSLContext.
+
 Requests take the path gRPC requests take (gateway.frontend; bodies parsed by gateway.openai_protocol). Errors
 have OpenAI's shape {"error": {"message", "type", "param", "code"}}; `code` is the status name in lower case:
 
     400  invalid_request_error   a bad parameter (`param` names it); malformed JSON (`param` null)
+    401  invalid_request_error   no, a malformed or an unknown API key (code "invalid_api_key");
+                                 WWW-Authenticate: Bearer
     404  invalid_request_error   `model` is not served here (code "model_not_found"); an unknown path
     413  invalid_request_error   the body is larger than max_request_bytes
     415  invalid_request_error   a POST body whose Content-Type is not application/json (a web page can send
                                  text/plain or form bodies cross-origin without a preflight)
-    429  rate_limit_error        the gateway or every decode worker is full (after the gateway's queue);
-                                 Retry-After header (seconds)
+    429  rate_limit_error        the gateway or every decode worker is full (after the gateway's queue), or
+                                 the API key is at a limit; Retry-After header (seconds)
     503  service_unavailable     no live decode worker serves the model, one failed or hung mid-request, or
                                  the gateway is draining
     504  timeout_error           the X-Request-Timeout header's deadline (seconds from arrival) passed
@@ -35,6 +41,7 @@ import functools
 import json
 import logging
 import math
+import ssl
 import time
 from collections.abc import Callable
 
@@ -42,6 +49,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.errors import InvalidRequestError
+from gateway.auth import Unauthenticated
 from gateway.frontend import Call, Frontend
 from gateway.openai_protocol import OpenAIRequest, ResponseBuilder, parse_chat, parse_completion
 from gateway.discovery import WorkerDirectory
@@ -52,14 +60,16 @@ log = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT_S = 1.0
 """On close: how long handlers still running get before they are cancelled (the drain already waited)."""
+PRINCIPAL_KEY = "pdserve.principal"
+"""Where the authenticating middleware leaves the caller (gateway.auth.Principal, None without keys)."""
 TIMEOUT_HEADER = "X-Request-Timeout"
 """Optional request header: the request's deadline in seconds from its arrival (gRPC's deadline)."""
 
-HTTP_STATUS = {"OK": 200, "INVALID_ARGUMENT": 400, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503,
-               "DEADLINE_EXCEEDED": 504, "CANCELLED": 499, "INTERNAL": 500}
+HTTP_STATUS = {"OK": 200, "INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "RESOURCE_EXHAUSTED": 429,
+               "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504, "CANCELLED": 499, "INTERNAL": 500}
 """request_types.error_code -> HTTP status (499, client closed the connection, is never sent)."""
-_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-                413: "invalid_request_error", 415: "invalid_request_error",
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
                 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout_error"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _dumps = functools.partial(json.dumps, ensure_ascii=False, separators=(",", ":"))
@@ -77,6 +87,8 @@ def error_of(exc: BaseException) -> tuple[int, dict, dict[str, str]]:
     message = str(exc)
     if isinstance(exc, BodyRefused):
         return exc.status, error_object(message, exc.status, None, exc.code), headers
+    if isinstance(exc, Unauthenticated):
+        return 401, error_object(message, 401, None, "invalid_api_key"), {"WWW-Authenticate": "Bearer"}
     if isinstance(exc, InvalidRequestError):
         param = None if exc.field == "body" else exc.field
         if isinstance(exc, ModelNotFound):
@@ -153,7 +165,7 @@ class HttpFront:
         self._max_request_bytes = max_request_bytes
         self._created = int(time.time())
         self.draining = False
-        app = web.Application(client_max_size=max_request_bytes, middlewares=[self._errors])
+        app = web.Application(client_max_size=max_request_bytes, middlewares=[self._errors, self._authenticate])
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat_completions),
                         web.get("/v1/models", self.models), web.get("/health", self.health),
@@ -162,11 +174,11 @@ class HttpFront:
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=FLUSH_TIMEOUT_S)
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on host:port (0 picks a free port); returns the port."""
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
+        """Listen on host:port (0 picks a free port), HTTPS with `ssl_context`; returns the port."""
         await self._runner.setup()
         try:
-            site = web.TCPSite(self._runner, host.strip("[]") or None, port)
+            site = web.TCPSite(self._runner, host.strip("[]") or None, port, ssl_context=ssl_context)
             await site.start()
         except BaseException:
             await self._runner.cleanup()
@@ -216,7 +228,7 @@ class HttpFront:
                         parse: Callable[..., OpenAIRequest]) -> web.StreamResponse:
         f = self._frontend
         try:
-            with f.active.hold(), f.call("http", endpoint) as call:
+            with f.active.hold(), f.call("http", endpoint, request.get(PRINCIPAL_KEY)) as call:
                 if self.draining:
                     raise ShuttingDown("the gateway is shutting down; retry on another one")
                 parsed = await f.validate(parse, await _read_json(request, self._max_request_bytes))
@@ -258,6 +270,16 @@ class HttpFront:
                 await response.write(b"data: [DONE]\n\n")
                 await response.write_eof()
         return response
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler) -> web.StreamResponse:
+        """With API keys, every path but /health needs one (401 otherwise); the caller goes to the handler."""
+        if request.path != "/health":
+            try:
+                request[PRINCIPAL_KEY] = self._frontend.authenticate(request.headers.get("Authorization"))
+            except Unauthenticated as exc:
+                return _error_response(exc)
+        return await handler(request)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:

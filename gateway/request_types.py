@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError, OverloadedError
 from engine.sequence import FinishReason, TokenLogprob
+from gateway.auth import Unauthenticated
 
 RETRY_AFTER_MS = 500
 """Back-off suggested to callers turned away with RESOURCE_EXHAUSTED."""
@@ -24,6 +25,10 @@ class Overloaded(OverloadedError):
     def __init__(self, message: str, retry_after_ms: int = RETRY_AFTER_MS) -> None:
         super().__init__(message)
         self.retry_after_ms = retry_after_ms
+
+
+class KeyLimited(Overloaded):
+    """The caller's API key is at one of its limits (max_concurrent, tokens_per_minute): RESOURCE_EXHAUSTED."""
 
 
 class DeadlineExceeded(Exception):
@@ -48,6 +53,8 @@ def error_code(exc: BaseException | None) -> str:
         return "OK"
     if isinstance(exc, InvalidRequestError):
         return "INVALID_ARGUMENT"
+    if isinstance(exc, Unauthenticated):
+        return "UNAUTHENTICATED"
     if isinstance(exc, OverloadedError):
         return "RESOURCE_EXHAUSTED"
     if isinstance(exc, (NoWorkerAvailable, WorkerFailed, ShuttingDown)):

@@ -18,7 +18,16 @@ decided in one place, `status_of` (from request_types.error_code; applied to eve
     WorkerFailed                 UNAVAILABLE         (retryable)
     DeadlineExceeded             DEADLINE_EXCEEDED
     client cancel                CANCELLED           (recorded in the metrics only)
+    Unauthenticated              UNAUTHENTICATED     no, a malformed or an unknown API key
+    KeyLimited                   RESOURCE_EXHAUSTED  a per-key limit; trailing "retry-after-ms" from the key's state
     anything else                INTERNAL            (logged with its traceback)
+
+Security (GatewayConfig): with api_key_file, `AuthInterceptor` refuses every RPC without a known key
+(`authorization: Bearer <key>` metadata) UNAUTHENTICATED, except grpc.health.v1; SIGHUP re-reads the file (an
+invalid one is logged and the old keys stay). With tls_cert/tls_key the public port and the HTTP API are TLS.
+With cluster_ca/cluster_cert/cluster_key every worker connection is mutual TLS and accepts only a server
+certificate of the role the worker record claims (gateway.worker_client), so a record written into Redis by
+anyone else gets no connection (its calls fail UNAVAILABLE: it is marked down, the request goes elsewhere).
 
 Workers are discovered through the prefix index (gateway.discovery.WorkerDirectory); while Redis is unreachable
 the last known worker list is used with no prefix information (routing by load only). grpc.health.v1 ("" and
@@ -48,6 +57,7 @@ from engine.loader import load_model
 from engine.model_fetch import resolve_model_path
 from engine.fingerprint import quantized_fingerprint
 from engine.tokenizer import Tokenizer
+from gateway.auth import ApiKeyFileError, ApiKeyStore, Unauthenticated
 from gateway.config import GatewayConfig
 from gateway.frontend import Frontend
 from gateway.http_front import HttpFront
@@ -63,6 +73,7 @@ from gateway.worker_client import ChannelPool
 from kvstore.hashing import root_hash
 from kvstore.index import PrefixIndex
 from protos.convert import finish_reason_to_pb, logprob_to_pb, sampling_from_pb
+from protos.tls import https_ssl_context, public_server_credentials
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -161,6 +172,47 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
+def _authorization(metadata) -> str | None:
+    return next((value for key, value in metadata or () if key == "authorization"), None)
+
+
+def _deny(handler, message: str):
+    """A handler of `handler`'s kind that answers UNAUTHENTICATED without running it."""
+    async def deny_unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def deny_stream(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # an async generator, as a streaming handler must be
+
+    args = (handler.request_deserializer, handler.response_serializer)
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(deny_unary, *args)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(deny_stream, *args)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(deny_unary, *args)
+    return grpc.stream_stream_rpc_method_handler(deny_stream, *args)
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """API keys on every RPC but grpc.health.v1 (probes carry no key): UNAUTHENTICATED before the handler runs.
+    The Generation servicer authenticates again for the caller's tenant and limits (Frontend.authenticate)."""
+
+    def __init__(self, api_keys: ApiKeyStore) -> None:
+        self._api_keys = api_keys
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(f"/{health.SERVICE_NAME}/"):
+            return handler
+        try:
+            self._api_keys.authenticate(_authorization(handler_call_details.invocation_metadata))
+        except Unauthenticated as exc:
+            return _deny(handler, str(exc))
+        return handler
+
+
 # ------------------------------------------------------------------------------------------------ protobuf edge
 def fields_from_pb(pb: generation_pb2.GenerateRequest | generation_pb2.ChatRequest) -> RequestFields:
     """What GenerateRequest and ChatRequest share, as plain values (validated by gateway.validation)."""
@@ -217,7 +269,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def _serve(self, endpoint: str, validate, request, context):
         f = self.frontend
         f.active.track(context)
-        with f.call("grpc", endpoint) as call:
+        principal = f.authenticate(_authorization(context.invocation_metadata()))
+        with f.call("grpc", endpoint, principal) as call:
             req = await f.validate(validate, request)
             async for response in self._run(call, req, context):
                 yield response
@@ -268,11 +321,46 @@ class _Parts:
     ops: OpsPorts | None = None
 
 
+def load_api_keys(config: GatewayConfig) -> ApiKeyStore | None:
+    """The key store of config.api_key_file (ApiKeyFileError names the file and line), or None without one."""
+    if config.api_key_file is None:
+        return None
+    store = ApiKeyStore.from_file(config.api_key_file)
+    log.info("API keys: %d from %s", store.num_keys, config.api_key_file)
+    return store
+
+
+def reload_api_keys(api_keys: ApiKeyStore | None) -> None:
+    """SIGHUP: re-read the key file; an invalid or unreadable one is logged and the current keys stay."""
+    if api_keys is None:
+        log.warning("SIGHUP: no --api-key-file to reload")
+        return
+    try:
+        num_keys = api_keys.reload()
+    except ApiKeyFileError as exc:
+        log.error("API keys not reloaded, keeping the %d current ones: %s", api_keys.num_keys, exc)
+        return
+    log.info("API keys reloaded: %d from %s", num_keys, api_keys.path)
+
+
+def _log_security(config: GatewayConfig, api_keys: ApiKeyStore | None) -> None:
+    if config.cluster_tls is None:
+        log.warning("PLAINTEXT toward the workers (%s): no authentication, anyone who can write worker records "
+                    "into Redis may receive prompts; give --cluster-ca/--cluster-cert/--cluster-key",
+                    "--insecure-internal" if config.insecure_internal else "no cluster certificate")
+    if api_keys is None:
+        log.warning("no API keys: every caller that reaches %s may use the gateway", config.host)
+    if config.tls_cert is None:
+        log.warning("public gRPC and HTTP ports are plaintext (no --tls-cert/--tls-key)")
+
+
 async def _start(config: GatewayConfig, model: ModelSpec, tokenizer: Tokenizer) -> _Parts:
+    api_keys = load_api_keys(config)
+    _log_security(config, api_keys)
     policy = RoutingPolicy(block_size=config.block_size, fingerprint=model.fingerprint,
                            local_prefill_threshold=config.local_prefill_threshold,
                            max_prefill_load=config.max_prefill_load, mode=config.routing)
-    channels = ChannelPool()
+    channels = ChannelPool(config.cluster_tls)
     directory = WorkerDirectory(PrefixIndex(config.redis_url), policy, channels)
     limits = OrchestratorLimits(lease_ms=config.lease_ms, prefill_attempts=config.prefill_attempts,
                                 max_inflight=config.max_inflight, max_queued=config.max_queued,
@@ -281,8 +369,9 @@ async def _start(config: GatewayConfig, model: ModelSpec, tokenizer: Tokenizer) 
                                 on_unreachable=directory.report_unreachable, down=directory.down_endpoints)
     metrics = GatewayMetrics()
     metrics.track_queue(lambda: orchestrator.num_queued)
-    frontend = Frontend(model, tokenizer, orchestrator, metrics)
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()],
+    frontend = Frontend(model, tokenizer, orchestrator, metrics, api_keys)
+    interceptors = ([AuthInterceptor(api_keys)] if api_keys is not None else []) + [ErrorMappingInterceptor()]
+    server = grpc.aio.server(interceptors=interceptors,
                              options=[("grpc.max_receive_message_length", config.max_request_bytes)])
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend), server)
     health_servicer = health.aio.HealthServicer()
@@ -291,13 +380,16 @@ async def _start(config: GatewayConfig, model: ModelSpec, tokenizer: Tokenizer) 
     http = HttpFront(frontend, directory, config.max_request_bytes) if config.http_port >= 0 else None
     ops = OpsPorts()
     try:
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        address = f"{config.host}:{config.port}"
+        port = server.add_secure_port(address, public_server_credentials(config.tls_cert, config.tls_key)) \
+            if config.tls_cert is not None else server.add_insecure_port(address)
         if port == 0:
             raise OSError(f"cannot bind {config.host}:{config.port}")
         await server.start()
         await ops.start(config.host, config.health_port, health_servicer, config.metrics_port,
                         lambda: _render_metrics(metrics, directory))
-        http_port = await http.start(config.host, config.http_port) if http is not None else None
+        ssl_context = https_ssl_context(config.tls_cert, config.tls_key) if config.tls_cert is not None else None
+        http_port = await http.start(config.host, config.http_port, ssl_context) if http is not None else None
     except BaseException:
         await ops.close()
         await server.stop(0)
@@ -313,8 +405,10 @@ async def _start(config: GatewayConfig, model: ModelSpec, tokenizer: Tokenizer) 
     await directory.refresh()
     await set_health(directory.serving)
     health_watch = asyncio.get_running_loop().create_task(directory.watch(set_health))
-    log.info("gateway serving %s on %s:%d (gRPC)%s (max_model_len %d)", model.name, config.host, port,
-             f" and {config.host}:{http_port} (OpenAI HTTP)" if http is not None else "", model.max_model_len)
+    scheme = "TLS" if config.tls_cert is not None else "plaintext"
+    log.info("gateway serving %s on %s:%d (gRPC, %s)%s (max_model_len %d)", model.name, config.host, port, scheme,
+             f" and {config.host}:{http_port} (OpenAI HTTP, {scheme})" if http is not None else "",
+             model.max_model_len)
     return _Parts(server, health_servicer, frontend, orchestrator, directory, port, http, http_port, health_watch,
                   ops)
 
@@ -360,6 +454,7 @@ def serve(config: GatewayConfig) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, reload_api_keys, parts.frontend.api_keys)
         await stop.wait()
         log.info("draining: %d requests in flight, up to %.1fs", len(parts.orchestrator.running_ids),
                  config.drain_timeout_s)
@@ -387,6 +482,10 @@ class GatewayHandle:
     def num_inflight(self) -> int:
         """Requests admitted and not finished."""
         return len(self._parts.orchestrator.running_ids)
+
+    def reload_api_keys(self) -> None:
+        """What SIGHUP does in `serve`: re-read the API key file (keeping the old keys when it is invalid)."""
+        reload_api_keys(self._parts.frontend.api_keys)
 
     def get_inflight(self, worker_id: str) -> int:
         """This gateway's requests on a worker right now (see Orchestrator.get_inflight)."""

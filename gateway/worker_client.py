@@ -10,9 +10,15 @@ errors live in gateway.worker_types, which imports no grpc).
     UNAVAILABLE                   WorkerUnreachable         connection refused or broken: the worker is gone
     anything else                 WorkerCallFailed          the call failed; the worker may hold state for it
 
-`ChannelPool` keeps one channel per worker endpoint, with keepalive (a hung worker's connection is closed
-after KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS without an answer to a ping) and quick reconnects, and reports
-each channel's connectivity as a `ChannelState` (gateway.discovery derives worker health from it).
+`ChannelPool` keeps one channel per (worker endpoint, role), with keepalive (a hung worker's connection is
+closed after KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS without an answer to a ping) and quick reconnects, and
+reports each channel's connectivity as a `ChannelState` (gateway.discovery derives worker health from it).
+
+Given the gateway's cluster TlsFiles, every channel is mutual TLS (protos.tls.channel_credentials) and checks
+that the server's certificate was issued for the role the call is for (protos.tls.channel_options(role)):
+Reserve, Decode and a decode Abort reach only a decode worker's certificate, Prefill and a prefill Abort only a
+prefill worker's. A listener without one (another CA, another role, plaintext) fails the handshake before any
+request byte is sent: its calls fail UNAVAILABLE (WorkerUnreachable) and its channel shows TRANSIENT_FAILURE.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from engine.errors import InvalidRequestError
+from protos.tls import TlsFiles, channel_credentials, channel_options
 from gateway.worker_types import (ChannelState, DecodeMessage, PrefillResult, TransferTarget, WorkerBusy,
                                   WorkerCallFailed, WorkerJob, WorkerTimedOut, WorkerUnreachable)
 from protos.convert import finish_reason_from_pb, logprob_from_pb, logprob_to_pb, sampling_to_pb
@@ -81,25 +88,33 @@ def _target_from_pb(pb: worker_pb2.TransferTarget) -> TransferTarget:
 
 # ------------------------------------------------------------------------------------------------------ client
 class ChannelPool:
-    """One grpc.aio channel per worker endpoint, shared by every request (channels multiplex calls), and the
-    worker RPCs over them. `timeout` arguments are seconds (None: no deadline)."""
+    """One grpc.aio channel per (worker endpoint, role), shared by every request (channels multiplex calls), and
+    the worker RPCs over them. `tls`: the gateway's cluster certificate (mutual TLS, server role checked; see the
+    module doc); None: plaintext. `timeout` arguments are seconds (None: no deadline)."""
 
-    def __init__(self) -> None:
-        self._channels: dict[str, grpc.aio.Channel] = {}
+    def __init__(self, tls: TlsFiles | None = None) -> None:
+        self._credentials = channel_credentials(tls) if tls is not None else None
+        self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
 
-    def _channel(self, endpoint: str) -> grpc.aio.Channel:
-        channel = self._channels.get(endpoint)
+    def _channel(self, endpoint: str, role: str) -> grpc.aio.Channel:
+        channel = self._channels.get((endpoint, role))
         if channel is None:
-            channel = self._channels[endpoint] = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+            if self._credentials is None:
+                channel = grpc.aio.insecure_channel(endpoint, options=CHANNEL_OPTIONS)
+            else:
+                channel = grpc.aio.secure_channel(endpoint, self._credentials,
+                                                  options=CHANNEL_OPTIONS + channel_options(role))
+            self._channels[(endpoint, role)] = channel
         return channel
 
-    def state(self, endpoint: str) -> ChannelState:
-        """The channel's connectivity now; an idle channel starts connecting (so a dead worker shows up as
-        TRANSIENT_FAILURE without a request having to fail first)."""
-        return _STATES[self._channel(endpoint).get_state(try_to_connect=True)]
+    def state(self, endpoint: str, role: str = "decode") -> ChannelState:
+        """The connectivity of the channel to the `role` worker at `endpoint`; an idle channel starts connecting
+        (so a dead worker, or one without a certificate of its role, shows up as TRANSIENT_FAILURE without a
+        request having to fail first)."""
+        return _STATES[self._channel(endpoint, role).get_state(try_to_connect=True)]
 
     async def reserve(self, endpoint: str, job: WorkerJob, lease_ms: int, timeout: float | None) -> TransferTarget:
-        stub = worker_pb2_grpc.DecodeWorkerStub(self._channel(endpoint))
+        stub = worker_pb2_grpc.DecodeWorkerStub(self._channel(endpoint, "decode"))
         try:
             response = await stub.Reserve(worker_pb2.ReserveRequest(request=_job_to_pb(job), lease_ms=lease_ms),
                                           timeout=timeout)
@@ -109,7 +124,7 @@ class ChannelPool:
 
     async def prefill(self, endpoint: str, job: WorkerJob, target: TransferTarget,
                       timeout: float | None) -> PrefillResult:
-        stub = worker_pb2_grpc.PrefillWorkerStub(self._channel(endpoint))
+        stub = worker_pb2_grpc.PrefillWorkerStub(self._channel(endpoint, "prefill"))
         try:
             r = await stub.Prefill(worker_pb2.PrefillRequest(request=_job_to_pb(job), target=_target_to_pb(target)),
                                    timeout=timeout)
@@ -128,7 +143,7 @@ class ChannelPool:
             request.first_token_id = first.first_token_id
             if first.first_logprob is not None:
                 request.first_logprob.CopyFrom(logprob_to_pb(first.first_logprob))
-        call = worker_pb2_grpc.DecodeWorkerStub(self._channel(endpoint)).Decode(request, timeout=timeout)
+        call = worker_pb2_grpc.DecodeWorkerStub(self._channel(endpoint, "decode")).Decode(request, timeout=timeout)
         try:
             while True:
                 try:
@@ -144,7 +159,7 @@ class ChannelPool:
 
     async def abort(self, endpoint: str, role: str, request_id: str, timeout: float | None) -> bool:
         """Abort `request_id` on the `role` ("prefill" or "decode") worker; True when it held something."""
-        channel = self._channel(endpoint)
+        channel = self._channel(endpoint, role)
         stub = worker_pb2_grpc.DecodeWorkerStub(channel) if role == "decode" else \
             worker_pb2_grpc.PrefillWorkerStub(channel)
         try:

@@ -9,6 +9,11 @@
         async for chunk in client.generate([1, 2, 3], max_tokens=8):
             ...
 
+Security: `api_key` is sent as `authorization: Bearer <key>` metadata on every call; `tls=True` (or a
+`ca_cert` PEM bundle, implying it) talks TLS to the gateway, verified against that bundle or the system's roots:
+
+    Client("gw.example.com:50051", api_key=key, ca_cert="ca.pem")
+
 Protobuf stops here: results are plain dataclasses. Options left out are not sent, so the server's documented
 defaults apply (see `GenerateOptions`). Every RPC failure is raised as `PdserveError` with its gRPC status code.
 Closing a stream (`close()`, leaving its `with` block, or dropping it) cancels the call; the gateway then
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import grpc
@@ -326,26 +332,41 @@ class AsyncChunkStream(AsyncIterator[Chunk]):
 
 
 # ------------------------------------------------------------------------------------------------ clients
-class Client:
-    """Blocking client. `timeout` (seconds) is the default deadline of every call; None waits forever."""
+def _credentials(tls: bool, ca_cert: str | None) -> grpc.ChannelCredentials | None:
+    if not tls and ca_cert is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=Path(ca_cert).read_bytes() if ca_cert is not None else None)
 
-    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None) -> None:
+
+def _call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+
+class Client:
+    """Blocking client. `timeout` (seconds) is the default deadline of every call; None waits forever.
+    `api_key`, `tls` and `ca_cert`: see the module doc."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None, *, api_key: str | None = None,
+                 tls: bool = False, ca_cert: str | None = None) -> None:
         self.target = target
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(target)
+        credentials = _credentials(tls, ca_cert)
+        self._channel = grpc.insecure_channel(target) if credentials is None else \
+            grpc.secure_channel(target, credentials)
+        self._metadata = _call_metadata(api_key)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
                  **options: Unpack[GenerateOptions]) -> ChunkStream:
         """Stream the completion of a text prompt (no chat template) or of token ids."""
         request = generate_request(prompt, options)
-        return ChunkStream(self._stub.Generate(request, timeout=self._deadline(timeout)))
+        return ChunkStream(self._stub.Generate(request, timeout=self._deadline(timeout), metadata=self._metadata))
 
     def chat(self, messages: Iterable[Mapping[str, str]], *, timeout: float | None = None,
              **options: Unpack[GenerateOptions]) -> ChunkStream:
         """Stream the reply to a conversation, rendered with the model's chat template."""
         request = chat_request(messages, options)
-        return ChunkStream(self._stub.Chat(request, timeout=self._deadline(timeout)))
+        return ChunkStream(self._stub.Chat(request, timeout=self._deadline(timeout), metadata=self._metadata))
 
     def complete(self, prompt: str | Sequence[int], *, timeout: float | None = None,
                  **options: Unpack[GenerateOptions]) -> Completion:
@@ -362,7 +383,8 @@ class Client:
     def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         """The served models; the first is the default."""
         try:
-            response = self._stub.ListModels(generation_pb2.ListModelsRequest(), timeout=self._deadline(timeout))
+            response = self._stub.ListModels(generation_pb2.ListModelsRequest(), timeout=self._deadline(timeout),
+                                             metadata=self._metadata)
         except grpc.RpcError as exc:
             raise PdserveError.from_rpc_error(exc) from None
         return [ModelInfo.from_pb(m) for m in response.models]
@@ -381,25 +403,30 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client (grpc.aio); create it inside the event loop that uses it."""
+    """asyncio client (grpc.aio); create it inside the event loop that uses it. Options as `Client`'s."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None) -> None:
+    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None, *, api_key: str | None = None,
+                 tls: bool = False, ca_cert: str | None = None) -> None:
         self.target = target
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(target)
+        credentials = _credentials(tls, ca_cert)
+        self._channel = grpc.aio.insecure_channel(target) if credentials is None else \
+            grpc.aio.secure_channel(target, credentials)
+        self._metadata = _call_metadata(api_key)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
                  **options: Unpack[GenerateOptions]) -> AsyncChunkStream:
         """Stream the completion of a text prompt (no chat template) or of token ids."""
         request = generate_request(prompt, options)
-        return AsyncChunkStream(self._stub.Generate(request, timeout=self._deadline(timeout)))
+        return AsyncChunkStream(self._stub.Generate(request, timeout=self._deadline(timeout),
+                                                    metadata=self._metadata))
 
     def chat(self, messages: Iterable[Mapping[str, str]], *, timeout: float | None = None,
              **options: Unpack[GenerateOptions]) -> AsyncChunkStream:
         """Stream the reply to a conversation, rendered with the model's chat template."""
         request = chat_request(messages, options)
-        return AsyncChunkStream(self._stub.Chat(request, timeout=self._deadline(timeout)))
+        return AsyncChunkStream(self._stub.Chat(request, timeout=self._deadline(timeout), metadata=self._metadata))
 
     async def complete(self, prompt: str | Sequence[int], *, timeout: float | None = None,
                        **options: Unpack[GenerateOptions]) -> Completion:
@@ -417,7 +444,7 @@ class AsyncClient:
         """The served models; the first is the default."""
         try:
             response = await self._stub.ListModels(generation_pb2.ListModelsRequest(),
-                                                   timeout=self._deadline(timeout))
+                                                   timeout=self._deadline(timeout), metadata=self._metadata)
         except grpc.RpcError as exc:
             raise PdserveError.from_rpc_error(exc) from None
         return [ModelInfo.from_pb(m) for m in response.models]
