@@ -11,8 +11,8 @@ send), then engine.kv_verify.verify_received_kv checks those blocks as the decod
     full     the whole prompt's forward pass into a scratch cache, every layer of every block compared
 
 "prefill ms" is the engine's own prefill of the prompt (what disaggregation moves off the decode worker); the
-"% of prefill" columns are each check's cost relative to it. Median of --repeats. Prints a markdown table and
-writes it to --out (default bench/results/verify_kv.md).
+"% of prefill" columns are each check's cost relative to it. Median of --repeats after a warm-up run. Prints a
+markdown table and writes it to --out (default bench/results/verify_kv.md).
 """
 from __future__ import annotations
 
