@@ -43,8 +43,9 @@ class DecodeWorkerConfig:
     """This worker's private key (PEM path)."""
     insecure_internal: bool = False
     """Serve plaintext, on purpose: anyone who reaches the port may call anything, and KV any caller pushes
-    enters the prefix cache. Without TLS files the port is plaintext too (logged as a warning); the CLI
-    requires one or the other explicitly."""
+    enters the prefix cache (the operator trusts the network). Without TLS files and without this the port
+    is plaintext too (logged as a warning) but received KV never enters the prefix cache; the CLI requires
+    TLS files or this flag explicitly."""
     verify_kv: str = "off"
     """Check received KV against a recomputation before decoding on it: "off"; "sample" (layer 0's K/V of a
     few received blocks); "full" (every layer of every received block: the whole prompt recomputed here)."""

@@ -31,7 +31,7 @@ def start_server(config: DecodeWorkerConfig, engine_config: EngineConfig,
     engine = engine or build_engine(engine_config, progress=False)
     loop = EngineLoop(engine)
     log_internal_security(log, "decode worker", config.tls_files, config.insecure_internal)
-    worker = DecodeWorker(loop, config.max_lease_ms, trust_plaintext_kv=config.tls_files is None,
+    worker = DecodeWorker(loop, config.max_lease_ms, trust_plaintext_kv=config.insecure_internal,
                           verify_kv=config.verify_kv,
                           max_reserved_fraction_per_caller=config.max_reserved_fraction_per_caller)
     server = WorkerServer(config.host, config.port, tls=config.tls_files, health_port=config.health_port)

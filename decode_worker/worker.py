@@ -60,7 +60,7 @@ class Reservation:
 
 
 class DecodeWorker:
-    def __init__(self, loop: EngineLoop, max_lease_ms: int, *, trust_plaintext_kv: bool = True,
+    def __init__(self, loop: EngineLoop, max_lease_ms: int, *, trust_plaintext_kv: bool = False,
                  verify_kv: str = "off", max_reserved_fraction_per_caller: float = 1.0) -> None:
         self.loop = loop
         engine = loop.engine

@@ -254,8 +254,8 @@ def log_internal_security(log: logging.Logger, what: str, tls: TlsFiles | None, 
         log.warning("%s: INSECURE INTERNAL (--insecure-internal): plaintext gRPC without authentication; anyone "
                     "who reaches this port may call every internal RPC, and KV anyone pushes is cached", what)
     else:
-        log.warning("%s: no cluster certificate configured: plaintext gRPC without authentication (the same as "
-                    "--insecure-internal)", what)
+        log.warning("%s: no cluster certificate configured: plaintext gRPC without authentication; received KV "
+                    "is kept out of the prefix cache (--insecure-internal trusts it)", what)
 
 
 def wait_for_termination(on_stop: Callable[[], None]) -> None:

@@ -71,6 +71,8 @@ class Cluster:
     def start_worker(self, role: str, worker_id: str, **worker_kwargs) -> None:
         engine = dict(model=str(self.model_path), kv_cache_memory=KV_CACHE_MEMORY, num_threads=1,
                       block_size=BLOCK_SIZE)
+        if "cluster_cert" not in worker_kwargs:  # plaintext on purpose: decode workers cache the KV they receive
+            worker_kwargs.setdefault("insecure_internal", True)
         args = json.dumps([role, dict(worker_id=worker_id, redis_url=self.redis.url, **worker_kwargs), engine])
         self.procs[worker_id] = subprocess.Popen([sys.executable, "-c", WORKER_MAIN.replace("{}", worker_id), args],
                                                  cwd=REPO, stdin=subprocess.PIPE)

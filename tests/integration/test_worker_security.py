@@ -18,8 +18,12 @@ from concurrent import futures
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from decode_worker.config import DecodeWorkerConfig
+from decode_worker.server import start_server as start_decode
 from decode_worker.worker import DecodeWorker
+from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -28,10 +32,11 @@ from kvstore.index import PrefixIndex, WorkerInfo
 from kvstore.shm import SHM_DIR, OutgoingSegment, host_id
 from kvstore.transfer_manifest import KvLayoutSpec, TransferManifest
 from kvstore.transfer_service import GRPC_OPTIONS, KvSender, KvTransferServicer, ReceivedBlocks, TransferFailed
+from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.server import start_server as start_prefill
 from protos import tls
 from protos.convert import manifest_to_pb, request_from_pb, sampling_to_pb
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.integration.cluster import BLOCK_SIZE, KV_CACHE_MEMORY, MAX_MODEL_LEN, RPC_TIMEOUT_S, Cluster
 from tests.unit.engine.tiny_model import tiny_engine
 
@@ -463,3 +468,29 @@ def test_plaintext_kv_is_kept_out_of_the_prefix_cache_unless_the_worker_trusts_p
             worker.abort("b")
         finally:
             loop.stop()
+
+
+@pytest.mark.parametrize("insecure_internal", [False, True])
+def test_a_plaintext_decode_worker_caches_received_kv_only_with_insecure_internal(insecure_internal):
+    """Real workers over plaintext: after a disaggregated request the decode worker holds the prompt's
+    prefix for the next Reserve only when it runs with insecure_internal (the operator's explicit trust)."""
+    engine_config = EngineConfig(model="tiny-random", num_kv_blocks=256, block_size=4, dtype="float32")
+    d = start_decode(DecodeWorkerConfig("d0", None, insecure_internal=insecure_internal), engine_config,
+                     engine=tiny_engine())
+    p = start_prefill(PrefillWorkerConfig("p0", None, decode_endpoints=(f"127.0.0.1:{d.port}",)), engine_config,
+                      engine=tiny_engine())
+    prompt, params = list(range(3, 40)), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    try:
+        dstub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(f"127.0.0.1:{d.port}"))
+        pstub = worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(f"127.0.0.1:{p.port}"))
+        res = reserve(dstub, "first", prompt)
+        pre = pstub.Prefill(worker_pb2.PrefillRequest(request=worker_request("first", prompt, params),
+                                                      target=res.target), timeout=60)
+        list(dstub.Decode(worker_pb2.DecodeRequest(request_id="first", handle=res.target.handle,
+                                                   first_token_id=pre.first_token_id), timeout=60))
+        again = reserve(dstub, "second", prompt)
+        assert (again.target.num_cached_blocks > 0) == insecure_internal
+        dstub.Abort(worker_pb2.AbortRequest(request_id="second"), timeout=10)
+    finally:
+        p.stop(0)
+        d.stop(0)

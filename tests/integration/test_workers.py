@@ -32,7 +32,8 @@ PROMPT = list(range(3, 40))
 
 
 def start_pair(transport="auto", faults=0):
-    d = start_decode(DecodeWorkerConfig("d0", None, max_lease_ms=60_000), ENGINE, engine=tiny_engine())
+    d = start_decode(DecodeWorkerConfig("d0", None, max_lease_ms=60_000, insecure_internal=True), ENGINE,
+                     engine=tiny_engine())
     p = start_prefill(PrefillWorkerConfig("p0", None, transport=transport, fault_corrupt_transfers=faults,
                                           decode_endpoints=(f"127.0.0.1:{d.port}",)), ENGINE, engine=tiny_engine())
     return p, d
