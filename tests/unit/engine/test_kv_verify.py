@@ -7,6 +7,8 @@ import torch
 
 from engine.kv_verify import KvMismatch, verify_received_kv
 from engine.sampling_params import SamplingParams
+from kvstore.transfer import decode_payload, encode_records
+from kvstore.transfer_manifest import KvLayoutSpec
 from tests.unit.engine.tiny_model import tiny_engine
 
 PROMPT = list(range(3, 40))  # 37 tokens: 10 blocks of 4, the last one partial
@@ -68,3 +70,16 @@ def test_unknown_mode_is_refused(computed):
     engine, block_ids = computed
     with pytest.raises(ValueError, match="mode"):
         verify(engine, block_ids, "most")
+
+
+def test_kv_through_the_int8_codec_passes_with_the_codec_tolerance_only(computed):
+    """int8 on the wire rounds every value: within the codec's tolerance, beyond float32's."""
+    engine, block_ids = computed
+    kv = engine.runner.kv_cache
+    layout = KvLayoutSpec.from_cache(kv, engine.fingerprint)
+    records = encode_records(kv, block_ids, "int8")
+    decode_payload(records, layout, "int8", len(block_ids)).scatter_into(kv, block_ids)
+    for mode in ("sample", "full"):
+        verify_received_kv(engine.runner.model, kv, PROMPT, 0, block_ids, mode, codec="int8")
+    with pytest.raises(KvMismatch):
+        verify_received_kv(engine.runner.model, kv, PROMPT, 0, block_ids, "full", codec="raw")
