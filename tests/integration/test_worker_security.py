@@ -2,7 +2,7 @@
 redis-server: who may call which internal RPC, where a prefill worker may push, which shared-memory segments a
 Push may name, lease and per-caller reservation caps, and the prefix-cache poisoning attack (DESIGN section 10).
 
-Workers: p0 (prefill), d0 (decode), d1 (decode with --verify-kv sample), all on TLS ports. The test process plays
+Workers: p0 (prefill), d0 (decode), d1 and d2 (decode with --verify-kv sample and full), all on TLS ports. The test process plays
 the gateway (certificate gw0), a second gateway (gw1), an attacker holding a prefill certificate (p-evil), a
 probe, and an outsider with no certificate or another CA's.
 """
@@ -41,7 +41,7 @@ from tests.integration.cluster import BLOCK_SIZE, KV_CACHE_MEMORY, MAX_MODEL_LEN
 from tests.unit.engine.tiny_model import tiny_engine
 
 IDENTITIES = [("gateway", "gw0"), ("gateway", "gw1"), ("prefill", "p0"), ("prefill", "p-evil"), ("decode", "d0"),
-              ("decode", "d1"), ("probe", "probe0")]
+              ("decode", "d1"), ("decode", "d2"), ("probe", "probe0")]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 MAX_LEASE_MS = 60_000
 
@@ -69,10 +69,11 @@ def cluster(default_model_path, pki):
             c.start_worker("prefill", "p0", transport="auto", **tls_kwargs(pki["p0"]))
             c.start_worker("decode", "d0", max_lease_ms=MAX_LEASE_MS, **tls_kwargs(pki["d0"]))
             c.start_worker("decode", "d1", verify_kv="sample", **tls_kwargs(pki["d1"]))
+            c.start_worker("decode", "d2", verify_kv="full", **tls_kwargs(pki["d2"]))
             # In-process: the tokenizer and the KV layout the workers use.
             c.llm = LLM(model=str(default_model_path), progress=False, kv_cache_memory=KV_CACHE_MEMORY,
                         num_threads=1, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN)
-            c.wait_registered("p0", "d0", "d1")
+            c.wait_registered("p0", "d0", "d1", "d2")
             yield c
         finally:
             c.close()
@@ -146,7 +147,7 @@ def assert_nothing_held(cluster, pki):
     """Poll (bounded) until no worker holds a block, a sequence or a reservation; then assert it."""
     deadline = time.monotonic() + 30
     while True:
-        s = {w: stats(cluster, pki, w) for w in ("p0", "d0", "d1")}
+        s = {w: stats(cluster, pki, w) for w in ("p0", "d0", "d1", "d2")}
         busy = {w: x for w, x in s.items() if x.used_blocks or x.running or x.waiting or x.reserved}
         if not busy or time.monotonic() > deadline:
             break
@@ -432,15 +433,17 @@ def test_prefix_cache_poisoning_fails_closed_and_the_honest_answer_stays_right(c
     push_failure, decode = poison(cluster, pki, layout, "d0", "gw1", question)
     assert push_failure is not None and push_failure.code == grpc.StatusCode.PERMISSION_DENIED
     assert decode[0] == grpc.StatusCode.FAILED_PRECONDITION          # nothing committed: no decoding on it
-    # With a valid prefill certificate, d1's --verify-kv sample recomputes layer 0 and rejects the KV.
-    push_failure, decode = poison(cluster, pki, layout, "d1", "p-evil", question)
-    assert push_failure is not None and push_failure.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert "layer 0" in push_failure.details and "block_digests[" in push_failure.details
-    assert decode[0] == grpc.StatusCode.FAILED_PRECONDITION
-    assert stats(cluster, pki, "d1").transfer_errors >= 1
-    # Honest users still get the right answer on both decode workers, the second time from D's prefix cache
-    # (the honest KV came from p0, authenticated as a prefill worker, and passed d1's check).
-    for decode_worker in ("d0", "d1"):
+    # With a valid prefill certificate, --verify-kv recomputes (d1: layer 0 of some blocks, d2: the whole
+    # prompt) and rejects the KV.
+    for decode_worker in ("d1", "d2"):
+        push_failure, decode = poison(cluster, pki, layout, decode_worker, "p-evil", question)
+        assert push_failure is not None and push_failure.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "layer 0" in push_failure.details and "block_digests[" in push_failure.details
+        assert decode[0] == grpc.StatusCode.FAILED_PRECONDITION
+        assert stats(cluster, pki, decode_worker).transfer_errors == 1
+    # Honest users still get the right answer on every decode worker, the second time from D's prefix cache
+    # (the honest KV came from p0, authenticated as a prefill worker, and passed d1's and d2's checks).
+    for decode_worker in ("d0", "d1", "d2"):
         for attempt in range(2):
             text, res = ask(cluster, pki, decode_worker, question)
             assert "Berlin" in text, (decode_worker, text)
