@@ -88,18 +88,23 @@ class DecodeWorker:
         try:
             seq = self.loop.call(lambda e: e.reserve(req.request_id, req.prompt_token_ids, req.params,
                                                      req.cache_salt, req.seed))
-            lease_ms = min(max(lease_ms, 1), self.max_lease_ms)
-            res = Reservation(seq.lease, f"{next(self._handles)}-{secrets.token_hex(8)}", tuple(seq.block_ids),
-                              seq.num_computed_tokens // self.loop.engine.config.block_size,
-                              time.monotonic() + lease_ms / 1000, int(time.time() * 1000) + lease_ms, caller)
+        except BaseException:
             with self._lock:
-                self._reservations[req.request_id] = res
-        finally:
-            with self._lock:
-                self._reserving[caller] -= needed
-                if not self._reserving[caller]:
-                    del self._reserving[caller]
+                self._done_reserving(caller, needed)
+            raise
+        lease_ms = min(max(lease_ms, 1), self.max_lease_ms)
+        res = Reservation(seq.lease, f"{next(self._handles)}-{secrets.token_hex(8)}", tuple(seq.block_ids),
+                          seq.num_computed_tokens // self.loop.engine.config.block_size,
+                          time.monotonic() + lease_ms / 1000, int(time.time() * 1000) + lease_ms, caller)
+        with self._lock:  # one step: from in flight to held, never counted twice
+            self._done_reserving(caller, needed)
+            self._reservations[req.request_id] = res
         return res
+
+    def _done_reserving(self, caller: str, needed: int) -> None:
+        self._reserving[caller] -= needed
+        if not self._reserving[caller]:
+            del self._reserving[caller]
 
     def _admit(self, caller: str, needed: int) -> None:
         """Under the lock: OverloadedError when `caller`'s uncommitted reservations (in flight included) plus
