@@ -25,6 +25,8 @@ from prefill_worker.config import CODECS, TRANSPORTS, PrefillWorkerConfig
 C = TypeVar("C")
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+API_KEY_ENV = "PDSERVE_API_KEY"
+"""Environment variable `generate` and `chat` take the API key from when --api-key is not given."""
 _FLAG_NAMES = {"num_threads": "--threads", "enable_prefix_caching": "--no-prefix-caching",
                "drain_timeout_s": "--drain-timeout", "worker_ttl_s": "--worker-ttl", "num_prefill": "--prefill",
                "num_decode": "--decode", "num_cpus": "--cpus", "start_timeout_s": "--start-timeout",
@@ -179,8 +181,29 @@ def _add_gateway_tuning(g: Any, defaults: bool) -> None:
     _arg(g, G, "served_model_name", "model name ListModels reports (default: the model file's name)", **kw)
 
 
+def _add_gateway_security(p: argparse.ArgumentParser) -> None:
+    G = GatewayConfig
+    g = p.add_argument_group("client security")
+    _arg(g, G, "api_key_file", "API keys, one per line: KEY [TENANT] [max_concurrent=N] [tokens_per_minute=N]; "
+         "every RPC and endpoint but health then needs 'authorization: Bearer KEY' (reloaded on SIGHUP)")
+    _arg(g, G, "allow_unauthenticated", "serve a non-loopback --host without --api-key-file", action="store_true")
+    _arg(g, G, "tls_cert", "certificate chain (PEM) of the public gRPC port and HTTPS, with --tls-key")
+    _arg(g, G, "tls_key", "private key (PEM) of --tls-cert")
+    t = p.add_argument_group("cluster security (one of: the three certificate flags, or --insecure-internal)")
+    _arg(t, G, "cluster_ca", "CA bundle of the cluster (PEM): mutual TLS toward the workers, with "
+         "--cluster-cert and --cluster-key")
+    _arg(t, G, "cluster_cert", "this gateway's certificate (PEM), issued by the cluster CA for role gateway")
+    _arg(t, G, "cluster_key", "this gateway's private key (PEM)")
+    _arg(t, G, "insecure_internal", "talk plaintext to the workers: anyone who can write a worker record into "
+         "Redis may receive prompts", action="store_true")
+
+
 def _add_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"gateway host:port (default {DEFAULT_TARGET})")
+    p.add_argument("--api-key", default=None, help=f"the gateway's API key (default: ${API_KEY_ENV})")
+    p.add_argument("--tls", action="store_true", help="talk TLS to the gateway (system CA roots unless --ca-cert)")
+    p.add_argument("--ca-cert", default=None, metavar="PATH", help="CA bundle (PEM) that signed the gateway's "
+                   "certificate; implies --tls")
     p.add_argument("--timeout", type=float, default=None, help="deadline of each request in seconds")
     p.add_argument("--model", default="", help="served model name (default: the gateway's default)")
     p.add_argument("--cache-salt", default="", help="share cached prefixes only with requests of this salt")
@@ -217,6 +240,13 @@ def generate_options(args: argparse.Namespace) -> dict[str, Any]:
 # -------------------------------------------------------------------------------------------- configs
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     return build_config(GatewayConfig, args)
+
+
+def client_options(args: argparse.Namespace) -> dict[str, Any]:
+    """pdserve.client.Client keyword arguments of `generate`/`chat`: --api-key (else $PDSERVE_API_KEY), --tls,
+    --ca-cert."""
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    return {"api_key": api_key, "tls": args.tls or args.ca_cert is not None, "ca_cert": args.ca_cert}
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -307,6 +337,7 @@ def build_parser(description: str = "", extra_commands: Sequence[AddCommand] = (
     _arg(g, GatewayConfig, "quantization", "the workers' --quantization (part of the model fingerprint they "
          "register; default: none)", choices=QUANTIZATIONS)
     _add_gateway_tuning(g, defaults=True)
+    _add_gateway_security(gateway)
 
     prefill = sub.add_parser("prefill-worker", help="run a prefill worker")
     _add_worker_args(prefill, PrefillWorkerConfig)
