@@ -239,7 +239,12 @@ def generate_options(args: argparse.Namespace) -> dict[str, Any]:
 
 # -------------------------------------------------------------------------------------------- configs
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
-    return build_config(GatewayConfig, args)
+    """The gateway's config; it needs its cluster certificate flags or an explicit --insecure-internal."""
+    config = build_config(GatewayConfig, args)
+    if config.cluster_tls is None and not config.insecure_internal:
+        raise UsageError("gateway needs --cluster-ca, --cluster-cert and --cluster-key (mutual TLS toward the "
+                         "workers), or --insecure-internal to talk plaintext to them")
+    return config
 
 
 def client_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -68,13 +68,15 @@ def test_prefill_worker_flags_map_onto_worker_and_engine_configs():
     args = parse("prefill-worker", "--worker-id", "p7", "--host", "0.0.0.0", "--port", "7001", "--advertise-host",
                  "p7.svc", "--redis-url", "redis://r:1/0", "--worker-ttl", "4", "--transport", "grpc", "--codec",
                  "int8", "--chunk-bytes", "1M", "--fault-corrupt-transfers", "2", *TLS_FLAGS, "--decode-endpoint",
-                 "d:1", "--decode-endpoint", "d:2", *ENGINE_FLAGS)
+                 "d:1", "--decode-endpoint", "d:2", "--health-port", "8081", "--metrics-port", "9090",
+                 "--drain-timeout", "7", *ENGINE_FLAGS)
     config = cli_args.worker_config(PrefillWorkerConfig, "prefill", args)
     assert config == PrefillWorkerConfig(worker_id="p7", redis_url="redis://r:1/0", host="0.0.0.0", port=7001,
                                          advertise_host="p7.svc", transport="grpc", codec="int8",
                                          chunk_bytes=2**20, worker_ttl_s=4.0, fault_corrupt_transfers=2,
                                          cluster_ca="/pki/ca.pem", cluster_cert="/pki/w.pem",
-                                         cluster_key="/pki/w-key.pem", decode_endpoints=("d:1", "d:2"))
+                                         cluster_key="/pki/w-key.pem", decode_endpoints=("d:1", "d:2"),
+                                         health_port=8081, metrics_port=9090, drain_timeout_s=7.0)
     assert_every_field_differs_from_default(dataclasses.replace(config, worker_id="x"), exclusive=["insecure_internal"])
     assert cli_args.engine_config(args) == ENGINE
     assert_every_field_differs_from_default(ENGINE)
@@ -83,13 +85,15 @@ def test_prefill_worker_flags_map_onto_worker_and_engine_configs():
 def test_decode_worker_flags_map_onto_worker_and_engine_configs():
     args = parse("decode-worker", "--worker-id", "d1", "--host", "0.0.0.0", "--port", "7002", "--advertise-host",
                  "d1.svc", "--redis-url", "redis://r:1/0", "--worker-ttl", "5", "--max-lease-ms", "900",
-                 *TLS_FLAGS, "--verify-kv", "sample", "--max-reserved-fraction-per-caller", "0.25", *ENGINE_FLAGS)
+                 *TLS_FLAGS, "--verify-kv", "sample", "--max-reserved-fraction-per-caller", "0.25",
+                 "--health-port", "8081", "--metrics-port", "9090", "--drain-timeout", "7", *ENGINE_FLAGS)
     config = cli_args.worker_config(DecodeWorkerConfig, "decode", args)
     assert config == DecodeWorkerConfig(worker_id="d1", redis_url="redis://r:1/0", host="0.0.0.0", port=7002,
                                         advertise_host="d1.svc", max_lease_ms=900, worker_ttl_s=5.0,
                                         cluster_ca="/pki/ca.pem", cluster_cert="/pki/w.pem",
                                         cluster_key="/pki/w-key.pem", verify_kv="sample",
-                                        max_reserved_fraction_per_caller=0.25)
+                                        max_reserved_fraction_per_caller=0.25, health_port=8081, metrics_port=9090,
+                                        drain_timeout_s=7.0)
     assert_every_field_differs_from_default(dataclasses.replace(config, worker_id="x"), exclusive=["insecure_internal"])
     assert cli_args.engine_config(args) == ENGINE
 
