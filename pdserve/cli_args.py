@@ -27,6 +27,9 @@ C = TypeVar("C")
 DEFAULT_TARGET = "127.0.0.1:50051"
 API_KEY_ENV = "PDSERVE_API_KEY"
 """Environment variable `generate` and `chat` take the API key from when --api-key is not given."""
+REDIS_URL_ENV = "PDSERVE_REDIS_URL"
+"""Environment variable the gateway, the workers and `up` take the Redis URL from when --redis-url is not given
+(a password in a URL on the command line is readable by every local user; the environment is not)."""
 _FLAG_NAMES = {"num_threads": "--threads", "enable_prefix_caching": "--no-prefix-caching",
                "drain_timeout_s": "--drain-timeout", "worker_ttl_s": "--worker-ttl", "num_prefill": "--prefill",
                "num_decode": "--decode", "num_cpus": "--cpus", "start_timeout_s": "--start-timeout",
@@ -144,7 +147,8 @@ def _add_worker_args(p: argparse.ArgumentParser, cls: type) -> None:
     _add_server_args(p, cls, "port to bind (0 picks a free one, which is registered)")
     g = p.add_argument_group("worker")
     _arg(g, cls, "worker_id", "id in the prefix index, unique in the deployment (default: ROLE-HOSTNAME-PID)")
-    _arg(g, cls, "redis_url", "prefix index and registry, redis://host:port/db (default: run unregistered)")
+    _arg(g, cls, "redis_url", f"prefix index and registry, redis://[:PASSWORD@]host:port/db (default: "
+         f"${REDIS_URL_ENV}, else run unregistered)")
     _arg(g, cls, "advertise_host", "host other processes reach this worker at (default: --host)")
     _arg(g, cls, "worker_ttl_s", "registration TTL in seconds", type=float)
     t = p.add_argument_group("cluster security (one of: the three certificate flags, or --insecure-internal)")
@@ -154,6 +158,8 @@ def _add_worker_args(p: argparse.ArgumentParser, cls: type) -> None:
     _arg(t, cls, "cluster_key", "this worker's private key (PEM)")
     _arg(t, cls, "insecure_internal", "serve plaintext without authentication: anyone who reaches the port may "
          "call every internal RPC (and, on a decode worker, put KV into its prefix cache)", action="store_true")
+    _arg(g, cls, "drain_timeout_s", "on SIGTERM, seconds requests already taken get to finish after the worker "
+         "left the index and refuses new ones; the rest then end with UNAVAILABLE", type=float)
     add_engine_args(p)
 
 
@@ -238,9 +244,18 @@ def generate_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # -------------------------------------------------------------------------------------------- configs
+def redis_url(args: argparse.Namespace) -> str | None:
+    """--redis-url, else $PDSERVE_REDIS_URL, else None."""
+    return args.redis_url if args.redis_url is not None else os.environ.get(REDIS_URL_ENV) or None
+
+
 def gateway_config(args: argparse.Namespace) -> GatewayConfig:
-    """The gateway's config; it needs its cluster certificate flags or an explicit --insecure-internal."""
-    config = build_config(GatewayConfig, args)
+    """The gateway's config; it needs its cluster certificate flags or an explicit --insecure-internal, and a
+    Redis URL (--redis-url or $PDSERVE_REDIS_URL)."""
+    url = redis_url(args)
+    if url is None:
+        raise UsageError(f"gateway needs --redis-url or ${REDIS_URL_ENV}")
+    config = build_config(GatewayConfig, args, redis_url=url)
     if config.cluster_tls is None and not config.insecure_internal:
         raise UsageError("gateway needs --cluster-ca, --cluster-cert and --cluster-key (mutual TLS toward the "
                          "workers), or --insecure-internal to talk plaintext to them")
@@ -262,7 +277,7 @@ def worker_config(cls: type[C], role: str, args: argparse.Namespace) -> C:
     """A PrefillWorkerConfig or DecodeWorkerConfig; without --worker-id the id is ROLE-HOSTNAME-PID. A worker
     needs its cluster certificate flags or an explicit --insecure-internal (UsageError otherwise)."""
     worker_id = args.worker_id if args.worker_id is not None else f"{role}-{socket.gethostname()}-{os.getpid()}"
-    config = build_config(cls, args, worker_id=worker_id)
+    config = build_config(cls, args, worker_id=worker_id, redis_url=redis_url(args))
     if config.tls_files is None and not config.insecure_internal:
         raise UsageError(f"{role}-worker needs --cluster-ca, --cluster-cert and --cluster-key (mutual TLS inside "
                          "the cluster), or --insecure-internal to run plaintext without authentication")
@@ -279,7 +294,8 @@ def cluster_config(args: argparse.Namespace) -> LocalClusterConfig:
     once = getattr(args, "once", None) is not None
     ports = {name: value if value is not None else once_value if once else _default(LocalClusterConfig, name)
              for name, value, once_value in (("port", args.port, 0), ("http_port", args.http_port, -1))}
-    return build_config(LocalClusterConfig, args, engine=engine, gateway_args=gateway_args, **ports)
+    return build_config(LocalClusterConfig, args, engine=engine, gateway_args=gateway_args, redis_url=redis_url(args),
+                        **ports)
 
 
 # -------------------------------------------------------------------------------------------- parser
@@ -314,7 +330,8 @@ def build_parser(description: str = "", extra_commands: Sequence[AddCommand] = (
          "--kv-cache-memory)", type=parse_bytes)
     _arg(g, L, "transport", "KV transport between workers", choices=TRANSPORTS)
     _arg(g, L, "codec", "KV wire codec", choices=CODECS)
-    _arg(g, L, "redis_url", "use this Redis instead of starting one")
+    _arg(g, L, "redis_url", f"use this Redis instead of starting one (default: ${REDIS_URL_ENV}, else an "
+         "embedded redis-server with a generated password)")
     _arg(g, L, "run_dir", "keep the processes' logs here (default: a temporary directory)")
     _arg(g, L, "num_cpus", "CPUs divided among the workers when --threads is not given (default: all)", type=int)
     _arg(g, L, "start_timeout_s", "seconds the whole start may take", type=float)
@@ -333,7 +350,8 @@ def build_parser(description: str = "", extra_commands: Sequence[AddCommand] = (
     g = gateway.add_argument_group("gateway")
     _arg(g, GatewayConfig, "http_port", "port of the OpenAI-compatible HTTP API on --host (0 picks a free one, "
          "-1 turns it off)", type=int)
-    _arg(g, GatewayConfig, "redis_url", "prefix index and worker registry, redis://host:port/db", required=True)
+    _arg(g, GatewayConfig, "redis_url", "prefix index and worker registry, redis://[:PASSWORD@]host:port/db "
+         f"(required unless ${REDIS_URL_ENV} is set, which keeps a password off the command line)")
     _arg(g, GatewayConfig, "model", "model path or 'default' (tokenizer and limits only; no weights)",
          default="default")
     _arg(g, GatewayConfig, "block_size", "KV block size in tokens; must equal the workers'", type=int)
