@@ -10,6 +10,11 @@ engine as the reference for greedy outputs.
     cluster.close()
 
 or, for a module fixture, `with running_cluster(model_path, [("prefill", "p0"), ("decode", "d0")]) as cluster:`.
+
+With a cluster PKI (`Cluster(model_path, redis, pki=...)`, or `running_cluster(..., tls=True)`, which writes one
+into a temporary directory with a certificate per worker plus "gateway" and "probe"), every worker serves mutual
+TLS with its own certificate, `gateway()` talks to them with the "gateway" certificate and `stats()` polls them
+with the "probe" one.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -29,6 +35,7 @@ from gateway.config import GatewayConfig
 from gateway.server import load_model_spec, start_server
 from kvstore.embedded_redis import EmbeddedRedis
 from kvstore.index import PrefixIndex
+from protos import tls
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,12 +64,20 @@ serve(Config(**worker_kwargs), EngineConfig(**engine_kwargs))
 """
 
 
+def tls_kwargs(files: tls.TlsFiles) -> dict:
+    """Worker or gateway config fields of one process's cluster TLS files."""
+    return dict(cluster_ca=str(files.ca_path), cluster_cert=str(files.cert_path), cluster_key=str(files.key_path))
+
+
 class Cluster:
     """Worker processes registered in one redis-server, plus in-process gateways in front of them."""
 
-    def __init__(self, model_path: Path, redis: EmbeddedRedis) -> None:
+    def __init__(self, model_path: Path, redis: EmbeddedRedis, pki: dict[str, tls.TlsFiles] | None = None) -> None:
+        """`pki`: name -> TlsFiles (protos.tls.write_cluster_pki) holding each worker's id, "gateway" and "probe";
+        None: plaintext everywhere."""
         self.model_path = model_path
         self.redis = redis
+        self.pki = pki
         self.index = PrefixIndex(redis.url, lookup_timeout_s=1.0)
         self.procs: dict[str, subprocess.Popen] = {}
         self.gateways = []
@@ -71,6 +86,8 @@ class Cluster:
     def start_worker(self, role: str, worker_id: str, **worker_kwargs) -> None:
         engine = dict(model=str(self.model_path), kv_cache_memory=KV_CACHE_MEMORY, num_threads=1,
                       block_size=BLOCK_SIZE)
+        if self.pki is not None and "cluster_ca" not in worker_kwargs and "insecure_internal" not in worker_kwargs:
+            worker_kwargs = {**tls_kwargs(self.pki[worker_id]), **worker_kwargs}
         if "cluster_cert" not in worker_kwargs:  # plaintext on purpose: decode workers cache the KV they receive
             worker_kwargs.setdefault("insecure_internal", True)
         args = json.dumps([role, dict(worker_id=worker_id, redis_url=self.redis.url, **worker_kwargs), engine])
@@ -100,7 +117,8 @@ class Cluster:
         config = GatewayConfig(model=str(self.model_path), redis_url=self.redis.url, port=0,
                                block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                                lease_ms=60_000,       # outlives every bounded wait here: a leaked reservation shows
-                               **{"local_prefill_threshold": 0, "http_port": 0, "drain_timeout_s": 5.0, **overrides})
+                               **{"local_prefill_threshold": 0, "http_port": 0, "drain_timeout_s": 5.0,
+                                  **(tls_kwargs(self.pki["gateway"]) if self.pki is not None else {}), **overrides})
         if self.model is None:
             self.model = load_model_spec(config)
         handle = start_server(config, self.model)
@@ -110,10 +128,17 @@ class Cluster:
     def endpoint(self, worker_id: str) -> str:
         return next(w.grpc_endpoint for w in self.index.list_workers() if w.worker_id == worker_id)
 
+    def channel(self, worker_id: str, role: str) -> grpc.Channel:
+        """A channel to a worker: plaintext, or with the "probe" certificate checking the worker's role."""
+        if self.pki is None:
+            return grpc.insecure_channel(self.endpoint(worker_id))
+        return grpc.secure_channel(self.endpoint(worker_id), tls.channel_credentials(self.pki["probe"]),
+                                   options=tls.channel_options(role))
+
     def stats(self, worker_id: str) -> worker_pb2.WorkerStats:
-        with grpc.insecure_channel(self.endpoint(worker_id)) as channel:
-            stub_type = worker_pb2_grpc.DecodeWorkerStub if worker_id.startswith("d") else \
-                worker_pb2_grpc.PrefillWorkerStub
+        role = "decode" if worker_id.startswith("d") else "prefill"
+        with self.channel(worker_id, role) as channel:
+            stub_type = worker_pb2_grpc.DecodeWorkerStub if role == "decode" else worker_pb2_grpc.PrefillWorkerStub
             return stub_type(channel).Stats(worker_pb2.StatsRequest(), timeout=10)
 
     def wait_idle(self, *worker_ids: str) -> dict[str, worker_pb2.WorkerStats]:
@@ -151,6 +176,10 @@ def assert_idle(stats: dict[str, worker_pb2.WorkerStats]) -> None:
         assert (s.used_blocks, s.running, s.waiting, s.reserved) == (0, 0, 0, 0), f"{worker_id} busy: {s}"
 
 
+def _write_pki(directory: str, workers: Sequence[tuple[str, str]]) -> dict[str, tls.TlsFiles]:
+    return tls.write_cluster_pki(directory, [*workers, ("gateway", "gateway"), ("probe", "probe")])
+
+
 class Reference:
     """The offline engine with the workers' settings and no prefix caching: every answer is a cold run."""
 
@@ -170,11 +199,13 @@ class Reference:
 
 
 @contextlib.contextmanager
-def running_cluster(model_path: Path, workers: Sequence[tuple[str, str]]) -> Iterator[Cluster]:
+def running_cluster(model_path: Path, workers: Sequence[tuple[str, str]], tls: bool = False) -> Iterator[Cluster]:
     """A real redis-server and the `workers` ((role, worker_id), ...) started and registered, with the cluster's
-    Reference (loaded while the workers load) as `cluster.reference`; everything stops on exit."""
-    with EmbeddedRedis() as redis:
-        cluster = Cluster(model_path, redis)
+    Reference (loaded while the workers load) as `cluster.reference`; everything stops on exit. `tls`: a fresh
+    cluster PKI (module doc), as `cluster.pki`."""
+    with EmbeddedRedis() as redis, tempfile.TemporaryDirectory(prefix="pdserve-pki-") as pki_dir:
+        pki = _write_pki(pki_dir, workers) if tls else None
+        cluster = Cluster(model_path, redis, pki)
         try:
             for role, worker_id in workers:
                 cluster.start_worker(role, worker_id)
