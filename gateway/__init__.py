@@ -6,6 +6,7 @@ validation       protobuf request or plain values -> GenerationRequest, errors n
 openai_protocol  OpenAI JSON bodies -> GenerationRequest, output chunks -> OpenAI response objects (pure)
 routing          which decode / prefill worker, and when the decode worker prefills locally (pure)
 stop_strings     incremental stop-string matching over streamed text (pure)
+auth             API keys (constant-time check, reload), per-key limits, tenant cache namespaces (pure)
 output_stream    token ids -> text deltas -> stop strings, as output chunks (pure)
 orchestrator     one request's lifecycle (reserve, prefill, decode; queue, retries, aborts) over a worker client;
                  no grpc, no protobuf
@@ -13,7 +14,7 @@ worker_types     the worker client's interface, what it returns and raises: data
 worker_client    the worker RPCs over grpc.aio channels (keepalive, connectivity): the gateway's only worker I/O
 discovery        workers from the Redis index, and their health as this gateway sees it (health checks)
 metrics          Prometheus metrics of one gateway (its own registry)
-frontend         the request path both APIs share: admission, orchestrator, metrics, drain accounting
+frontend         the request path both APIs share: API keys, admission, orchestrator, metrics, drain accounting
 http_front       the aiohttp OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models,
                  /health, /metrics
 server           the grpc.aio server (Generation servicer, status mapping, health, reflection) plus the HTTP
