@@ -1,16 +1,20 @@
 """pdserve: LLM serving with disaggregated prefill and decode.
 
-    pdserve up [--prefill N] [--decode M] [--once "MESSAGE"]   the whole cluster on this machine
-    pdserve gateway --redis-url URL [...]                      the public gRPC and OpenAI-compatible HTTP APIs
+    pdserve up [--prefill N] [--decode M] [--once "MESSAGE"]   the whole cluster on this machine (internal
+                                                               mutual TLS; --insecure-internal turns it off)
+    pdserve gateway [--redis-url URL] [...]                    the public gRPC and OpenAI-compatible HTTP APIs
     pdserve prefill-worker | decode-worker [...]               one worker
     pdserve generate "PROMPT" [--target HOST:PORT] [...]       complete a raw prompt through a gateway
     pdserve chat ["MESSAGE"] [--target HOST:PORT] [...]        chat through a gateway (interactive without MESSAGE)
-    pdserve health HOST:PORT [--service NAME]                  exit 0 when SERVING, 1 otherwise
+    pdserve health HOST:PORT [--service NAME] [--cluster-*]    exit 0 when SERVING, 1 otherwise
+    pdserve certs --out DIR | --k8s DIR | --compose DIR        a cluster CA, certificates and secrets
     pdserve fetch-model                                        download and verify the default model
 
 Exit codes: 0 success, 1 a server or the local cluster failed, 2 bad flags or a failed request,
 130 interrupted (Ctrl-C). Environment: PDSERVE_HOME, the model cache (default ~/.cache/pdserve);
-PDSERVE_LLAMA_SERVER, the default of `pdserve bench --llama-server`.
+PDSERVE_REDIS_URL, the Redis URL of `gateway`, the workers and `up` when --redis-url is not given (keeps a
+password off the command line); PDSERVE_API_KEY, the API key of `generate` and `chat`; PDSERVE_LLAMA_SERVER,
+the default of `pdserve bench --llama-server`.
 """
 
 # Flags are read here, in cli_args and in bench/cli (its own subcommand); PDSERVE_HOME only through
@@ -26,17 +30,20 @@ import signal
 import sys
 import threading
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from decode_worker.config import DecodeWorkerConfig
 from engine.model_fetch import ModelFetchError, fetch_default_model
+from gateway.auth import ApiKeyFileError
 from kvstore.embedded_redis import redacted_url
-from pdserve import cli_args, health
+from pdserve import cli_args, health, pki
 from pdserve.bench import cli as bench_cli
 from pdserve.cli_args import UsageError
 from pdserve.client import Chunk, Client, Completion, PdserveError, collect
-from pdserve.launcher import ClusterError, LocalCluster
+from pdserve.launcher import ClusterError, LocalCluster, LocalClusterConfig
 from prefill_worker.config import PrefillWorkerConfig
+from protos.tls import CertificateError, ClusterCA, TlsFiles
 
 _SERVER_COMMANDS = ("gateway", "prefill-worker", "decode-worker")
 
@@ -92,6 +99,8 @@ def _raise_exit(signum: int, frame: Any) -> None:
 
 def cmd_up(args: argparse.Namespace) -> int:
     config = cli_args.cluster_config(args)
+    if config.api_key_file is not None:
+        pki.first_api_key(config.api_key_file)  # a key file the gateway would refuse fails before anything starts
     signal.signal(signal.SIGTERM, _raise_exit)
     _err(f"pdserve: starting Redis, {config.num_prefill} prefill and {config.num_decode} decode worker(s) and "
          f"the gateway (model {config.engine.model}) ...")
@@ -102,7 +111,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         width = max(len(name) for name, _ in rows)
         _err("\n".join(f"  {name:<{width}}  {value}" for name, value in rows))
         if args.once is not None:
-            return _chat_once(cluster.gateway_target, args)
+            return _chat_once(cluster.gateway_target, config, args)
         also = f" (gRPC) and {cluster.http_url} (OpenAI HTTP)" if cluster.http_url is not None else ""
         _err(f"pdserve: serving on {cluster.gateway_target}{also}; Ctrl-C stops everything")
         try:
@@ -118,10 +127,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 1
 
 
-def _chat_once(target: str, args: argparse.Namespace) -> int:
+def _chat_once(target: str, config: LocalClusterConfig, args: argparse.Namespace) -> int:
+    """One chat turn through the cluster's gateway as a client would: its first API key, over its public TLS."""
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.once}]
-    with Client(target) as client, client.chat(messages, max_tokens=args.max_tokens, temperature=0.0) as stream:
+    api_key = pki.first_api_key(config.api_key_file) if config.api_key_file else None
+    client = Client(target, api_key=api_key, tls=config.tls_cert is not None, ca_cert=config.ca_cert)
+    with client, client.chat(messages, max_tokens=args.max_tokens, temperature=0.0) as stream:
         _print_stream(stream)
     return 0
 
@@ -191,14 +203,65 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 turn(text)
 
 
+def _health_credentials(args: argparse.Namespace) -> health.Credentials | None:
+    cluster = (args.cluster_ca, args.cluster_cert, args.cluster_key)
+    if any(cluster) and not all(cluster):
+        raise UsageError("--cluster-ca, --cluster-cert and --cluster-key go together")
+    if all(cluster):
+        if args.ca_cert or args.tls:
+            raise UsageError("--cluster-* (mutual TLS) excludes --ca-cert/--tls (server TLS)")
+        files = TlsFiles(Path(args.cluster_cert), Path(args.cluster_key), Path(args.cluster_ca))
+        return health.Credentials.cluster(files, args.server_role)
+    if args.server_role:
+        raise UsageError("--server-role needs --cluster-ca, --cluster-cert and --cluster-key")
+    if args.ca_cert or args.tls:
+        return health.Credentials.public(args.ca_cert)
+    return None
+
+
 def cmd_health(args: argparse.Namespace) -> int:
-    status = health.status(args.target, args.service, args.timeout)
+    try:
+        credentials = _health_credentials(args)
+    except OSError as exc:
+        raise UsageError(f"cannot read a TLS file: {exc}") from None
+    status = health.status(args.target, args.service, args.timeout, credentials)
     print(status)
     return 0 if status == health.SERVING else 1
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     return bench_cli.run(args)
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    if (args.names or args.ca_cert or args.ca_key) and not args.out:
+        raise UsageError("--name, --ca-cert and --ca-key go with --out")
+    if args.force and not args.compose:
+        raise UsageError("--force goes with --compose")
+    try:
+        if args.k8s:
+            written = pki.write_k8s_secrets(args.k8s, public_hosts=args.hosts)
+            _err(f"pdserve: wrote {', '.join(written)} to {args.k8s} (keep this folder out of version control)")
+        elif args.compose:
+            root = Path(args.compose)
+            if (root / "gateway" / "tls.pem").exists() and not args.force:
+                _err(f"pdserve: {root} already holds the cluster's certificates; kept (--force replaces them)")
+                return 0
+            written = pki.write_compose_secrets(root, public_hosts=args.hosts)
+            _err(f"pdserve: wrote {', '.join(written)} under {root}")
+        else:
+            if (args.ca_cert is None) != (args.ca_key is None):
+                raise UsageError("--ca-cert and --ca-key go together")
+            ca = ClusterCA.load(args.ca_cert, args.ca_key) if args.ca_cert else None
+            identities = [pki.parse_identity(name) for name in args.names] or list(pki.DEFAULT_IDENTITIES)
+            files, public = pki.write_cluster_files(args.out, identities, hosts=args.hosts, ca=ca)
+            rows = [(name, f"{tls.cert_path.name} {tls.key_path.name}") for name, tls in files.items()]
+            rows += [("ca", "ca.pem ca-key.pem"),
+                     ("public", f"{public.cert_path.name} {public.key_path.name} (clients: {public.ca_path.name})")]
+            _err(f"pdserve: wrote to {args.out}:\n" + "\n".join(f"  {name:<10} {what}" for name, what in rows))
+    except (CertificateError, OSError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    return 0
 
 
 def cmd_fetch_model(args: argparse.Namespace) -> int:
@@ -208,7 +271,7 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
 
 COMMANDS = {"up": cmd_up, "gateway": cmd_gateway, "prefill-worker": cmd_prefill_worker,
             "decode-worker": cmd_decode_worker, "generate": cmd_generate, "chat": cmd_chat, "health": cmd_health,
-            "fetch-model": cmd_fetch_model, "bench": cmd_bench}
+            "fetch-model": cmd_fetch_model, "bench": cmd_bench, "certs": cmd_certs}
 
 
 def _err(text: str) -> None:
@@ -227,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return COMMANDS[args.command](args)
-    except (UsageError, PdserveError, ModelFetchError) as exc:
+    except (UsageError, PdserveError, ModelFetchError, ApiKeyFileError) as exc:
         _err(f"pdserve: error: {exc}")
         return 2
     except ClusterError as exc:

@@ -338,6 +338,17 @@ def build_parser(description: str = "", extra_commands: Sequence[AddCommand] = (
     _arg(g, L, "stop_timeout_s", "seconds each stop stage waits before SIGKILL", type=float)
     _arg(g, L, "restart_workers", "restart a worker process that exits (same id, port and flags, with a backoff); "
          "without it a dead worker is reported and the cluster serves on the others", action="store_true")
+    s = up.add_argument_group("security (internal mutual TLS is on: a cluster CA per run, one certificate per "
+                              "process)")
+    _arg(s, L, "insecure_internal", "run the workers and the gateway plaintext inside the cluster, without "
+         "certificates (any local process may then call every internal RPC)", action="store_true")
+    _arg(s, L, "api_key_file", "the gateway's API keys (see `pdserve gateway --help`); --once sends the first one")
+    _arg(s, L, "allow_unauthenticated", "let the gateway serve a non-loopback --host without --api-key-file",
+         action="store_true")
+    _arg(s, L, "tls_cert", "certificate chain (PEM) of the gateway's public gRPC port and HTTPS, with --tls-key")
+    _arg(s, L, "tls_key", "private key (PEM) of --tls-cert")
+    _arg(s, L, "ca_cert", "CA bundle (PEM) that signed --tls-cert, for the launcher's health checks and --once "
+         "(default: the system's roots)")
     _add_gateway_tuning(up.add_argument_group("gateway"), defaults=False)
     add_engine_args(up)
     once = up.add_argument_group("once")
@@ -397,6 +408,36 @@ def build_parser(description: str = "", extra_commands: Sequence[AddCommand] = (
     health.add_argument("target", help="host:port")
     health.add_argument("--service", default="", help="service name (default: the whole server)")
     health.add_argument("--timeout", type=float, default=2.0, help="seconds (default 2)")
+    h = health.add_argument_group("tls (default: plaintext, e.g. a --health-port)")
+    h.add_argument("--cluster-ca", default=None, metavar="PATH", help="mutual TLS: the cluster CA bundle (PEM), "
+                   "with --cluster-cert and --cluster-key (a probe certificate suffices)")
+    h.add_argument("--cluster-cert", default=None, metavar="PATH", help="certificate (PEM) issued by the cluster CA")
+    h.add_argument("--cluster-key", default=None, metavar="PATH", help="private key (PEM) of --cluster-cert")
+    h.add_argument("--server-role", default=None, choices=("gateway", "prefill", "decode"),
+                   help="with the cluster files: require a server certificate of this role, whatever address is "
+                        "dialed (default: check the address against the certificate's names)")
+    h.add_argument("--ca-cert", default=None, metavar="PATH", help="server TLS (the gateway's public port): the "
+                   "CA bundle (PEM) that signed its certificate")
+    h.add_argument("--tls", action="store_true", help="server TLS against the system's roots")
+
+    certs = sub.add_parser("certs", help="write a cluster PKI (CA and per-process certificates) and secrets")
+    where = certs.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", metavar="DIR", help="for hand-run clusters: ca.pem, ca-key.pem, NAME.pem and "
+                       "NAME-key.pem per --name, and the gateway's public-ca.pem, public.pem, public-key.pem")
+    where.add_argument("--k8s", metavar="DIR", help="the files deploy/k8s/overlays/*/kustomization.yaml reads "
+                       "(certificates, API key, Redis password and URL), e.g. deploy/k8s/overlays/cpu/secrets")
+    where.add_argument("--compose", metavar="DIR", help="docker-compose's pki service: one folder per service "
+                       "volume (gateway/, prefill/, decode/, redis/); keeps what is already there")
+    certs.add_argument("--name", dest="names", action="append", default=[], metavar="ROLE[/NAME]",
+                       help="with --out: a certificate for ROLE (gateway, prefill, decode, probe) named NAME "
+                            "(default NAME: ROLE); repeatable (default: one per role)")
+    certs.add_argument("--host", dest="hosts", action="append", default=[], metavar="HOST_OR_IP",
+                       help="an extra DNS name or IP address in every certificate of --out, and in the public "
+                            "certificate of --k8s and --compose (repeatable)")
+    certs.add_argument("--ca-cert", default=None, metavar="PATH", help="with --out: issue under this CA "
+                       "(PEM, with --ca-key) instead of a new one, e.g. to add a worker or rotate certificates")
+    certs.add_argument("--ca-key", default=None, metavar="PATH", help="private key (PEM) of --ca-cert")
+    certs.add_argument("--force", action="store_true", help="with --compose: replace what is already there")
     return parser
 
 

@@ -35,7 +35,8 @@ class LocalClusterConfig:
     gateway_args: tuple[str, ...] = ()
     """Extra `pdserve gateway` flags, e.g. ("--local-prefill-threshold", "0")."""
     redis_url: str | None = None
-    """Use this Redis instead of starting an embedded redis-server."""
+    """Use this Redis instead of starting an embedded redis-server. Either URL reaches the processes in their
+    environment (PDSERVE_REDIS_URL), never on their command lines, which every local user can read."""
     run_dir: str | None = None
     """Directory for the processes' logs (kept); None uses a temporary one, removed after a clean stop."""
     num_cpus: int | None = None
@@ -48,6 +49,21 @@ class LocalClusterConfig:
     """Restart a worker process that exits while the cluster runs (same id, port and flags; after a backoff that
     doubles while it keeps failing). Off: a dead worker is reported and the cluster serves on the others until no
     decode worker is left. The embedded Redis is always restarted, on the same port."""
+
+    insecure_internal: bool = False
+    """Run every process plaintext inside the cluster (workers on loopback, no certificates; logged as a
+    warning). Off: a cluster CA is made per run in the run directory and each process gets its certificate."""
+    api_key_file: str | None = None
+    """The gateway's API key file (gateway.auth's format); `--once` sends its first key."""
+    allow_unauthenticated: bool = False
+    """Let the gateway serve a non-loopback `host` without api_key_file."""
+    tls_cert: str | None = None
+    """Certificate chain (PEM) of the gateway's public gRPC port and HTTPS, with tls_key; None: plaintext."""
+    tls_key: str | None = None
+    """Private key (PEM) of tls_cert."""
+    ca_cert: str | None = None
+    """CA bundle (PEM) the launcher's own calls to the gateway (health, `--once`) verify tls_cert with; None:
+    the system's roots."""
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0:
@@ -68,6 +84,10 @@ class LocalClusterConfig:
                              f"got {self.prefill_kv_cache_memory}")
         if self.num_cpus is not None and self.num_cpus < 1:
             raise ValueError(f"LocalClusterConfig.num_cpus must be >= 1, got {self.num_cpus}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("LocalClusterConfig.tls_cert and tls_key go together: give both or neither")
+        if self.ca_cert is not None and self.tls_cert is None:
+            raise ValueError("LocalClusterConfig.ca_cert verifies tls_cert: give tls_cert and tls_key too")
         if self.start_timeout_s <= 0 or self.stop_timeout_s <= 0:
             raise ValueError("LocalClusterConfig.start_timeout_s and stop_timeout_s must be positive")
 

@@ -3,10 +3,15 @@
     with LocalCluster(LocalClusterConfig(num_prefill=1, num_decode=1)) as cluster:
         print(Client(cluster.gateway_target).complete_chat([{"role": "user", "content": "Hi"}]).text)
 
-Start order: a real redis-server (EmbeddedRedis, unless `redis_url` names one), then every worker at once
+Start order: a real redis-server (EmbeddedRedis, unless `redis_url` names one), a cluster CA and one certificate
+per process in `<run dir>/pki` (protos.tls: the gateway, each worker under its id, and `probe`, the identity of
+the launcher's own health checks), then every worker at once
 (`pdserve prefill-worker|decode-worker ...`, each with its own log file under the run directory, a port picked up
-front and its share of the CPU threads), then, once every worker answers grpc.health.v1 SERVING, the gateway (gRPC
-on `port`: `gateway_target`; OpenAI-compatible HTTP on `http_port`: `http_url`). A process that exits while
+front, its share of the CPU threads and its --cluster-ca/--cluster-cert/--cluster-key), then, once every worker
+answers grpc.health.v1 SERVING over mutual TLS to the probe certificate, the gateway (gRPC on `port`:
+`gateway_target`; OpenAI-compatible HTTP on `http_port`: `http_url`; API keys and public TLS when configured).
+`insecure_internal` starts everything plaintext instead, with a warning. The Redis URL (and its password)
+reaches every process in its environment as PDSERVE_REDIS_URL, never on a command line. A process that exits while
 starting, or a start that outlasts `start_timeout_s`, raises ClusterError with the tail of the culprit's log, after
 stopping everything already started. Children run `python -P -m pdserve.cli` (3.10: the same without the script
 directory on sys.path), so a `pdserve/` folder in the working directory never shadows the installed package.
@@ -49,8 +54,9 @@ import redis
 from engine.model_fetch import fetch_default_model
 from kvstore.embedded_redis import EmbeddedRedis, redacted_url
 from pdserve import health
-from pdserve.cli_args import engine_flags
+from pdserve.cli_args import REDIS_URL_ENV, engine_flags
 from pdserve.cluster_config import LocalClusterConfig
+from protos.tls import TlsFiles, write_cluster_pki
 
 __all__ = ["ClusterError", "LocalCluster", "LocalClusterConfig", "child_command", "connect_host", "divide_threads",
            "gateway_argv", "worker_argv"]
@@ -133,6 +139,8 @@ class _Child:
     restart_at: float | None = None
     """Monotonic time of a pending restart; None when running or not to be restarted."""
     exit_seen: bool = False
+    health_credentials: health.Credentials | None = None
+    """How the launcher reaches the child's health service (None: plaintext)."""
 
 
 class LocalCluster:
@@ -143,6 +151,8 @@ class LocalCluster:
         self._redis: EmbeddedRedis | None = None
         self._reaper: subprocess.Popen | None = None
         self._redis_url: str | None = None
+        self._child_env: dict[str, str] = {}
+        self._pki: dict[str, TlsFiles] = {}
         self._workers: list[_Child] = []
         self._gateway: _Child | None = None
         self._http_port: int | None = None
@@ -188,6 +198,12 @@ class LocalCluster:
         """Pid of the embedded redis-server now (it changes when the supervisor restarts it); None when the
         cluster uses an external Redis or the server is down."""
         return self._redis.pid if self._redis is not None else None
+
+    @property
+    def tls_files(self) -> dict[str, TlsFiles]:
+        """Process name ("gateway", worker ids, "probe") -> its cluster certificate, key and CA; empty with
+        insecure_internal."""
+        return dict(self._pki)
 
     @property
     def run_dir(self) -> Path:
@@ -301,6 +317,7 @@ class LocalCluster:
         else:
             self._redis_url = config.redis_url
         self._start_reaper()
+        self._child_env = {**os.environ, REDIS_URL_ENV: self._redis_url}
 
         if config.engine.num_threads is not None:
             threads = [config.engine.num_threads] * num_workers
@@ -308,23 +325,34 @@ class LocalCluster:
             threads = divide_threads(config.num_cpus or available_cpus(), num_workers)
         roles = ["prefill"] * config.num_prefill + ["decode"] * config.num_decode
         indexes = list(range(config.num_prefill)) + list(range(config.num_decode))
-        for role, index, port, num_threads in zip(roles, indexes, ports, threads):
-            worker_id = f"{role}-{index}"
-            argv = worker_argv(role, worker_id, port, self._redis_url, config, num_threads)
-            self._workers.append(self._spawn(worker_id, argv, f"127.0.0.1:{port}"))
+        worker_ids = [f"{role}-{index}" for role, index in zip(roles, indexes)]
+        if config.insecure_internal:
+            log.warning("--insecure-internal: the workers and the gateway talk plaintext without authentication; "
+                        "any local process may call every internal RPC")
+        else:
+            self._pki = write_cluster_pki(self._run_dir / "pki", [("gateway", "gateway"), *zip(roles, worker_ids),
+                                                                 ("probe", "probe")])
+        probe = self._pki.get("probe")
+        for role, worker_id, port, num_threads in zip(roles, worker_ids, ports, threads):
+            argv = worker_argv(role, worker_id, port, config, num_threads, self._pki.get(worker_id))
+            credentials = health.Credentials.cluster(probe, server_role=role) if probe else None
+            self._workers.append(self._spawn(worker_id, argv, f"127.0.0.1:{port}", credentials))
         _wait_serving(self._workers, deadline)
 
-        argv = gateway_argv(config, gateway_port, self._redis_url,
-                            -1 if self._http_port is None else self._http_port)
-        self._gateway = self._spawn("gateway", argv, f"{connect_host(config.host)}:{gateway_port}")
+        argv = gateway_argv(config, gateway_port, -1 if self._http_port is None else self._http_port,
+                            self._pki.get("gateway"))
+        credentials = health.Credentials.public(config.ca_cert) if config.tls_cert else None
+        self._gateway = self._spawn("gateway", argv, f"{connect_host(config.host)}:{gateway_port}", credentials)
         _wait_serving([self._gateway], deadline)
         log.info("local cluster up: gateway %s, workers %s, redis %s", self.gateway_target, self.workers,
                  redacted_url(self._redis_url))
 
-    def _spawn(self, name: str, argv: list[str], endpoint: str) -> _Child:
+    def _spawn(self, name: str, argv: list[str], endpoint: str,
+               health_credentials: health.Credentials | None = None) -> _Child:
         assert self._run_dir is not None
         log_path = self._run_dir / f"{name}.log"
-        return _Child(name, argv, endpoint, log_path, self._popen(argv, log_path), time.monotonic())
+        return _Child(name, argv, endpoint, log_path, self._popen(argv, log_path), time.monotonic(),
+                      health_credentials=health_credentials)
 
     def _popen(self, argv: list[str], log_path: Path) -> subprocess.Popen:
         assert self._pipe is not None
@@ -333,7 +361,7 @@ class LocalCluster:
             # A session of its own: the terminal's Ctrl-C reaches only us, and we stop the children in order.
             process = subprocess.Popen(child_command([*argv, "--parent-pipe-fd", str(read_fd)]),
                                        stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                                       start_new_session=True, pass_fds=(read_fd,))
+                                       env=self._child_env, start_new_session=True, pass_fds=(read_fd,))
         log.info("started %s (pid %d), log %s", argv[0], process.pid, log_path)
         return process
 
@@ -433,26 +461,39 @@ def _redis_data_dir(url: str) -> str:
         client.close()
 
 
-def worker_argv(role: str, worker_id: str, port: int, redis_url: str, config: LocalClusterConfig,
-                num_threads: int) -> list[str]:
-    """`pdserve <role>-worker` arguments for one worker of the local cluster."""
+def _cluster_flags(tls: TlsFiles | None) -> list[str]:
+    if tls is None:
+        return ["--insecure-internal"]
+    return ["--cluster-ca", str(tls.ca_path), "--cluster-cert", str(tls.cert_path), "--cluster-key", str(tls.key_path)]
+
+
+def worker_argv(role: str, worker_id: str, port: int, config: LocalClusterConfig, num_threads: int,
+                tls: TlsFiles | None) -> list[str]:
+    """`pdserve <role>-worker` arguments for one worker of the local cluster: mutual TLS with `tls`, plaintext
+    (--insecure-internal) when None. No Redis URL: the worker reads it from PDSERVE_REDIS_URL."""
     engine = dataclasses.replace(config.engine, num_threads=num_threads)
     if role == "prefill" and config.prefill_kv_cache_memory is not None:
         engine = dataclasses.replace(engine, kv_cache_memory=config.prefill_kv_cache_memory)
-    # Loopback only, so plaintext on purpose (said explicitly: a worker refuses to start plaintext otherwise).
     argv = [f"{role}-worker", "--worker-id", worker_id, "--host", "127.0.0.1", "--port", str(port),
-            "--redis-url", redis_url, "--insecure-internal", *engine_flags(engine)]
+            *_cluster_flags(tls), *engine_flags(engine)]
     if role == "prefill":
         argv += ["--transport", config.transport, "--codec", config.codec]
     return argv
 
 
-def gateway_argv(config: LocalClusterConfig, port: int, redis_url: str, http_port: int | None = None) -> list[str]:
-    """`pdserve gateway` arguments for the local cluster's gateway (the workers' model, block size and context);
-    `http_port` None takes config.http_port."""
+def gateway_argv(config: LocalClusterConfig, port: int, http_port: int | None, tls: TlsFiles | None) -> list[str]:
+    """`pdserve gateway` arguments for the local cluster's gateway (the workers' model, block size and context,
+    the API key file and public TLS when configured, mutual TLS toward the workers with `tls`, plaintext when
+    None); `http_port` None takes config.http_port. No Redis URL: the gateway reads it from PDSERVE_REDIS_URL."""
     http_port = config.http_port if http_port is None else http_port
     argv = ["gateway", "--host", config.host, "--port", str(port), "--http-port", str(http_port),
-            "--redis-url", redis_url, "--model", config.engine.model, "--block-size", str(config.engine.block_size)]
+            "--model", config.engine.model, "--block-size", str(config.engine.block_size), *_cluster_flags(tls)]
+    if config.api_key_file is not None:
+        argv += ["--api-key-file", config.api_key_file]
+    if config.allow_unauthenticated:
+        argv += ["--allow-unauthenticated"]
+    if config.tls_cert is not None:
+        argv += ["--tls-cert", config.tls_cert, "--tls-key", str(config.tls_key)]
     if config.engine.max_model_len is not None:
         argv += ["--max-model-len", str(config.engine.max_model_len)]
     if config.engine.quantization is not None:
@@ -468,7 +509,7 @@ def _wait_serving(children: list[_Child], deadline: float) -> None:
             if code is not None:
                 raise ClusterError(f"{child.name} exited with code {code} while starting; "
                                    f"last lines of {child.log_path}:\n{_log_tail(child.log_path)}")
-            if health.check(child.endpoint, timeout=1.0):
+            if health.check(child.endpoint, timeout=1.0, credentials=child.health_credentials):
                 log.info("%s is SERVING at %s", child.name, child.endpoint)
                 pending.remove(child)
         if pending and time.monotonic() > deadline:

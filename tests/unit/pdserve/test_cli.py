@@ -203,7 +203,6 @@ def test_values_the_configs_reject_exit_2_naming_flag_and_field(argv, flag, fiel
     (["prefill-worker", "--transport", "pigeon"], "--transport"),
     (["decode-worker", "--quantization", "int3"], "--quantization"),
     (["gateway", "--redis-url", "redis://r", "--port", "http"], "--port"),
-    (["gateway"], "--redis-url"),
     (["generate", "hi", "--temperature", "warm"], "--temperature"),
 ])
 def test_malformed_flags_exit_2_naming_the_flag(argv, flag, capsys):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from engine.config import EngineConfig
@@ -9,7 +11,18 @@ from gateway.config import GatewayConfig
 from pdserve import cli_args
 from pdserve.launcher import (LocalClusterConfig, child_command, connect_host, divide_threads, gateway_argv,
                               worker_argv)
+from decode_worker.config import DecodeWorkerConfig
 from prefill_worker.config import PrefillWorkerConfig
+from protos.tls import TlsFiles
+
+TLS = TlsFiles(Path("/run/pki/w.pem"), Path("/run/pki/w-key.pem"), Path("/run/pki/ca.pem"))
+REDIS_URL = "redis://:s3cret@127.0.0.1:9/0"
+
+
+@pytest.fixture(autouse=True)
+def redis_url_in_the_environment(monkeypatch):
+    """As the launcher starts its children: the URL in PDSERVE_REDIS_URL, never in argv."""
+    monkeypatch.setenv(cli_args.REDIS_URL_ENV, REDIS_URL)
 
 
 @pytest.mark.parametrize("num_cpus, num_workers, expected", [
@@ -22,12 +35,13 @@ def test_divide_threads_shares_cpus_at_least_one_each(num_cpus, num_workers, exp
 def test_worker_command_line_parses_back_to_the_cluster_engine_with_its_thread_share():
     config = LocalClusterConfig(engine=EngineConfig(model="default", kv_cache_memory=2**28, block_size=32),
                                 transport="grpc", codec="int8")
-    argv = worker_argv("prefill", "prefill-0", 4100, "redis://127.0.0.1:9/0", config, num_threads=3)
+    argv = worker_argv("prefill", "prefill-0", 4100, config, num_threads=3, tls=TLS)
     args = cli_args.parse_args(argv)
     assert args.command == "prefill-worker"
     assert cli_args.worker_config(PrefillWorkerConfig, "prefill", args) == PrefillWorkerConfig(
-        worker_id="prefill-0", redis_url="redis://127.0.0.1:9/0", port=4100, transport="grpc", codec="int8",
-        insecure_internal=True)
+        worker_id="prefill-0", redis_url=REDIS_URL, port=4100, transport="grpc", codec="int8",
+        cluster_ca="/run/pki/ca.pem", cluster_cert="/run/pki/w.pem", cluster_key="/run/pki/w-key.pem")
+    assert not any("s3cret" in arg for arg in argv)
     assert cli_args.engine_config(args) == EngineConfig(model="default", kv_cache_memory=2**28, block_size=32,
                                                         num_threads=3)
 
@@ -37,26 +51,44 @@ def test_prefill_workers_take_their_own_kv_cache_budget_when_given():
                                 prefill_kv_cache_memory=2**27)
     def budget(role):
         return cli_args.engine_config(cli_args.parse_args(
-            worker_argv(role, f"{role}-0", 4100, "redis://r", config, num_threads=1))).kv_cache_memory
+            worker_argv(role, f"{role}-0", 4100, config, num_threads=1, tls=TLS))).kv_cache_memory
     assert (budget("prefill"), budget("decode")) == (2**27, 2**30)
 
 
 def test_gateway_command_line_uses_the_workers_model_block_size_and_context_plus_extra_flags():
     config = LocalClusterConfig(host="0.0.0.0", engine=EngineConfig(model="/m.gguf", block_size=64,
                                                                     max_model_len=512, quantization="int8"),
-                                gateway_args=("--local-prefill-threshold", "0"))
-    args = cli_args.parse_args(gateway_argv(config, 50051, "redis://127.0.0.1:9/0"))
-    assert cli_args.gateway_config(args) == GatewayConfig(model="/m.gguf", redis_url="redis://127.0.0.1:9/0",
-                                                          host="0.0.0.0", port=50051, block_size=64,
-                                                          max_model_len=512, local_prefill_threshold=0,
-                                                          quantization="int8")
+                                gateway_args=("--local-prefill-threshold", "0"), api_key_file="/keys")
+    argv = gateway_argv(config, 50051, None, TLS)
+    assert cli_args.gateway_config(cli_args.parse_args(argv)) == GatewayConfig(
+        model="/m.gguf", redis_url=REDIS_URL, host="0.0.0.0", port=50051, block_size=64, max_model_len=512,
+        local_prefill_threshold=0, quantization="int8", api_key_file="/keys", cluster_ca="/run/pki/ca.pem",
+        cluster_cert="/run/pki/w.pem", cluster_key="/run/pki/w-key.pem")
+    assert not any("s3cret" in arg for arg in argv)
 
 
 def test_gateway_command_line_carries_the_http_port_the_launcher_picked():
     config = LocalClusterConfig(http_port=0)
-    assert cli_args.gateway_config(cli_args.parse_args(gateway_argv(config, 1, "redis://r", 8123))).http_port == 8123
+    assert cli_args.gateway_config(cli_args.parse_args(gateway_argv(config, 1, 8123, TLS))).http_port == 8123
     off = LocalClusterConfig(http_port=-1)
-    assert cli_args.gateway_config(cli_args.parse_args(gateway_argv(off, 1, "redis://r"))).http_port == -1
+    assert cli_args.gateway_config(cli_args.parse_args(gateway_argv(off, 1, None, TLS))).http_port == -1
+
+
+def test_insecure_internal_starts_every_process_plaintext_on_purpose():
+    config = LocalClusterConfig(insecure_internal=True)
+    worker = cli_args.worker_config(DecodeWorkerConfig, "decode", cli_args.parse_args(
+        worker_argv("decode", "decode-0", 4100, config, num_threads=1, tls=None)))
+    gateway = cli_args.gateway_config(cli_args.parse_args(gateway_argv(config, 1, None, None)))
+    for process in (worker, gateway):
+        assert process.insecure_internal and process.cluster_ca is None and process.redis_url == REDIS_URL
+
+
+def test_the_gateway_gets_the_public_tls_pair_and_api_keys_of_up():
+    config = LocalClusterConfig(api_key_file="/k", tls_cert="/pub.pem", tls_key="/pub-key.pem", ca_cert="/ca.pem")
+    gateway = cli_args.gateway_config(cli_args.parse_args(gateway_argv(config, 1, None, TLS)))
+    assert (gateway.api_key_file, gateway.tls_cert, gateway.tls_key) == ("/k", "/pub.pem", "/pub-key.pem")
+    with pytest.raises(ValueError, match="LocalClusterConfig.tls_cert and tls_key"):
+        LocalClusterConfig(tls_cert="/pub.pem")
 
 
 def test_wildcard_binds_are_dialed_on_loopback():
