@@ -9,7 +9,7 @@
     the drain       in process (tiny random model): once draining, Reserve is UNAVAILABLE and health NOT_SERVING
                     (main and health-only port) while a reservation made before still decodes to its end; the
                     drain ends as soon as nothing is left; a stream still running at the drain timeout ends
-                    UNAVAILABLE
+                    UNAVAILABLE; a draining prefill worker refuses Prefill (UNAVAILABLE) and still answers Stats
 
 Waits are bounded polls or joins; nothing asserts a duration.
 """
@@ -31,6 +31,8 @@ from engine.sampling_params import SamplingParams
 from protos.convert import sampling_to_pb
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from kvstore.embedded_redis import EmbeddedRedis
+from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.server import start_server as start_prefill
 from tests.integration.cluster import RPC_TIMEOUT_S, START_TIMEOUT_S, Cluster, Reference, assert_idle
 from tests.unit.engine.tiny_model import tiny_engine
 
@@ -191,3 +193,27 @@ def test_a_stream_still_running_at_the_drain_timeout_ends_unavailable():
 
 ENGINE_MAX_TOKENS = 900
 """Close to the tiny engine's context (1024 tokens): far more steps than the stop takes to begin."""
+
+
+def test_a_draining_prefill_worker_refuses_new_prefills_and_still_answers_stats():
+    decode = start_decode(DecodeWorkerConfig("d0", None), ENGINE, engine=tiny_engine())
+    prefill = start_prefill(PrefillWorkerConfig("p0", None, health_port=0,
+                                                decode_endpoints=(f"127.0.0.1:{decode.port}",)),
+                            ENGINE, engine=tiny_engine())
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{decode.port}") as dc, \
+                grpc.insecure_channel(f"127.0.0.1:{prefill.port}") as pc:
+            target = reserve(worker_pb2_grpc.DecodeWorkerStub(dc), "r", max_tokens=4).target
+            pstub = worker_pb2_grpc.PrefillWorkerStub(pc)
+            prefill.server.start_draining()                          # what SIGTERM does first
+            assert health(prefill.server.health_port) == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as info:
+                pstub.Prefill(worker_pb2.PrefillRequest(request=worker_pb2.WorkerRequest(
+                    request_id="r", prompt_token_ids=PROMPT, sampling=sampling_to_pb(SamplingParams(max_tokens=4)),
+                    seed=5), target=target), timeout=RPC_TIMEOUT_S)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in info.value.details()
+            stats = pstub.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT_S)
+            assert (stats.worker_id, stats.used_blocks, stats.running, stats.waiting) == ("p0", 0, 0, 0)
+    finally:
+        prefill.stop(grace_s=0)
+        decode.stop(grace_s=0)
