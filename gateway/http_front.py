@@ -60,8 +60,6 @@ log = logging.getLogger(__name__)
 
 FLUSH_TIMEOUT_S = 1.0
 """On close: how long handlers still running get before they are cancelled (the drain already waited)."""
-PRINCIPAL_KEY = "pdserve.principal"
-"""Where the authenticating middleware leaves the caller (gateway.auth.Principal, None without keys)."""
 TIMEOUT_HEADER = "X-Request-Timeout"
 """Optional request header: the request's deadline in seconds from its arrival (gRPC's deadline)."""
 
@@ -228,7 +226,8 @@ class HttpFront:
                         parse: Callable[..., OpenAIRequest]) -> web.StreamResponse:
         f = self._frontend
         try:
-            with f.active.hold(), f.call("http", endpoint, request.get(PRINCIPAL_KEY)) as call:
+            principal = f.authenticate(request.headers.get("Authorization"))   # checked by _authenticate too
+            with f.active.hold(), f.call("http", endpoint, principal) as call:
                 if self.draining:
                     raise ShuttingDown("the gateway is shutting down; retry on another one")
                 parsed = await f.validate(parse, await _read_json(request, self._max_request_bytes))
@@ -273,10 +272,10 @@ class HttpFront:
 
     @web.middleware
     async def _authenticate(self, request: web.Request, handler) -> web.StreamResponse:
-        """With API keys, every path but /health needs one (401 otherwise); the caller goes to the handler."""
+        """With API keys, every path but /health needs one (401 otherwise)."""
         if request.path != "/health":
             try:
-                request[PRINCIPAL_KEY] = self._frontend.authenticate(request.headers.get("Authorization"))
+                self._frontend.authenticate(request.headers.get("Authorization"))
             except Unauthenticated as exc:
                 return _error_response(exc)
         return await handler(request)
