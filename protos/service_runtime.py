@@ -46,6 +46,8 @@ from protos.tls import RoleInterceptor, TlsFiles, cluster_role_table, peer_ident
 from protos.worker_metrics import MetricsServer
 
 
+_log = logging.getLogger(__name__)
+
 _STATUS = [(InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT), (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
            (PreconditionError, grpc.StatusCode.FAILED_PRECONDITION), (LoopStopped, grpc.StatusCode.UNAVAILABLE),
            (RequestAborted, grpc.StatusCode.CANCELLED), (RequestFailedError, grpc.StatusCode.INTERNAL),
@@ -104,10 +106,6 @@ class RpcGate(grpc.ServerInterceptor):
     def close(self) -> None:
         self._closed.set()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed.is_set()
-
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         method = handler_call_details.method
@@ -120,7 +118,10 @@ class RpcGate(grpc.ServerInterceptor):
 
     def _report(self, method: str, code: grpc.StatusCode, response) -> None:
         for observer in self.observers:
-            observer(method, code, response)
+            try:
+                observer(method, code, response)
+            except Exception:                # an observer never fails the RPC it watches
+                _log.exception("RPC observer %r failed", observer)
 
     def _observed(self, handler, method: str):
         if not self.observers:
