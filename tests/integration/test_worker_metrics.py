@@ -7,6 +7,8 @@ model, a real redis-server) and a gateway, each with --metrics-port and --health
                  every name either process exposes follows the Prometheus naming rules
     health port  answers grpc.health.v1 with the main server's statuses, and serves nothing else (a DecodeWorker
                  or Generation RPC there is UNIMPLEMENTED)
+    engine side  (in process, tiny random model) the prefill pool's signal counts the prompt tokens not computed
+                 yet, chunked prefill included; a step reports the prompt tokens it computed and the queue times
 """
 from __future__ import annotations
 
@@ -19,9 +21,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.sampling_params import SamplingParams
 from kvstore.embedded_redis import EmbeddedRedis
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from protos.worker_metrics import LoadSnapshot
 from tests.integration.cluster import RPC_TIMEOUT_S, Cluster, assert_idle
+from tests.unit.engine.tiny_model import tiny_engine
 
 pytestmark = pytest.mark.slow
 
@@ -201,3 +206,19 @@ def test_gateway_health_port_answers_health_only(gateway):
         with pytest.raises(grpc.RpcError) as info:
             generation_pb2_grpc.GenerationStub(channel).ListModels(generation_pb2.ListModelsRequest(), timeout=10)
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_waiting_prompt_tokens_and_step_records_follow_chunked_prefill():
+    engine = tiny_engine(max_num_batched_tokens=32)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    engine.add_request("a", list(range(3, 43)), params)              # 40 prompt tokens
+    engine.add_request("b", list(range(100, 110)), params)           # 10 (no prefix shared with a)
+    assert LoadSnapshot.of(engine).waiting_prompt_tokens == 50
+    engine.step()                                                    # 32 of a's tokens (the step's budget)
+    assert (engine.last_step.num_prompt_tokens, len(engine.last_step.queue_times_s)) == (32, 1)
+    assert LoadSnapshot.of(engine).waiting_prompt_tokens == 18       # a's last 8 and all of b
+    engine.step()                                                    # a's 8 and b's 10: b is first scheduled
+    assert (engine.last_step.num_prompt_tokens, len(engine.last_step.queue_times_s)) == (18, 1)
+    assert LoadSnapshot.of(engine).waiting_prompt_tokens == 0
+    engine.step()                                                    # decoding only
+    assert (engine.last_step.num_prompt_tokens, engine.last_step.queue_times_s) == (0, ())
