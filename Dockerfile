@@ -1,5 +1,5 @@
 # One image for every pdserve role; the role is the command: `gateway`, `prefill-worker`, `decode-worker`,
-# `fetch-model`, `health HOST:PORT`.
+# `fetch-model`, `certs`, `health HOST:PORT`.
 #
 # CPU by default (torch from the pytorch.org CPU-only index). docker-compose.yml's `gpu` profile builds the CUDA
 # variant with TORCH_INDEX=https://pypi.org/simple (PyPI's Linux x86_64 torch wheels are the CUDA build, with the
@@ -44,17 +44,19 @@ print("\n".join(project["dependencies"] + [r for e in extras for r in project["o
 COPY . .
 RUN pip install --no-deps . && pip check
 
-# Runs as an unprivileged user. /models is created here, owned by that user, so a fresh named volume mounted
-# there starts with the same owner and `pdserve fetch-model` can write into it.
+# Runs as an unprivileged user. /models and the /pki folders are created here, owned by that user, so a fresh
+# named volume mounted there starts with the same owner: `pdserve fetch-model` can write the model, and
+# `pdserve certs --compose /pki` each service's keys (0700 folders, 0600 keys).
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin pdserve \
-    && mkdir -p /models \
-    && chown pdserve:pdserve /models
+    && mkdir -p /models /pki/gateway /pki/prefill /pki/decode /pki/redis \
+    && chown pdserve:pdserve /models /pki/gateway /pki/prefill /pki/decode /pki/redis \
+    && chmod 0700 /pki/gateway /pki/prefill /pki/decode /pki/redis
 ENV PDSERVE_HOME=/models
 USER pdserve
 WORKDIR /home/pdserve
 
-# gateway 50051 (gRPC) and 8000 (OpenAI HTTP), prefill workers 50061, decode workers 50071 (the ports
-# docker-compose.yml uses).
-EXPOSE 50051 8000 50061 50071
+# gateway 50051 (gRPC) and 8000 (OpenAI HTTP), prefill workers 50061, decode workers 50071, each server's
+# health-only port 8081 and metrics port 9090 (the ports docker-compose.yml and deploy/k8s use).
+EXPOSE 50051 8000 50061 50071 8081 9090
 ENTRYPOINT ["pdserve"]
 CMD ["--help"]

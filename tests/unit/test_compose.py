@@ -28,8 +28,9 @@ COMPOSE_FILE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 SCHEMA_FILE = Path(__file__).resolve().parents[1] / "data" / "compose-spec.json"
 
-PDSERVE_SERVICES = {"model-fetch", "gateway", "prefill", "decode", "prefill-gpu", "decode-gpu"}
-SERVING_SERVICES = PDSERVE_SERVICES - {"model-fetch"}  # long-running, so health-checked
+PDSERVE_SERVICES = {"pki", "model-fetch", "gateway", "prefill", "decode", "prefill-gpu", "decode-gpu"}
+ONE_SHOT_SERVICES = {"pki", "model-fetch"}
+SERVING_SERVICES = PDSERVE_SERVICES - ONE_SHOT_SERVICES  # long-running, so health-checked
 WORKER_SERVICES = {"prefill", "decode", "prefill-gpu", "decode-gpu"}
 GPU_WORKER_SERVICES = {"prefill-gpu", "decode-gpu"}
 GPU_RESERVATION = [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
@@ -100,8 +101,8 @@ def _schema_errors(document: dict) -> list[str]:
 def _argv(service: dict) -> list[str]:
     """The process a pdserve service's container runs: the image's ENTRYPOINT is `pdserve` unless overridden.
 
-    A `sh -c SCRIPT` entrypoint is unwrapped to the words of SCRIPT (without a leading `exec`), as the shell
-    would see them before expanding variables.
+    A `sh -c SCRIPT` entrypoint is unwrapped to the words of SCRIPT from its `exec` on (what runs after the
+    `export NAME=VALUE &&` steps of _exports), as the shell would see them before expanding variables.
     """
     entrypoint = service.get("entrypoint")
     command = service.get("command") or []
@@ -112,8 +113,24 @@ def _argv(service: dict) -> list[str]:
     if entrypoint in (["/bin/sh", "-c"], ["sh", "-c"]):
         assert len(command) == 1, f"sh -c takes one script, got {command}"
         words = shlex.split(command[0])
-        return words[1:] if words[0] == "exec" else words
+        return words[words.index("exec") + 1:] if "exec" in words else words
     return [*entrypoint, *command]
+
+
+def _exports(service: dict) -> dict[str, str]:
+    """NAME -> VALUE of each `export NAME=VALUE &&` a `sh -c` script runs before its `exec`; nothing else may
+    come before the exec."""
+    if service.get("entrypoint") not in (["/bin/sh", "-c"], ["sh", "-c"]):
+        return {}
+    words = shlex.split(service["command"][0])
+    before = words[:words.index("exec")] if "exec" in words else []
+    exports = {}
+    while before:
+        assert before[0] == "export" and before[2] == "&&" and "=" in before[1], f"unexpected script: {before}"
+        name, value = before[1].split("=", 1)
+        exports[name] = value
+        before = before[3:]
+    return exports
 
 
 def _flag(argv: list[str], name: str) -> str | None:
@@ -154,6 +171,21 @@ def _dockerfile() -> list[tuple[str, str]]:
     joined = re.sub(r"\\\n", " ", "\n".join(lines))
     return [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1] if " " in ln.strip() else "")
             for ln in (raw.strip() for raw in joined.splitlines()) if ln]
+
+
+def _dockerfile_uid() -> str:
+    """The uid of the user the image runs as (useradd --uid)."""
+    runs = " ".join(rest for instr, rest in _dockerfile() if instr == "RUN")
+    return re.search(r"useradd [^&]*--uid (\d+)", runs)[1]
+
+
+def _dockerfile_pki_dirs() -> set[str]:
+    """Folders the image creates, owns by its user and makes 0700 under /pki."""
+    runs = " ".join(rest for instr, rest in _dockerfile() if instr == "RUN")
+    made = set(re.findall(r"/pki/\w+", re.search(r"mkdir -p ([^&]*)", runs)[1]))
+    owned = set(re.findall(r"/pki/\w+", re.search(r"chown pdserve:pdserve ([^&]*)", runs)[1]))
+    private = set(re.findall(r"/pki/\w+", re.search(r"chmod 0700 ([^&]*)", runs)[1]))
+    return made & owned & private
 
 
 def _dockerfile_args() -> dict[str, str | None]:
@@ -239,11 +271,21 @@ def test_services_exist():
     assert set(_compose()["services"]) >= PDSERVE_SERVICES | {"redis"}
 
 
-def test_redis_is_the_official_image_with_a_ping_healthcheck():
+def test_redis_is_the_official_image_with_a_password_from_its_config_file():
     redis = _compose()["services"]["redis"]
     assert redis["image"].split(":")[0] == "redis" and redis["image"].split(":")[1].startswith("7")
-    assert redis["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
-    assert redis["command"][0] == "redis-server"
+    # The password is in the config file pki wrote (redis.conf: requirepass), never on the command line.
+    assert redis["command"][:2] == ["redis-server", "/pki/redis/redis.conf"]
+    assert not any("pass" in arg for arg in redis["command"])
+    assert _mounts(redis) == {"/pki/redis": {"source": "pki-redis", "read_only": True}}
+    assert redis["depends_on"]["pki"]["condition"] == "service_completed_successfully"
+    # The healthcheck authenticates (REDISCLI_AUTH keeps the password out of redis-cli's argv) and needs PONG:
+    # an unauthenticated ping answers NOAUTH.
+    kind, script = redis["healthcheck"]["test"]
+    assert kind == "CMD-SHELL"
+    assert script == 'REDISCLI_AUTH="$(cat /pki/redis/password)" redis-cli ping | grep -q PONG'
+    # It reads its files as the uid that owns the volume (the image's pdserve user).
+    assert redis["user"].split(":")[0] == _dockerfile_uid()
 
 
 def test_gateway_publishes_50051():
@@ -274,15 +316,16 @@ def test_every_pdserve_service_runs_the_pdserve_image():
             assert _argv(service)[0] == "pdserve", name
 
 
-def test_serving_services_are_health_checked_with_pdserve_health_on_their_own_port():
+def test_serving_services_are_health_checked_with_pdserve_health_on_their_health_port():
     services = _compose()["services"]
     for name in SERVING_SERVICES:
         test = services[name]["healthcheck"]["test"]
         argv = _argv(services[name])
-        assert test[:3] == ["CMD", "pdserve", "health"], (name, test)
+        # The main ports need TLS (and, on workers, a cluster certificate): the plaintext health-only port answers.
+        assert test == ["CMD", "pdserve", "health", test[3]], (name, test)
         host, port = test[3].rsplit(":", 1)
         assert host in ("127.0.0.1", "localhost"), (name, test)
-        assert port == _flag(argv, "--port"), f"{name} checks port {port} but serves on {_flag(argv, '--port')}"
+        assert port == _flag(argv, "--health-port") != _flag(argv, "--port"), (name, test)
         assert _flag(argv, "--host") == "0.0.0.0", name
 
 
@@ -299,6 +342,7 @@ def test_serving_services_wait_for_redis_healthy_and_the_model_fetched():
         depends_on = services[name]["depends_on"]
         assert depends_on["redis"]["condition"] == "service_healthy", name
         assert depends_on["model-fetch"]["condition"] == "service_completed_successfully", name
+        assert depends_on["pki"]["condition"] == "service_completed_successfully", name
 
 
 def test_gpu_reservations_only_on_gpu_profile_workers():
@@ -328,19 +372,73 @@ def test_models_volume_is_mounted_on_every_pdserve_service():
     home = next(rest.split("=", 1)[1] for instr, rest in _dockerfile()
                 if instr == "ENV" and rest.startswith("PDSERVE_HOME="))
     assert "models" in config["volumes"]
-    for name in PDSERVE_SERVICES:
+    assert "models" not in {m["source"] for m in _mounts(config["services"]["pki"]).values()}
+    for name in PDSERVE_SERVICES - {"pki"}:
         mount = _mounts(config["services"][name]).get(home)
         assert mount is not None and mount["source"] == "models", f"{name} does not mount models at {home}"
         # Only the fetcher writes the model; the servers read it.
         assert mount["read_only"] == (name != "model-fetch"), name
 
 
-def test_pdserve_services_use_the_compose_redis():
+def _pki_dir(name: str) -> str:
+    return "/pki/" + ("gateway" if name == "gateway" else name.split("-")[0])
+
+
+def test_pdserve_services_get_the_redis_url_from_their_own_volume_in_the_environment():
     services = _compose()["services"]
     for name in SERVING_SERVICES:
-        url = _flag(_argv(services[name]), "--redis-url")
-        assert url is not None and url.startswith("redis://redis:6379/"), (name, url)
-        assert _flag(_argv(services[name]), "--model") == "default", name
+        argv = _argv(services[name])
+        assert _flag(argv, "--redis-url") is None, name  # it carries the password: never in argv
+        assert _exports(services[name]) == {"PDSERVE_REDIS_URL": f"$(cat {_pki_dir(name)}/redis-url)"}, name
+        assert _flag(argv, "--model") == "default", name
+
+
+def test_pki_writes_every_services_secrets_into_its_own_volume_once():
+    pki = _compose()["services"]["pki"]
+    assert _argv(pki)[:4] == ["pdserve", "certs", "--compose", "/pki"]
+    assert pki.get("restart", "no") == "no" and pki["network_mode"] == "none"
+    assert _mounts(pki) == {f"/pki/{role}": {"source": f"pki-{role}", "read_only": False}
+                            for role in ("gateway", "prefill", "decode", "redis")}
+    # `pdserve certs --compose` lays the folders out as the services mount them.
+    assert {f"/pki/{role}" for role in ("gateway", "prefill", "decode", "redis")} <= _dockerfile_pki_dirs()
+
+
+def test_every_server_mounts_only_its_own_keys_read_only():
+    services = _compose()["services"]
+    for name in SERVING_SERVICES:
+        pki_mounts = {target: m for target, m in _mounts(services[name]).items() if target.startswith("/pki")}
+        own = _pki_dir(name)
+        assert pki_mounts == {own: {"source": "pki-" + own.rsplit("/", 1)[1], "read_only": True}}, name
+
+
+def test_every_server_runs_mutual_tls_with_its_roles_certificate():
+    services = _compose()["services"]
+    for name in SERVING_SERVICES:
+        argv = _argv(services[name])
+        own = _pki_dir(name)
+        assert (_flag(argv, "--cluster-ca"), _flag(argv, "--cluster-cert"), _flag(argv, "--cluster-key")) == (
+            f"{own}/ca.pem", f"{own}/tls.pem", f"{own}/tls-key.pem"), name
+        assert "--insecure-internal" not in argv, name
+
+
+def test_the_gateway_serves_clients_over_tls_with_api_keys():
+    argv = _argv(_compose()["services"]["gateway"])
+    assert _flag(argv, "--api-key-file") == "/pki/gateway/api-keys"
+    assert (_flag(argv, "--tls-cert"), _flag(argv, "--tls-key")) == ("/pki/gateway/public.pem",
+                                                                     "/pki/gateway/public-key.pem")
+    assert "--allow-unauthenticated" not in argv
+
+
+def test_workers_and_redis_are_only_on_the_internal_network():
+    config = _compose()
+    assert config["networks"]["internal"]["internal"] is True
+    assert config["networks"]["edge"].get("internal", False) is False
+    services = config["services"]
+    for name in WORKER_SERVICES | {"redis"}:
+        assert services[name]["networks"] == ["internal"], name
+        assert "ports" not in services[name], name
+    assert sorted(services["gateway"]["networks"]) == ["edge", "internal"]
+    assert services["model-fetch"]["networks"] == ["edge"]  # it downloads; it reaches nothing internal
 
 
 def test_workers_are_named_and_reached_by_their_container_hostname():
