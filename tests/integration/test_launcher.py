@@ -15,10 +15,12 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import pytest
 import redis
@@ -251,12 +253,79 @@ def test_a_killed_redis_and_a_killed_worker_come_back_and_the_cluster_answers(de
         decode_pid = cluster.pids["decode-0"]
         os.kill(decode_pid, signal.SIGKILL)
         wait_until(lambda: cluster.pids["decode-0"] != decode_pid, "decode-0 restarted")
-        wait_until(lambda: health.check(cluster.workers["decode-0"], timeout=1.0), "the new decode-0 SERVING")
+        wait_until(lambda: probe_status(cluster, "decode-0") == health.SERVING, "the new decode-0 SERVING")
         wait_until(lambda: "decode-0" in registered_workers(url), "the new decode-0 registered")
         assert "Paris" in wait_until(lambda: _answer_or_none(cluster), "an answer through the new decode-0")
         assert ("decode-0", -signal.SIGKILL) in cluster.exits and cluster.restarts["decode-0"] == 1
         assert cluster.wait(timeout=1.0) is None                 # nothing ended the cluster
     assert_all_stopped(cluster)
+
+
+def probe_status(cluster: LocalCluster, worker: str, server_role: str | None = None) -> str:
+    """A worker's health over mutual TLS with the launcher's probe certificate, checking its role."""
+    credentials = health.Credentials.cluster(cluster.tls_files["probe"], server_role or worker.split("-")[0])
+    return health.status(cluster.workers[worker], timeout=2.0, credentials=credentials)
+
+
+@pytest.mark.slow
+def test_internal_ports_take_only_cluster_certificates_and_no_command_line_holds_the_redis_password(
+        default_model_path, tmp_path):
+    config = LocalClusterConfig(port=0, http_port=-1, run_dir=str(tmp_path),
+                                engine=EngineConfig(model="default", kv_cache_memory=KV_CACHE_MEMORY))
+    with LocalCluster(config) as cluster:
+        assert "Paris" in ask_paris(cluster)
+        pki = tmp_path / "pki"
+        assert stat.S_IMODE(pki.stat().st_mode) == 0o700
+        assert set(cluster.tls_files) == {"gateway", "prefill-0", "decode-0", "probe"}
+        for files in cluster.tls_files.values():
+            assert files.key_path.parent == pki and stat.S_IMODE(files.key_path.stat().st_mode) == 0o600
+        for worker in ("prefill-0", "decode-0"):
+            assert probe_status(cluster, worker) == health.SERVING
+            # Plaintext (no client certificate) fails the handshake; so does a server of another role.
+            assert health.status(cluster.workers[worker], timeout=2.0) == "UNAVAILABLE"
+            other = "decode" if worker.startswith("prefill") else "prefill"
+            assert probe_status(cluster, worker, server_role=other) == "UNAVAILABLE"
+        # Each process was given its own certificate, on its command line; the Redis URL only in its environment.
+        password = unquote(urlsplit(cluster.redis_url).password or "")
+        assert len(password) >= 32
+        for name, pid in cluster.pids.items():
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            assert str(cluster.tls_files[name].cert_path) in argv, name
+            assert "--insecure-internal" not in argv and "--redis-url" not in argv, name
+            environ = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+            assert f"PDSERVE_REDIS_URL={cluster.redis_url}" in environ, name
+        assert processes_mentioning([password]) == []
+    assert_all_stopped(cluster)
+
+
+@pytest.mark.slow
+def test_up_once_sends_the_first_api_key_over_the_gateways_public_tls(default_model_path, tmp_path):
+    certs = tmp_path / "certs"
+    assert subprocess.run([sys.executable, "-m", "pdserve.cli", "certs", "--out", str(certs), "--name", "gateway"],
+                          cwd=REPO, capture_output=True, timeout=120).returncode == 0
+    keys = tmp_path / "api-keys"
+    keys.write_text("# the first key is --once's\n" + "k" * 24 + " team-a\n" + "z" * 24 + " team-b\n")
+    run_dir = tmp_path / "run"
+    out = run_reaped(sys.executable, "-m", "pdserve.cli", "up", "--once", "What is the capital of France?",
+                     "--kv-cache-memory", str(KV_CACHE_MEMORY), "--max-tokens", "32", "--run-dir", str(run_dir),
+                     "--api-key-file", str(keys), "--tls-cert", str(certs / "public.pem"),
+                     "--tls-key", str(certs / "public-key.pem"), "--ca-cert", str(certs / "public-ca.pem"))
+    logs = {path.name: path.read_text()[-2000:] for path in run_dir.glob("*.log")}
+    assert out["rc"] == 0, (out["stderr"], logs)
+    assert "Paris" in out["stdout"]
+    assert out["left"] == {}
+
+
+@pytest.mark.slow
+def test_up_insecure_internal_runs_plaintext_and_says_so(default_model_path, tmp_path):
+    out = run_reaped(sys.executable, "-m", "pdserve.cli", "up", "--once", "What is the capital of France?",
+                     "--insecure-internal", "--kv-cache-memory", str(KV_CACHE_MEMORY), "--max-tokens", "32",
+                     "--run-dir", str(tmp_path))
+    assert out["rc"] == 0, out["stderr"]
+    assert "Paris" in out["stdout"]
+    assert "--insecure-internal: the workers and the gateway talk plaintext" in out["stderr"]
+    assert not (tmp_path / "pki").exists()
+    assert out["left"] == {}
 
 
 def _answer_or_none(cluster: LocalCluster) -> str | None:
