@@ -108,3 +108,15 @@ def test_children_never_run_with_the_working_directory_first_on_sys_path():
     old = child_command(argv, version=(3, 10, 14))
     assert old[1] == "-c" and "-m" not in old and old[3:] == argv
     assert "del sys.path[0]" in old[2] and "run_module('pdserve.cli'" in old[2]
+
+
+def test_up_security_flags_map_onto_the_cluster_config():
+    config = cli_args.cluster_config(cli_args.parse_args([
+        "up", "--api-key-file", "/k", "--tls-cert", "/c.pem", "--tls-key", "/c-key.pem", "--ca-cert", "/ca.pem",
+        "--allow-unauthenticated", "--host", "0.0.0.0"]))
+    assert (config.api_key_file, config.tls_cert, config.tls_key, config.ca_cert) == ("/k", "/c.pem", "/c-key.pem",
+                                                                                     "/ca.pem")
+    assert config.allow_unauthenticated and not config.insecure_internal
+    assert cli_args.cluster_config(cli_args.parse_args(["up", "--insecure-internal"])).insecure_internal
+    gateway = cli_args.gateway_config(cli_args.parse_args(gateway_argv(config, 1, None, TLS)))
+    assert gateway.allow_unauthenticated and gateway.host == "0.0.0.0"
