@@ -1,4 +1,5 @@
-"""Keeps one worker's entries in the prefix index current, from a background thread (see IndexPublisher)."""
+"""Keeps one worker's entries in the prefix index current, from a background thread (see IndexPublisher);
+`PublisherStats` is what it reports."""
 
 from __future__ import annotations
 
@@ -7,12 +8,33 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from kvstore.block_pool import AllBlocksCleared, BlockStored, KVEvent
 from kvstore.index import IndexUnavailable, PrefixIndex
 from kvstore.local_index import WorkerInfo, WorkerNotRegistered
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PublisherStats:
+    """A snapshot of one IndexPublisher (``get_stats()``); the counters only grow."""
+
+    synced: bool
+    """Registered, and every submitted event published or pending (False: a full re-publish is due)."""
+    epoch: int | None
+    """The worker's epoch in the index; None before the first registration."""
+    num_pending_events: int
+    """Events queued for the next cycle."""
+    num_published_events: int
+    """Events applied (a full re-publish counts one per chunk of at most max_hashes_per_call hashes)."""
+    num_dropped_events: int
+    """Events never applied one by one: submitted while not synced, or pending when a cycle failed or the queue
+    overflowed. The full re-publish that follows covers them; a growing count means Redis was unreachable."""
+    num_republishes: int
+    """Registrations, each followed by a full re-publish of the mirrored set (1 after the first; each further
+    one is a recovery)."""
 
 
 class IndexPublisher:
@@ -25,10 +47,10 @@ class IndexPublisher:
 
     The publisher mirrors the worker's cached hash set from the events it is given (seed it with
     ``initial_hashes=pool.get_cached_hashes()`` if the pool cached blocks before), so it never reads
-    the pool from its own thread. Any failure (Redis down, record expired, epoch superseded, more than
-    ``max_pending_hashes`` pending) drops the pending events, counted in ``num_dropped_events``; the
+    the pool from its own thread. Any failure (Redis down, record expired, epoch superseded, a Sentinel
+    failover to another master, more than ``max_pending_hashes`` pending) drops the pending events; the
     next successful cycle registers under a new epoch and re-publishes the full mirrored set.
-    Retries back off from 50 ms to 2 s.
+    Retries back off from 50 ms to 2 s. ``get_stats()`` is a snapshot of its counters, for the worker's metrics.
     """
 
     _MIN_BACKOFF_S = 0.05
@@ -44,7 +66,7 @@ class IndexPublisher:
         self.max_pending_hashes = max_pending_hashes
         self.max_hashes_per_call = max_hashes_per_call
         self.gc_interval_s = gc_interval_s
-        self._lock = threading.Lock()       # guards _worker, _mirror, _pending*, _synced, counters
+        self._lock = threading.Lock()       # guards _worker, _mirror, _pending*, _synced, _num_* counters
         self._io_lock = threading.Lock()    # one sync cycle at a time
         self._worker = worker
         self._mirror: set[int] = set(initial_hashes)
@@ -56,15 +78,23 @@ class IndexPublisher:
         self._backoff_s = self._MIN_BACKOFF_S
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.num_published_events = 0       # events applied one by one
-        self.num_dropped_events = 0         # events not applied one by one (a full re-publish covers them)
-        self.num_republishes = 0            # registrations followed by a full re-publish
+        self._num_published_events = 0
+        self._num_dropped_events = 0
+        self._num_republishes = 0
 
     @property
     def synced(self) -> bool:
         """True while registered and every submitted event is published or pending."""
         with self._lock:
             return self._synced
+
+    def get_stats(self) -> PublisherStats:
+        """The counters now (thread-safe; takes the short lock only)."""
+        with self._lock:
+            return PublisherStats(synced=self._synced, epoch=self.epoch, num_pending_events=len(self._pending),
+                                  num_published_events=self._num_published_events,
+                                  num_dropped_events=self._num_dropped_events,
+                                  num_republishes=self._num_republishes)
 
     def start(self) -> IndexPublisher:
         self._thread = threading.Thread(target=self._run, name=f"index-publisher-{self._worker.worker_id}",
@@ -106,7 +136,7 @@ class IndexPublisher:
                     self._pending.append(event)
                     self._num_pending_hashes += max(1, len(getattr(event, "block_hashes", ())))
                 else:
-                    self.num_dropped_events += 1
+                    self._num_dropped_events += 1
             if self._num_pending_hashes > self.max_pending_hashes:
                 self._drop_pending_locked()
 
@@ -156,7 +186,8 @@ class IndexPublisher:
         except (IndexUnavailable, WorkerNotRegistered) as exc:
             if self.synced:
                 log.warning("prefix index sync of %s lost, will re-register: %s", self._worker.worker_id, exc)
-            self.num_dropped_events += len(batch)
+            with self._lock:
+                self._num_dropped_events += len(batch)
             self._on_failure(now)
             return False
         self._backoff_s = self._MIN_BACKOFF_S
@@ -170,13 +201,15 @@ class IndexPublisher:
             snapshot = tuple(self._mirror)
             self._synced = True
         self._publish([BlockStored(snapshot)])
-        self.num_republishes += 1
+        with self._lock:
+            self._num_republishes += 1
         self._next_heartbeat = now + self.heartbeat_interval_s
 
     def _publish(self, events: list[KVEvent]) -> None:
         for chunk in _chunk_events(events, self.max_hashes_per_call):
             self.epoch = self._index.publish(self._worker.worker_id, self.epoch, chunk)
-            self.num_published_events += len(chunk)
+            with self._lock:
+                self._num_published_events += len(chunk)
 
     def _on_failure(self, now: float) -> None:
         with self._lock:
@@ -185,7 +218,7 @@ class IndexPublisher:
         self._backoff_s = min(2 * self._backoff_s, self._MAX_BACKOFF_S)
 
     def _drop_pending_locked(self) -> None:
-        self.num_dropped_events += len(self._pending)
+        self._num_dropped_events += len(self._pending)
         self._pending, self._num_pending_hashes, self._synced = [], 0, False
 
 

@@ -281,8 +281,9 @@ def test_redis_down_lookups_return_none_and_republish_restores(own_redis):
 
     own_redis.start()                                        # same port, empty: the index was lost
     wait_until(lambda: index.lookup(PROMPT, "decode") == {"d0": 3})
-    assert publisher.num_republishes == 2 and publisher.epoch == 1
-    assert publisher.num_dropped_events == 1
+    stats = publisher.get_stats()
+    assert stats.num_republishes == 2 and stats.epoch == 1 and stats.synced
+    assert stats.num_dropped_events == 1
     publisher.stop()
     assert index.lookup(PROMPT, "decode") == {}
     index.close()
@@ -328,7 +329,7 @@ def test_publisher_tracks_the_pool_and_recovers_an_expired_record(redis_url):
     time.sleep(0.06)                                         # let a heartbeat fall due
     publisher.flush()                                        # heartbeat refused -> resync
     assert publisher.flush() is True
-    assert publisher.epoch == 3 and publisher.num_republishes == 2
+    assert publisher.epoch == 3 and publisher.get_stats().num_republishes == 2
     assert index.lookup(PROMPT, "decode") == {"d0": 1}
     assert index.list_workers("decode")[0].running == 1
     publisher.stop(deregister=False)
@@ -343,7 +344,7 @@ def test_publisher_overflow_drops_pending_then_republishes_everything(redis_url)
     publisher.flush()
     assert index.lookup(PROMPT, "decode") == {"d0": 2}
     publisher.submit([BlockStored((PROMPT[2],)), BlockStored(tuple(PROMPT[3:8]))])
-    assert not publisher.synced and publisher.num_dropped_events == 2
+    assert not publisher.synced and publisher.get_stats().num_dropped_events == 2
     assert publisher.flush() is True
     assert index.lookup(PROMPT, "decode") == {"d0": 8} and publisher.epoch == 2
     publisher.stop()
