@@ -33,27 +33,48 @@ Failure contract: ``match``/``lookup``/``list_workers`` never raise on Redis err
 circuit breaker answers None at once for breaker_cooldown_s. Worker-side calls raise
 IndexUnavailable or WorkerNotRegistered; ``IndexPublisher`` (kvstore/index_publisher.py) absorbs them, re-registers
 and re-publishes the worker's full cached set once Redis answers again.
-The URL carries AUTH/ACL and transport: redis://user:pass@host:6379/0, rediss:// (TLS; e.g.
-?ssl_cert_reqs=required&ssl_ca_certs=/path), unix:///path/redis.sock?db=0&password=...
+URLs (``redis_client`` builds every Redis client of pdserve from one; nothing else parses them):
+    redis://[user:pass@]host:6379/0        one Redis; user:pass is AUTH (ACL user, or ":pass" alone)
+    rediss://...                           the same over TLS (e.g. ?ssl_cert_reqs=required&ssl_ca_certs=/path)
+    unix:///path/redis.sock?db=0&password=...
+    redis+sentinel://[user:pass@]host1:26379,host2:26379/<service_name>[/<db>][?sentinel_password=...]
+                                           Redis Sentinel: the sentinels (port defaults to 26379) are asked
+                                           for the current master of <service_name> on each new connection;
+                                           user:pass authenticates to the master (and its replicas, after a
+                                           failover), sentinel_password / sentinel_username to the sentinels
+                                           (absent: sentinels without AUTH). Any other query parameter is an
+                                           error.
+Failover under Sentinel: connections to the dead master fail, so lookups answer None (the breaker then
+answers None at once for breaker_cooldown_s) until the sentinels promote a replica, then work against it. The
+promoted replica may lack the old master's last writes (replication is asynchronous), and redis-py may
+reconnect to it without any call failing, so the first worker-side call that reaches another master than the
+previous call raises IndexUnavailable (after it ran): the publisher re-registers and re-publishes its full
+set, exactly as after a Redis restart. A new connection first asks a sentinel for the master (one more round
+trip, bounded by the same timeout per sentinel tried). A script write refused with READONLY (a connection to
+a master that was demoted) closes the client's idle connections, so the next one asks the sentinels again.
 """
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from redis.sentinel import Sentinel
 
 from kvstore.block_pool import AllBlocksCleared, BlockStored, KVEvent
 from kvstore.local_index import ROLES, PrefixMatch, WorkerInfo, WorkerNotRegistered
 
 log = logging.getLogger(__name__)
 
-__all__ = ["IndexUnavailable", "PrefixIndex", "PrefixMatch", "WorkerInfo", "WorkerNotRegistered", "worker_from_record",
-           "worker_to_record"]
+__all__ = ["IndexUnavailable", "PrefixIndex", "PrefixMatch", "SentinelUrl", "WorkerInfo", "WorkerNotRegistered",
+           "parse_sentinel_url", "redis_client", "worker_from_record", "worker_to_record"]
 
 _REGISTER = """
 local P, id, role = ARGV[1], ARGV[2], ARGV[3]
@@ -184,6 +205,98 @@ return num_dead
 """
 
 
+SENTINEL_SCHEME = "redis+sentinel"
+DEFAULT_SENTINEL_PORT = 26379
+_SENTINEL_QUERY = ("sentinel_password", "sentinel_username")
+
+
+@dataclass(frozen=True)
+class SentinelUrl:
+    """A parsed ``redis+sentinel://`` URL (module doc)."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    """(host, port) of each sentinel, in the URL's order."""
+    service_name: str
+    """The name the sentinels monitor the master under (``sentinel monitor <name> ...``)."""
+    db: int = 0
+    username: str | None = None
+    """ACL user of the master; None: the default user."""
+    password: str | None = None
+    """AUTH password of the master; None: none."""
+    sentinel_username: str | None = None
+    sentinel_password: str | None = None
+
+
+def parse_sentinel_url(url: str) -> SentinelUrl:
+    """``redis+sentinel://[user:pass@]host1:26379,host2:26379/<service_name>[/<db>][?sentinel_password=...]``;
+    ValueError naming what is wrong."""
+    parts = urlsplit(url)
+    if parts.scheme != SENTINEL_SCHEME:
+        raise ValueError(f"not a {SENTINEL_SCHEME}:// URL")
+    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    username, _, password = userinfo.partition(":")
+    sentinels = tuple(_host_port(item) for item in hostlist.split(",") if item)
+    if not sentinels:
+        raise ValueError(f"{SENTINEL_SCHEME}:// URL names no sentinel (host:port[,host:port...])")
+    path = [unquote(piece) for piece in parts.path.split("/")[1:]]
+    if not path or not path[0] or len(path) > 2:
+        raise ValueError(f"{SENTINEL_SCHEME}:// URL path must be /<service_name>[/<db>], got {parts.path!r}")
+    try:
+        db = int(path[1]) if len(path) == 2 and path[1] else 0
+    except ValueError:
+        raise ValueError(f"{SENTINEL_SCHEME}:// URL db must be an integer, got {path[1]!r}") from None
+    query = parse_qs(parts.query, keep_blank_values=True)
+    unknown = sorted(set(query) - set(_SENTINEL_QUERY))
+    if unknown:
+        raise ValueError(f"{SENTINEL_SCHEME}:// URL parameter {unknown[0]!r} is not supported "
+                         f"(known: {', '.join(_SENTINEL_QUERY)})")
+    return SentinelUrl(sentinels, path[0], db, unquote(username) or None, unquote(password) or None,
+                       query.get("sentinel_username", [None])[-1] or None,
+                       query.get("sentinel_password", [None])[-1] or None)
+
+
+def _host_port(item: str) -> tuple[str, int]:
+    host, port = item, ""
+    if item.startswith("["):                        # [IPv6]:port
+        host, _, rest = item[1:].partition("]")
+        port = rest.removeprefix(":")
+    elif ":" in item:
+        host, _, port = item.rpartition(":")
+    try:
+        return host, int(port) if port else DEFAULT_SENTINEL_PORT
+    except ValueError:
+        raise ValueError(f"sentinel address {item!r} is not host:port") from None
+
+
+class _SentinelMaster(redis.Redis):
+    """The master's client from ``Sentinel.master_for``; closing it closes the sentinel connections too."""
+
+    sentinel: Sentinel | None = None
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self.sentinel is not None:
+                self.sentinel.close()
+
+
+def redis_client(url: str, **options) -> redis.Redis:
+    """A redis-py client for any URL of the module doc. ``options`` are redis-py connection options
+    (socket_timeout, socket_connect_timeout, retry, decode_responses, ...); under Sentinel the socket options and
+    ``retry`` apply to the sentinel connections as well."""
+    if not url.startswith(SENTINEL_SCHEME + "://"):
+        return redis.Redis.from_url(url, **options)
+    parsed = parse_sentinel_url(url)
+    sentinel_options = {k: v for k, v in options.items() if k.startswith("socket_") or k == "retry"}
+    sentinel_options.update(username=parsed.sentinel_username, password=parsed.sentinel_password)
+    sentinel = Sentinel(list(parsed.sentinels), sentinel_kwargs=sentinel_options)
+    client = sentinel.master_for(parsed.service_name, redis_class=_SentinelMaster, db=parsed.db,
+                                 username=parsed.username, password=parsed.password, **options)
+    client.sentinel = sentinel
+    return client
+
+
 class IndexUnavailable(Exception):
     """Redis could not be reached or refused the call (a worker-side call; lookups return None)."""
 
@@ -233,12 +346,10 @@ class PrefixIndex:
         self.key_prefix = key_prefix
         self.worker_ttl_s = worker_ttl_s
         no_retry = Retry(NoBackoff(), 0)
-        self._read = redis.Redis.from_url(
-            url, socket_connect_timeout=lookup_timeout_s, socket_timeout=lookup_timeout_s,
-            retry=no_retry, decode_responses=True)
-        self._write = redis.Redis.from_url(
-            url, socket_connect_timeout=write_timeout_s, socket_timeout=write_timeout_s,
-            retry=no_retry, decode_responses=True)
+        self._read = redis_client(url, socket_connect_timeout=lookup_timeout_s, socket_timeout=lookup_timeout_s,
+                                  retry=no_retry, decode_responses=True)
+        self._write = redis_client(url, socket_connect_timeout=write_timeout_s, socket_timeout=write_timeout_s,
+                                   retry=no_retry, decode_responses=True)
         self._register = self._write.register_script(_REGISTER)
         self._heartbeat = self._write.register_script(_HEARTBEAT)
         self._deregister = self._write.register_script(_DEREGISTER)
@@ -246,6 +357,9 @@ class PrefixIndex:
         self._collect_garbage = self._write.register_script(_COLLECT_GARBAGE)
         self._lookup = self._read.register_script(_LOOKUP)
         self._breaker = CircuitBreaker(breaker_cooldown_s)
+        self._master_lock = threading.Lock()
+        self._write_master: tuple[str, int] | None = None
+        """Under Sentinel: the master the last worker-side call reached (None: not known yet, or not Sentinel)."""
 
     def close(self) -> None:
         self._read.close()
@@ -288,6 +402,7 @@ class PrefixIndex:
         try:
             raw = self._lookup(args=[self.key_prefix, len(roles), *roles, hex_blob(block_hashes)])
         except (redis.RedisError, OSError) as exc:
+            _forget_demoted_master(self._read, exc)
             if self._breaker.allow():
                 log.warning("prefix index unavailable, routing without it for %.1fs: %s",
                             self._breaker.cooldown_s, exc)
@@ -308,12 +423,33 @@ class PrefixIndex:
 
     def _call(self, script, *args):
         try:
-            return script(args=[self.key_prefix, *args])
+            result = script(args=[self.key_prefix, *args])
         except (redis.RedisError, OSError) as exc:
+            _forget_demoted_master(self._write, exc)
             raise IndexUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        self._check_master()
+        return result
+
+    def _check_master(self) -> None:
+        """Raise IndexUnavailable when this call reached another master than the previous one (module doc)."""
+        master = getattr(self._write.connection_pool, "master_address", None)
+        if master is None:
+            return
+        with self._master_lock:
+            previous, self._write_master = self._write_master, master
+        if previous is not None and previous != master:
+            raise IndexUnavailable(f"the Redis master moved from {previous[0]}:{previous[1]} to "
+                                   f"{master[0]}:{master[1]} (failover); the worker must re-register")
 
     def _ttl_ms(self) -> int:
         return max(1, int(self.worker_ttl_s * 1000))
+
+
+def _forget_demoted_master(client: redis.Redis, exc: Exception) -> None:
+    """A script's write refused with READONLY: the connection's server is a replica now (redis-py reconnects by
+    itself only on a plain command's READONLY, not a script's). Drop idle connections: new ones ask again."""
+    if isinstance(exc, redis.ResponseError) and "READONLY" in str(exc):
+        client.connection_pool.disconnect(inuse_connections=False)
 
 
 def _roles(role: str | None) -> tuple[str, ...]:
