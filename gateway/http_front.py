@@ -135,7 +135,9 @@ async def _read_json(request: web.Request, max_bytes: int):
         raise BodyRefused(413, "request_entity_too_large", f"is larger than {max_bytes} bytes") from None
     try:
         return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:
+        # ValueError covers malformed JSON, bad UTF-8 and integers past Python's 4300-digit conversion limit;
+        # RecursionError arrays or objects nested too deep to parse.
         raise InvalidRequestError("body", f"is not valid JSON: {exc}") from None
 
 

@@ -337,12 +337,13 @@ def test_http_chat_completions_answer_ok_or_a_4xx_naming_the_field(gateway, body
                                      "multipart/form-data; boundary=x", "application/json; charset=latin-1", None]))
 @example(path="/v1/completions", body=b'{"prompt": "a", "max_tokens": 1' + b"0" * 5000 + b"}",
          content_type="application/json")                                # past int()'s 4300-digit limit
+@example(path="/v1/completions", body=b"[" * 200_000, content_type="application/json")  # too deep to parse
 @example(path="/v1/chat/completions", body=b'{"prompt": "a"}', content_type="text/plain")
 def test_http_raw_bodies_answer_a_4xx(gateway, path, body, content_type):
     try:
         parsed = json.loads(body)
         is_object = isinstance(parsed, dict) and content_type is not None and content_type.startswith("application/json")
-    except ValueError:
+    except (ValueError, RecursionError):
         is_object = False
     if is_object:   # a JSON object that happens to be a valid request: keep it short
         body = encode(bounded(parsed), True)
