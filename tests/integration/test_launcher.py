@@ -15,6 +15,7 @@ import json
 import os
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -270,8 +271,10 @@ def probe_status(cluster: LocalCluster, worker: str, server_role: str | None = N
 @pytest.mark.slow
 def test_internal_ports_take_only_cluster_certificates_and_no_command_line_holds_the_redis_password(
         default_model_path, tmp_path):
+    health_port = free_port()
     config = LocalClusterConfig(port=0, http_port=-1, run_dir=str(tmp_path),
-                                engine=EngineConfig(model="default", kv_cache_memory=KV_CACHE_MEMORY))
+                                engine=EngineConfig(model="default", kv_cache_memory=KV_CACHE_MEMORY),
+                                gateway_args=("--health-port", str(health_port)))
     with LocalCluster(config) as cluster:
         assert "Paris" in ask_paris(cluster)
         pki = tmp_path / "pki"
@@ -295,7 +298,21 @@ def test_internal_ports_take_only_cluster_certificates_and_no_command_line_holds
             environ = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
             assert f"PDSERVE_REDIS_URL={cluster.redis_url}" in environ, name
         assert processes_mentioning([password]) == []
+
+        # The gateway's plaintext health-only port (what the kubelet probes): readiness ("") follows the decode
+        # pool, "liveness" stays SERVING without it, so a liveness probe does not restart the gateway.
+        gateway_health = f"127.0.0.1:{health_port}"
+        assert health.status(gateway_health) == health.status(gateway_health, "liveness") == health.SERVING
+        os.kill(cluster.pids["decode-0"], signal.SIGKILL)
+        wait_until(lambda: health.status(gateway_health) == "NOT_SERVING", "the gateway NOT_SERVING")
+        assert health.status(gateway_health, "liveness") == health.SERVING
     assert_all_stopped(cluster)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.mark.slow
