@@ -33,7 +33,7 @@ Failure contract: ``match``/``lookup``/``list_workers`` never raise on Redis err
 circuit breaker answers None at once for breaker_cooldown_s. Worker-side calls raise
 IndexUnavailable or WorkerNotRegistered; ``IndexPublisher`` (kvstore/index_publisher.py) absorbs them, re-registers
 and re-publishes the worker's full cached set once Redis answers again.
-URLs (``redis_client`` builds every Redis client of pdserve from one; nothing else parses them):
+URLs (``redis_client`` builds every Redis client of pdserve from one, ``redacted_url`` is the form to log):
     redis://[user:pass@]host:6379/0        one Redis; user:pass is AUTH (ACL user, or ":pass" alone)
     rediss://...                           the same over TLS (e.g. ?ssl_cert_reqs=required&ssl_ca_certs=/path)
     unix:///path/redis.sock?db=0&password=...
@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -74,7 +75,7 @@ from kvstore.local_index import ROLES, PrefixMatch, WorkerInfo, WorkerNotRegiste
 log = logging.getLogger(__name__)
 
 __all__ = ["IndexUnavailable", "PrefixIndex", "PrefixMatch", "SentinelUrl", "WorkerInfo", "WorkerNotRegistered",
-           "parse_sentinel_url", "redis_client", "worker_from_record", "worker_to_record"]
+           "parse_sentinel_url", "redacted_url", "redis_client", "worker_from_record", "worker_to_record"]
 
 _REGISTER = """
 local P, id, role = ARGV[1], ARGV[2], ARGV[3]
@@ -266,6 +267,13 @@ def _host_port(item: str) -> tuple[str, int]:
         return host, int(port) if port else DEFAULT_SENTINEL_PORT
     except ValueError:
         raise ValueError(f"sentinel address {item!r} is not host:port") from None
+
+
+def redacted_url(url: str) -> str:
+    """``url`` (any form of the module doc) with each password, in the user-info or a ``password=`` /
+    ``sentinel_password=`` query field, replaced by ``***``: the form to log or print."""
+    url = re.sub(r"^([a-z+]+://[^/@:]*):[^/@]*@", r"\1:***@", url)
+    return re.sub(r"([?&](?:sentinel_)?password=)[^&]*", r"\1***", url)
 
 
 class _SentinelMaster(redis.Redis):

@@ -21,7 +21,7 @@ import redis
 from kvstore.block_pool import BlockStored
 from kvstore.embedded_redis import find_redis_server, generate_password
 from kvstore.hashing import hash_prompt_blocks, root_hash
-from kvstore.index import PrefixIndex, parse_sentinel_url, redis_client
+from kvstore.index import PrefixIndex, parse_sentinel_url, redacted_url, redis_client
 from kvstore.index_publisher import IndexPublisher
 from kvstore.local_index import WorkerInfo
 
@@ -177,6 +177,13 @@ def test_sentinel_url_parses_every_part():
                          ("redis+sentinel://h/m?ssl=1", "'ssl' is not supported")]:
         with pytest.raises(ValueError, match=message):
             parse_sentinel_url(bad)
+
+
+def test_redacted_url_hides_every_password():
+    assert redacted_url("redis+sentinel://pd:pw1@h1:26379,h2:26379/m/0?sentinel_username=s&sentinel_password=pw2") \
+        == "redis+sentinel://pd:***@h1:26379,h2:26379/m/0?sentinel_username=s&sentinel_password=***"
+    assert redacted_url("redis://:pw@h:6379/0") == "redis://:***@h:6379/0"
+    assert redacted_url("unix:///run/r.sock?db=0&password=pw") == "unix:///run/r.sock?db=0&password=***"
 
 
 def test_sentinel_url_reaches_the_master_with_its_passwords(sentinel_group):
