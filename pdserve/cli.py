@@ -108,8 +108,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         http = [("http", cluster.http_url)] if cluster.http_url is not None else []
         internal = (f"mutual TLS, certificates in {cluster.run_dir / 'pki'}" if cluster.tls_files
                     else "plaintext (--insecure-internal)")
-        rows = [("gateway", cluster.gateway_target), *http, *cluster.workers.items(), ("redis", redacted_url(cluster.redis_url)),
-                ("internal", internal), ("logs", str(cluster.run_dir))]
+        rows = [("gateway", cluster.gateway_target), *http, *cluster.workers.items(),
+                ("redis", redacted_url(cluster.redis_url)), ("internal", internal), ("logs", str(cluster.run_dir))]
         width = max(len(name) for name, _ in rows)
         _err("\n".join(f"  {name:<{width}}  {value}" for name, value in rows))
         if args.once is not None:
