@@ -113,7 +113,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         width = max(len(name) for name, _ in rows)
         _err("\n".join(f"  {name:<{width}}  {value}" for name, value in rows))
         if args.once is not None:
-            return _chat_once(cluster.gateway_target, config, args)
+            return _chat_once(cluster.gateway_target, cluster.config, args)
         also = f" (gRPC) and {cluster.http_url} (OpenAI HTTP)" if cluster.http_url is not None else ""
         _err(f"pdserve: serving on {cluster.gateway_target}{also}; Ctrl-C stops everything")
         try:

@@ -345,6 +345,8 @@ def build_parser(description: str = "", extra_commands: Sequence[AddCommand] = (
     _arg(s, L, "api_key_file", "the gateway's API keys (see `pdserve gateway --help`); --once sends the first one")
     _arg(s, L, "allow_unauthenticated", "let the gateway serve a non-loopback --host without --api-key-file",
          action="store_true")
+    _arg(s, L, "tls", "serve the gateway's public ports over TLS with a certificate made for the run "
+         "(<run dir>/pki/public.pem; clients verify it with pki/public-ca.pem)", action="store_true")
     _arg(s, L, "tls_cert", "certificate chain (PEM) of the gateway's public gRPC port and HTTPS, with --tls-key")
     _arg(s, L, "tls_key", "private key (PEM) of --tls-cert")
     _arg(s, L, "ca_cert", "CA bundle (PEM) that signed --tls-cert, for the launcher's health checks and --once "

@@ -57,8 +57,12 @@ class LocalClusterConfig:
     """The gateway's API key file (gateway.auth's format); `--once` sends its first key."""
     allow_unauthenticated: bool = False
     """Let the gateway serve a non-loopback `host` without api_key_file."""
+    tls: bool = False
+    """Serve the gateway's public gRPC port and HTTPS with a certificate made for the run (<run dir>/pki/public.pem
+    for localhost, 127.0.0.1 and `host`, from a CA of its own: public-ca.pem, which `--once` verifies it with)."""
     tls_cert: str | None = None
-    """Certificate chain (PEM) of the gateway's public gRPC port and HTTPS, with tls_key; None: plaintext."""
+    """Certificate chain (PEM) of the gateway's public gRPC port and HTTPS, with tls_key; None: plaintext (or
+    the run's own with `tls`)."""
     tls_key: str | None = None
     """Private key (PEM) of tls_cert."""
     ca_cert: str | None = None
@@ -86,6 +90,8 @@ class LocalClusterConfig:
             raise ValueError(f"LocalClusterConfig.num_cpus must be >= 1, got {self.num_cpus}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("LocalClusterConfig.tls_cert and tls_key go together: give both or neither")
+        if self.tls and self.tls_cert is not None:
+            raise ValueError("LocalClusterConfig.tls makes a certificate and tls_cert gives one: not both")
         if self.ca_cert is not None and self.tls_cert is None:
             raise ValueError("LocalClusterConfig.ca_cert verifies tls_cert: give tls_cert and tls_key too")
         if self.start_timeout_s <= 0 or self.stop_timeout_s <= 0:

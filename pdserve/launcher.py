@@ -56,6 +56,7 @@ from kvstore.embedded_redis import EmbeddedRedis, redacted_url
 from pdserve import health
 from pdserve.cli_args import REDIS_URL_ENV, engine_flags
 from pdserve.cluster_config import LocalClusterConfig
+from pdserve.pki import write_public_tls
 from protos.tls import TlsFiles, write_cluster_pki
 
 __all__ = ["ClusterError", "LocalCluster", "LocalClusterConfig", "child_command", "connect_host", "divide_threads",
@@ -148,6 +149,7 @@ class LocalCluster:
 
     def __init__(self, config: LocalClusterConfig | None = None) -> None:
         self.config = config or LocalClusterConfig()
+        """What runs; with `tls`, start() fills in tls_cert, tls_key and ca_cert with the certificate it made."""
         self._redis: EmbeddedRedis | None = None
         self._reaper: subprocess.Popen | None = None
         self._redis_url: str | None = None
@@ -332,6 +334,13 @@ class LocalCluster:
         else:
             self._pki = write_cluster_pki(self._run_dir / "pki", [("gateway", "gateway"), *zip(roles, worker_ids),
                                                                  ("probe", "probe")])
+        if config.tls:
+            pki_dir = self._run_dir / "pki"
+            pki_dir.mkdir(mode=0o700, exist_ok=True)
+            host = connect_host(config.host)
+            public = write_public_tls(pki_dir, hosts=[] if host in ("127.0.0.1", "localhost") else [host])
+            config = self.config = dataclasses.replace(config, tls=False, tls_cert=str(public.cert_path),
+                                                       tls_key=str(public.key_path), ca_cert=str(public.ca_path))
         probe = self._pki.get("probe")
         for role, worker_id, port, num_threads in zip(roles, worker_ids, ports, threads):
             argv = worker_argv(role, worker_id, port, config, num_threads, self._pki.get(worker_id))

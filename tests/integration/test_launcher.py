@@ -25,6 +25,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 import redis
+from cryptography import x509
 
 from engine.config import EngineConfig
 from pdserve import health
@@ -330,6 +331,21 @@ def test_up_once_sends_the_first_api_key_over_the_gateways_public_tls(default_mo
     logs = {path.name: path.read_text()[-2000:] for path in run_dir.glob("*.log")}
     assert out["rc"] == 0, (out["stderr"], logs)
     assert "Paris" in out["stdout"]
+    assert out["left"] == {}
+
+
+@pytest.mark.slow
+def test_up_tls_makes_a_public_certificate_that_once_verifies_with_the_runs_ca(default_model_path, tmp_path):
+    out = run_reaped(sys.executable, "-m", "pdserve.cli", "up", "--once", "What is the capital of France?", "--tls",
+                     "--kv-cache-memory", str(KV_CACHE_MEMORY), "--max-tokens", "32", "--run-dir", str(tmp_path))
+    assert out["rc"] == 0, out["stderr"]
+    assert "Paris" in out["stdout"]
+    pki = tmp_path / "pki"
+    assert stat.S_IMODE((pki / "public-key.pem").stat().st_mode) == 0o600
+    # The public certificate comes from its own CA, not the cluster's: it is no cluster member.
+    public = x509.load_pem_x509_certificate((pki / "public.pem").read_bytes())
+    public.verify_directly_issued_by(x509.load_pem_x509_certificate((pki / "public-ca.pem").read_bytes()))
+    assert public.issuer != x509.load_pem_x509_certificate((pki / "ca.pem").read_bytes()).subject
     assert out["left"] == {}
 
 

@@ -118,5 +118,8 @@ def test_up_security_flags_map_onto_the_cluster_config():
                                                                                      "/ca.pem")
     assert config.allow_unauthenticated and not config.insecure_internal
     assert cli_args.cluster_config(cli_args.parse_args(["up", "--insecure-internal"])).insecure_internal
+    assert cli_args.cluster_config(cli_args.parse_args(["up", "--tls"])).tls
+    with pytest.raises(cli_args.UsageError, match="LocalClusterConfig.tls makes a certificate"):
+        cli_args.cluster_config(cli_args.parse_args(["up", "--tls", "--tls-cert", "/c", "--tls-key", "/k"]))
     gateway = cli_args.gateway_config(cli_args.parse_args(gateway_argv(config, 1, None, TLS)))
     assert gateway.allow_unauthenticated and gateway.host == "0.0.0.0"
