@@ -279,6 +279,7 @@ class HttpFront:
             try:
                 self._frontend.authenticate(request.headers.get("Authorization"))
             except Unauthenticated as exc:
+                self._frontend.metrics.unauthenticated.labels("http").inc()
                 return _error_response(exc)
         return await handler(request)
 

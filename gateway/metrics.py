@@ -17,6 +17,8 @@ Requests, both APIs (label api: "grpc" or "http"; endpoint: generate, chat, comp
     pdserve_kv_transfer_bytes_total{transport}       KV bytes moved from prefill to decode workers ("shm", "grpc")
     pdserve_kv_transfer_seconds{transport}           the prefill worker's push time per request
     pdserve_local_prefill_total{reason}              requests prefilled on their decode worker, by routing reason
+    pdserve_unauthenticated_requests_total{api}      calls refused for a missing, malformed or unknown API key
+                                                     (any RPC or path; not in pdserve_requests_total)
 Workers, as last reported to the prefix index (refreshed on each scrape; label worker, role):
     pdserve_worker_running_seqs, pdserve_worker_waiting_seqs (queue depth),
     pdserve_worker_kv_blocks_used, pdserve_worker_kv_blocks_free
@@ -114,6 +116,9 @@ class GatewayMetrics:
                                           ["transport"], buckets=TRANSFER_BUCKETS, registry=r)
         self.local_prefill = Counter("pdserve_local_prefill", "Requests prefilled on their decode worker, by reason",
                                      ["reason"], registry=r)
+        self.unauthenticated = Counter("pdserve_unauthenticated_requests",
+                                       "Calls refused for a missing, malformed or unknown API key", ["api"],
+                                       registry=r)
         self._workers = _WorkerCollector()
         r.register(self._workers)
 

@@ -199,8 +199,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     """API keys on every RPC but grpc.health.v1 (probes carry no key): UNAUTHENTICATED before the handler runs.
     The Generation servicer authenticates again for the caller's tenant and limits (Frontend.authenticate)."""
 
-    def __init__(self, api_keys: ApiKeyStore) -> None:
+    def __init__(self, api_keys: ApiKeyStore, metrics: GatewayMetrics) -> None:
         self._api_keys = api_keys
+        self._metrics = metrics
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -209,6 +210,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         try:
             self._api_keys.authenticate(_authorization(handler_call_details.invocation_metadata))
         except Unauthenticated as exc:
+            self._metrics.unauthenticated.labels("grpc").inc()
             return _deny(handler, str(exc))
         return handler
 
@@ -370,7 +372,8 @@ async def _start(config: GatewayConfig, model: ModelSpec, tokenizer: Tokenizer) 
     metrics = GatewayMetrics()
     metrics.track_queue(lambda: orchestrator.num_queued)
     frontend = Frontend(model, tokenizer, orchestrator, metrics, api_keys)
-    interceptors = ([AuthInterceptor(api_keys)] if api_keys is not None else []) + [ErrorMappingInterceptor()]
+    interceptors = ([AuthInterceptor(api_keys, metrics)] if api_keys is not None else []) + \
+        [ErrorMappingInterceptor()]
     server = grpc.aio.server(interceptors=interceptors,
                              options=[("grpc.max_receive_message_length", config.max_request_bytes)])
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend), server)

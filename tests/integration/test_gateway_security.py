@@ -230,8 +230,22 @@ def test_http_with_a_key(gateway, cluster):
         assert response.status_code == 200
         assert response.json()["choices"][0]["text"] == cluster.reference(PROMPT, max_tokens=8)[0]
         assert h.get("/v1/models").status_code == 200
-        metrics = h.get("/metrics")
-        assert metrics.status_code == 200 and "pdserve_requests_total" in metrics.text
+        def refused() -> dict[str, float]:
+            text = h.get("/metrics").text
+            return {api: _sample(text, f'pdserve_unauthenticated_requests_total{{api="{api}"}}')
+                    for api in ("grpc", "http")}
+
+        before = refused()
+        with http(gateway, api_key=WRONG_KEY) as wrong:
+            assert completion(wrong).status_code == 401
+        with client(gateway, api_key=WRONG_KEY) as wrong, pytest.raises(PdserveError):
+            wrong.list_models()
+        assert refused() == {api: count + 1 for api, count in before.items()}
+
+
+def _sample(exposition: str, name: str) -> float:
+    return next((float(line.rsplit(" ", 1)[1]) for line in exposition.splitlines() if line.startswith(name + " ")),
+                0.0)
 
 
 def test_openai_client_over_https_with_a_ca_bundle(gateway):
