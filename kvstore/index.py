@@ -9,7 +9,9 @@ Key schema (P = ``key_prefix``, default "pdserve"; hex = ``block_hash_hex``, 32 
                                    "host_id": str, "block_size": int, "fingerprint": str,
                                    "max_model_len": int} (keys absent when unset)
     P:epoch:{id}            STRING INCR counter, no TTL: each register (and each AllBlocksCleared)
-                                   takes the next epoch, so a restarted worker never reuses one
+                                   takes the next epoch, so a restarted worker never reuses one (while
+                                   the data lives: an emptied Redis, or a failover that lost the last
+                                   writes, counts again; record, role entry and set still agree)
     P:role:{role}           HASH   worker_id -> epoch; may name dead workers until a sweep sees them
     P:blocks:{id}:{epoch}   SET    hexes of the blocks that worker epoch holds; no TTL, UNLINKed
                                    (freed off the main thread) when the epoch ends

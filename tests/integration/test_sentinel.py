@@ -21,7 +21,7 @@ import redis
 from kvstore.block_pool import BlockStored
 from kvstore.embedded_redis import find_redis_server, generate_password
 from kvstore.hashing import hash_prompt_blocks, root_hash
-from kvstore.index import PrefixIndex, parse_sentinel_url, redacted_url, redis_client
+from kvstore.index import IndexUnavailable, PrefixIndex, parse_sentinel_url, redacted_url, redis_client
 from kvstore.index_publisher import IndexPublisher
 from kvstore.local_index import WorkerInfo
 
@@ -142,6 +142,16 @@ class SentinelGroup:
     def promoted(self) -> bool:
         """Every sentinel names the former replica as the master."""
         return all(v.get("port") == self.replica.port and v.get("flags") == "master" for v in self.sentinel_views())
+
+    def demoted(self) -> bool:
+        """The former master runs on as a replica (the sentinels closed its clients when they demoted it)."""
+        old_master = redis.Redis(port=self.master.port, password=self.password, socket_timeout=1.0)
+        try:
+            return old_master.info("replication")["role"] == "slave"
+        except redis.RedisError:
+            return False
+        finally:
+            old_master.close()
 
     def close(self) -> None:
         for process in self.processes:
@@ -270,6 +280,62 @@ def test_failover_degrades_lookups_then_the_publishers_republish_on_the_new_mast
         epoch = index.register(WorkerInfo("p1", "prefill"))   # worker-side calls work against the new master
         index.publish("p1", epoch, [BlockStored(tuple(LATER_PROMPT[:3]))])
         assert index.lookup(LATER_PROMPT, "prefill")["p1"] == 3
+    finally:
+        publisher.stop()
+        quiet.stop()
+        index.close()
+        quiet_index.close()
+
+
+def test_planned_failover_moves_the_index_to_the_new_master(sentinel_group):
+    """SENTINEL FAILOVER (maintenance): the old master lives on as a replica of the new one. For a moment
+    both are masters, and writes the old one takes then are lost when it resyncs from the new one; the
+    sentinels close its clients when they demote it, so each publisher's next call reaches the new master,
+    which makes it re-register and re-publish everything there. The demoted one refuses writes."""
+    group = sentinel_group
+    index = PrefixIndex(group.url, worker_ttl_s=5.0, lookup_timeout_s=0.05, breaker_cooldown_s=0.2)
+    publisher = IndexPublisher(index, WorkerInfo("d0", "decode"), initial_hashes=PROMPT, flush_interval_s=0.02)
+    quiet_index = PrefixIndex(group.url, worker_ttl_s=120.0)
+    quiet = IndexPublisher(quiet_index, WorkerInfo("d1", "decode"), initial_hashes=PROMPT[:6])
+    publisher.start()
+    try:
+        assert quiet.flush() is True
+        wait_until(lambda: index.lookup(PROMPT) == {"d0": 10, "d1": 6}, 10.0, "blocks published via Sentinel")
+        before, quiet_before = publisher.get_stats(), quiet.get_stats()
+
+        sentinel = redis.Redis(port=group.sentinels[0].port, password=group.sentinel_password)
+        try:
+            assert sentinel.execute_command("SENTINEL", "FAILOVER", SERVICE)
+        finally:
+            sentinel.close()
+        wait_until(lambda: group.promoted() and group.demoted(), FAILOVER_TIMEOUT_S,
+                   "the sentinels promote the replica and demote the master")
+        publisher.submit([BlockStored(tuple(LATER_PROMPT))])
+        wait_until(lambda: publisher.get_stats().num_republishes > before.num_republishes, FAILOVER_TIMEOUT_S,
+                   "d0's publisher re-registers on the new master")
+        quiet.submit([BlockStored(tuple(LATER_PROMPT[:2]))])
+        wait_until(quiet.flush, 10.0, "d1's publisher syncs with the new master")
+        assert quiet.get_stats().num_republishes == quiet_before.num_republishes + 1
+        wait_until(lambda: _lookup_returning(index, LATER_PROMPT, "decode") == {"d0": 8, "d1": 2},
+                   FAILOVER_TIMEOUT_S, "the blocks cached during the failover are found")
+        assert index.lookup(PROMPT, "decode") == {"d0": 10, "d1": 6}
+        new_master = redis.Redis(port=group.replica.port, password=group.password, decode_responses=True)
+        try:
+            assert new_master.info("replication")["role"] == "master"
+            for worker_id, stats, num_blocks in (("d0", publisher.get_stats(), 18), ("d1", quiet.get_stats(), 8)):
+                assert new_master.hget(f"pdserve:worker:{worker_id}", "epoch") == str(stats.epoch)
+                assert new_master.scard(f"pdserve:blocks:{worker_id}:{stats.epoch}") == num_blocks
+        finally:
+            new_master.close()
+
+        demoted = PrefixIndex(f"redis://:{group.password}@127.0.0.1:{group.master.port}/0")
+        try:
+            wait_until(lambda: demoted.lookup(LATER_PROMPT, "decode") == {"d0": 8, "d1": 2}, 10.0,
+                       "the demoted master replicates the new one")
+            with pytest.raises(IndexUnavailable, match="READONLY"):
+                demoted.register(WorkerInfo("p9", "prefill"))
+        finally:
+            demoted.close()
     finally:
         publisher.stop()
         quiet.stop()
