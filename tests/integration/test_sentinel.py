@@ -6,6 +6,7 @@ re-registered and re-published the worker's full cached set.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -13,7 +14,9 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -24,6 +27,7 @@ from kvstore.hashing import hash_prompt_blocks, root_hash
 from kvstore.index import IndexUnavailable, PrefixIndex, parse_sentinel_url, redacted_url, redis_client
 from kvstore.index_publisher import IndexPublisher
 from kvstore.local_index import WorkerInfo
+from tests.integration.cluster import RPC_TIMEOUT_S, Cluster, assert_idle
 
 SERVICE = "pdindex"
 ROOT = root_hash("test-model")
@@ -341,3 +345,45 @@ def test_planned_failover_moves_the_index_to_the_new_master(sentinel_group):
         quiet.stop()
         index.close()
         quiet_index.close()
+
+
+def _chat(gateway, content: str) -> dict:
+    body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 16,
+                       "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{gateway.http_port}/v1/chat/completions", data=body,
+                                     method="POST", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=RPC_TIMEOUT_S) as response:
+        return json.loads(response.read())
+
+
+@pytest.mark.slow
+def test_workers_and_gateway_over_sentinel_keep_serving_through_a_failover(sentinel_group, default_model_path):
+    """Worker processes and a gateway given the redis+sentinel:// URL: requests are answered before, during
+    (routing by load only) and after the failover, and both workers re-register on the new master."""
+    group = sentinel_group
+    cluster = Cluster(default_model_path, SimpleNamespace(url=group.url))   # Cluster reads only `.url`
+    try:
+        cluster.start_worker("prefill", "p0")
+        cluster.start_worker("decode", "d0")
+        cluster.wait_registered("p0", "d0")
+        epochs_before = {w.worker_id: w.epoch for w in cluster.index.list_workers()}
+        gateway = cluster.gateway()
+        question = "What is the capital of France?"
+        first = _chat(gateway, question)["choices"][0]["message"]["content"]
+        assert "Paris" in first
+
+        group.master.kill()
+        assert _chat(gateway, question)["choices"][0]["message"]["content"] == first
+        wait_until(group.promoted, FAILOVER_TIMEOUT_S, "the sentinels promote the replica")
+
+        def reregistered() -> bool:
+            epochs = {w.worker_id: w.epoch for w in cluster.index.list_workers() or []}
+            return epochs.keys() == epochs_before.keys() and all(epochs[w] > epochs_before[w] for w in epochs)
+
+        wait_until(reregistered, FAILOVER_TIMEOUT_S, "both workers re-register on the new master")
+        after = _chat(gateway, question)
+        assert after["choices"][0]["message"]["content"] == first
+        assert after["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert_idle(cluster.wait_idle())
+    finally:
+        cluster.close()
