@@ -172,7 +172,8 @@ def _format_stats(c: Completion) -> str:
 
 
 def _client(args: argparse.Namespace) -> Client:
-    return Client(args.target, timeout=args.timeout)
+    """The gateway client of `generate` and `chat`: --api-key (else $PDSERVE_API_KEY), --tls, --ca-cert."""
+    return Client(args.target, timeout=args.timeout, **cli_args.client_options(args))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -177,3 +177,21 @@ def test_public_certificate_carries_loopback_for_local_clients(tmp_path):
     dns, ips = sans(files.cert_path)
     assert {"localhost", "gw.example"} <= set(dns)
     assert ipaddress.ip_address("127.0.0.1") in map(ipaddress.ip_address, ips)
+
+
+# ------------------------------------------------------------------------------------------------- clients
+class RecordingClient:
+    def __init__(self, target, timeout=None, **options):
+        self.target, self.timeout, self.options = target, timeout, options
+
+
+def test_generate_and_chat_build_their_client_with_the_key_and_tls_flags(monkeypatch):
+    monkeypatch.setattr(cli, "Client", RecordingClient)
+    monkeypatch.setenv(cli_args.API_KEY_ENV, "from-the-environment-0123")
+    client = cli._client(cli_args.parse_args(["chat", "Hi", "--target", "gw:1", "--ca-cert", "/ca.pem"]))
+    assert (client.target, client.options) == ("gw:1", {"api_key": "from-the-environment-0123", "tls": True,
+                                                        "ca_cert": "/ca.pem"})
+    client = cli._client(cli_args.parse_args(["generate", "x", "--api-key", "from-the-flag-0123456", "--tls"]))
+    assert client.options == {"api_key": "from-the-flag-0123456", "tls": True, "ca_cert": None}
+    monkeypatch.delenv(cli_args.API_KEY_ENV)
+    assert cli._client(cli_args.parse_args(["chat"])).options == {"api_key": None, "tls": False, "ca_cert": None}
