@@ -178,12 +178,14 @@ class LocalCluster:
 
     @property
     def http_url(self) -> str | None:
-        """Base URL of the gateway's OpenAI-compatible HTTP API (http://host:port); None when it is off."""
+        """Base URL of the gateway's OpenAI-compatible HTTP API (http://host:port, https:// with public TLS); None
+        when it is off."""
         assert self._gateway is not None, "the cluster is not started"
         if self._http_port is None:
             return None
         host = connect_host(self.config.host)
-        return f"http://{f'[{host}]' if ':' in host else host}:{self._http_port}"
+        scheme = "https" if self.config.tls_cert else "http"
+        return f"{scheme}://{f'[{host}]' if ':' in host else host}:{self._http_port}"
 
     @property
     def workers(self) -> dict[str, str]:

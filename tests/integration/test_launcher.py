@@ -337,9 +337,11 @@ def test_up_once_sends_the_first_api_key_over_the_gateways_public_tls(default_mo
 @pytest.mark.slow
 def test_up_tls_makes_a_public_certificate_that_once_verifies_with_the_runs_ca(default_model_path, tmp_path):
     out = run_reaped(sys.executable, "-m", "pdserve.cli", "up", "--once", "What is the capital of France?", "--tls",
-                     "--kv-cache-memory", str(KV_CACHE_MEMORY), "--max-tokens", "32", "--run-dir", str(tmp_path))
+                     "--http-port", "0", "--kv-cache-memory", str(KV_CACHE_MEMORY), "--max-tokens", "32",
+                     "--run-dir", str(tmp_path))
     assert out["rc"] == 0, out["stderr"]
     assert "Paris" in out["stdout"]
+    assert re.search(r"^\s+http\s+https://127\.0\.0\.1:\d+$", out["stderr"], re.MULTILINE), out["stderr"]
     pki = tmp_path / "pki"
     assert stat.S_IMODE((pki / "public-key.pem").stat().st_mode) == 0o600
     # The public certificate comes from its own CA, not the cluster's: it is no cluster member.
