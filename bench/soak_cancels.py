@@ -1,7 +1,7 @@
 """Random cancels against a live cluster, then a leak check of every worker's KV blocks.
 
     python bench/soak_cancels.py [--count 1000] [--concurrency 16] [--seed 0] [--transport grpc] [--json PATH]
-    python bench/soak_cancels.py --target HOST:PORT --http-url URL --worker HOST:PORT [--worker ...]
+    python bench/soak_cancels.py --target HOST:PORT --http-url URL --worker decode=HOST:PORT [--worker prefill=...]
 
 Without --target it starts its own cluster (LocalCluster: a real redis-server, 1 prefill + 1 decode worker with
 the default model, the gateway with local prefill off, so every request goes through a KV transfer). Each request
@@ -38,6 +38,7 @@ import grpc
 
 from engine.config import EngineConfig
 from pdserve.launcher import LocalCluster, LocalClusterConfig
+from protos.tls import TlsFiles, channel_credentials, channel_options
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 PHASES = ("before-first-token", "kv-transfer", "mid-stream")
@@ -87,15 +88,17 @@ class SoakResult:
 
 
 # ------------------------------------------------------------------------------------------------ workers
-def worker_stats(endpoint: str) -> worker_pb2.WorkerStats:
-    """Stats of a decode or prefill worker (tried in that order)."""
-    with grpc.insecure_channel(endpoint) as channel:
-        try:
-            return worker_pb2_grpc.DecodeWorkerStub(channel).Stats(worker_pb2.StatsRequest(), timeout=10)
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise
-        return worker_pb2_grpc.PrefillWorkerStub(channel).Stats(worker_pb2.StatsRequest(), timeout=10)
+def worker_stats(name: str, endpoint: str, probe: TlsFiles | None) -> worker_pb2.WorkerStats:
+    """Stats of the worker `name` ("prefill-*" or "decode-*", the launcher's ids): plaintext, or over mutual TLS
+    as the probe identity checking the worker's role."""
+    role = "prefill" if name.startswith("prefill") else "decode"
+    if probe is None:
+        channel = grpc.insecure_channel(endpoint)
+    else:
+        channel = grpc.secure_channel(endpoint, channel_credentials(probe), options=channel_options(role))
+    stub = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+    with channel:
+        return stub(channel).Stats(worker_pb2.StatsRequest(), timeout=10)
 
 
 def _busy(stats: worker_pb2.WorkerStats) -> dict[str, int]:
@@ -103,11 +106,12 @@ def _busy(stats: worker_pb2.WorkerStats) -> dict[str, int]:
             "reserved": stats.reserved}
 
 
-def wait_idle(endpoints: dict[str, str], timeout_s: float = IDLE_TIMEOUT_S) -> dict[str, worker_pb2.WorkerStats]:
+def wait_idle(endpoints: dict[str, str], probe: TlsFiles | None,
+              timeout_s: float = IDLE_TIMEOUT_S) -> dict[str, worker_pb2.WorkerStats]:
     """Poll every worker's Stats until none holds anything, or `timeout_s`; the last Stats."""
     deadline = time.monotonic() + timeout_s
     while True:
-        stats = {name: worker_stats(endpoint) for name, endpoint in endpoints.items()}
+        stats = {name: worker_stats(name, endpoint, probe) for name, endpoint in endpoints.items()}
         if not any(any(_busy(s).values()) for s in stats.values()) or time.monotonic() > deadline:
             return stats
         time.sleep(0.2)
@@ -270,10 +274,11 @@ async def soak(target: str, http_url: str | None, count: int, concurrency: int, 
 
 
 def run(target: str, http_url: str | None, workers: dict[str, str], count: int, concurrency: int,
-        seed: int) -> SoakResult:
-    """The whole soak against a running cluster: `workers` maps a name to each worker's gRPC endpoint."""
+        seed: int, probe: TlsFiles | None = None) -> SoakResult:
+    """The whole soak against a running cluster: `workers` maps a name to each worker's gRPC endpoint; `probe`
+    is the cluster's probe certificate when the workers serve mutual TLS."""
     cancels, answers, server_errors, elapsed, windows = asyncio.run(soak(target, http_url, count, concurrency, seed))
-    stats = wait_idle(workers)
+    stats = wait_idle(workers, probe)
     return SoakResult(cancels=cancels, answers=answers, server_errors=server_errors,
                       leaked={name: _busy(s) | {"not_free": s.num_blocks - s.free_blocks} for name, s in stats.items()},
                       idle_blocks={name: s.num_blocks for name, s in stats.items()}, elapsed_s=elapsed,
@@ -306,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--target", help="gateway gRPC host:port of a running cluster (default: start one)")
     parser.add_argument("--http-url", help="its OpenAI-compatible HTTP base URL (with --target)")
-    parser.add_argument("--worker", action="append", default=[], help="a worker's host:port (with --target)")
+    parser.add_argument("--worker", action="append", default=[], metavar="ROLE=HOST:PORT",
+                        help="a worker of a running cluster, e.g. decode=127.0.0.1:50071 (with --target; plaintext only)")
     parser.add_argument("--transport", default="grpc", help="KV transport of the cluster this starts (default grpc: "
                         "the widest transfer window)")
     parser.add_argument("--kv-cache-memory", type=int, default=128 << 20, help="bytes per worker (default 128 MiB)")
@@ -315,7 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.target is not None:
         if not args.worker:
             parser.error("--target needs every worker's --worker HOST:PORT (for the leak check)")
-        result = run(args.target, args.http_url, {w: w for w in args.worker}, args.count, args.concurrency,
+        roles = [w.partition("=") for w in args.worker]
+        if any(role not in ("prefill", "decode") or not endpoint for role, _, endpoint in roles):
+            parser.error("--worker takes prefill=HOST:PORT or decode=HOST:PORT")
+        workers = {f"{role}-{i}": endpoint for i, (role, _, endpoint) in enumerate(roles)}
+        result = run(args.target, args.http_url, workers, args.count, args.concurrency,
                      args.seed)
     else:
         config = LocalClusterConfig(port=0, http_port=0, transport=args.transport,
@@ -323,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                                     gateway_args=("--local-prefill-threshold", "0"))
         with LocalCluster(config) as cluster:
             result = run(cluster.gateway_target, cluster.http_url, cluster.workers, args.count, args.concurrency,
-                         args.seed)
+                         args.seed, cluster.tls_files.get("probe"))
     print(report(result), flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(result.to_json(), indent=2))
