@@ -9,7 +9,7 @@ Authentication: the server requires a password, generated at construction (``gen
 one is given, and kept across restarts; ``url`` carries it (``redis://:<password>@127.0.0.1:<port>/0``).
 The password goes to redis-server in a 0600 config file inside the server's 0700 directory, never on its
 command line (which every local user can read in /proc). ``password=""`` runs an open server (tests only).
-``redacted_url(url)`` is the form to log or print.
+``kvstore.index.redacted_url(url)`` is the form to log or print.
 
 Every Redis client of pdserve is built with ``redis.Redis.from_url``, so an external Redis takes the usual
 URL forms: ``redis://user:pass@host:6379/0`` (ACL user), ``rediss://user:pass@host:6380/0`` (TLS; e.g.
@@ -81,12 +81,6 @@ def acl_setuser_args(user: str, password: str, key_prefix: str = "pdserve") -> l
         raise ValueError(f"user and key_prefix must be [A-Za-z0-9_.-]+, got {user!r}, {key_prefix!r}")
     return [user, "reset", "on", f">{password}", "resetchannels", f"~{key_prefix}:*", "-@all",
             *(f"+{command}" for command in INDEX_COMMANDS)]
-
-
-def redacted_url(url: str) -> str:
-    """`url` with its password (user-info or ``password=`` query field) replaced by ``***``."""
-    url = re.sub(r"^([a-z]+://[^/@:]*):[^/@]*@", r"\1:***@", url)
-    return re.sub(r"([?&])password=[^&]*", r"\1password=***", url)
 
 
 def _free_port() -> int:

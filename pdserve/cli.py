@@ -36,7 +36,7 @@ from typing import Any
 from decode_worker.config import DecodeWorkerConfig
 from engine.model_fetch import ModelFetchError, fetch_default_model
 from gateway.auth import ApiKeyFileError
-from kvstore.embedded_redis import redacted_url
+from kvstore.index import redacted_url
 from pdserve import cli_args, health, pki
 from pdserve.bench import cli as bench_cli
 from pdserve.cli_args import UsageError

@@ -52,7 +52,8 @@ from pathlib import Path
 import redis
 
 from engine.model_fetch import fetch_default_model
-from kvstore.embedded_redis import EmbeddedRedis, redacted_url
+from kvstore.embedded_redis import EmbeddedRedis
+from kvstore.index import redacted_url
 from pdserve import health
 from pdserve.cli_args import REDIS_URL_ENV, engine_flags
 from pdserve.cluster_config import LocalClusterConfig

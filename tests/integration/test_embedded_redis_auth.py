@@ -11,7 +11,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvstore.embedded_redis import EmbeddedRedis, acl_setuser_args, generate_password, redacted_url
+from kvstore.embedded_redis import EmbeddedRedis, acl_setuser_args, generate_password
+from kvstore.index import redacted_url
 from kvstore.index import PrefixIndex
 from kvstore.local_index import WorkerInfo
 from kvstore.block_pool import BlockStored
