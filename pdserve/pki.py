@@ -29,7 +29,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from gateway.auth import parse_api_keys
-from protos.tls import ClusterCA, Identity, TlsFiles, write_cluster_pki
+from protos.tls import ClusterCA, Identity, TlsFiles, write_cluster_pki, write_file
 
 DEFAULT_IDENTITIES = (("gateway", "gateway"), ("prefill", "prefill"), ("decode", "decode"), ("probe", "probe"))
 """What `pdserve certs --out` issues without --name: one certificate per role, named after it."""
@@ -50,18 +50,6 @@ class PublicTls:
     cert_path: Path
     key_path: Path
     ca_path: Path
-
-
-def write_file(path: Path, data: bytes, mode: int) -> None:
-    """`data` at `path`, created with `mode` (never briefly readable by others) and replaced atomically."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
-    try:
-        os.fchmod(fd, mode)
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
 
 
 def parse_identity(text: str) -> tuple[str, str]:

@@ -221,8 +221,8 @@ class TlsFiles:
         return self.ca_path.read_bytes(), self.cert_path.read_bytes(), self.key_path.read_bytes()
 
 
-def _write(path: Path, data: bytes, mode: int) -> None:
-    # Created with its final mode (never briefly readable by others), replaced atomically.
+def write_file(path: Path, data: bytes, mode: int) -> None:
+    """`data` at `path`, created with `mode` (never briefly readable by others) and replaced atomically."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
     try:
@@ -247,14 +247,14 @@ def write_cluster_pki(directory: str | os.PathLike, identities: Iterable[tuple[s
     ca = ca or ClusterCA.generate()
     hosts = list(hosts)
     ca_path = directory / "ca.pem"
-    _write(ca_path, ca.cert_pem, 0o644)
-    _write(directory / "ca-key.pem", ca.key_pem, 0o600)
+    write_file(ca_path, ca.cert_pem, 0o644)
+    write_file(directory / "ca-key.pem", ca.key_pem, 0o600)
     files = {}
     for identity in identities:
         issued = ca.issue(identity.role, identity.name, hosts=hosts)
         cert_path, key_path = directory / f"{identity.name}.pem", directory / f"{identity.name}-key.pem"
-        _write(cert_path, issued.cert_pem, 0o644)
-        _write(key_path, issued.key_pem, 0o600)
+        write_file(cert_path, issued.cert_pem, 0o644)
+        write_file(key_path, issued.key_pem, 0o600)
         files[identity.name] = TlsFiles(cert_path, key_path, ca_path)
     return files
 
