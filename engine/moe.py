@@ -40,7 +40,6 @@ class SparseMoE:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden] in x.dtype."""
-        num_tokens = x.shape[0]
         weights, expert_ids = self.route(x)
         flat_experts = expert_ids.flatten()  # [T * top_k], pair p = (token p // top_k, its (p % top_k)-th expert)
         order = torch.argsort(flat_experts, stable=True)  # pairs grouped by expert, tokens ascending within

@@ -32,7 +32,7 @@ CUDA caches (the digest needs host bytes) every group is encoded up front.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import xxhash
