@@ -276,8 +276,10 @@ class Tokenizer:
         """Text of `ids`; special tokens (e.g. `<|im_end|>`) are dropped when skip_special_tokens."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render `messages` ([{"role": str, "content": str}, ...]) with the model's chat template.
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """Render `messages` ([{"role": str, "content": str}, ...]) with the model's chat template;
+        `template_kwargs` are further template variables (e.g. enable_thinking), never overriding the ones set here.
 
         Raises ValueError naming the offending field (e.g. "messages[1].content must be a string"), when the
         model has no template, or when the template itself raises (its `raise_exception` message is kept).
@@ -288,8 +290,9 @@ class Tokenizer:
         if self._compiled_template is None or self._compiled_template[0] != self.chat_template:
             self._compiled_template = (self.chat_template, _compile_chat_template(self.chat_template))
         try:
-            return self._compiled_template[1].render(messages=checked, add_generation_prompt=add_generation_prompt,
-                                                  bos_token=self._bos_token or "", eos_token=self._eos_token or "")
+            return self._compiled_template[1].render({
+                **(template_kwargs or {}), "messages": checked, "add_generation_prompt": add_generation_prompt,
+                "bos_token": self._bos_token or "", "eos_token": self._eos_token or ""})
         except jinja2.exceptions.TemplateError as exc:
             raise ValueError(f"chat template error: {exc}") from exc
 

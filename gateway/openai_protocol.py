@@ -7,17 +7,28 @@ OpenAI parameter (the error object's `param`): "temperature", "max_tokens", "pro
 
     model               the served name or an alias; missing means the served model
     prompt              /v1/completions: a string, a list of token ids, or a one-element list of either
-    messages            /v1/chat/completions: [{"role": "system"|"user"|"assistant",
-                        "content": a string or a list of {"type": "text", "text": ...} parts}]
-    max_tokens          completions: default 16; chat (or max_completion_tokens): default the rest of the context
+    messages            /v1/chat/completions: [{"role": "system"|"developer"|"user"|"assistant",
+                        "content": a string or a list of {"type": "text", "text": ...} parts}]; "developer" is
+                        rendered as "system"
+    max_tokens          completions: default 16; chat (or max_completion_tokens, the same limit; both given must
+                        agree): default the rest of the context
     temperature, top_p, top_k, min_p, seed, presence_penalty, frequency_penalty, repetition_penalty, stop (a
     string or a list), stop_token_ids, ignore_eos, cache_salt
                         as in the gRPC SamplingParams (top_k -1 disables too, as in vLLM)
+    include_stop_str_in_output
+                        the text keeps the stop string that ended it
+    chat_template_kwargs
+                        chat: further variables for the chat template (an object)
     logprobs            completions: alternatives per token (an int); chat: a bool, with top_logprobs (an int)
     stream, stream_options.include_usage
     n, best_of          1 only
-    echo, suffix, logit_bias, tools, functions, response_format other than text: refused
-Other fields (user, metadata, ...) are ignored. JSON null means unset.
+    echo, suffix, logit_bias, tools, functions
+                        refused unless empty or false; tool_choice and function_call: "none" only;
+                        response_format: {"type": "text"} only
+    user, metadata, store
+                        accepted without effect (NO_EFFECT_FIELDS)
+Any other field (vLLM's guided_*, structured_outputs, prompt_logprobs, min_tokens, priority, ...; an unknown key
+of a message or of stream_options) is refused, naming it: nothing is silently ignored. JSON null means unset.
 """
 
 from __future__ import annotations
@@ -39,6 +50,22 @@ from gateway.validation import (DEFAULT_MAX_TOKENS, GenerationRequest, ModelSpec
 
 _REFUSED = {"echo": "echoing the prompt", "suffix": "suffix", "logit_bias": "logit_bias", "tools": "tool calling",
             "functions": "function calling"}
+"""Fields refused unless empty or false."""
+_COMMON_FIELDS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "cache_salt", "logprobs", "stream",
+    "stream_options", "n", "include_stop_str_in_output", "echo", "suffix", "logit_bias", "tools", "functions"})
+NO_EFFECT_FIELDS = frozenset({"user", "metadata", "store"})
+"""Accepted and ignored: they describe the request to OpenAI's own bookkeeping, not what is generated."""
+COMPLETION_FIELDS = _COMMON_FIELDS | NO_EFFECT_FIELDS | {"prompt", "best_of"}
+CHAT_FIELDS = _COMMON_FIELDS | NO_EFFECT_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "response_format", "tool_choice", "function_call",
+    "chat_template_kwargs"}
+_MESSAGE_FIELDS = frozenset({"role", "content"})
+_STREAM_OPTIONS = frozenset({"include_usage"})
+_ROLE_ALIASES = {"developer": "system"}
+_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+"""Set by the gateway itself; chat_template_kwargs may not override them."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +87,7 @@ class OpenAIRequest:
 def parse_completion(body: Any, model: ModelSpec, tokenizer: Tokenizer, running: Container[str] = (),
                      seed_source: Callable[[], int] = draw_seed) -> OpenAIRequest:
     """A /v1/completions body -> OpenAIRequest; InvalidRequestError names the bad parameter."""
-    body = _object(body)
+    body = _object(body, COMPLETION_FIELDS)
     fields, max_tokens_param = _fields(body, model, chat=False)
     prompt = body.get("prompt")
     if prompt is None:
@@ -84,11 +111,12 @@ def parse_completion(body: Any, model: ModelSpec, tokenizer: Tokenizer, running:
 def parse_chat(body: Any, model: ModelSpec, tokenizer: Tokenizer, running: Container[str] = (),
                seed_source: Callable[[], int] = draw_seed) -> OpenAIRequest:
     """A /v1/chat/completions body -> OpenAIRequest (messages rendered with the model's chat template)."""
-    body = _object(body)
+    body = _object(body, CHAT_FIELDS)
     fields, max_tokens_param = _fields(body, model, chat=True)
-    messages = _messages(body.get("messages"))
+    messages = parse_messages(body.get("messages"))
+    template_kwargs = parse_template_kwargs(body.get("chat_template_kwargs"))
     try:
-        req = validate_messages(fields, messages, model, tokenizer, running, seed_source)
+        req = validate_messages(fields, messages, model, tokenizer, running, seed_source, template_kwargs)
     except InvalidRequestError as exc:
         raise _renamed(exc, max_tokens_param, chat=True) from exc
     if _int(body, max_tokens_param) is None:                 # the rest of the context, as OpenAI and vLLM
@@ -98,10 +126,29 @@ def parse_chat(body: Any, model: ModelSpec, tokenizer: Tokenizer, running: Conta
 
 
 # ------------------------------------------------------------------------------------------------ parsing
-def _object(body: Any) -> dict:
+def _object(body: Any, known: frozenset[str]) -> dict:
     if not isinstance(body, dict):
         raise InvalidRequestError("body", f"must be a JSON object, got {_kind(body)}")
+    check_known(body, known)
     return body
+
+
+def check_known(obj: dict, known: frozenset[str], prefix: str = "") -> None:
+    """Refuse the first field that is set (not null) and not in `known`: pdserve does not implement it."""
+    for name, value in obj.items():
+        if name not in known and value is not None:
+            raise InvalidRequestError(prefix + name, "is not supported by pdserve")
+
+
+def parse_template_kwargs(raw: Any) -> dict | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise InvalidRequestError("chat_template_kwargs", f"must be an object, got {_kind(raw)}")
+    for name in raw:
+        if name in _TEMPLATE_VARIABLES:
+            raise InvalidRequestError(f"chat_template_kwargs.{name}", "is set by the gateway")
+    return raw
 
 
 def _fields(body: dict, model: ModelSpec, chat: bool) -> tuple[RequestFields, str]:
@@ -113,12 +160,20 @@ def _fields(body: dict, model: ModelSpec, chat: bool) -> tuple[RequestFields, st
     for name, what in _REFUSED.items():
         if body.get(name) not in (None, False, "", [], {}):
             raise InvalidRequestError(name, f"{what} is not supported")
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
+            raise InvalidRequestError(name, "tool calling is not supported; only \"none\"")
     response_format = body.get("response_format")
     if response_format not in (None, {"type": "text"}):
         raise InvalidRequestError("response_format", "only {\"type\": \"text\"} is supported")
     max_tokens_param = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
         else "max_tokens"
     max_tokens = _int(body, max_tokens_param)
+    if chat and max_tokens_param == "max_completion_tokens":
+        legacy = _int(body, "max_tokens")
+        if legacy is not None and legacy != max_tokens:
+            raise InvalidRequestError("max_completion_tokens", f"is {max_tokens} but max_tokens is {legacy}; "
+                                                               "they are the same limit, send one")
     if chat:
         top_logprobs = _int(body, "top_logprobs")
         if top_logprobs is not None and not _bool(body, "logprobs"):
@@ -154,7 +209,7 @@ def _fields(body: dict, model: ModelSpec, chat: bool) -> tuple[RequestFields, st
     return fields, max_tokens_param
 
 
-def _messages(raw: Any) -> list[tuple[str, str]]:
+def parse_messages(raw: Any) -> list[tuple[str, str]]:
     if raw is None:
         raise InvalidRequestError("messages", "is required")
     if not isinstance(raw, list):
@@ -164,9 +219,11 @@ def _messages(raw: Any) -> list[tuple[str, str]]:
         if not isinstance(message, dict):
             raise InvalidRequestError(f"messages[{i}]", f"must be an object with role and content, "
                                                         f"got {_kind(message)}")
+        check_known(message, _MESSAGE_FIELDS, f"messages[{i}].")
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str):
             raise InvalidRequestError(f"messages[{i}].role", f"must be a string, got {_kind(role)}")
+        role = _ROLE_ALIASES.get(role, role)
         if isinstance(content, list):
             texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
             if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
@@ -188,7 +245,10 @@ def _parsed(body: dict, req: GenerationRequest, model: ModelSpec, chat: bool, lo
             raise InvalidRequestError("stream_options", "is allowed only with stream: true")
         if not isinstance(options, dict):
             raise InvalidRequestError("stream_options", f"must be an object, got {_kind(options)}")
+        check_known(options, _STREAM_OPTIONS, "stream_options.")
     include_usage = bool(_bool(options or {}, "include_usage", "stream_options.include_usage"))
+    if _bool(body, "include_stop_str_in_output"):
+        req = dataclasses.replace(req, include_stop_str_in_output=True)
     return OpenAIRequest(req, chat, _str(body, "model") or model.name, stream, include_usage, logprobs)
 
 

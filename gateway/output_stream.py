@@ -15,7 +15,7 @@ class OutputStream:
 
     def __init__(self, tokenizer: Tokenizer, req: GenerationRequest) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, req.prompt_token_ids)
-        self._stop = StopStringMatcher(req.stop)
+        self._stop = StopStringMatcher(req.stop, req.include_stop_str_in_output)
         self.num_tokens = 0
 
     @property

@@ -3,7 +3,8 @@
 Text reaches the gateway in deltas; a stop string may straddle two or more of them. `StopStringMatcher.add`
 returns only text that can no longer be part of a stop string and holds back the longest tail of the stream that
 is a proper prefix of some stop string. When a stop string completes, the text before its first character is
-released and the stream is over: the stop string itself and everything after it are dropped.
+released and the stream is over: everything after the stop string is dropped, and the stop string itself too
+unless the matcher keeps it (`include_stop`, the OpenAI field include_stop_str_in_output).
 
 Invariant: for any split of a text T into deltas, the concatenation of everything returned (add outputs, then
 `flush` when no stop string matched) equals T cut just before the earliest occurrence of any stop string, or T
@@ -19,11 +20,13 @@ from collections.abc import Sequence
 class StopStringMatcher:
     """Holds back text that could start a stop string and truncates at the first match."""
 
-    def __init__(self, stop: Sequence[str]) -> None:
-        """`stop`: the stop strings; each must be non-empty (the gateway validates that)."""
+    def __init__(self, stop: Sequence[str], include_stop: bool = False) -> None:
+        """`stop`: the stop strings; each must be non-empty (the gateway validates that). `include_stop`: the
+        text released on a match ends with the stop string instead of just before it."""
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self._stop = tuple(dict.fromkeys(stop))
+        self._include_stop = include_stop
         self._held = ""
         self._stopped = False
         self.matched: str | None = None
@@ -47,6 +50,8 @@ class StopStringMatcher:
         if cut is not None:
             self._held = ""
             self._stopped = True
+            if self._include_stop:
+                cut += len(self.matched)
             return text[:cut], True
         keep = self._longest_partial_suffix(text)
         self._held = text[len(text) - keep:]

@@ -38,8 +38,9 @@ import dataclasses
 import math
 import secrets
 import uuid
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
@@ -94,6 +95,8 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     """Stop strings, applied by the gateway to the detokenized text (never sent to workers)."""
     cache_salt: str = ""
+    include_stop_str_in_output: bool = False
+    """The text keeps the stop string that ended it (the gateway's stop strings only)."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -232,8 +235,10 @@ def validate_prompt(fields: RequestFields, prompt: str | Sequence[int] | None, m
 
 def validate_messages(fields: RequestFields, messages: Sequence[tuple[str, str]], model: ModelSpec,
                       tokenizer: Tokenizer, running: Container[str] = (),
-                      seed_source: Callable[[], int] = draw_seed) -> GenerationRequest:
-    """The checks of validate_chat on plain values: `messages` are (role, content) pairs."""
+                      seed_source: Callable[[], int] = draw_seed,
+                      template_kwargs: Mapping[str, Any] | None = None) -> GenerationRequest:
+    """The checks of validate_chat on plain values: `messages` are (role, content) pairs; `template_kwargs` are
+    further chat template variables (the OpenAI API's chat_template_kwargs)."""
     request_id = _check_common(fields, model, running)
     if not messages:
         raise InvalidRequestError("messages", "must not be empty")
@@ -243,7 +248,7 @@ def validate_messages(fields: RequestFields, messages: Sequence[tuple[str, str]]
         _check_text(f"messages[{i}].content", content)
     try:
         text = tokenizer.apply_chat_template([{"role": role, "content": content} for role, content in messages],
-                                             add_generation_prompt=True)
+                                             add_generation_prompt=True, template_kwargs=template_kwargs)
     except ValueError as exc:
         field, _, detail = str(exc).partition(" ")
         if field.startswith("messages[") and detail:

@@ -2,6 +2,8 @@
 OutputChunks -> OpenAI objects (exact JSON)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from engine.errors import InvalidRequestError
@@ -227,3 +229,96 @@ def test_a_model_that_is_not_a_string_is_a_plain_bad_parameter_and_an_unknown_na
 @pytest.mark.parametrize("temperature, expected", [(1e-45, 0.0), (5e-324, 0.0), (9e-6, 0.0), (1e-5, 1e-5), (0.0, 0.0)])
 def test_a_temperature_that_would_underflow_is_greedy(tokenizer, temperature, expected):
     assert completion(tokenizer, prompt="a", temperature=temperature).request.sampling.temperature == expected
+
+
+# ------------------------------------------------------------------------------------------------ no silent ignores
+USER = [{"role": "user", "content": "hello"}]
+
+
+@pytest.mark.parametrize("body, param", [
+    (dict(guided_json={"type": "object"}), "guided_json"),
+    (dict(guided_choice=["yes", "no"]), "guided_choice"),
+    (dict(guided_regex="a+"), "guided_regex"),
+    (dict(guided_grammar="root ::= 'a'"), "guided_grammar"),
+    (dict(structured_outputs={"choice": ["a"]}), "structured_outputs"),
+    (dict(prompt_logprobs=1), "prompt_logprobs"),
+    (dict(min_tokens=2), "min_tokens"),
+    (dict(priority=0), "priority"),
+    (dict(service_tier="flex"), "service_tier"),
+    (dict(response_format={"type": "json_object"}), "response_format"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), "response_format"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (dict(tool_choice="auto"), "tool_choice"),
+    (dict(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
+    (dict(parallel_tool_calls=False), "parallel_tool_calls"),
+    (dict(n=2), "n"),
+    (dict(logit_bias={"7": 5}), "logit_bias"),
+    (dict(best_of=2), "best_of"),                       # a completions field
+    (dict(echo=True), "echo"),
+    (dict(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}),
+     "stream_options.continuous_usage_stats"),
+    (dict(max_tokens=4, max_completion_tokens=5), "max_completion_tokens"),
+    (dict(chat_template_kwargs=["enable_thinking"]), "chat_template_kwargs"),
+    (dict(chat_template_kwargs={"add_generation_prompt": False}), "chat_template_kwargs.add_generation_prompt"),
+    (dict(include_stop_str_in_output="yes"), "include_stop_str_in_output"),
+])
+def test_chat_fields_pdserve_does_not_implement_are_refused_by_name(tokenizer, body, param):
+    assert param_of(chat, tokenizer, USER, **body) == param
+
+
+@pytest.mark.parametrize("body, param", [
+    (dict(guided_choice=["yes", "no"]), "guided_choice"),
+    (dict(prompt_logprobs=0), "prompt_logprobs"),
+    (dict(suffix="b"), "suffix"),
+    (dict(echo=True), "echo"),
+    (dict(best_of=2), "best_of"),
+    (dict(messages=USER), "messages"),                  # a chat field
+    (dict(max_completion_tokens=3), "max_completion_tokens"),
+    (dict(chat_template_kwargs={}), "chat_template_kwargs"),
+])
+def test_completion_fields_pdserve_does_not_implement_are_refused_by_name(tokenizer, body, param):
+    assert param_of(completion, tokenizer, prompt="hello", **body) == param
+
+
+@pytest.mark.parametrize("message, param", [
+    ({"role": "user", "content": "a", "name": "bob"}, "messages[0].name"),
+    ({"role": "assistant", "content": "a", "tool_calls": [{"id": "1"}]}, "messages[0].tool_calls"),
+])
+def test_a_message_field_pdserve_does_not_implement_is_refused_by_name(tokenizer, message, param):
+    assert param_of(chat, tokenizer, [message]) == param
+
+
+def test_fields_without_effect_null_and_empty_values_are_accepted_and_change_nothing(tokenizer):
+    plain = chat(tokenizer, USER)
+    accepted = chat(tokenizer, USER, user="u1", metadata={"k": "v"}, store=False, guided_json=None, tools=[],
+                    tool_choice="none", response_format={"type": "text"}, logit_bias={}, n=1,
+                    max_tokens=4, max_completion_tokens=4, stream=True, stream_options={"include_usage": False})
+    assert accepted.request.prompt_token_ids == plain.request.prompt_token_ids
+    assert accepted.request.sampling == dataclasses.replace(plain.request.sampling, max_tokens=4)
+    assert completion(tokenizer, prompt="hello", echo=False, suffix=None, best_of=1, user="u").request.sampling == \
+        completion(tokenizer, prompt="hello").request.sampling
+
+
+def test_developer_is_rendered_as_system(tokenizer):
+    developer = chat(tokenizer, [{"role": "developer", "content": "a"}, *USER]).request.prompt_token_ids
+    system = chat(tokenizer, [{"role": "system", "content": "a"}, *USER]).request.prompt_token_ids
+    assert developer == system == (1, 4, 9, 2, 1, 5, 7, 2, 1, 6)
+
+
+def test_max_completion_tokens_is_the_limit_and_agrees_with_an_equal_max_tokens(tokenizer):
+    assert chat(tokenizer, USER, max_completion_tokens=3).request.sampling.max_tokens == 3
+    assert chat(tokenizer, USER, max_completion_tokens=3, max_tokens=3).request.sampling.max_tokens == 3
+
+
+def test_include_stop_str_in_output_reaches_the_request(tokenizer):
+    assert not completion(tokenizer, prompt="a", stop="b").request.include_stop_str_in_output
+    assert completion(tokenizer, prompt="a", stop="b", include_stop_str_in_output=True).request \
+        .include_stop_str_in_output
+    assert chat(tokenizer, USER, include_stop_str_in_output=True).request.include_stop_str_in_output
+
+
+def test_chat_template_kwargs_are_template_variables():
+    tokenizer = word_tokenizer(TEMPLATE + "{% if greet %}hello{% endif %}")
+    assert chat(tokenizer, USER).request.prompt_token_ids == (1, 5, 7, 2, 1, 6)
+    assert chat(tokenizer, USER, chat_template_kwargs={"greet": True}).request.prompt_token_ids == \
+        (1, 5, 7, 2, 1, 6, 7)

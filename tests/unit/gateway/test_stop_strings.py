@@ -95,3 +95,12 @@ def test_every_split_equals_the_reference_cut(seed):
     pieces, stopped, tail = run(stop, deltas)
     assert "".join(pieces) + tail == reference(stop, text)
     assert stopped == any(s in text for s in stop)
+
+
+def test_include_stop_keeps_the_stop_string_and_drops_what_follows():
+    matcher = StopStringMatcher(["</end>"], include_stop=True)
+    assert [matcher.add(d) for d in ["text </", "en", "d> tail"]] == [("text ", False), ("", False),
+                                                                       ("</end>", True)]
+    assert matcher.flush() == ""
+    matcher = StopStringMatcher(["ab", "b"], include_stop=True)
+    assert matcher.add("xab tail") == ("xab", True)
