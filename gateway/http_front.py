@@ -4,6 +4,9 @@
                                 data: [DONE])
     POST /v1/chat/completions   chat completions (messages through the model's chat template); streams as above
     GET  /v1/models             the served model
+    GET  /v1/models/{id}        the served model by its name or an alias (404 model_not_found otherwise)
+    POST /tokenize, /detokenize vLLM's shapes (gateway.tokenize_api)
+    GET  /version               {"version": pdserve's version}
     GET  /health                200 while serving with a usable decode worker; 503 when draining or without one
     GET  /metrics               Prometheus text format (gateway.metrics)
 
@@ -38,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import importlib.metadata
 import json
 import logging
 import math
@@ -49,6 +53,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.errors import InvalidRequestError
+from gateway import tokenize_api
 from gateway.auth import Unauthenticated
 from gateway.frontend import Call, Frontend
 from gateway.openai_protocol import OpenAIRequest, ResponseBuilder, parse_chat, parse_completion
@@ -71,6 +76,15 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404:
                 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout_error"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _dumps = functools.partial(json.dumps, ensure_ascii=False, separators=(",", ":"))
+
+
+@functools.cache
+def _version() -> str:
+    """The installed distribution's version (the serving packages never import the CLI package `pdserve`)."""
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def error_object(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
@@ -168,7 +182,9 @@ class HttpFront:
         app = web.Application(client_max_size=max_request_bytes, middlewares=[self._errors, self._authenticate])
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat_completions),
-                        web.get("/v1/models", self.models), web.get("/health", self.health),
+                        web.get("/v1/models", self.models), web.get("/v1/models/{model_id:.+}", self.model),
+                        web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
+                        web.get("/version", self.version), web.get("/health", self.health),
                         web.get("/metrics", self.metrics)])
         # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
@@ -204,10 +220,34 @@ class HttpFront:
         return await self._generate(request, "chat_completions", parse_chat)
 
     async def models(self, request: web.Request) -> web.Response:
+        return _json({"object": "list", "data": [self._model_object()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        model_id = request.match_info["model_id"]
+        if model_id == "" or not self._frontend.model.accepts(model_id):
+            return _error_response(ModelNotFound("model", f"{model_id!r} is not served here; the served model is "
+                                                          f"{self._frontend.model.name!r}"))
+        return _json(self._model_object())
+
+    def _model_object(self) -> dict:
         model = self._frontend.model
-        return _json({"object": "list", "data": [{
-            "id": model.name, "object": "model", "created": self._created, "owned_by": "pdserve",
-            "max_model_len": model.max_model_len}]})
+        return {"id": model.name, "object": "model", "created": self._created, "owned_by": "pdserve",
+                "max_model_len": model.max_model_len}
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return await self._tokenizer_call(request, tokenize_api.tokenize)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return await self._tokenizer_call(request, tokenize_api.detokenize)
+
+    async def _tokenizer_call(self, request: web.Request, handle: Callable[..., dict]) -> web.Response:
+        try:
+            return _json(await self._frontend.validate(handle, await _read_json(request, self._max_request_bytes)))
+        except InvalidRequestError as exc:
+            return _error_response(exc)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return _json({"version": _version()})
 
     async def health(self, request: web.Request) -> web.Response:
         if self.draining:

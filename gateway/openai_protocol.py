@@ -54,10 +54,10 @@ _REFUSED = {"echo": "echoing the prompt", "suffix": "suffix", "logit_bias": "log
 _COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "cache_salt", "logprobs", "stream",
-    "stream_options", "n", "include_stop_str_in_output", "echo", "suffix", "logit_bias", "tools", "functions"})
+    "stream_options", "n", "best_of", "include_stop_str_in_output", "echo", "suffix", "logit_bias", "tools", "functions"})
 NO_EFFECT_FIELDS = frozenset({"user", "metadata", "store"})
 """Accepted and ignored: they describe the request to OpenAI's own bookkeeping, not what is generated."""
-COMPLETION_FIELDS = _COMMON_FIELDS | NO_EFFECT_FIELDS | {"prompt", "best_of"}
+COMPLETION_FIELDS = _COMMON_FIELDS | NO_EFFECT_FIELDS | {"prompt"}
 CHAT_FIELDS = _COMMON_FIELDS | NO_EFFECT_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "response_format", "tool_choice", "function_call",
     "chat_template_kwargs"}

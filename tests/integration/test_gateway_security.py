@@ -213,7 +213,9 @@ def test_http_without_a_known_key_is_401_and_health_stays_open(gateway):
     for api_key in (None, WRONG_KEY):
         with http(gateway, api_key=api_key) as h:
             for response in (completion(h), h.get("/v1/models"), h.get("/metrics"),
-                             h.post("/v1/chat/completions", json={"messages": FRANCE})):
+                             h.post("/v1/chat/completions", json={"messages": FRANCE}),
+                             h.get("/v1/models/default"), h.get("/version"),
+                             h.post("/tokenize", json={"prompt": PROMPT}), h.post("/detokenize", json={"tokens": [1]})):
                 assert response.status_code == 401
                 assert response.headers["WWW-Authenticate"] == "Bearer"
                 error = response.json()["error"]
@@ -230,6 +232,11 @@ def test_http_with_a_key(gateway, cluster):
         assert response.status_code == 200
         assert response.json()["choices"][0]["text"] == cluster.reference(PROMPT, max_tokens=8)[0]
         assert h.get("/v1/models").status_code == 200
+        name = h.get("/v1/models").json()["data"][0]["id"]
+        assert h.get(f"/v1/models/{name}").json()["id"] == name
+        assert h.get("/version").status_code == 200
+        assert h.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"] == \
+            cluster.reference.llm.tokenizer.encode(PROMPT)
         def refused() -> dict[str, float]:
             text = h.get("/metrics").text
             return {api: _sample(text, f'pdserve_unauthenticated_requests_total{{api="{api}"}}')

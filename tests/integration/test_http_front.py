@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import importlib.metadata
 import json
 import time
 import urllib.error
@@ -15,6 +16,7 @@ import urllib.request
 
 import aiohttp
 import grpc
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -143,6 +145,86 @@ def test_chat_completion_through_the_chat_template(gateway, reference):
     expected = reference.llm.chat(messages, SamplingParams(max_tokens=32, temperature=0.0))[0].outputs[0]
     assert choice["message"]["content"] == expected.text
     assert answer["usage"]["completion_tokens"] == len(expected.token_ids)
+
+
+def test_openai_client_retrieves_the_model_and_uses_developer_and_max_completion_tokens(gateway, reference, cluster):
+    client = openai.OpenAI(base_url=url(gateway, "/v1"), api_key="unused", max_retries=0, timeout=RPC_TIMEOUT_S)
+    name = cluster.model[0].name
+    model = client.models.retrieve(name)
+    assert (model.id, model.object) == (name, "model")
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4")
+    assert info.value.code == "model_not_found"
+
+    def messages(role: str) -> list[dict]:
+        return [{"role": role, "content": "Answer in one word."}, {"role": "user", "content": "Capital of France?"}]
+
+    answer = client.chat.completions.create(model=name, messages=messages("developer"), temperature=0,
+                                            max_completion_tokens=8)
+    expected = reference.llm.chat(messages("system"), SamplingParams(max_tokens=8, temperature=0.0))[0].outputs[0]
+    assert answer.choices[0].message.content == expected.text
+    assert answer.usage.completion_tokens == len(expected.token_ids) <= 8
+    as_system = client.chat.completions.create(model=name, messages=messages("system"), temperature=0, max_tokens=8)
+    assert (as_system.choices[0].message.content, as_system.usage.prompt_tokens) == \
+        (answer.choices[0].message.content, answer.usage.prompt_tokens)
+
+
+@pytest.mark.parametrize("endpoint, extra, param", [
+    ("chat", {"extra_body": {"guided_choice": ["yes", "no"]}}, "guided_choice"),
+    ("chat", {"extra_body": {"structured_outputs": {"choice": ["yes", "no"]}}}, "structured_outputs"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ("chat", {"n": 2}, "n"),
+    ("chat", {"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
+    ("completions", {"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+    ("completions", {"extra_body": {"priority": 1}}, "priority"),
+    ("completions", {"echo": True}, "echo"),
+])
+def test_openai_client_gets_bad_request_naming_a_field_pdserve_does_not_implement(gateway, cluster, endpoint, extra,
+                                                                                  param):
+    client = openai.OpenAI(base_url=url(gateway, "/v1"), api_key="unused", max_retries=0, timeout=RPC_TIMEOUT_S)
+    before = cluster.wait_idle()
+    with pytest.raises(openai.BadRequestError) as info:
+        if endpoint == "chat":
+            client.chat.completions.create(model=cluster.model[0].name, messages=[{"role": "user", "content": "hi"}],
+                                           **extra)
+        else:
+            client.completions.create(model=cluster.model[0].name, prompt="hello", max_tokens=4, **extra)
+    assert info.value.param == param
+    assert cluster.wait_idle() == before
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(gateway, reference):
+    text, _ = reference(PROMPTS[0])
+    stop = text[3:6]
+    cut = text.find(stop)
+    dropped = post(gateway, "/v1/completions", greedy(PROMPTS[0], stop=stop))["choices"][0]
+    kept = post(gateway, "/v1/completions", greedy(PROMPTS[0], stop=stop, include_stop_str_in_output=True))
+    assert (dropped["text"], dropped["finish_reason"]) == (text[:cut], "stop")
+    assert (kept["choices"][0]["text"], kept["choices"][0]["finish_reason"]) == (text[:cut + len(stop)], "stop")
+    events = stream(gateway, "/v1/completions", greedy(PROMPTS[0], stop=stop, include_stop_str_in_output=True))
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == text[:cut + len(stop)]
+
+
+def test_tokenize_detokenize_and_version(gateway, cluster):
+    tokenizer = cluster.model[1]
+    status, _, body = request(gateway, "POST", "/tokenize", {"prompt": PROMPTS[0]})
+    assert status == 200
+    assert body == {"tokens": tokenizer.encode(PROMPTS[0]), "count": len(tokenizer.encode(PROMPTS[0])),
+                    "max_model_len": 2048}
+    assert body["count"] == post(gateway, "/v1/completions", greedy(PROMPTS[0], max_tokens=1))["usage"]["prompt_tokens"]
+    messages = [{"role": "user", "content": "Name two colors."}]
+    status, _, chat_body = request(gateway, "POST", "/tokenize", {"messages": messages})
+    assert status == 200 and chat_body["count"] == post(gateway, "/v1/chat/completions", {
+        "messages": messages, "max_tokens": 1})["usage"]["prompt_tokens"]
+    status, _, text = request(gateway, "POST", "/detokenize", {"tokens": body["tokens"]})
+    assert (status, text) == (200, {"prompt": PROMPTS[0]})
+    status, _, error = request(gateway, "POST", "/detokenize", {"tokens": [0, 10**9]})
+    assert status == 400 and error["error"]["param"] == "tokens"
+    status, _, error = request(gateway, "POST", "/tokenize", {"prompt": "a", "model": "gpt-4"})
+    assert status == 404 and error["error"]["code"] == "model_not_found"
+    status, _, version = request(gateway, "GET", "/version")
+    assert (status, version) == (200, {"version": importlib.metadata.version("pdserve")})
 
 
 def test_streams_concatenate_to_the_non_streamed_text_and_end_with_done(gateway):

@@ -253,7 +253,7 @@ USER = [{"role": "user", "content": "hello"}]
     (dict(parallel_tool_calls=False), "parallel_tool_calls"),
     (dict(n=2), "n"),
     (dict(logit_bias={"7": 5}), "logit_bias"),
-    (dict(best_of=2), "best_of"),                       # a completions field
+    (dict(best_of=2), "best_of"),
     (dict(echo=True), "echo"),
     (dict(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}),
      "stream_options.continuous_usage_stats"),
