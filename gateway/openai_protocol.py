@@ -61,6 +61,8 @@ COMPLETION_FIELDS = _COMMON_FIELDS | NO_EFFECT_FIELDS | {"prompt"}
 CHAT_FIELDS = _COMMON_FIELDS | NO_EFFECT_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "response_format", "tool_choice", "function_call",
     "chat_template_kwargs"}
+MAX_FIELD_NAME_CHARS = 64
+"""Longer unknown field names are cut in the error's `param`."""
 _MESSAGE_FIELDS = frozenset({"role", "content"})
 _STREAM_OPTIONS = frozenset({"include_usage"})
 _ROLE_ALIASES = {"developer": "system"}
@@ -134,10 +136,13 @@ def _object(body: Any, known: frozenset[str]) -> dict:
 
 
 def check_known(obj: dict, known: frozenset[str], prefix: str = "") -> None:
-    """Refuse the first field that is set (not null) and not in `known`: pdserve does not implement it."""
+    """Refuse the first field that is set (not null) and not in `known`: pdserve does not implement it. A name
+    that is empty, long or not printable UTF-8 is named by its ascii() form (an error object must encode)."""
     for name, value in obj.items():
         if name not in known and value is not None:
-            raise InvalidRequestError(prefix + name, "is not supported by pdserve")
+            safe = 0 < len(name) <= MAX_FIELD_NAME_CHARS and name.isprintable() and name.isascii()
+            shown = name if safe else ascii(name[:MAX_FIELD_NAME_CHARS])
+            raise InvalidRequestError(prefix + shown, "is not supported by pdserve")
 
 
 def parse_template_kwargs(raw: Any) -> dict | None:

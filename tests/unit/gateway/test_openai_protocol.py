@@ -322,3 +322,11 @@ def test_chat_template_kwargs_are_template_variables():
     assert chat(tokenizer, USER).request.prompt_token_ids == (1, 5, 7, 2, 1, 6)
     assert chat(tokenizer, USER, chat_template_kwargs={"greet": True}).request.prompt_token_ids == \
         (1, 5, 7, 2, 1, 6, 7)
+
+
+@pytest.mark.parametrize("name, param", [("", "''"), ("\ud800x", "'\\ud800x'"), ("é", "'\\xe9'"),
+                                         ("k" * 100, repr("k" * 64))])
+def test_an_unknown_field_with_an_odd_name_is_named_in_a_form_that_encodes(tokenizer, name, param):
+    got = param_of(completion, tokenizer, prompt="hello", **{name: 1})
+    assert got == param
+    got.encode("utf-8")
