@@ -227,6 +227,19 @@ def test_template_raise_exception_becomes_value_error(tmp_path):
     assert tokenizer.apply_chat_template([{"role": "user", "content": "é"}]) == '<|im_start|>"é"'
 
 
+def test_template_kwargs_are_variables_that_never_override_the_rendering_ones(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    tokenizer = load_gguf_tokenizer(path)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}" \
+                              "{% if add_generation_prompt %}>{% endif %}{% if think %}?{% endif %}"
+    messages = [{"role": "user", "content": "x"}]
+    assert tokenizer.apply_chat_template(messages) == "x>"
+    assert tokenizer.apply_chat_template(messages, template_kwargs={"think": True}) == "x>?"
+    assert tokenizer.apply_chat_template(messages, add_generation_prompt=False, template_kwargs={
+        "add_generation_prompt": True, "messages": [{"role": "user", "content": "y"}]}) == "x"
+
+
 def test_template_sandbox_blocks_attribute_escape(tmp_path):
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path)
