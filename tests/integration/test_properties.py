@@ -265,11 +265,12 @@ def http_problem(status: int, answer: list, body_is_object: bool) -> str | None:
 
 
 def bounded(body: dict) -> dict:
-    """The body, with any completion length that would be accepted and long replaced by a short one."""
+    """The body, with any completion length that would be accepted and long replaced by a short one (a value past
+    the context is accepted too: generation stops where the context ends, which is long for a short prompt)."""
     for name in ("max_tokens", "max_completion_tokens"):
         value = body.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-                and SMALL_MAX_TOKENS < value <= MAX_MODEL_LEN:
+                and SMALL_MAX_TOKENS < value < 2**32:
             body[name] = SMALL_MAX_TOKENS
     body.setdefault("max_tokens", SMALL_MAX_TOKENS)
     return body
