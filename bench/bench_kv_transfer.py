@@ -43,11 +43,13 @@ def cache_shape(num_blocks: int) -> tuple[int, ...]:
     return (LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
 
 
-def serve_receiver(port_queue, stop_event, threads: int) -> None:
-    """Child process: a KvTransfer server whose receiver accepts any handle and any in-bounds block ids."""
+def serve_receiver(port_queue, stop_event, threads: int, files=None) -> None:
+    """Child process: a KvTransfer server whose receiver accepts any handle and any in-bounds block ids; with
+    `files` (protos.tls.TlsFiles) it serves mutual TLS behind the cluster's role table, as a decode worker does."""
     import grpc
 
     from kvstore.transfer_service import GRPC_OPTIONS, KvTransferServicer, ReceiveTarget
+    from protos import tls
     from protos.pdserve.v1 import kv_transfer_pb2_grpc
 
     torch.set_num_threads(threads)
@@ -63,9 +65,12 @@ def serve_receiver(port_queue, stop_event, threads: int) -> None:
         def reject(self, request_id, handle, reason):
             print(f"receiver rejected {request_id}: {reason}", file=sys.stderr)
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
+    interceptors = [tls.RoleInterceptor(tls.cluster_role_table())] if files is not None else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS, interceptors=interceptors)
     kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(KvTransferServicer(AnyReservation()), server)
-    port_queue.put(server.add_insecure_port("127.0.0.1:0"))
+    address = "127.0.0.1:0"
+    port_queue.put(server.add_secure_port(address, tls.server_credentials(files)) if files is not None
+                   else server.add_insecure_port(address))
     server.start()
     stop_event.wait()
     server.stop(None)

@@ -31,18 +31,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent import futures
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvstore.transfer_manifest import KvLayoutSpec  # noqa: E402
+from bench_kv_transfer import CACHE_BLOCKS, LAYOUT, cache_shape, median_ms, serve_receiver  # noqa: E402
 from protos import tls  # noqa: E402
 
-LAYOUT = KvLayoutSpec(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32",
-                      model_fingerprint="smollm2-135m-bench")
-CACHE_BLOCKS = 320
 API_KEY = "bench-key-0123456789abcdef"
 START_TIMEOUT_S = 300.0
 
@@ -59,52 +55,6 @@ def cpu_model() -> str:
 
 
 # ------------------------------------------------------------------------------------------------ KV transfer
-def cache_shape(num_blocks: int) -> tuple[int, ...]:
-    return (LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
-
-
-def serve_receiver(port_queue, stop_event, files: tls.TlsFiles | None) -> None:
-    """Child process: a KvTransfer server whose receiver accepts any handle and any in-bounds block ids."""
-    import grpc
-    import torch
-
-    from kvstore.transfer_service import GRPC_OPTIONS, KvTransferServicer, ReceiveTarget
-    from protos.pdserve.v1 import kv_transfer_pb2_grpc
-
-    torch.set_num_threads(1)
-    kv_cache = torch.zeros(cache_shape(CACHE_BLOCKS))  # [L, 2, num_blocks, block_size, Hkv, D]
-
-    class AnyReservation:
-        def check(self, manifest):
-            return ReceiveTarget(LAYOUT, manifest.block_ids, kv_cache)
-
-        def commit(self, request_id, handle, blocks):
-            pass
-
-        def reject(self, request_id, handle, reason):
-            print(f"receiver rejected {request_id}: {reason}", file=sys.stderr)
-
-    interceptors = [tls.RoleInterceptor(tls.cluster_role_table())] if files is not None else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS, interceptors=interceptors)
-    kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(KvTransferServicer(AnyReservation()), server)
-    address = "127.0.0.1:0"
-    port_queue.put(server.add_secure_port(address, tls.server_credentials(files)) if files is not None
-                   else server.add_insecure_port(address))
-    server.start()
-    stop_event.wait()
-    server.stop(None)
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up: channel, handshake, allocator
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e3
-
-
 def bench_transfer(args: argparse.Namespace, pki: dict[str, tls.TlsFiles]) -> list[dict]:
     import torch
 
@@ -117,7 +67,7 @@ def bench_transfer(args: argparse.Namespace, pki: dict[str, tls.TlsFiles]) -> li
     ctx = mp.get_context("spawn")
     for mode, receiver_files, sender_files in (("plaintext", None, None), ("mTLS", pki["d0"], pki["p0"])):
         port_queue, stop_event = ctx.Queue(), ctx.Event()
-        child = ctx.Process(target=serve_receiver, args=(port_queue, stop_event, receiver_files), daemon=True)
+        child = ctx.Process(target=serve_receiver, args=(port_queue, stop_event, 1, receiver_files), daemon=True)
         child.start()
         endpoint = f"127.0.0.1:{port_queue.get(timeout=120)}"
         try:
