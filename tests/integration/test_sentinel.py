@@ -308,8 +308,18 @@ def test_planned_failover_moves_the_index_to_the_new_master(sentinel_group):
         before, quiet_before = publisher.get_stats(), quiet.get_stats()
 
         sentinel = redis.Redis(port=group.sentinels[0].port, password=group.sentinel_password)
+
+        def failover_started() -> bool:
+            # NOGOODSLAVE until the sentinel has seen the replica in sync (its INFO polls run every second).
+            try:
+                return bool(sentinel.execute_command("SENTINEL", "FAILOVER", SERVICE))
+            except redis.ResponseError as exc:
+                if "NOGOODSLAVE" not in str(exc):
+                    raise
+                return False
+
         try:
-            assert sentinel.execute_command("SENTINEL", "FAILOVER", SERVICE)
+            wait_until(failover_started, FAILOVER_TIMEOUT_S, "a sentinel accepts SENTINEL FAILOVER")
         finally:
             sentinel.close()
         wait_until(lambda: group.promoted() and group.demoted(), FAILOVER_TIMEOUT_S,
