@@ -194,6 +194,12 @@ class EngineConfig:
     decode batches (batch 1 on SmolLM2-135M: int8 ~1.4x, int4 ~1.7x float32's tokens/s) and cost time in prefill
     and large batches (from ~16 sequences for int8, ~64 for int4, they dequantize into a float GEMM); their
     matmuls round differently for small and large steps, so greedy tokens may depend on the batch."""
+    dequantize_weights: bool = False
+    """Dequantize a GGUF's quantized and 16-bit matrices to `dtype` at load (float matmuls over float weights)
+    instead of keeping them in the file's encoding (the default: engine.gguf_blocks; the model's weights then
+    take about the file's tensor bytes, the default model ~96 MiB instead of ~513 MiB in float32). Both hold
+    the same weights, so the fingerprint does not change; kept codes are dequantized a chunk at a time for
+    every matmul, which costs time at small batches. Hugging Face checkpoints are float either way."""
     device: str = "cpu"
     """Torch device the model runs on ("cpu", "cuda", "cuda:1")."""
     max_model_len: int | None = None

@@ -4,7 +4,10 @@ Supported architectures: `llama` (Llama 2/3, SmolLM2, Mistral and Mixtral, which
 Mixtral's experts as stacked ffn_*_exps tensors), `mistral` (same layout under its own key prefix), `qwen2`
 (q/k/v biases), `qwen3` (q/k norms), `gemma2`, `gemma3` (text) and `phi3` (fused attn_qkv and gate/up in ffn_up,
 LongRoPE factors as rope_factors_long/short tensors). Tensor types: every type `gguf.quants` dequantizes
-(F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, Q2_K-Q6_K, IQ*, TQ*, MXFP4, ...), dequantized to the load dtype.
+(F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, Q2_K-Q6_K, IQ*, TQ*, MXFP4, ...). By default (`keep_quantized`) the
+matrices of the common types stay in their file's encoding, as engine.quant.GroupedWeight / HalfWeight
+(engine.gguf_blocks lists what each type becomes; every one loses nothing); the others, and every vector
+(norms, biases), are dequantized to the load dtype. With keep_quantized=False everything is dequantized.
 
 Conversions that undo what llama.cpp's converter did:
 - GGUF dimensions are listed fastest-first (ggml `ne` order): a tensor of shape [576, 49152] is the torch
@@ -37,7 +40,9 @@ from gguf.quants import dequantize
 
 from engine.arch import check_weights, split_fused_phi3
 from engine.config import ModelConfig, RopeScaling
+from engine.gguf_blocks import KEPT_TYPES, packed_weight
 from engine.loaded_model import LoadedModel, ModelLoadError
+from engine.quant import PackedWeight
 from engine.tokenizer import Tokenizer
 
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
@@ -106,9 +111,9 @@ _SAMPLE_BYTES = 1 << 20
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True,
-              with_weights: bool = True) -> LoadedModel:
-    """Load a GGUF file: config, weights (HF names, `dtype`, CPU; none when not `with_weights`), tokenizer and
-    fingerprint.
+              with_weights: bool = True, keep_quantized: bool = True) -> LoadedModel:
+    """Load a GGUF file: config, weights (HF names, CPU; none when not `with_weights`; matrices of KEPT_TYPES
+    packed when `keep_quantized`, everything else in `dtype`), tokenizer and fingerprint.
 
     Raises ModelLoadError naming the file and the metadata key or tensor that is missing, malformed or unsupported.
     """
@@ -134,9 +139,11 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32, progress: bo
                                   rope_freqs=rope_freqs, longrope_factors=long_short)
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
-    weights = convert_tensors(reader, config, dtype=dtype, progress=progress, path=path) if with_weights else {}
+    weights = (convert_tensors(reader, config, dtype=dtype, progress=progress, path=path,
+                               keep_quantized=keep_quantized) if with_weights else {})
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer,
-                       fingerprint=gguf_fingerprint(path, reader.data_offset))
+                       fingerprint=gguf_fingerprint(path, reader.data_offset),
+                       file_tensor_bytes=sum(int(t.n_bytes) for t in reader.tensors))
 
 
 def load_gguf_tokenizer(path: str | Path) -> Tokenizer:
@@ -377,10 +384,7 @@ def dequantize_tensor(tensor, dtype: torch.dtype) -> torch.Tensor:
 
     Raises ModelLoadError naming the tensor when its type is not in supported_types().
     """
-    qtype = tensor.tensor_type
-    if qtype not in supported_types():
-        raise ModelLoadError(f"tensor {tensor.name} has GGML type {qtype.name}, which is not supported "
-                             f"(supported: {', '.join(t.name for t in supported_types())})")
+    qtype = _supported_type(tensor)
     shape = torch_shape(tensor)
     if qtype == GGMLQuantizationType.F32:
         out = torch.from_numpy(np.array(tensor.data, dtype=np.float32))
@@ -395,23 +399,46 @@ def dequantize_tensor(tensor, dtype: torch.dtype) -> torch.Tensor:
     return out.reshape(shape).to(dtype)
 
 
-def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs -> rotate_half halves) for a weight or bias.
+def _supported_type(tensor) -> GGMLQuantizationType:
+    qtype = tensor.tensor_type
+    if qtype not in supported_types():
+        raise ModelLoadError(f"tensor {tensor.name} has GGML type {qtype.name}, which is not supported "
+                             f"(supported: {', '.join(t.name for t in supported_types())})")
+    return qtype
+
+
+def read_tensor(tensor, dtype: torch.dtype, keep_quantized: bool = True) -> torch.Tensor | PackedWeight:
+    """A GGUF reader tensor as a weight: packed (engine.gguf_blocks) when `keep_quantized` and it is a matrix
+    (or a stack of them) of a KEPT_TYPES type, else dequantize_tensor's float tensor of `dtype`."""
+    shape = torch_shape(tensor)
+    if not (keep_quantized and len(shape) >= 2 and _supported_type(tensor) in KEPT_TYPES):
+        return dequantize_tensor(tensor, dtype)
+    try:
+        return packed_weight(tensor.data, tensor.tensor_type, shape)
+    except ValueError as exc:
+        raise ModelLoadError(f"tensor {tensor.name}: {exc}") from exc
+
+
+def unpermute_qk(weight: torch.Tensor | PackedWeight, num_heads: int) -> torch.Tensor | PackedWeight:
+    """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs -> rotate_half halves) for a weight or bias,
+    float or packed (only whole rows move).
 
     llama.cpp writes w.reshape(heads, 2, d/2, ...).swapaxes(1, 2) with d = rows / heads; this is its inverse,
-    the formula of transformers' `reverse_permute_weights`.
+    the formula of transformers' `reverse_permute_weights`, applied as a row gather.
     """
     rows = weight.shape[0]
     if rows % (2 * num_heads):
         raise ValueError(f"cannot un-permute {rows} rows into {num_heads} heads of even width")
     half = rows // num_heads // 2
-    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape).contiguous()
+    order = torch.arange(rows).reshape(num_heads, half, 2).transpose(1, 2).reshape(rows)
+    return weight[order].contiguous()
 
 
 def convert_tensors(reader: GGUFReader, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                    progress: bool = True, path: Path | str = "<gguf>") -> dict[str, torch.Tensor]:
-    """Dequantize every weight, rename it to its HF name, undo the converter's changes (module docstring), and
-    check names and shapes."""
+                    progress: bool = True, path: Path | str = "<gguf>",
+                    keep_quantized: bool = True) -> dict[str, torch.Tensor | PackedWeight]:
+    """Read every weight (packed or dequantized: `keep_quantized`, module docstring), rename it to its HF name,
+    undo the converter's changes (module docstring), and check names and shapes."""
     from tqdm import tqdm
 
     permuted = config.architecture in _PERMUTED_QK_ARCHITECTURES
@@ -424,7 +451,7 @@ def convert_tensors(reader: GGUFReader, config: ModelConfig, dtype: torch.dtype 
             raise ModelLoadError(f"{path}: tensor {tensor.name} is not part of a {config.architecture} model "
                                  "this loader knows")
         try:
-            value = dequantize_tensor(tensor, dtype)
+            value = read_tensor(tensor, dtype, keep_quantized)
         except ModelLoadError as exc:
             raise ModelLoadError(f"{path}: {exc}") from exc
         if permuted and ".attn_q." in tensor.name:
@@ -434,7 +461,8 @@ def convert_tensors(reader: GGUFReader, config: ModelConfig, dtype: torch.dtype 
         if config.norm_unit_offset and tensor.name.endswith("norm.weight"):
             value = (value.float() - 1.0).to(dtype)
         if "{j}" in name:
-            for j, expert in enumerate(value.unbind(0)):  # [num_experts, out, in]
+            experts = value.unbind(0) if isinstance(value, torch.Tensor) else value.chunk(torch_shape(tensor)[0])
+            for j, expert in enumerate(experts):  # [num_experts, out, in] (packed: [num_experts * out, in])
                 weights[name.format(j=j)] = expert.contiguous()
         elif config.architecture == "phi3" and tensor.name.endswith(".ffn_up.weight"):
             weights[name.replace("up_proj", "gate_up_proj")] = value  # llama.cpp keeps Phi-3's gate/up fused

@@ -73,7 +73,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.config = config
         if loaded is None:
-            loaded = load_model(resolve_model_path(config.model), torch.float32, progress=progress)
+            loaded = load_model(resolve_model_path(config.model), torch.float32, progress=progress,
+                                keep_quantized=not config.dequantize_weights)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.fingerprint = quantized_fingerprint(loaded.fingerprint, config.quantization)
@@ -81,6 +82,12 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         self.runner = ModelRunner(loaded.config, loaded.weights, config, self.max_model_len)
+        self.weight_memory_bytes = self.runner.model.weight_memory_bytes()
+        """Bytes the loaded model's weights occupy (DecoderModel.weight_memory_bytes)."""
+        self.file_tensor_bytes = loaded.file_tensor_bytes
+        """Bytes of the checkpoint's tensor data as stored, None where the loader does not say."""
+        stored = "" if self.file_tensor_bytes is None else f" (checkpoint tensors {self.file_tensor_bytes / 2**20:.1f} MiB)"
+        log.info("model weights: %.1f MiB in memory%s", self.weight_memory_bytes / 2**20, stored)
         del loaded
         capacity = self.runner.num_blocks * config.block_size
         if capacity < self.max_model_len:

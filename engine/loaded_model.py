@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig
+from engine.quant import PackedWeight
 from engine.tokenizer import Tokenizer
 
 
@@ -23,8 +24,10 @@ class LoadedModel:
 
     config: ModelConfig
     """Hyperparameters read from the checkpoint."""
-    weights: dict[str, torch.Tensor]
-    """Hugging Face parameter name -> tensor on CPU in the requested dtype (names and shapes: module docstring)."""
+    weights: dict[str, torch.Tensor | PackedWeight]
+    """Hugging Face parameter name -> tensor on CPU in the requested dtype, or a matrix kept in its file's
+    encoding (engine.quant.GroupedWeight / HalfWeight: a GGUF loaded with keep_quantized) (names and shapes:
+    engine.arch)."""
     tokenizer: Tokenizer
     """The checkpoint's tokenizer and chat template."""
     fingerprint: str
@@ -33,3 +36,5 @@ class LoadedModel:
     the first and last MiB of tensor data; for a Hugging Face directory config.json, tokenizer.json, every
     safetensors header, the file sizes and the first and last MiB of each file's data. Equal fingerprints mean
     the same checkpoint on any machine; the load dtype is not part of it."""
+    file_tensor_bytes: int | None = None
+    """Bytes of the checkpoint's tensor data as stored (a GGUF's tensors); None where the loader does not say."""

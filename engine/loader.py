@@ -1,7 +1,8 @@
 """Loading a checkpoint into plain tensors: one entry point for GGUF files and Hugging Face directories.
 
 `load_model(path)` returns a `LoadedModel` (engine.loaded_model; engine.arch lists the weight names and shapes):
-the `ModelConfig`, every weight under its Hugging Face name (dequantized to the requested dtype, on CPU), the
+the `ModelConfig`, every weight under its Hugging Face name (on CPU, in the requested dtype or, for a GGUF's
+matrices, kept in the file's encoding unless keep_quantized=False), the
 tokenizer and a cheap fingerprint of the checkpoint.
 q/k rows are in Hugging Face's rotate_half RoPE layout whatever the source (GGUF's interleaved layout is undone).
 """
@@ -21,10 +22,11 @@ __all__ = ["LoadedModel", "ModelLoadError", "check_weights", "expected_weight_sh
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True,
-               with_weights: bool = True) -> LoadedModel:
+               with_weights: bool = True, keep_quantized: bool = True) -> LoadedModel:
     """Load a `.gguf` file or a Hugging Face model directory.
 
-    `dtype` is the floating dtype of every returned weight; `progress` shows a tqdm bar while converting.
+    `dtype` is the floating dtype of every returned weight, except a GGUF's matrices that stay packed when
+    `keep_quantized` (engine.gguf_loader); `progress` shows a tqdm bar while converting.
     `with_weights=False` reads no tensor data (weights is empty): config, tokenizer and fingerprint are what a
     gateway needs.
     Raises ModelLoadError when the path is neither, or the checkpoint is malformed or unsupported.
@@ -37,6 +39,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, progress: b
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{path}: expected a .gguf file or a Hugging Face model directory")
-        return load_gguf(path, dtype=dtype, progress=progress, with_weights=with_weights)
+        return load_gguf(path, dtype=dtype, progress=progress, with_weights=with_weights,
+                         keep_quantized=keep_quantized)
     raise ModelLoadError(f"{path}: no such file or directory")
 

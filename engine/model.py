@@ -7,9 +7,10 @@ kernel call goes through `kernels`, which picks Triton on CUDA and the torch ref
 
 Weights use Hugging Face names (engine.arch lists them) and the HF "rotate_half" RoPE layout (the GGUF loader
 un-permutes q/k). q/k/v and gate/up are fused into single matrices at load time: one GEMM each instead of three
-and two. Every matmul goes through an `engine.quant` linear: float weights, int8 (`quantization="int8"`: every
-linear and the LM head) or int4 (`quantization="int4"`: every layer's linears, the LM head int8). A tied
-embedding shares the LM head's table; norms, biases and the MoE router stay float.
+and two. Every matmul goes through an `engine.quant` linear: the checkpoint's weights as loaded (float, or kept in
+the file's encoding: PackedLinear over a GGUF tensor's codes), int8 (`quantization="int8"`: every linear and the
+LM head) or int4 (`quantization="int4"`: every layer's linears, the LM head int8). A tied embedding shares the
+LM head's table; norms and biases stay float, the MoE router as loaded.
 
 What the other families add, in the order a layer runs it:
     embedding * embedding_multiplier                         (Gemma: sqrt(hidden))
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 import kernels
 from engine.config import ModelConfig
 from engine.moe import SparseMoE
-from engine.quant import DequantWorkspace, FloatLinear, Linear, lm_head_quantization, make_linear
+from engine.quant import DequantWorkspace, Linear, cat_rows, held_bytes, lm_head_quantization, make_linear
 from engine.rope import rope_cos_sin_cache
 
 __all__ = ["AttentionMetadata", "DecoderModel", "LlamaModel"]
@@ -121,15 +122,17 @@ class DecoderModel:
 
         def linear(*names: str, bias: tuple[str, ...] = (), quant: str | None = quantization) -> Linear:
             # Fused from the checkpoint's tensors as loaded, so that quantization sees the original weights.
-            weight = torch.cat([get(n) for n in names]) if len(names) > 1 else get(names[0])
+            weight = cat_rows([get(n) for n in names])
             b = torch.cat([get(n) for n in bias]) if bias else None
             return make_linear(weight, b, quant, dtype, device, workspace)
 
         tied = c.tie_word_embeddings or "lm_head.weight" not in weights
         self.lm_head = linear("model.embed_tokens.weight" if tied else "lm_head.weight",
                               quant=lm_head_quantization(quantization))
-        # A tied table is looked up through the LM head's (possibly int8) copy; an untied one stays float.
-        self.embed = self.lm_head if tied else FloatLinear(get("model.embed_tokens.weight").to(device, dtype))
+        # A tied table is looked up through the LM head's (possibly int8) copy; an untied one stays as loaded
+        # (float, or packed: a lookup dequantizes only its rows).
+        self.embed = self.lm_head if tied else make_linear(get("model.embed_tokens.weight"), None, None, dtype,
+                                                           device, workspace)
         self.final_norm = norm("model.norm.weight")
         act = _ACTIVATIONS[c.hidden_act]
         caches: dict[tuple, torch.Tensor] = {}
@@ -258,6 +261,16 @@ class DecoderModel:
         """Weight bytes one decode step reads whatever its batch: every layer, the final norm and the LM head
         (an embedding lookup reads only its rows; a MoE layer counts all its experts)."""
         return sum(layer.nbytes for layer in self.layers) + self.final_norm.nbytes + self.lm_head.nbytes
+
+
+    def weight_memory_bytes(self) -> int:
+        """Bytes the model's weights occupy: every tensor its linears (codes, scales, offsets, each path's copy),
+        embedding, norms and biases hold, shared ones counted once (a tied embedding is the LM head's table)."""
+        parts: list[object] = [self.lm_head, self.embed, self.final_norm]
+        for layer in self.layers:
+            parts += [layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.mlp, layer.q_norm, layer.k_norm,
+                      layer.pre_ff_norm, layer.post_ff_norm]
+        return held_bytes(*parts)
 
 
 LlamaModel = DecoderModel

@@ -18,6 +18,13 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'
 _WORDS = ["the", "hello", "world", "in", "and", "token", "12", "ing", "er", "on"]
 
 
+def as_float(weight):
+    """A loaded weight as a float32 tensor: itself, or a packed one (engine.quant.GroupedWeight) dequantized."""
+    import torch
+
+    return weight if isinstance(weight, torch.Tensor) else weight.dequantize(torch.float32)
+
+
 def tiny_vocab() -> tuple[list[str], list[int], list[str]]:
     """(tokens, token_types, merges): 3 control tokens, the 256 byte symbols, then merges of a few words."""
     byte_symbols = list(bytes_to_unicode().values())
