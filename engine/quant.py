@@ -1,6 +1,10 @@
-"""The model's linear layers: float weights, or int8 (W8A16) or int4 (W4A16) weight-only quantization.
+"""The model's linear layers: float weights, a checkpoint's own quantized encoding, or int8 (W8A16) or int4
+(W4A16) weight-only quantization.
 
-`FloatLinear` is `F.linear` over the checkpoint's weight. `Int8Linear.quantize(weight)` keeps a [out, in] weight
+`FloatLinear` is `F.linear` over the checkpoint's weight. `PackedLinear` runs a weight kept in its GGUF
+file's encoding (`GroupedWeight`: 4-bit or int8 codes with a scale, and optionally an offset, per group of
+inputs; `HalfWeight`: float16/bfloat16), dequantizing it chunk by chunk into the `DequantWorkspace` below for
+every batch size; in float32 its weights are bit for bit the `gguf` package's dequantization. `Int8Linear.quantize(weight)` keeps a [out, in] weight
 as int8 with one symmetric scale per output channel: scale = absmax(row) / 127 rounded to a bfloat16 value,
 q = round_half_to_even(w / scale) clamped to [-127, 127]; an all-zero row gets scale 0. Scales are
 bfloat16-representable so that both matmul paths below multiply by exactly the same weights q * scale.

@@ -9,7 +9,7 @@ from engine.loader import LoadedModel, load_model
 
 @pytest.fixture(scope="session")
 def default_model(default_model_path) -> LoadedModel:
-    """The checkpoint read once (float32 weights), shared by the engines below."""
+    """The checkpoint read once (its GGUF codes kept packed, norms float32), shared by the engines below."""
     return load_model(default_model_path, torch.float32, progress=False)
 
 

@@ -130,6 +130,24 @@ def test_bad_input_names_the_field(llm, prompt, params, field):
     assert not llm.engine.has_unfinished()
 
 
+def test_weights_stay_in_the_files_encoding(llm, default_model_path):
+    """The Q4_1 layers and the Q8_0 embedding / LM head keep their codes: loaded weight memory is within 1.3x of
+    the file's tensor bytes (measured: 92.1 MiB of 92.1 MiB) and far below float32's (~513 MiB)."""
+    from gguf import GGUFReader
+
+    from engine.quant import PackedLinear
+
+    tensors = GGUFReader(str(default_model_path)).tensors
+    engine, model = llm.engine, llm.engine.runner.model
+    assert engine.file_tensor_bytes == sum(int(t.n_bytes) for t in tensors)
+    float32_bytes = 4 * sum(int(t.n_elements) for t in tensors)
+    assert engine.weight_memory_bytes <= 1.3 * engine.file_tensor_bytes
+    assert engine.weight_memory_bytes < float32_bytes / 4
+    assert isinstance(model.lm_head, PackedLinear) and model.embed is model.lm_head
+    assert all(isinstance(lin, PackedLinear) for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up,
+                                                                                      layer.down))
+
+
 # --- weight-only quantization ----------------------------------------------------------------------------------
 LONG_PROMPT = ("The history of science is the study of the development of science and scientific knowledge, "
                "including both the natural and social sciences. ") * 3  # 73 tokens: prefill takes the GEMM path
