@@ -187,7 +187,8 @@ class EngineConfig:
     """Compute and KV-cache dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16."""
     quantization: str | None = None
     """Weight quantization, lossy and part of the model fingerprint (caches never mix encodings); see engine.quant.
-    None keeps the checkpoint's weights in `dtype`. "int8": every linear weight and the LM head as int8, one scale
+    None keeps the checkpoint's weights as loaded: in `dtype`, or a GGUF's matrices in the file's encoding (see
+    dequantize_weights). "int8": every linear weight and the LM head as int8, one scale
     per output channel (W8A16), a quarter of float32's bytes per decode step. "int4": every layer's linear weights
     as 4-bit codes with a bfloat16 scale and offset per 32 inputs (W4A16, llama.cpp's Q4_1 scheme: a Q4_1 GGUF
     keeps its own codes) and the LM head as int8, about a sixth of float32's bytes. On CPU both speed up small
