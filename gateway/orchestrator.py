@@ -200,7 +200,8 @@ class Orchestrator:
 
     async def wait_for_room(self, timeout_s: float) -> None:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._room.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):       # not wait_for: it can lose a cancellation (see _decode)
+                await self._room.wait()
 
     def abort_later(self, candidate: Candidate, role: str, worker_request_id: str) -> None:
         """Best-effort Abort in a background task (it must run even when the request's task is cancelled)."""
@@ -453,7 +454,10 @@ class _Run:
                 yield chunk
             while True:
                 try:
-                    msg = await asyncio.wait_for(anext(stream), token_timeout_s)
+                    # asyncio.timeout, not wait_for: on 3.11 wait_for loses a cancellation (client disconnect) that
+                    # lands as the next message arrives, and the generation would run on for nobody.
+                    async with asyncio.timeout(token_timeout_s):
+                        msg = await anext(stream)
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
