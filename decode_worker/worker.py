@@ -172,15 +172,18 @@ class DecodeWorker:
 
     # --- Decode -----------------------------------------------------------------------------------------------
     def decode(self, request_id: str, handle: str, first_token_id: int | None,
-               first_logprob: TokenLogprob | None = None) -> RequestStream:
-        """Start a reservation: with first_token_id its KV must be committed; None prefills locally. Raises
-        PreconditionError (unknown, expired, aborted, or KV not committed)."""
+               first_logprob: TokenLogprob | None = None,
+               choice_first_tokens: list[tuple[int, TokenLogprob | None]] = ()) -> RequestStream:
+        """Start a reservation: with first_token_id its KV must be committed (and `choice_first_tokens`, one per
+        further choice of an n > 1 request, fork on it); None prefills locally. Raises PreconditionError
+        (unknown, expired, aborted, or KV not committed) or InvalidRequestError (first tokens not one per
+        choice)."""
         with self._lock:
             res = self._live(request_id, handle)
         if res is None:
             raise PreconditionError(f"no live reservation {handle!r} for {request_id!r} (expired or aborted)")
         stream = self.loop.open_stream(request_id, lambda e: e.start_reserved(request_id, first_token_id,
-                                                                              first_logprob))
+                                                                              first_logprob, choice_first_tokens))
         with self._lock:
             if self._reservations.get(request_id) is res:
                 del self._reservations[request_id]
