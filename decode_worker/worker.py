@@ -7,6 +7,10 @@ Lifecycle of one request (DESIGN section 3, steps 4-6), as states of its blocks'
                    └──decode(prefill locally)──────────────────────────────────────────────────────▶ RUNNING
     lease expiry (RESERVED / COMMITTED), abort, rejected transfer ──▶ released, once, by the engine
 
+A request with n > 1 choices is reserved, transferred and committed once, for its prompt; Decode hands the prefill
+worker's other first tokens to the engine, which forks the choices on the committed blocks (each choice its own
+lease; engine.llm_engine), and the one stream carries every choice's tokens with its index.
+
 The lease is the one owner of the blocks; a `Reservation` adds what the gateway was told (handle, lease
 deadline). gRPC threads pin and unpin the lease themselves (it has its own lock); every release goes through
 the EngineLoop, so the engine and its pool stay single-threaded. An abort while the KV is arriving only marks
