@@ -537,6 +537,9 @@ def test_batched_prompts_are_indexed_prompt_major(gateway, reference, cluster):
         for c in e["choices"]:
             streamed[c["index"]] = streamed.get(c["index"], "") + c["text"]
     assert streamed == {i: texts[i // 2] for i in range(4)}
+    one_token = post(gateway, "/v1/completions", {"prompt": PROMPTS[1], "n": 3, **SEEDED, "max_tokens": 1})
+    assert [c["finish_reason"] for c in one_token["choices"]] == ["length"] * 3     # ended as the choices forked
+    assert one_token["usage"]["completion_tokens"] == 3
     best = post(gateway, "/v1/completions", {"prompt": PROMPTS[1], "n": 1, "best_of": 3, **SEEDED})
     assert len(best["choices"]) == 1 and best["choices"][0]["text"] in offline_choices(reference, PROMPTS[1], 3)
     assert_idle(cluster.wait_idle())
