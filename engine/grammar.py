@@ -126,7 +126,7 @@ class GrammarCompiler:
 
             hf = transformers.PreTrainedTokenizerFast(tokenizer_object=self._tokenizer.backend)
             info = xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
-                                                           stop_token_ids=self._stop_token_ids)
+                                                           stop_token_ids=self._stop_token_ids or None)
             # xgrammar's own cache is off: ours is bounded by entries and shares in-flight compilations.
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             self._xgr = xgrammar
