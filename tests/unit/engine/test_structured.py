@@ -11,12 +11,7 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.gguf_loader import load_gguf_tokenizer
-from engine.grammar import (
-    GrammarCompiler,
-    apply_token_bitmask,
-    bitmask_words,
-    fill_bitmasks,
-)
+from engine.grammar import GrammarCompiler, apply_token_bitmask, bitmask_words, fill_bitmasks
 from engine.sampler import SamplingRow, sample
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutputSpec as Spec
