@@ -3,7 +3,6 @@ specs; the parameter named for each bad input), and the same through the gRPC pr
 from __future__ import annotations
 
 import pytest
-from word_tokenizer import WORDS, word_tokenizer
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
@@ -14,6 +13,7 @@ from gateway.validation import ModelSpec
 from pdserve.client import generate_request
 from protos.convert import sampling_from_pb, sampling_to_pb
 from protos.pdserve.v1 import common_pb2, generation_pb2
+from word_tokenizer import WORDS, word_tokenizer
 
 MODEL = ModelSpec(name="tiny", max_model_len=16, vocab_size=len(WORDS), fingerprint="fp")
 USER = [{"role": "user", "content": "hello"}]
