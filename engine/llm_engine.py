@@ -258,6 +258,10 @@ class LLMEngine:
             self._leases.pop(seq.request_id, None)
         return StepOutput(seq, [], [], True)
 
+    def close(self) -> None:
+        """End what the engine started besides this process (tensor-parallel ranks); it cannot step after."""
+        self.runner.close()
+
     def stats(self) -> EngineStats:
         pool = self.kv.pool
         states = [lease.state for lease in self._leases.values()]
