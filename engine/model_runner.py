@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
 
 import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.model import LlamaModel
 from engine.parallel.ranks import TensorParallelGroup
-from engine.parallel.shard import build_rank_model, rank_shards
+from engine.parallel.shard import build_rank_model, rank_shards, shard_config
 from engine.sampler import RowResult, SamplingRow, sample_rows
 from engine.scheduler import SchedulerOutput
 from engine.step_batch import StepBatch, run_step
@@ -58,13 +57,12 @@ class ModelRunner:
         c = model_config
         self.tp: TensorParallelGroup | None = None
         """Ranks 1..N-1 when config.tensor_parallel_size > 1 (engine.parallel.ranks); this process is rank 0."""
-        num_kv_heads = c.num_kv_heads
+        local = c
         if config.tensor_parallel_size > 1:
             shards = rank_shards(c, config.tensor_parallel_size, config.quantization)
             # Every rank has the same blocks: size them for the rank with the most KV heads.
-            num_kv_heads = max(len(s.heads.kv_heads) for s in shards)
-            self.num_blocks = num_kv_blocks_for(config, replace(c, num_kv_heads=num_kv_heads), self.dtype,
-                                                self.device)
+            largest = max(shards, key=lambda s: len(s.heads.kv_heads))
+            self.num_blocks = num_kv_blocks_for(config, shard_config(c, largest), self.dtype, self.device)
             self.tp = TensorParallelGroup.start(config, c, weights, shards, max_model_len, self.num_blocks,
                                                 self.dtype)
             try:
@@ -74,12 +72,12 @@ class ModelRunner:
             except BaseException:
                 self.tp.close()
                 raise
-            num_kv_heads = len(shards[0].heads.kv_heads)
+            local = shard_config(c, shards[0])
         else:
             self.model = LlamaModel(c, weights, self.dtype, self.device, max_position=max_model_len,
                                     quantization=config.quantization)
             self.num_blocks = num_kv_blocks_for(config, c, self.dtype, self.device)
-        bytes_per_token = replace(c, num_kv_heads=num_kv_heads).kv_bytes_per_token(self.dtype.itemsize)
+        bytes_per_token = local.kv_bytes_per_token(self.dtype.itemsize)
         log.info("KV cache: %d bytes/token (%s%s), %d blocks of %d tokens = %d tokens, %.1f MiB",
                  bytes_per_token, str(self.dtype).removeprefix("torch."),
                  f", rank 0 of {config.tensor_parallel_size}" if self.tp else "", self.num_blocks, self.block_size,
@@ -87,7 +85,7 @@ class ModelRunner:
         # Zeroed, not empty: attention masks the slots past a sequence's length, but a masked slot still enters
         # the P @ V product with weight 0, and 0 * NaN is NaN. Recycled memory can hold NaN bit patterns;
         # after this every slot only ever holds K/V values.
-        self.kv_cache = torch.zeros(c.num_layers, 2, self.num_blocks, self.block_size, num_kv_heads,
+        self.kv_cache = torch.zeros(c.num_layers, 2, self.num_blocks, self.block_size, local.num_kv_heads,
                                     c.head_dim, dtype=self.dtype, device=self.device)
         """This rank's heads: [L, 2, blocks, block_size, kv_heads of rank 0, D] (all of them without TP)."""
 
@@ -120,6 +118,32 @@ class ModelRunner:
             return {}
         # logits: [num_sampling, vocab], inference tensor
         return {row.request_id: result for row, result in zip(sampling, sample_rows(logits, sampling))}
+
+    # --- KV transfer: always every KV head on the wire, whatever this worker's tensor-parallel degree ------------
+    def transfer_cache(self) -> torch.Tensor:
+        """The cache a KV transfer sees: [L, 2, blocks, block_size, num_kv_heads (all), D]. Without tensor
+        parallelism the cache itself; with it a meta tensor of that shape (no memory): the blocks are gathered
+        from and written to the ranks by `blocks_to_send` and `write_received`."""
+        if self.tp is None:
+            return self.kv_cache
+        c = self.tp.shards[-1].heads
+        shape = (*self.kv_cache.shape[:4], c.kv_heads.stop, self.kv_cache.shape[5])
+        return torch.empty(shape, dtype=self.kv_cache.dtype, device="meta")
+
+    def blocks_to_send(self, block_ids: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """(cache, ids) holding `block_ids` with every KV head: the cache itself, or the blocks gathered from
+        the ranks (then ids 0..n-1 of that staging tensor)."""
+        if self.tp is None:
+            return self.kv_cache, block_ids
+        return self.tp.gather_kv(self.kv_cache, block_ids), list(range(len(block_ids)))
+
+    def write_received(self, decoded, block_ids) -> None:
+        """Write received blocks (kvstore.transfer.DecodedBlocks, every KV head) into `block_ids` of every
+        rank's cache, each rank its own heads."""
+        staging = torch.empty(self.transfer_cache().shape[:2] + (len(block_ids),) + self.transfer_cache().shape[3:],
+                              dtype=self.kv_cache.dtype, device=self.device)
+        decoded.scatter_into(staging, range(len(block_ids)))
+        self.tp.scatter_kv(self.kv_cache, list(block_ids), staging)
 
     def close(self) -> None:
         """End the tensor-parallel ranks (nothing to do without them); the runner cannot step after."""
