@@ -100,7 +100,7 @@ def main() -> None:
               f"{base['decode_ms_per_token'] / r['decode_ms_per_token']:>7.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    out.write_text(json.dumps({"date": datetime.datetime.now(datetime.UTC).isoformat(),
                                "machine": machine(args.device), "args": vars(args), "results": results}, indent=1))
     print(f"saved {out}")
 

@@ -17,9 +17,9 @@ from engine.config import EngineConfig, ModelConfig
 from engine.model import LlamaModel
 from engine.parallel.ranks import TensorParallelGroup
 from engine.parallel.shard import build_rank_model, rank_shards, shard_config
-from engine.sampler import RowResult, SamplingRow, sample_rows
+from engine.sampler import RowResult, SamplingRow, choice_seed, sample_rows
 from engine.scheduler import SchedulerOutput
-from engine.step_batch import StepBatch, run_step
+from engine.step_batch import StepBatch, copy_blocks, run_step
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +89,20 @@ class ModelRunner:
                                     c.head_dim, dtype=self.dtype, device=self.device)
         """This rank's heads: [L, 2, blocks, block_size, kv_heads of rank 0, D] (all of them without TP)."""
 
-    def execute(self, out: SchedulerOutput) -> dict[str, RowResult]:
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks, every layer, source -> destination (a forked choice's partial prompt block), on
+        every rank."""
+        if self.tp is not None:
+            self.tp.copy_blocks(self.kv_cache, pairs)
+        else:
+            copy_blocks(self.kv_cache, pairs)
+
+    def execute(self, out: SchedulerOutput) -> dict[str, list[RowResult]]:
         """Run `out`'s chunks; returns, per sampling chunk's request id, its token (and logprob when asked) or
-        the error that failed that request alone. An error of the forward pass itself raises (whole batch);
-        under tensor parallelism a failed rank raises TensorParallelError."""
+        the error that failed that request alone: one result per choice the chunk samples (n first tokens of
+        an n > 1 request from the same logits, choice i with choice_seed(seed, i)), else one. An error of the
+        forward pass itself raises (whole batch); under tensor parallelism a failed rank raises
+        TensorParallelError."""
         batch = StepBatch([], [], [], [], [], [0], [])
         sampling: list[SamplingRow] = []
         bs = self.block_size
@@ -105,9 +115,10 @@ class ModelRunner:
             batch.seq_lens.append(end)
             batch.query_start_loc.append(batch.query_start_loc[-1] + chunk.num_new_tokens)
             if chunk.samples:
-                batch.sample_positions.append(batch.query_start_loc[-1] - 1)
-                sampling.append(SamplingRow(seq.params, seq.seed, seq.prompt_token_ids, seq.output_token_ids,
-                                            seq.request_id))
+                for choice in range(seq.num_choices_to_sample):
+                    batch.sample_positions.append(batch.query_start_loc[-1] - 1)
+                    sampling.append(SamplingRow(seq.params, choice_seed(seq.seed, choice), seq.prompt_token_ids,
+                                                seq.output_token_ids, seq.request_id))
         max_blocks = max(len(c.seq.block_ids) for c in out.chunks)
         batch.block_tables = [c.seq.block_ids + [0] * (max_blocks - len(c.seq.block_ids)) for c in out.chunks]
         if self.tp is not None:
@@ -117,7 +128,10 @@ class ModelRunner:
         if logits is None:
             return {}
         # logits: [num_sampling, vocab], inference tensor
-        return {row.request_id: result for row, result in zip(sampling, sample_rows(logits, sampling))}
+        results: dict[str, list[RowResult]] = {}
+        for row, result in zip(sampling, sample_rows(logits, sampling)):
+            results.setdefault(row.request_id, []).append(result)
+        return results
 
     # --- KV transfer: always every KV head on the wire, whatever this worker's tensor-parallel degree ------------
     def transfer_cache(self) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The flat batch one model step runs, as plain lists: what `ModelRunner` builds from a `SchedulerOutput`, and
 what rank 0 of a tensor-parallel worker sends its other ranks (engine.parallel.ranks) so that every rank runs
-the same step over its own slice of the model and of the paged KV cache (block ids are the same on every rank).
+the same step over its own slice of the model and of the paged KV cache (block ids are the same on every rank);
+`copy_blocks` likewise runs on every rank.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.model import AttentionMetadata, DecoderModel
+from kernels.dispatch import gather_blocks, scatter_blocks
 
 
 @dataclass
@@ -40,3 +42,12 @@ def run_step(model: DecoderModel, kv_cache: torch.Tensor, batch: StepBatch,
     if not batch.sample_positions:
         return None
     return model.compute_logits(hidden[batch.sample_positions]).cpu()
+
+
+def copy_blocks(kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """Copy whole KV blocks of kv_cache, every layer, source -> destination (block ids)."""
+    device = kv_cache.device
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=device)
+    dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=device)
+    # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]; staging: [n, L, 2, block_size, Hkv, D]
+    scatter_blocks(gather_blocks(kv_cache, src), kv_cache, dst)

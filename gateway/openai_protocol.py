@@ -6,7 +6,10 @@ so both APIs accept and refuse the same requests. Every rejection is an InvalidR
 OpenAI parameter (the error object's `param`): "temperature", "max_tokens", "prompt", "messages[1].role", ...
 
     model               the served name or an alias; missing means the served model
-    prompt              /v1/completions: a string, a list of token ids, or a one-element list of either
+    prompt              /v1/completions: a string, a list of token ids, or a list of strings or of token-id lists
+                        (a batch: each prompt runs as its own request; choices are indexed prompt-major,
+                        index = prompt_i * n + choice_j; a bad prompt is refused naming "prompt[i]"), at most
+                        MAX_PROMPTS
     messages            /v1/chat/completions: [{"role": "system"|"developer"|"user"|"assistant",
                         "content": a string or a list of {"type": "text", "text": ...} parts}]; "developer" is
                         rendered as "system"
@@ -21,7 +24,11 @@ OpenAI parameter (the error object's `param`): "temperature", "max_tokens", "pro
                         chat: further variables for the chat template (an object)
     logprobs            completions: alternatives per token (an int); chat: a bool, with top_logprobs (an int)
     stream, stream_options.include_usage
-    n, best_of          1 only
+    n                   choices per prompt, 1..MAX_CHOICES (the prompt is computed once; the choices fork on its
+                        KV; with a seed, choice i is reproducible). Greedy n > 1 gives identical choices.
+    best_of             completions: candidates per prompt, n..MAX_CHOICES, generated as n = best_of; the n with
+                        the highest cumulative logprob are returned, best first (usage counts every candidate's
+                        tokens). Not with stream, as in OpenAI. Chat: 1 only.
     echo, suffix, logit_bias, tools, functions
                         refused unless empty or false; tool_choice and function_call: "none" only;
                         response_format: {"type": "text"} only
@@ -41,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_CHOICES, SamplingParams
 from engine.sequence import TokenLogprob
 from engine.tokenizer import Tokenizer
 from gateway.request_types import OutputChunk, Usage
@@ -61,6 +68,8 @@ COMPLETION_FIELDS = _COMMON_FIELDS | NO_EFFECT_FIELDS | {"prompt"}
 CHAT_FIELDS = _COMMON_FIELDS | NO_EFFECT_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "response_format", "tool_choice", "function_call",
     "chat_template_kwargs"}
+MAX_PROMPTS = 64
+"""Most prompts in one batched /v1/completions request."""
 MAX_FIELD_NAME_CHARS = 64
 """Longer unknown field names are cut in the error's `param`."""
 _MESSAGE_FIELDS = frozenset({"role", "content"})
@@ -84,6 +93,14 @@ class OpenAIRequest:
     """Streams end with a chunk that has usage and no choices (stream_options.include_usage)."""
     logprobs: bool = False
     """Choices carry log-probabilities."""
+    more: tuple[GenerationRequest, ...] = ()
+    """The other prompts of a batched /v1/completions, in order (`request` is the first)."""
+    n: int = 1
+    """Choices per prompt in the response (request.sampling.n is best_of when that is larger)."""
+
+    @property
+    def requests(self) -> tuple[GenerationRequest, ...]:
+        return (self.request, *self.more)
 
 
 def parse_completion(body: Any, model: ModelSpec, tokenizer: Tokenizer, running: Container[str] = (),
@@ -91,23 +108,61 @@ def parse_completion(body: Any, model: ModelSpec, tokenizer: Tokenizer, running:
     """A /v1/completions body -> OpenAIRequest; InvalidRequestError names the bad parameter."""
     body = _object(body, COMPLETION_FIELDS)
     fields, max_tokens_param = _fields(body, model, chat=False)
-    prompt = body.get("prompt")
+    prompts = _prompts(body.get("prompt"))
+    reqs = []
+    for i, prompt in enumerate(prompts):
+        try:
+            reqs.append(validate_prompt(fields, prompt, model, tokenizer, running, seed_source))
+        except InvalidRequestError as exc:
+            renamed = _renamed(exc, max_tokens_param, chat=False)
+            if len(prompts) > 1 and renamed.field == "prompt":
+                renamed = type(renamed)(f"prompt[{i}]", str(renamed).partition(": ")[2])
+            raise renamed from exc
+    n = _int(body, "n") or 1
+    best_of = _int(body, "best_of")
+    if best_of is not None and best_of != n:
+        if not n <= best_of <= MAX_CHOICES:
+            raise InvalidRequestError("best_of", f"must be in [n, {MAX_CHOICES}] (n is {n}), got {best_of}")
+        if _bool(body, "stream"):
+            raise InvalidRequestError("best_of", "cannot be used with stream (the best choices are known only "
+                                                 "at the end)")
+        # Candidates are ranked by cumulative logprob: they need their logprobs, dropped unless asked for.
+        sampling = dataclasses.replace(reqs[0].sampling, n=best_of,
+                                       logprobs=reqs[0].sampling.logprobs if reqs[0].sampling.logprobs is not None
+                                       else 0)
+        reqs = [dataclasses.replace(r, sampling=dataclasses.replace(sampling, seed=r.sampling.seed)) for r in reqs]
+    first = reqs[0]
+    # Batched prompts run as requests of their own, under ids derived from the first one's.
+    more = tuple(dataclasses.replace(r, request_id=f"{first.request_id}-{i}") for i, r in enumerate(reqs[1:], 1))
+    parsed = _parsed(body, first, model, chat=False, logprobs=fields.sampling.logprobs is not None)
+    return dataclasses.replace(parsed, more=tuple(dataclasses.replace(r, include_stop_str_in_output=
+                                                                      parsed.request.include_stop_str_in_output)
+                                                  for r in more), n=n)
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """The prompts of a /v1/completions `prompt`: one (a string, token ids) or a batch (a list of either)."""
     if prompt is None:
         raise InvalidRequestError("prompt", "is required: a string or a list of token ids")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]                                   # a batch of one
-    if isinstance(prompt, list):
-        if any(isinstance(p, (str, list)) for p in prompt):
-            raise InvalidRequestError("prompt", "batches of prompts are not supported; send one per request")
+    if isinstance(prompt, str):
+        return [prompt]
+    if not isinstance(prompt, list):
+        raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {_kind(prompt)}")
+    if not prompt:
+        raise InvalidRequestError("prompt", "must not be empty")
+    if not isinstance(prompt[0], (str, list)):           # token ids (a batch starts with a string or a list)
         if not all(_is_int(p) for p in prompt):
             raise InvalidRequestError("prompt", "must be a string or a list of token ids (integers)")
-    elif not isinstance(prompt, str):
-        raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {_kind(prompt)}")
-    try:
-        req = validate_prompt(fields, prompt, model, tokenizer, running, seed_source)
-    except InvalidRequestError as exc:
-        raise _renamed(exc, max_tokens_param, chat=False) from exc
-    return _parsed(body, req, model, chat=False, logprobs=fields.sampling.logprobs is not None)
+        return [prompt]
+    if len(prompt) > MAX_PROMPTS:
+        raise InvalidRequestError("prompt", f"has {len(prompt)} prompts; at most {MAX_PROMPTS}")
+    for i, p in enumerate(prompt):
+        if isinstance(p, list):
+            if not all(_is_int(t) for t in p):
+                raise InvalidRequestError(f"prompt[{i}]", "must be a list of token ids (integers)")
+        elif not isinstance(p, str):
+            raise InvalidRequestError(f"prompt[{i}]", f"must be a string or a list of token ids, got {_kind(p)}")
+    return prompt
 
 
 def parse_chat(body: Any, model: ModelSpec, tokenizer: Tokenizer, running: Container[str] = (),
@@ -158,10 +213,9 @@ def parse_template_kwargs(raw: Any) -> dict | None:
 
 def _fields(body: dict, model: ModelSpec, chat: bool) -> tuple[RequestFields, str]:
     """The sampling and common fields (not yet validated beyond JSON types) and the max_tokens parameter's name."""
-    for name in ("n", "best_of"):
-        value = _int(body, name)
-        if value is not None and value != 1:
-            raise InvalidRequestError(name, f"only 1 is supported, got {value}")
+    if chat and _int(body, "best_of") not in (None, 1):
+        raise InvalidRequestError("best_of", "is a /v1/completions parameter; chat supports only 1")
+    n = _int(body, "n")
     for name, what in _REFUSED.items():
         if body.get(name) not in (None, False, "", [], {}):
             raise InvalidRequestError(name, f"{what} is not supported")
@@ -201,6 +255,7 @@ def _fields(body: dict, model: ModelSpec, chat: bool) -> tuple[RequestFields, st
         stop_token_ids=tuple(_int_list(body, "stop_token_ids")),
         ignore_eos=bool(_bool(body, "ignore_eos")),
         logprobs=logprobs,
+        n=1 if n is None else n,
     )
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -254,7 +309,8 @@ def _parsed(body: dict, req: GenerationRequest, model: ModelSpec, chat: bool, lo
     include_usage = bool(_bool(options or {}, "include_usage", "stream_options.include_usage"))
     if _bool(body, "include_stop_str_in_output"):
         req = dataclasses.replace(req, include_stop_str_in_output=True)
-    return OpenAIRequest(req, chat, _str(body, "model") or model.name, stream, include_usage, logprobs)
+    return OpenAIRequest(req, chat, _str(body, "model") or model.name, stream, include_usage, logprobs,
+                         n=req.sampling.n)
 
 
 def _renamed(exc: InvalidRequestError, max_tokens_param: str, chat: bool) -> InvalidRequestError:
@@ -340,32 +396,33 @@ def usage_object(usage: Usage) -> dict:
 
 
 class ResponseBuilder:
-    """OpenAI objects for one request: a chunk object per streamed chunk, or one response at the end."""
+    """OpenAI objects for one request: a chunk object per streamed chunk, or one response at the end. Chunks
+    carry their choice's index in the response (gateway.http_front numbers a batch's prompts prompt-major)."""
 
     def __init__(self, parsed: OpenAIRequest, tokenizer: Tokenizer, created: int | None = None) -> None:
         self.parsed = parsed
         self._tokenizer = tokenizer
         self._created = int(time.time()) if created is None else created
-        self._sent_role = False
-        self._text_offset = 0
+        self._sent_role: set[int] = set()
+        self._text_offset: dict[int, int] = {}
 
     def stream_chunk(self, chunk: OutputChunk) -> dict | None:
         """The `data:` object for `chunk`, or None when it carries nothing a client sees."""
-        p = self.parsed
-        logprobs = self._logprobs(chunk.logprobs) if p.logprobs else None
+        p, index = self.parsed, chunk.choice_index
+        logprobs = self._logprobs(chunk.logprobs, index) if p.logprobs else None
         finish = chunk.finish_reason.value if chunk.finish_reason is not None else None
         if p.chat:
             delta = {"content": chunk.text} if chunk.text else {}
-            if not self._sent_role:
+            if index not in self._sent_role:
                 delta = {"role": "assistant", "content": chunk.text}
             elif not (chunk.text or logprobs or finish):
                 return None
-            self._sent_role = True
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            self._sent_role.add(index)
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             if not (chunk.text or logprobs or finish):
                 return None
-            choice = {"index": 0, "text": chunk.text, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "text": chunk.text, "logprobs": logprobs, "finish_reason": finish}
         obj = self._envelope("chat.completion.chunk" if p.chat else "text_completion", [choice])
         if p.include_usage:
             obj["usage"] = None
@@ -378,19 +435,36 @@ class ResponseBuilder:
         return obj
 
     def response(self, chunks: Sequence[OutputChunk]) -> dict:
-        """The whole (non-streamed) response; the last chunk is the final one."""
-        p, last = self.parsed, chunks[-1]
-        text = "".join(c.text for c in chunks)
-        logprobs = self._logprobs([lp for c in chunks for lp in c.logprobs]) if p.logprobs else None
-        finish = last.finish_reason.value if last.finish_reason is not None else None
-        if p.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        obj = self._envelope("chat.completion" if p.chat else "text_completion", [choice])
-        obj["usage"] = usage_object(last.usage) if last.usage is not None else None
+        """The whole (non-streamed) response; the chunk with usage is the request's last. With best_of, the
+        parsed.n candidates of each prompt with the highest cumulative logprob, best first."""
+        p = self.parsed
+        by_choice: dict[int, list[OutputChunk]] = {}
+        for c in chunks:
+            by_choice.setdefault(c.choice_index, []).append(c)
+        per_prompt = p.request.sampling.n                    # candidates generated per prompt
+        choices = []
+        for prompt_i in range(len(p.requests)):
+            candidates = [by_choice[i] for i in range(prompt_i * per_prompt, (prompt_i + 1) * per_prompt)
+                          if i in by_choice]
+            if per_prompt > p.n:
+                candidates.sort(key=lambda cs: -sum(lp.logprob for c in cs for lp in c.logprobs))
+            for rank, cs in enumerate(candidates[:p.n]):
+                choices.append(self._choice(prompt_i * p.n + rank, cs))
+        usage = next((c.usage for c in chunks if c.usage is not None), None)
+        obj = self._envelope("chat.completion" if p.chat else "text_completion", choices)
+        obj["usage"] = usage_object(usage) if usage is not None else None
         return obj
+
+    def _choice(self, index: int, chunks: Sequence[OutputChunk]) -> dict:
+        p = self.parsed
+        text = "".join(c.text for c in chunks)
+        logprobs = self._logprobs([lp for c in chunks for lp in c.logprobs], index) if p.logprobs else None
+        reason = next((c.finish_reason for c in reversed(chunks) if c.finish_reason is not None), None)
+        finish = reason.value if reason is not None else None
+        if p.chat:
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                    "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     def _envelope(self, kind: str, choices: list) -> dict:
         return {"id": self.parsed.request.request_id, "object": kind, "created": self._created,
@@ -399,7 +473,7 @@ class ResponseBuilder:
     def _token(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict:
+    def _logprobs(self, logprobs: Sequence[TokenLogprob], index: int = 0) -> dict:
         if self.parsed.chat:
             def entry(token_id: int, logprob: float) -> dict:
                 token = self._token(token_id)
@@ -409,9 +483,11 @@ class ResponseBuilder:
                                 for lp in logprobs]}
         tokens = [self._token(lp.token_id) for lp in logprobs]
         offsets = []
+        offset = self._text_offset.get(index, 0)
         for token in tokens:
-            offsets.append(self._text_offset)
-            self._text_offset += len(token)
+            offsets.append(offset)
+            offset += len(token)
+        self._text_offset[index] = offset
         return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
                 "top_logprobs": [{self._token(t): _finite(v) for t, v in lp.top} for lp in logprobs],
                 "text_offset": offsets}

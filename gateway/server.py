@@ -241,7 +241,8 @@ def validate_chat(pb: generation_pb2.ChatRequest, model: ModelSpec, tokenizer: T
 def chunk_to_pb(request_id: str, chunk: OutputChunk) -> generation_pb2.GenerateResponse:
     pb = generation_pb2.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.token_ids,
                                          logprobs=[logprob_to_pb(lp) for lp in chunk.logprobs],
-                                         finish_reason=finish_reason_to_pb(chunk.finish_reason))
+                                         finish_reason=finish_reason_to_pb(chunk.finish_reason),
+                                         choice_index=chunk.choice_index)
     if chunk.usage is not None:
         u = chunk.usage
         pb.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,

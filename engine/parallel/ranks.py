@@ -7,7 +7,8 @@ cache of its own KV heads with the same number of blocks, and they join one proc
 on CUDA, rank r on cuda:(index + r)) over a FileStore in a private temporary directory.
 
 Control plane: one pipe per rank. For every step rank 0 sends the `StepBatch` (plain lists) to each rank, then
-all ranks run it; the model's all-reduces and the logits gather are the only collectives of a step. KV moves
+all ranks run it; the model's all-reduces and the logits gather are the only collectives of a step. Block copies
+(an n > 1 request's forked prompt block) run on every rank the same way, without a collective. KV moves
 between the ranks' caches and rank 0 for KV transfer (`gather_kv`, `scatter_kv`) the same way. The ranks idle
 in `poll` on their pipe, never inside a collective, so an idle worker never times out.
 
@@ -42,7 +43,7 @@ import torch.multiprocessing as mp
 
 from engine.config import EngineConfig, ModelConfig
 from engine.parallel.shard import RankShard, build_rank_model
-from engine.step_batch import StepBatch, run_step
+from engine.step_batch import StepBatch, copy_blocks, run_step
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,8 @@ def _rank_main(rank: int, spec: _RankSpec, weights: dict[str, torch.Tensor],
             with torch.inference_mode():
                 if op == "step":
                     run_step(model, kv_cache, payload, device)
+                elif op == "copy_blocks":
+                    copy_blocks(kv_cache, payload)
                 elif op == "gather_kv":
                     group.gather([], [_padded_heads(kv_cache, payload, width)], _gather_options()).wait()
                 elif op == "scatter_kv":
@@ -256,6 +259,11 @@ class TensorParallelGroup:
         """run_step on every rank; rank 0's result (engine.step_batch.run_step)."""
         with self.operation("step", batch):
             return run_step(model, kv_cache, batch, device)
+
+    def copy_blocks(self, kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        """engine.step_batch.copy_blocks on every rank."""
+        with self.operation("copy_blocks", list(pairs)):
+            copy_blocks(kv_cache, pairs)
 
     def gather_kv(self, kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
         """Blocks `block_ids` with every KV head, from the ranks that hold them (a replicated head from its

@@ -23,7 +23,7 @@ from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.integration.cluster import RPC_TIMEOUT_S, Cluster, Reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "engine"))
-from tiny_gguf import write_tiny_gguf  # noqa: E402
+from tiny_gguf import write_tiny_gguf
 
 PROMPT = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59]  # 20 tokens: 1 full block
 NUM_TOKENS = 6
