@@ -86,6 +86,25 @@ def test_quantized_shards_are_the_unsharded_codes(engines, quantization, cls):
     assert torch.equal(rank0.mlp.inner.gate_up.dequantize(), ref.gate_up.dequantize()[gate_up_rows])
 
 
+def test_n_choices_fork_their_partial_prompt_block_on_every_rank(engines):
+    # 10 tokens over blocks of 4: each forked choice copies the partial block, which every rank must do.
+    prompt, params = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38], SamplingParams(max_tokens=4, temperature=1.0, seed=5,
+                                                                             ignore_eos=True, n=3)
+
+    def choices(engine):
+        seq = engine.add_request(f"n3-{engine.num_steps}", prompt, params)
+        found = {0: seq}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.seq.group_id == seq.request_id:
+                    found[out.seq.choice_index] = out.seq
+        return [found[i].output_token_ids for i in sorted(found)]
+
+    want = choices(engines("tp1"))
+    assert len(want) == 3 and len({tuple(c) for c in want}) > 1
+    assert choices(engines("tp2", tensor_parallel_size=2)) == want
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(model="x", tensor_parallel_size=0)
