@@ -55,6 +55,8 @@ class EngineStats:
     reserved: int         # leases RESERVED, RECEIVING or COMMITTED (decode side)
     held: int             # leases HELD or PUSHING (prefill side)
     preemptions: int      # since start
+    tensor_parallel_size: int = 1
+    kv_resharding_bytes: int = 0  # KV moved between the ranks for transfers since start (engine.parallel.ranks)
 
 
 @dataclass(frozen=True)
@@ -369,7 +371,8 @@ class LLMEngine:
             num_blocks=pool.num_blocks, free_blocks=pool.get_num_free_blocks(), used_blocks=pool.get_num_used_blocks(),
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             reserved=sum(s in _RESERVED_STATES for s in states), held=sum(s in _HELD_STATES for s in states),
-            preemptions=self.scheduler.num_preemptions)
+            preemptions=self.scheduler.num_preemptions, tensor_parallel_size=self.config.tensor_parallel_size,
+            kv_resharding_bytes=self.runner.tp.num_kv_bytes_moved if self.runner.tp is not None else 0)
 
 
 _RESERVED_STATES = frozenset({LeaseState.RESERVED, LeaseState.RECEIVING, LeaseState.COMMITTED})

@@ -184,6 +184,8 @@ class TensorParallelGroup:
         self._store_dir = store_dir
         self._lock = threading.Lock()
         self._failed: str | None = None
+        self.num_kv_bytes_moved = 0
+        """KV bytes gather_kv brought from ranks 1..N-1 and scatter_kv handed to them (their own heads only)."""
 
     @property
     def size(self) -> int:
@@ -273,6 +275,8 @@ class TensorParallelGroup:
             mine = _padded_heads(kv_cache, list(block_ids), width)
             parts = [torch.empty_like(mine) for _ in self.shards]
             self.group.gather([parts], [mine], _gather_options()).wait()
+        head_bytes = mine[:, :, :, :, 0].numel() * mine.element_size()
+        self.num_kv_bytes_moved += head_bytes * sum(len(s.heads.kv_heads) for s in self.shards[1:])
         num_kv_heads = self.shards[-1].heads.kv_heads.stop
         pieces = {}
         for shard, part in zip(self.shards, parts):
@@ -294,6 +298,8 @@ class TensorParallelGroup:
             self.group.scatter([mine], [parts], _scatter_options()).wait()
             ids = torch.tensor(list(block_ids), dtype=torch.int64, device=kv_cache.device)
             kv_cache.index_copy_(2, ids, mine[:, :, :, :, :len(self.shards[0].heads.kv_heads)])
+        head_bytes = blocks[:, :, :, :, 0].numel() * blocks.element_size()
+        self.num_kv_bytes_moved += head_bytes * sum(len(s.heads.kv_heads) for s in self.shards[1:])
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Tell the ranks to exit, terminate (then kill) those that do not within `timeout_s` (1 s after a

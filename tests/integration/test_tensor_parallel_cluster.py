@@ -1,6 +1,7 @@
 """A real cluster whose pools run at different tensor-parallel degrees: a prefill worker at TP=2 pushes the
 prompt's KV (every head on the wire, gathered from its ranks) to a decode worker at TP=3 (each rank takes its
-heads), over the default shm transport. Greedy tokens equal the offline TP=1 engine's, a repeated prompt hits the
+heads), over the default shm transport. Greedy tokens equal the offline TP=1 engine's, each worker's Stats report
+the bytes its ranks exchanged for the transfer (kv_resharding_bytes), a repeated prompt hits the
 decode worker's prefix cache (delta transfer: nothing sent), and a rank that dies takes its worker down
 (exit status EXIT_RANK_FAILED, the request fails UNAVAILABLE) instead of hanging.
 
@@ -80,6 +81,12 @@ def test_prefill_tp2_to_decode_tp3_answers_like_tp1(cluster):
     assert metadata["pdserve-prefill-workers"] == "p0" and metadata["pdserve-decode-worker"] == "d0"
     assert last.timings.transfer_bytes > 0  # the prompt's KV moved between the differently sharded pools
     assert token_ids == expected
+    # Raw float32 on the wire, every head: p0's rank 1 holds 1 of the 2 KV heads (half the bytes gathered to rank
+    # 0); d0's ranks 1 and 2 hold KV heads 0 and 1 (rank 0 hands them as many bytes as arrived).
+    p0, d0 = cluster.stats("p0"), cluster.stats("d0")
+    assert (p0.tensor_parallel_size, d0.tensor_parallel_size) == (2, 3)
+    assert p0.kv_resharding_bytes == last.timings.transfer_bytes // 2
+    assert d0.kv_resharding_bytes == last.timings.transfer_bytes
     again, last, _ = generate(gateway.port)  # d0 holds the prompt's full block now: only the rest moves
     assert again == expected
     assert last.usage.cached_tokens >= 16
