@@ -7,7 +7,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
 PROMPTS = ["The capital of France is"]
-GREEDY = SamplingParams(max_tokens=4, temperature=0.0, logprobs=5)
+GREEDY = SamplingParams(max_tokens=2, temperature=0.0, logprobs=5)
 
 
 @pytest.fixture(scope="module")
