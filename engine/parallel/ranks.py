@@ -10,7 +10,7 @@ Control plane: one pipe per rank. For every step rank 0 sends the `StepBatch` (p
 all ranks run it; the model's all-reduces and the logits gather are the only collectives of a step. Block copies
 (an n > 1 request's forked prompt block) run on every rank the same way, without a collective. KV moves
 between the ranks' caches and rank 0 for KV transfer (`gather_kv`, `scatter_kv`) the same way. The ranks idle
-in `poll` on their pipe, never inside a collective, so an idle worker never times out.
+in a blocking read of their pipe, never inside a collective, so an idle worker never times out.
 
 Failure (never a hang):
 - every collective has the group's timeout (EngineConfig.tensor_parallel_timeout_s): a rank that stops
@@ -19,7 +19,9 @@ Failure (never a hang):
 - rank 0 checks its ranks are alive before each operation; any failure raises `TensorParallelError`, after
   which the group is closed (the other ranks are told to exit, then terminated) and every later operation
   raises it again: the worker must exit (the engine loop's fatal path);
-- a rank whose pipe reaches end-of-file (rank 0 died) or whose collective fails exits with status 1.
+- a rank whose pipe reaches end-of-file (rank 0 died) or whose collective fails exits with status 1;
+- the start is bounded by _STARTUP_TIMEOUT_S: the rendezvous and each rank's model build (a rank that dies
+  while building is seen at once, one that dies before the rendezvous only at that bound).
 Operations are serialized by one lock, so the engine loop and the KV transfer threads never interleave
 collectives.
 """
