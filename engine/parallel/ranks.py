@@ -20,8 +20,8 @@ Failure (never a hang):
   which the group is closed (the other ranks are told to exit, then terminated) and every later operation
   raises it again: the worker must exit (the engine loop's fatal path);
 - a rank whose pipe reaches end-of-file (rank 0 died) or whose collective fails exits with status 1;
-- the start is bounded by _STARTUP_TIMEOUT_S: the rendezvous and each rank's model build (a rank that dies
-  while building is seen at once, one that dies before the rendezvous only at that bound).
+- the start is bounded by _STARTUP_TIMEOUT_S (the rendezvous, each rank's model build), and a rank that exits
+  during it fails the start at once with TensorParallelError.
 Operations are serialized by one lock, so the engine loop and the KV transfer threads never interleave
 collectives.
 """
@@ -174,6 +174,30 @@ def _rank_main(rank: int, spec: _RankSpec, weights: dict[str, torch.Tensor],
         sys.exit(1)
 
 
+def _rendezvous(processes: list, make_group) -> dist.ProcessGroup:
+    """`make_group()` (which waits for every rank to join) on a helper thread, failing as soon as a rank exits
+    before it joined: the wait itself cannot be interrupted, so the thread is left to time out on its own."""
+    made: dict = {}
+
+    def run() -> None:
+        try:
+            made["group"] = make_group()
+        except BaseException as exc:  # noqa: BLE001  (re-raised on the starting thread)
+            made["error"] = exc
+
+    thread = threading.Thread(target=run, name="tp-rendezvous", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+        for rank, process in enumerate(processes, start=1):
+            if process.exitcode is not None and thread.is_alive():
+                raise TensorParallelError(f"rank {rank} exited with status {process.exitcode} before joining "
+                                          "the process group")
+    if "error" in made:
+        raise TensorParallelError(f"the ranks did not join: {made['error']}") from made["error"]
+    return made["group"]
+
+
 class TensorParallelGroup:
     """Rank 0's handle on ranks 1..N-1 (module docstring). Build with `start`; `close` ends them."""
 
@@ -214,8 +238,9 @@ class TensorParallelGroup:
                 child.close()
                 processes.append(process)
                 conns.append(parent)
-            group = _make_group(rank_device(device, 0), spec.store_path, 0, len(shards),
-                                datetime.timedelta(seconds=engine_config.tensor_parallel_timeout_s))
+            group = _rendezvous(processes, lambda: _make_group(
+                rank_device(device, 0), spec.store_path, 0, len(shards),
+                datetime.timedelta(seconds=engine_config.tensor_parallel_timeout_s)))
         except BaseException:
             for process in processes:
                 process.terminate()

@@ -12,7 +12,7 @@ import torch
 from tiny_model import TINY, tiny_engine
 
 from engine.config import EngineConfig
-from engine.parallel.ranks import TensorParallelError
+from engine.parallel.ranks import TensorParallelError, TensorParallelGroup
 from engine.parallel.shard import rank_shards
 from engine.quant import Int4Linear, Int8Linear
 from engine.sampling_params import SamplingParams
@@ -103,6 +103,20 @@ def test_n_choices_fork_their_partial_prompt_block_on_every_rank(engines):
     want = choices(engines("tp1"))
     assert len(want) == 3 and len({tuple(c) for c in want}) > 1
     assert choices(engines("tp2", tensor_parallel_size=2)) == want
+
+
+class _ExitOnLoad:
+    """Unpickling this in a rank process ends it before it joins the process group."""
+
+    def __reduce__(self):
+        return os._exit, (3,)
+
+
+def test_a_rank_that_dies_before_joining_fails_the_start():
+    config = EngineConfig(model="tiny-random", tensor_parallel_size=2, num_kv_blocks=8, block_size=4)
+    shards = rank_shards(TINY, 2, None)
+    with pytest.raises(TensorParallelError, match="rank 1 exited with status 3 before joining"):
+        TensorParallelGroup.start(config, TINY, {"exit": _ExitOnLoad()}, shards, 64, 8, torch.float32)
 
 
 def test_config_validation():
