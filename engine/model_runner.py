@@ -154,8 +154,8 @@ class ModelRunner:
     def write_received(self, decoded, block_ids) -> None:
         """Write received blocks (kvstore.transfer.DecodedBlocks, every KV head) into `block_ids` of every
         rank's cache, each rank its own heads."""
-        staging = torch.empty(self.transfer_cache().shape[:2] + (len(block_ids),) + self.transfer_cache().shape[3:],
-                              dtype=self.kv_cache.dtype, device=self.device)
+        shape = self.transfer_cache().shape  # [L, 2, num_blocks, block_size, all kv heads, D]
+        staging = torch.empty(*shape[:2], len(block_ids), *shape[3:], dtype=self.kv_cache.dtype, device=self.device)
         decoded.scatter_into(staging, range(len(block_ids)))
         self.tp.scatter_kv(self.kv_cache, list(block_ids), staging)
 
