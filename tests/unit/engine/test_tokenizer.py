@@ -70,6 +70,27 @@ def test_chat_template_matches_transformers(tokenizer, reference):
     assert without_prompt == reference.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=False)
 
 
+def test_tools_and_tool_history_render_as_transformers_renders_them(tokenizer, reference):
+    # Qwen2.5-Instruct's template reads `tools`, assistant `tool_calls` (arguments as objects) and `tool` messages.
+    template = open("tests/data/qwen2_5_tools.jinja").read()
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Zürich?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                                  "arguments": {"city": "Zürich"}}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "12 °C"}]
+    ours = Tokenizer(tokenizer.backend, bos_token=None, eos_token="<|im_end|>", chat_template=template)
+    rendered = ours.apply_chat_template(messages, tools=tools)
+    assert ours.supports_tools and not tokenizer.supports_tools
+    assert rendered == reference.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False,
+                                                     add_generation_prompt=True)
+    assert '"arguments": {"city": "Zürich"}' in rendered and "<tool_response>\n12 °C\n</tool_response>" in rendered
+    with pytest.raises(ValueError, match=r"messages\[0\].content must be a string"):
+        ours.apply_chat_template([{"role": "user", "content": None}])       # null content only beside tool_calls
+
+
 def test_digits_are_split_before_the_byte_level_regex(tokenizer):
     # SmolLM2's tokenizer.json (and llama.cpp's "smollm" pre-tokenizer) isolate every digit first, so a run of
     # spaces before a number stays one piece ("ĠĠ"). transformers' GGUF path applies only GPT-2's regex and
