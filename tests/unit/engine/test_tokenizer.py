@@ -7,6 +7,7 @@ GGUF vocabularies cover the pre-tokenizer families, from_file and the error path
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from tiny_gguf import CHAT_TEMPLATE, tiny_vocab, write_tiny_gguf
@@ -14,6 +15,9 @@ from tiny_gguf import CHAT_TEMPLATE, tiny_vocab, write_tiny_gguf
 from engine.gguf_loader import load_gguf_tokenizer
 from engine.loader import ModelLoadError
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer, UnsupportedTokenizerError
+
+QWEN_TEMPLATE = Path(__file__).parents[2] / "data" / "qwen2_5_tools.jinja"
+"""Qwen2.5-Instruct's chat template: it reads `tools`, assistant `tool_calls` and `tool` messages."""
 
 TEXTS = [
     "Hello, world!",
@@ -72,7 +76,7 @@ def test_chat_template_matches_transformers(tokenizer, reference):
 
 def test_tools_and_tool_history_render_as_transformers_renders_them(tokenizer, reference):
     # Qwen2.5-Instruct's template reads `tools`, assistant `tool_calls` (arguments as objects) and `tool` messages.
-    template = open("tests/data/qwen2_5_tools.jinja").read()
+    template = QWEN_TEMPLATE.read_text()
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                                "parameters": {"type": "object",
                                                               "properties": {"city": {"type": "string"}}}}}]

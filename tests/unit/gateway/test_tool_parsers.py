@@ -5,12 +5,16 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from pathlib import Path
 
 import pytest
 
 from gateway.tool_parsers import (CallArguments, CallStart, Content, HermesParser, Llama3JsonParser, NamedParser,
                                   ParserSpec, RequiredParser, collect, detect_parser)
 from gateway.tools import ToolCall, ToolChoice, parse_tools
+
+QWEN_TEMPLATE = Path(__file__).parents[2] / "data" / "qwen2_5_tools.jinja"
+"""Qwen2.5-Instruct's chat template: it reads `tools`, assistant `tool_calls` and `tool` messages."""
 
 NAMES = ("get_weather", "get_time")
 
@@ -178,7 +182,7 @@ LLAMA31_EXCERPT = ('{%- if tools is not none %}{{- "Given the following function
 
 
 def test_the_parser_is_detected_from_the_chat_template():
-    qwen = open("tests/data/qwen2_5_tools.jinja").read()
+    qwen = QWEN_TEMPLATE.read_text()
     assert [detect_parser(t) for t in (SMOLLM2_TEMPLATE, qwen, LLAMA31_EXCERPT, None)] == \
         ["hermes", "hermes", "llama3_json", "hermes"]
 

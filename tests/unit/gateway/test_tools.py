@@ -4,6 +4,7 @@ choice (checked with jsonschema against outputs), and the exact OpenAI objects, 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -18,6 +19,9 @@ from gateway.tools import (DEFAULT_TOOL_PROMPT, ChatMessage, Tool, ToolCall, Too
 from gateway.validation import ModelSpec, render_chat
 from protos.pdserve.v1 import generation_pb2
 from word_tokenizer import WORDS, word_tokenizer
+
+QWEN_TEMPLATE = Path(__file__).parents[2] / "data" / "qwen2_5_tools.jinja"
+"""Qwen2.5-Instruct's chat template: it reads `tools`, assistant `tool_calls` and `tool` messages."""
 
 PLAIN = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>{% endfor %}"
          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -143,7 +147,7 @@ def test_a_template_without_tools_gets_the_default_prompt_and_hermes_history():
 
 
 def test_a_template_with_a_tools_section_gets_the_tools_and_the_history_as_transformers_passes_them():
-    template = open("tests/data/qwen2_5_tools.jinja").read()
+    template = QWEN_TEMPLATE.read_text()
     tokenizer = word_tokenizer(template)
     assert tokenizer.supports_tools and not word_tokenizer(PLAIN).supports_tools
     text = rendered(tokenizer, HISTORY, [WEATHER])
