@@ -85,7 +85,7 @@ class ModelRunner:
             if chunk.samples:
                 sample_positions.append(query_start_loc[-1] - 1)
                 sampling.append(SamplingRow(seq.params, seq.seed, seq.prompt_token_ids, seq.output_token_ids,
-                                            seq.request_id))
+                                            seq.request_id, seq.grammar))
         max_blocks = max(len(c.seq.block_ids) for c in out.chunks)
         block_tables = [c.seq.block_ids + [0] * (max_blocks - len(c.seq.block_ids)) for c in out.chunks]
 

@@ -33,7 +33,8 @@ class StructuredOutputSpec:
     kind: str
     """One of KINDS."""
     schema: str = ""
-    """kind json_schema: the JSON Schema as canonical JSON text (sorted keys, so equal schemas share a cache entry)."""
+    """kind json_schema: the JSON Schema as compact JSON text (key order kept: it is the order of the output's
+    properties)."""
     pattern: str = ""
     """kind regex: the regular expression the whole output matches."""
     choices: tuple[str, ...] = ()
@@ -51,7 +52,7 @@ class StructuredOutputSpec:
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequestError("structured_output.json_schema",
                                       f"must be a JSON object, got {type(schema).__name__}")
-        return cls("json_schema", schema=json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        return cls("json_schema", schema=json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
 
     @classmethod
     def json_object(cls) -> StructuredOutputSpec:

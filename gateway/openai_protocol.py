@@ -26,12 +26,14 @@ OpenAI parameter (the error object's `param`): "temperature", "max_tokens", "pro
     logprobs            completions: alternatives per token (an int); chat: a bool, with top_logprobs (an int)
     stream, stream_options.include_usage
     n, best_of          1 only
+    response_format, structured_outputs, guided_json, guided_regex, guided_choice, guided_grammar
+                        structured output, at most one of them (gateway.structured_request); the grammar is
+                        compiled before dispatch (gateway.frontend), a spec that does not compile names its field
     echo, suffix, logit_bias, functions
-                        refused unless empty or false; function_call: "none" only;
-                        response_format: {"type": "text"} only
+                        refused unless empty or false; function_call: "none" only
     user, metadata, store
                         accepted without effect (NO_EFFECT_FIELDS)
-Any other field (vLLM's guided_*, structured_outputs, prompt_logprobs, min_tokens, priority, ...; an unknown key
+Any other field (vLLM's guided_decoding_backend, prompt_logprobs, min_tokens, priority, ...; an unknown key
 of a message or of stream_options) is refused, naming it: nothing is silently ignored. JSON null means unset.
 """
 
@@ -49,7 +51,11 @@ from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprob
 from engine.tokenizer import Tokenizer
+from gateway.json_fields import check_known
+from gateway.json_fields import json_kind as _kind
 from gateway.request_types import OutputChunk, Usage
+from gateway.structured_request import FIELDS as STRUCTURED_FIELDS
+from gateway.structured_request import parse_structured_output, rename_error
 from gateway.tool_parsers import CallStart, Content
 from gateway.tools import ChatMessage, ToolCall, check_name, parse_tool_choice, parse_tools
 from gateway.validation import (DEFAULT_MAX_TOKENS, GenerationRequest, ModelSpec, RequestFields, draw_seed,
@@ -61,15 +67,14 @@ _REFUSED = {"echo": "echoing the prompt", "suffix": "suffix", "logit_bias": "log
 _COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "cache_salt", "logprobs", "stream",
-    "stream_options", "n", "best_of", "include_stop_str_in_output", "echo", "suffix", "logit_bias", "functions"})
+    "stream_options", "n", "best_of", "include_stop_str_in_output", "echo", "suffix", "logit_bias", "functions",
+    *STRUCTURED_FIELDS})
 NO_EFFECT_FIELDS = frozenset({"user", "metadata", "store"})
 """Accepted and ignored: they describe the request to OpenAI's own bookkeeping, not what is generated."""
 COMPLETION_FIELDS = _COMMON_FIELDS | NO_EFFECT_FIELDS | {"prompt"}
 CHAT_FIELDS = _COMMON_FIELDS | NO_EFFECT_FIELDS | {
-    "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
-    "parallel_tool_calls", "function_call", "chat_template_kwargs"}
-MAX_FIELD_NAME_CHARS = 64
-"""Longer unknown field names are cut in the error's `param`."""
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+    "function_call", "chat_template_kwargs"}
 _MESSAGE_FIELDS = frozenset({"role", "content"})
 _ASSISTANT_FIELDS = _MESSAGE_FIELDS | {"tool_calls"}
 _TOOL_MESSAGE_FIELDS = _MESSAGE_FIELDS | {"tool_call_id", "name"}
@@ -95,13 +100,15 @@ class OpenAIRequest:
     """Streams end with a chunk that has usage and no choices (stream_options.include_usage)."""
     logprobs: bool = False
     """Choices carry log-probabilities."""
+    structured_param: str = ""
+    """The parameter that carried request.sampling.structured_output (errors about it name this field)."""
 
 
 def parse_completion(body: Any, model: ModelSpec, tokenizer: Tokenizer, running: Container[str] = (),
                      seed_source: Callable[[], int] = draw_seed) -> OpenAIRequest:
     """A /v1/completions body -> OpenAIRequest; InvalidRequestError names the bad parameter."""
     body = _object(body, COMPLETION_FIELDS)
-    fields, max_tokens_param = _fields(body, model, chat=False)
+    fields, max_tokens_param, structured_param = _fields(body, model, chat=False)
     prompt = body.get("prompt")
     if prompt is None:
         raise InvalidRequestError("prompt", "is required: a string or a list of token ids")
@@ -117,28 +124,33 @@ def parse_completion(body: Any, model: ModelSpec, tokenizer: Tokenizer, running:
     try:
         req = validate_prompt(fields, prompt, model, tokenizer, running, seed_source)
     except InvalidRequestError as exc:
-        raise _renamed(exc, max_tokens_param, chat=False) from exc
-    return _parsed(body, req, model, chat=False, logprobs=fields.sampling.logprobs is not None)
+        raise _renamed(exc, max_tokens_param, structured_param, chat=False) from exc
+    return _parsed(body, req, model, chat=False, logprobs=fields.sampling.logprobs is not None,
+                   structured_param=structured_param)
 
 
 def parse_chat(body: Any, model: ModelSpec, tokenizer: Tokenizer, running: Container[str] = (),
                seed_source: Callable[[], int] = draw_seed) -> OpenAIRequest:
     """A /v1/chat/completions body -> OpenAIRequest (messages rendered with the model's chat template)."""
     body = _object(body, CHAT_FIELDS)
-    fields, max_tokens_param = _fields(body, model, chat=True)
+    fields, max_tokens_param, structured_param = _fields(body, model, chat=True)
     tools = parse_tools(body.get("tools"))
     choice = parse_tool_choice(body.get("tool_choice"), tools, body.get("parallel_tool_calls"))
+    if choice.forced and not structured_param:       # a tool schema that does not compile names the tool's field
+        structured_param = "tools" if choice.mode == "required" else \
+            f"tools[{[t.name for t in tools].index(choice.function)}].function.parameters"
     messages = parse_messages(body.get("messages"))
     template_kwargs = parse_template_kwargs(body.get("chat_template_kwargs"))
     try:
         req = validate_messages(fields, messages, model, tokenizer, running, seed_source, template_kwargs, tools,
                                 choice)
     except InvalidRequestError as exc:
-        raise _renamed(exc, max_tokens_param, chat=True) from exc
+        raise _renamed(exc, max_tokens_param, structured_param, chat=True) from exc
     if _int(body, max_tokens_param) is None:                 # the rest of the context, as OpenAI and vLLM
         req = dataclasses.replace(req, sampling=dataclasses.replace(
             req.sampling, max_tokens=model.max_model_len - req.num_prompt_tokens))
-    return _parsed(body, req, model, chat=True, logprobs=fields.sampling.logprobs is not None)
+    return _parsed(body, req, model, chat=True, logprobs=fields.sampling.logprobs is not None,
+                   structured_param=structured_param)
 
 
 # ------------------------------------------------------------------------------------------------ parsing
@@ -147,16 +159,6 @@ def _object(body: Any, known: frozenset[str]) -> dict:
         raise InvalidRequestError("body", f"must be a JSON object, got {_kind(body)}")
     check_known(body, known)
     return body
-
-
-def check_known(obj: dict, known: frozenset[str], prefix: str = "") -> None:
-    """Refuse the first field that is set (not null) and not in `known`: pdserve does not implement it. A name
-    that is empty, long or not printable UTF-8 is named by its ascii() form (an error object must encode)."""
-    for name, value in obj.items():
-        if name not in known and value is not None:
-            safe = 0 < len(name) <= MAX_FIELD_NAME_CHARS and name.isprintable() and name.isascii()
-            shown = name if safe else ascii(name[:MAX_FIELD_NAME_CHARS])
-            raise InvalidRequestError(prefix + shown, "is not supported by pdserve")
 
 
 def parse_template_kwargs(raw: Any) -> dict | None:
@@ -170,8 +172,9 @@ def parse_template_kwargs(raw: Any) -> dict | None:
     return raw
 
 
-def _fields(body: dict, model: ModelSpec, chat: bool) -> tuple[RequestFields, str]:
-    """The sampling and common fields (not yet validated beyond JSON types) and the max_tokens parameter's name."""
+def _fields(body: dict, model: ModelSpec, chat: bool) -> tuple[RequestFields, str, str]:
+    """The sampling and common fields (not yet validated beyond JSON types), the max_tokens parameter's name and
+    the structured-output parameter's ("" without one)."""
     for name in ("n", "best_of"):
         value = _int(body, name)
         if value is not None and value != 1:
@@ -182,9 +185,7 @@ def _fields(body: dict, model: ModelSpec, chat: bool) -> tuple[RequestFields, st
     if body.get("function_call") not in (None, "none"):
         raise InvalidRequestError("function_call", "the legacy function calling API is not supported; use tools "
                                                    "and tool_choice")
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise InvalidRequestError("response_format", "only {\"type\": \"text\"} is supported")
+    structured_output, structured_param = parse_structured_output(body)
     max_tokens_param = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
         else "max_tokens"
     max_tokens = _int(body, max_tokens_param)
@@ -215,6 +216,7 @@ def _fields(body: dict, model: ModelSpec, chat: bool) -> tuple[RequestFields, st
         stop_token_ids=tuple(_int_list(body, "stop_token_ids")),
         ignore_eos=bool(_bool(body, "ignore_eos")),
         logprobs=logprobs,
+        structured_output=structured_output,
     )
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -225,7 +227,7 @@ def _fields(body: dict, model: ModelSpec, chat: bool) -> tuple[RequestFields, st
         raise InvalidRequestError("stop", "must be a string or a list of strings")
     fields = RequestFields(sampling, tuple(stop), model=_str(body, "model") or "",
                            cache_salt=_str(body, "cache_salt") or "")
-    return fields, max_tokens_param
+    return fields, max_tokens_param, structured_param
 
 
 def parse_messages(raw: Any) -> list[ChatMessage]:
@@ -299,7 +301,8 @@ def _tool_calls(raw: Any, field: str) -> tuple[ToolCall, ...]:
     return tuple(calls)
 
 
-def _parsed(body: dict, req: GenerationRequest, model: ModelSpec, chat: bool, logprobs: bool) -> OpenAIRequest:
+def _parsed(body: dict, req: GenerationRequest, model: ModelSpec, chat: bool, logprobs: bool,
+            structured_param: str = "") -> OpenAIRequest:
     stream = bool(_bool(body, "stream"))
     options = body.get("stream_options")
     if options is not None:
@@ -311,12 +314,16 @@ def _parsed(body: dict, req: GenerationRequest, model: ModelSpec, chat: bool, lo
     include_usage = bool(_bool(options or {}, "include_usage", "stream_options.include_usage"))
     if _bool(body, "include_stop_str_in_output"):
         req = dataclasses.replace(req, include_stop_str_in_output=True)
-    return OpenAIRequest(req, chat, _str(body, "model") or model.name, stream, include_usage, logprobs)
+    return OpenAIRequest(req, chat, _str(body, "model") or model.name, stream, include_usage, logprobs,
+                         structured_param)
 
 
-def _renamed(exc: InvalidRequestError, max_tokens_param: str, chat: bool) -> InvalidRequestError:
+def _renamed(exc: InvalidRequestError, max_tokens_param: str, structured_param: str, chat: bool
+             ) -> InvalidRequestError:
     """A validation error with the OpenAI parameter's name instead of the gRPC field path."""
     name = exc.field.removeprefix("sampling.")
+    if name.startswith("structured_output"):
+        return rename_error(InvalidRequestError(name, str(exc).partition(": ")[2]), structured_param)
     if name.startswith("stop["):
         name = "stop"
     elif name == "token_ids":
@@ -326,19 +333,6 @@ def _renamed(exc: InvalidRequestError, max_tokens_param: str, chat: bool) -> Inv
     elif name == "logprobs" and chat:
         name = "top_logprobs"
     return type(exc)(name, str(exc).partition(": ")[2])             # keeps ModelNotFound (HTTP 404)
-
-
-def _kind(value: Any) -> str:
-    """The JSON type name of a decoded value."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    return "a list" if isinstance(value, list) else "an object"
 
 
 def _is_int(value: Any) -> bool:

@@ -224,7 +224,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 def fields_from_pb(pb: generation_pb2.GenerateRequest | generation_pb2.ChatRequest) -> RequestFields:
     """What GenerateRequest and ChatRequest share, as plain values (validated by gateway.validation)."""
     sampling = pb.sampling
-    return RequestFields(sampling_from_pb(sampling), tuple(sampling.stop), pb.request_id, pb.model, pb.cache_salt)
+    try:
+        params = sampling_from_pb(sampling)
+    except InvalidRequestError as exc:          # structured_output's own checks: the field path in the request
+        raise InvalidRequestError(f"sampling.{exc.field}", str(exc).partition(": ")[2]) from None
+    return RequestFields(params, tuple(sampling.stop), pb.request_id, pb.model, pb.cache_salt)
 
 
 def validate_generate(pb: generation_pb2.GenerateRequest, model: ModelSpec, tokenizer: Tokenizer,
@@ -315,6 +319,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         principal = f.authenticate(_authorization(context.invocation_metadata()))
         with f.call("grpc", endpoint, principal) as call:
             req = await f.validate(validate, request)
+            try:
+                await f.compile_structured(req.sampling.structured_output)
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(f"sampling.{exc.field}", str(exc).partition(": ")[2]) from None
             async for response in self._run(call, req, context):
                 yield response
 

@@ -33,6 +33,8 @@ import jsonschema
 
 from engine.errors import InvalidRequestError
 from engine.structured import StructuredOutputSpec
+from gateway.json_fields import check_known
+from gateway.json_fields import json_kind as _kind
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 """Function names OpenAI accepts."""
@@ -111,22 +113,6 @@ class ChatMessage:
 
 
 # ------------------------------------------------------------------------------------------------ validation
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    return {str: "a string", list: "a list"}.get(type(value), "an object")
-
-
-def _unknown(obj: dict, known: frozenset[str], prefix: str) -> None:
-    for name, value in obj.items():
-        if name not in known and value is not None:
-            raise InvalidRequestError(f"{prefix}.{name}"[:128], "is not supported by pdserve")
-
-
 def check_name(field: str, name: Any) -> str:
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise InvalidRequestError(field, f"must be 1 to 64 letters, digits, '_' or '-', got {name!r:.80}")
@@ -163,13 +149,13 @@ def parse_tools(raw: Any) -> tuple[Tool, ...]:
         field = f"tools[{i}]"
         if not isinstance(tool, dict):
             raise InvalidRequestError(field, f"must be an object, got {_kind(tool)}")
-        _unknown(tool, _TOOL_FIELDS, field)
+        check_known(tool, _TOOL_FIELDS, f"{field}.")
         if tool.get("type") != "function":
             raise InvalidRequestError(f"{field}.type", f"must be \"function\", got {tool.get('type')!r:.80}")
         function = tool.get("function")
         if not isinstance(function, dict):
             raise InvalidRequestError(f"{field}.function", f"must be an object, got {_kind(function)}")
-        _unknown(function, _FUNCTION_FIELDS, f"{field}.function")
+        check_known(function, _FUNCTION_FIELDS, f"{field}.function.")
         name = check_name(f"{field}.function.name", function.get("name"))
         if name in names:
             raise InvalidRequestError(f"{field}.function.name", f"{name!r} is declared twice")
@@ -200,13 +186,13 @@ def parse_tool_choice(raw: Any, tools: Sequence[Tool], parallel_tool_calls: Any 
                                                      f"got {raw!r:.80}")
         choice = ToolChoice(raw, parallel=parallel)
     elif isinstance(raw, dict):
-        _unknown(raw, _TOOL_FIELDS, "tool_choice")
+        check_known(raw, _TOOL_FIELDS, "tool_choice.")
         if raw.get("type") != "function":
             raise InvalidRequestError("tool_choice.type", f"must be \"function\", got {raw.get('type')!r:.80}")
         function = raw.get("function")
         if not isinstance(function, dict):
             raise InvalidRequestError("tool_choice.function", f"must be an object with a name, got {_kind(function)}")
-        _unknown(function, frozenset({"name"}), "tool_choice.function")
+        check_known(function, frozenset({"name"}), "tool_choice.function.")
         name = check_name("tool_choice.function.name", function.get("name"))
         if name not in {t.name for t in tools}:
             raise InvalidRequestError("tool_choice.function.name", f"{name!r} is not one of the tools"

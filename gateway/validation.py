@@ -254,6 +254,10 @@ def validate_messages(fields: RequestFields, messages: Sequence[ChatMessage], mo
     choice = tool_choice or ToolChoice("auto" if tools else "none")
     enforced = constraint(choice, tools)
     if enforced is not None:
+        if fields.sampling.structured_output is not None:
+            raise InvalidRequestError("tool_choice", f"{choice.mode if choice.mode == 'required' else 'a named function'}"
+                                                     " is enforced with its own constraint; it cannot be combined "
+                                                     "with structured output (response_format, ...)")
         fields = dataclasses.replace(fields, sampling=dataclasses.replace(fields.sampling,
                                                                           structured_output=enforced))
     shown = tools if choice.mode != "none" else ()

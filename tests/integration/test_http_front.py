@@ -10,17 +10,21 @@ import asyncio
 import http.client
 import importlib.metadata
 import json
+import re
 import time
 import urllib.error
 import urllib.request
 
 import aiohttp
 import grpc
+import jsonschema
 import openai
+import pydantic
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredOutputSpec
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.integration.cluster import IDLE_TIMEOUT_S, RPC_TIMEOUT_S, Reference, assert_idle, running_cluster
 
@@ -170,9 +174,7 @@ def test_openai_client_retrieves_the_model_and_uses_developer_and_max_completion
 
 
 @pytest.mark.parametrize("endpoint, extra, param", [
-    ("chat", {"extra_body": {"guided_choice": ["yes", "no"]}}, "guided_choice"),
-    ("chat", {"extra_body": {"structured_outputs": {"choice": ["yes", "no"]}}}, "structured_outputs"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"extra_body": {"guided_decoding_backend": "outlines"}}, "guided_decoding_backend"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ("chat", {"n": 2}, "n"),
     ("chat", {"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
@@ -464,3 +466,118 @@ def test_drain_finishes_http_streams_and_reports_draining(cluster, reference):
     assert "".join(c["text"] for c in chunks) == expected
     assert chunks[-1]["finish_reason"] == "length"
     assert_idle(cluster.wait_idle())
+
+
+# ------------------------------------------------------------------------------------------------ structured output
+PERSON_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+                 "properties": {"name": {"type": "string", "maxLength": 12},
+                                "age": {"type": "integer", "minimum": 0, "maximum": 150}}}
+ASK_PERSON = [{"role": "user", "content": "Describe a fictional person as JSON with a name and an age."}]
+
+
+def openai_client(gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url(gateway, "/v1"), api_key="unused", max_retries=0, timeout=RPC_TIMEOUT_S)
+
+
+def test_openai_parse_with_a_pydantic_model_returns_a_valid_object(gateway, cluster):
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=12)
+        age: int = pydantic.Field(ge=0, le=150)
+
+    completion = openai_client(gateway).chat.completions.parse(
+        model=cluster.model[0].name, messages=ASK_PERSON, response_format=Person, temperature=0, max_tokens=48)
+    message = completion.choices[0].message
+    assert completion.choices[0].finish_reason == "stop"
+    assert isinstance(message.parsed, Person)
+    jsonschema.validate(json.loads(message.content), Person.model_json_schema())
+    assert_idle(cluster.wait_idle())
+
+
+def test_json_schema_and_json_object_outputs_parse_and_validate(gateway, cluster, reference):
+    client = openai_client(gateway)
+    name = cluster.model[0].name
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True}}
+    answer = client.chat.completions.create(model=name, messages=ASK_PERSON, temperature=0, max_tokens=48,
+                                            response_format=schema_format)
+    assert answer.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.choices[0].message.content), PERSON_SCHEMA)
+    # disaggregated (first token on p0 under the mask, the rest on d0 continuing its matcher) = the offline engine
+    offline = reference.llm.chat(ASK_PERSON, SamplingParams(max_tokens=48, temperature=0.0, structured_output=
+                                 StructuredOutputSpec.json_schema(PERSON_SCHEMA)))[0].outputs[0]
+    assert answer.choices[0].message.content == offline.text
+    streamed = client.chat.completions.create(model=name, messages=ASK_PERSON, temperature=0.7, seed=3,
+                                              max_tokens=48, response_format={"type": "json_object"}, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+    assert isinstance(json.loads(text), dict)
+    assert_idle(cluster.wait_idle())
+
+
+def test_guided_choice_and_regex_constrain_the_text(gateway, cluster):
+    client = openai_client(gateway)
+    name = cluster.model[0].name
+    question = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
+    for seed in (1, 2):
+        answer = client.chat.completions.create(model=name, messages=question, temperature=1.0, seed=seed,
+                                                extra_body={"guided_choice": ["yes", "no", "maybe not"]})
+        assert answer.choices[0].message.content in ("yes", "no", "maybe not")
+    phone = client.completions.create(model=name, prompt="Call me at", max_tokens=20, temperature=0,
+                                      extra_body={"structured_outputs": {"regex": r" \d{3}-\d{4}"}})
+    assert re.fullmatch(r" \d{3}-\d{4}", phone.choices[0].text) and phone.choices[0].finish_reason == "stop"
+    cut = client.completions.create(model=name, prompt="Call me at", max_tokens=3, temperature=0,
+                                    extra_body={"guided_regex": r" \d{3}-\d{4}"})
+    assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == 3
+    assert re.fullmatch(r" \d{0,3}-?\d{0,4}", cut.choices[0].text)
+    assert_idle(cluster.wait_idle())
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"guided_regex": "[a-z"}, "guided_regex"),
+    ({"structured_outputs": {"grammar": "root ::= nowhere"}}, "structured_outputs.grammar"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nosuch"}}}},
+     "response_format.json_schema.schema"),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),   # the second in FIELDS order
+])
+def test_a_constraint_that_does_not_compile_or_a_second_one_is_a_400_naming_it(gateway, cluster, extra, param):
+    before = cluster.wait_idle()
+    status, _, body = request(gateway, "POST", "/v1/chat/completions",
+                              {"model": cluster.model[0].name, "messages": USER_HI, **extra})
+    assert status == 400 and body["error"]["param"] == param
+    assert cluster.wait_idle() == before
+
+
+USER_HI = [{"role": "user", "content": "hi"}]
+
+
+def test_grpc_structured_output_with_local_prefill_on_the_decode_worker(cluster, reference):
+    local_gateway = cluster.gateway(local_prefill_threshold=10_000)
+    spec = common_pb2.StructuredOutput(choice=common_pb2.Choices(options=["red", "green", "blue"]))
+    request_pb = generation_pb2.ChatRequest(
+        messages=[generation_pb2.ChatMessage(role="user", content="Name a color.")],
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=8, structured_output=spec))
+    with grpc.insecure_channel(f"127.0.0.1:{local_gateway.port}") as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        call = stub.Chat(request_pb, timeout=RPC_TIMEOUT_S)
+        text = "".join(r.text for r in call)
+        assert dict(call.trailing_metadata())["pdserve-local-prefill"] == "short"
+        bad = generation_pb2.ChatRequest(messages=request_pb.messages, sampling=common_pb2.SamplingParams(
+            structured_output=common_pb2.StructuredOutput(regex="(")))
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Chat(bad, timeout=RPC_TIMEOUT_S))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("sampling.structured_output.regex:")
+    offline = reference.llm.chat([{"role": "user", "content": "Name a color."}], SamplingParams(
+        max_tokens=8, temperature=0.0, structured_output=StructuredOutputSpec.choice(["red", "green", "blue"])))
+    assert text == offline[0].outputs[0].text and text in ("red", "green", "blue")
+    assert_idle(cluster.wait_idle())
+
+
+def test_offline_batch_mixing_constrained_and_free_requests_keeps_the_free_ones_greedy_tokens(reference):
+    llm = reference.llm
+    free = SamplingParams(max_tokens=12, temperature=0.0)
+    outs = llm.generate(PROMPTS, [free, SamplingParams(max_tokens=12, temperature=0.0, structured_output=
+                                                       StructuredOutputSpec.regex(r"[A-Z][a-z]+\.")),
+                                  SamplingParams(max_tokens=12, temperature=0.0, structured_output=
+                                                 StructuredOutputSpec.choice(["100 degrees", "212 F"]))])
+    assert outs[0].outputs[0].token_ids == reference(PROMPTS[0], max_tokens=12)[1]
+    assert re.fullmatch(r"[A-Z][a-z]+\.", outs[1].outputs[0].text)
+    assert outs[2].outputs[0].text in ("100 degrees", "212 F") and outs[2].outputs[0].finish_reason == "stop"
