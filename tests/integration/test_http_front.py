@@ -25,6 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutputSpec
+from gateway.openai_protocol import parse_messages
+from gateway.tool_parsers import HermesParser
+from gateway.tools import parse_tools
+from gateway.validation import render_chat
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.integration.cluster import IDLE_TIMEOUT_S, RPC_TIMEOUT_S, Reference, assert_idle, running_cluster
 
@@ -175,7 +179,11 @@ def test_openai_client_retrieves_the_model_and_uses_developer_and_max_completion
 
 @pytest.mark.parametrize("endpoint, extra, param", [
     ("chat", {"extra_body": {"guided_decoding_backend": "outlines"}}, "guided_decoding_backend"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]},
+     "tools[0].function.parameters"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}],
+              "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name"),
+    ("chat", {"extra_body": {"functions": [{"name": "f"}]}}, "functions"),
     ("chat", {"n": 2}, "n"),
     ("chat", {"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
     ("completions", {"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
@@ -581,3 +589,100 @@ def test_offline_batch_mixing_constrained_and_free_requests_keeps_the_free_ones_
     assert outs[0].outputs[0].token_ids == reference(PROMPTS[0], max_tokens=12)[1]
     assert re.fullmatch(r"[A-Z][a-z]+\.", outs[1].outputs[0].text)
     assert outs[2].outputs[0].text in ("100 degrees", "212 F") and outs[2].outputs[0].finish_reason == "stop"
+
+
+# ------------------------------------------------------------------------------------------------ tool calling
+WEATHER_PARAMETERS = {"type": "object", "additionalProperties": False, "required": ["city"],
+                      "properties": {"city": {"type": "string", "maxLength": 16},
+                                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
+                                           "parameters": WEATHER_PARAMETERS}},
+         {"type": "function", "function": {"name": "get_time", "description": "Local time of a city",
+                                           "parameters": {"type": "object", "required": ["city"],
+                                                          "additionalProperties": False,
+                                                          "properties": {"city": {"type": "string",
+                                                                                  "maxLength": 16}}}}}]
+ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def reassembled(stream) -> tuple[str, list[tuple[str, str]], str, list[dict]]:
+    """(content, [(name, arguments)], finish_reason, tool call deltas) of a streamed chat completion."""
+    content, calls, finish, deltas = "", {}, None, []
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or []:
+            deltas.append(delta.model_dump(exclude_none=True))
+            if delta.id is not None:
+                calls[delta.index] = [delta.function.name, ""]
+            calls[delta.index][1] += delta.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, [tuple(calls[i]) for i in sorted(calls)], finish, deltas
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_openai_client_gets_forced_tool_calls_whole_and_streamed_alike(gateway, cluster, tool_choice):
+    client = openai_client(gateway)
+    kwargs = dict(model=cluster.model[0].name, messages=ASK_WEATHER, tools=TOOLS, tool_choice=tool_choice,
+                  temperature=0, max_tokens=64)
+    answer = client.chat.completions.create(**kwargs)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert all(c.type == "function" and c.id.startswith("call_") for c in choice.message.tool_calls)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for name, arguments in calls:
+        jsonschema.validate(json.loads(arguments), schemas[name])
+    if tool_choice != "required":
+        assert [name for name, _ in calls] == ["get_weather"]
+
+    content, streamed_calls, finish, deltas = reassembled(client.chat.completions.create(**kwargs, stream=True))
+    assert (content, streamed_calls, finish) == ("", calls, "tool_calls")
+    first = deltas[0]                                # OpenAI's shape: the call's id, type and name come first
+    assert set(first) == {"index", "id", "type", "function"} and first["function"]["arguments"] == ""
+    assert all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+               for d in deltas[1:] if "id" not in d)
+    assert_idle(cluster.wait_idle())
+
+
+def test_a_tool_result_in_the_history_is_rendered_and_answered(gateway, cluster, reference):
+    client = openai_client(gateway)
+    name = cluster.model[0].name
+    answer = client.chat.completions.create(model=name, messages=ASK_WEATHER, tools=TOOLS, max_tokens=64,
+                                            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                            temperature=0)
+    message = answer.choices[0].message
+    history = [*ASK_WEATHER, message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": '{"temperature_c": 21}'}]
+    reply = client.chat.completions.create(model=name, messages=history, tools=TOOLS, temperature=0, max_tokens=12)
+    # the gateway's rendering (default tool prompt, <tool_call> / <tool_response> blocks) run offline
+    prompt = render_chat(parse_messages(history), reference.llm.tokenizer, None, parse_tools(TOOLS))
+    assert "<tool_response>\n{\"temperature_c\": 21}\n</tool_response>" in prompt
+    offline = reference.llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0))[0]
+    assert reply.usage.prompt_tokens == len(offline.prompt_token_ids)
+    content, calls = HermesParser(["get_weather", "get_time"]).parse(offline.outputs[0].text)
+    assert reply.choices[0].message.content == content
+    assert [c.function.name for c in reply.choices[0].message.tool_calls or []] == [c.name for c in calls]
+    assert_idle(cluster.wait_idle())
+
+
+def test_langchain_bind_tools_and_with_structured_output(gateway, cluster):
+    langchain_openai = pytest.importorskip("langchain_openai")
+
+    class Weather(pydantic.BaseModel):
+        """Current weather of a city."""
+
+        city: str = pydantic.Field(max_length=16)
+        unit: str = pydantic.Field(pattern="^(celsius|fahrenheit)$")
+
+    llm = langchain_openai.ChatOpenAI(base_url=url(gateway, "/v1"), api_key="unused", model=cluster.model[0].name,
+                                      temperature=0, max_tokens=64, max_retries=0, timeout=RPC_TIMEOUT_S)
+    message = llm.bind_tools([Weather], tool_choice="Weather").invoke(ASK_WEATHER[0]["content"])
+    [call] = message.tool_calls
+    assert call["name"] == "Weather" and Weather(**call["args"])
+    for method in ("function_calling", "json_schema"):
+        weather = llm.with_structured_output(Weather, method=method).invoke(ASK_WEATHER[0]["content"])
+        assert isinstance(weather, Weather) and weather.unit in ("celsius", "fahrenheit")
+    assert_idle(cluster.wait_idle())
