@@ -626,41 +626,59 @@ def reassembled(stream) -> tuple[str, list[tuple[str, str]], str, list[dict]]:
 def test_openai_client_gets_forced_tool_calls_whole_and_streamed_alike(gateway, cluster, tool_choice):
     client = openai_client(gateway)
     kwargs = dict(model=cluster.model[0].name, messages=ASK_WEATHER, tools=TOOLS, tool_choice=tool_choice,
-                  temperature=0, max_tokens=64)
+                  parallel_tool_calls=False, temperature=0, max_tokens=48)
     answer = client.chat.completions.create(**kwargs)
     choice = answer.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
-    assert all(c.type == "function" and c.id.startswith("call_") for c in choice.message.tool_calls)
+    [call] = choice.message.tool_calls                     # parallel_tool_calls false: one call
+    assert call.type == "function" and call.id.startswith("call_")
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-    for name, arguments in calls:
-        jsonschema.validate(json.loads(arguments), schemas[name])
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
     if tool_choice != "required":
-        assert [name for name, _ in calls] == ["get_weather"]
+        assert call.function.name == "get_weather"
 
     content, streamed_calls, finish, deltas = reassembled(client.chat.completions.create(**kwargs, stream=True))
-    assert (content, streamed_calls, finish) == ("", calls, "tool_calls")
+    assert (content, streamed_calls, finish) == ("", [(call.function.name, call.function.arguments)], "tool_calls")
     first = deltas[0]                                # OpenAI's shape: the call's id, type and name come first
     assert set(first) == {"index", "id", "type", "function"} and first["function"]["arguments"] == ""
-    assert all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
-               for d in deltas[1:] if "id" not in d)
+    assert all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} for d in deltas[1:])
+    assert_idle(cluster.wait_idle())
+
+
+def test_grpc_chat_returns_the_tool_call_the_http_api_returns(gateway, cluster):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    answer = openai_client(gateway).chat.completions.create(
+        model=cluster.model[0].name, messages=ASK_WEATHER, tools=TOOLS, tool_choice=choice, temperature=0,
+        max_tokens=48)
+    [expected] = answer.choices[0].message.tool_calls
+    request_pb = generation_pb2.ChatRequest(
+        messages=[generation_pb2.ChatMessage(role="user", content=ASK_WEATHER[0]["content"])],
+        tools=[generation_pb2.Tool(name=t["function"]["name"], description=t["function"]["description"],
+                                   parameters_json=json.dumps(t["function"]["parameters"])) for t in TOOLS],
+        tool_choice=generation_pb2.ToolChoice(function_name="get_weather"),
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=48))
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        responses = list(generation_pb2_grpc.GenerationStub(channel).Chat(request_pb, timeout=RPC_TIMEOUT_S))
+    assert "".join(r.text for r in responses) == ""              # the arguments are not content
+    assert [(c.name, c.arguments_json) for c in responses[-1].tool_calls] == \
+        [(expected.function.name, expected.function.arguments)]
+    assert all(not r.tool_calls for r in responses[:-1])
     assert_idle(cluster.wait_idle())
 
 
 def test_a_tool_result_in_the_history_is_rendered_and_answered(gateway, cluster, reference):
-    client = openai_client(gateway)
-    name = cluster.model[0].name
-    answer = client.chat.completions.create(model=name, messages=ASK_WEATHER, tools=TOOLS, max_tokens=64,
-                                            tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                            temperature=0)
-    message = answer.choices[0].message
-    history = [*ASK_WEATHER, message.model_dump(exclude_none=True),
-               {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": '{"temperature_c": 21}'}]
-    reply = client.chat.completions.create(model=name, messages=history, tools=TOOLS, temperature=0, max_tokens=12)
+    history = [*ASK_WEATHER,
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature_c": 21}'}]
+    reply = openai_client(gateway).chat.completions.create(model=cluster.model[0].name, messages=history,
+                                                           tools=TOOLS, temperature=0, max_tokens=8)
     # the gateway's rendering (default tool prompt, <tool_call> / <tool_response> blocks) run offline
     prompt = render_chat(parse_messages(history), reference.llm.tokenizer, None, parse_tools(TOOLS))
-    assert "<tool_response>\n{\"temperature_c\": 21}\n</tool_response>" in prompt
-    offline = reference.llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0))[0]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert '<tool_response>\n{"temperature_c": 21}\n</tool_response>' in prompt
+    offline = reference.llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0))[0]
     assert reply.usage.prompt_tokens == len(offline.prompt_token_ids)
     content, calls = HermesParser(["get_weather", "get_time"]).parse(offline.outputs[0].text)
     assert reply.choices[0].message.content == content
@@ -678,7 +696,7 @@ def test_langchain_bind_tools_and_with_structured_output(gateway, cluster):
         unit: str = pydantic.Field(pattern="^(celsius|fahrenheit)$")
 
     llm = langchain_openai.ChatOpenAI(base_url=url(gateway, "/v1"), api_key="unused", model=cluster.model[0].name,
-                                      temperature=0, max_tokens=64, max_retries=0, timeout=RPC_TIMEOUT_S)
+                                      temperature=0, max_tokens=48, max_retries=0, timeout=RPC_TIMEOUT_S)
     message = llm.bind_tools([Weather], tool_choice="Weather").invoke(ASK_WEATHER[0]["content"])
     [call] = message.tool_calls
     assert call["name"] == "Weather" and Weather(**call["args"])
