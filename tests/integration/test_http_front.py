@@ -625,8 +625,8 @@ def reassembled(stream) -> tuple[str, list[tuple[str, str]], str, list[dict]]:
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_openai_client_gets_forced_tool_calls_whole_and_streamed_alike(gateway, cluster, tool_choice):
     client = openai_client(gateway)
-    kwargs = dict(model=cluster.model[0].name, messages=ASK_WEATHER, tools=TOOLS, tool_choice=tool_choice,
-                  parallel_tool_calls=False, temperature=0, max_tokens=48)
+    kwargs = {"model": cluster.model[0].name, "messages": ASK_WEATHER, "tools": TOOLS, "tool_choice": tool_choice,
+              "parallel_tool_calls": False, "temperature": 0, "max_tokens": 48}
     answer = client.chat.completions.create(**kwargs)
     choice = answer.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None

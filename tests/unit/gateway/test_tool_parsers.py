@@ -47,8 +47,8 @@ HERMES_OUTPUTS = [
     ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
      None, [("get_weather", PARIS)]),
     # text first, then two parallel calls
-    ('Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-     '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
+    (('Let me check both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+      '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'),
      "Let me check both.", [("get_weather", PARIS), ("get_time", '{"zone": "CET"}')]),
     # Hermes-2-Pro writes "arguments" as JSON text sometimes, and unicode
     ('<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Zürich\\"}"}</tool_call>',
@@ -113,8 +113,8 @@ def test_text_between_calls_is_content_without_the_surrounding_whitespace():
 
 LLAMA3_OUTPUTS = [
     ('{"name": "get_weather", "parameters": {"city": "Paris"}}', [("get_weather", PARIS)]),
-    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
-     '{"name": "get_time", "parameters": {"zone": "CET"}}', [("get_weather", PARIS), ("get_time", '{"zone": "CET"}')]),
+    (('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+      '{"name": "get_time", "parameters": {"zone": "CET"}}'), [("get_weather", PARIS), ("get_time", '{"zone": "CET"}')]),
     ('  {"name": "get_time", "arguments": {}}\n', [("get_time", "{}")]),
 ]
 
