@@ -247,17 +247,23 @@ def validate_chat(pb: generation_pb2.ChatRequest, model: ModelSpec, tokenizer: T
                             tuple(_tool_call_from_pb(f"messages[{i}].tool_calls[{j}]", c)
                                   for j, c in enumerate(m.tool_calls)), m.tool_call_id)
                 for i, m in enumerate(pb.messages)]
-    tools = parse_tools([{"type": "function", "function": {
-        "name": t.name, "description": t.description or None,
-        "parameters": _json_object(f"tools[{i}].parameters_json", t.parameters_json) if t.parameters_json else None}}
-        for i, t in enumerate(pb.tools)])
-    choice = None
-    if pb.HasField("tool_choice"):
-        c = pb.tool_choice
-        kind = c.WhichOneof("choice")
-        raw = {"type": "function", "function": {"name": c.function_name}} if kind == "function_name" else \
-            c.mode if kind == "mode" else None
-        choice = parse_tool_choice(raw, tools, False if c.single_call else None)
+    try:
+        tools = parse_tools([{"type": "function", "function": {
+            "name": t.name, "description": t.description or None,
+            "parameters": _json_object(f"tools[{i}].parameters_json", t.parameters_json) if t.parameters_json
+            else None}} for i, t in enumerate(pb.tools)])
+        choice = None
+        if pb.HasField("tool_choice"):
+            c = pb.tool_choice
+            kind = c.WhichOneof("choice")
+            raw = {"type": "function", "function": {"name": c.function_name}} if kind == "function_name" else \
+                c.mode if kind == "mode" else None
+            choice = parse_tool_choice(raw, tools, False if c.single_call else None)
+    except InvalidRequestError as exc:        # the OpenAI parameter's path -> the proto field's
+        field = exc.field.replace(".function.parameters", ".parameters_json").replace(".function.", ".") \
+            .replace("tool_choice.name", "tool_choice.function_name").replace("parallel_tool_calls",
+                                                                                 "tool_choice.single_call")
+        raise InvalidRequestError(field, str(exc).partition(": ")[2]) from None
     return validate_messages(fields_from_pb(pb), messages, model, tokenizer, running, seed_source,
                              tools=tools, tool_choice=choice)
 

@@ -261,7 +261,13 @@ def test_grpc_chat_takes_tools_choice_and_history(tokenizer):
     assert req.prompt_token_ids == chat(tokenizer, HISTORY, tools=[{"type": "function", "function": {
         "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}}]).request.prompt_token_ids
     for bad, param in [(generation_pb2.Tool(name="f", parameters_json="{"), "tools[0].parameters_json"),
-                       (generation_pb2.Tool(name="f f"), "tools[0].function.name")]:
+                       (generation_pb2.Tool(name="f f"), "tools[0].name"),
+                       (generation_pb2.Tool(name="f", parameters_json='{"type": "array"}'), "tools[0].parameters_json")]:
         with pytest.raises(InvalidRequestError) as info:
             validate_chat(generation_pb2.ChatRequest(messages=pb.messages[:1], tools=[bad]), MODEL, tokenizer)
         assert info.value.field == param
+    unknown = generation_pb2.ChatRequest(messages=pb.messages[:1], tools=pb.tools,
+                                         tool_choice=generation_pb2.ToolChoice(function_name="g"))
+    with pytest.raises(InvalidRequestError) as info:
+        validate_chat(unknown, MODEL, tokenizer)
+    assert info.value.field == "tool_choice.function_name"
