@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import grpc
 
+from engine.structured import StructuredOutputSpec
+from protos.convert import structured_to_pb
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 if TYPE_CHECKING:
@@ -79,6 +81,7 @@ class GenerateOptions(TypedDict, total=False):
     repetition_penalty: float  # CTRL-style, > 0; 1 = off
     presence_penalty: float  # OpenAI-style, in [-2, 2]
     frequency_penalty: float  # OpenAI-style, in [-2, 2]
+    structured_output: StructuredOutputSpec | None  # constrain the output (engine.structured); None leaves it free
     cache_salt: str  # requests share cached prefix blocks only with requests of the same salt
     request_id: str  # caller-chosen id; empty lets the gateway assign one
     model: str  # served model name from list_models(); empty means the default
@@ -233,7 +236,9 @@ def _sampling_pb(options: Mapping[str, Any]) -> common_pb2.SamplingParams:
         if value is None:
             continue
         try:
-            if name in ("stop", "stop_token_ids"):
+            if name == "structured_output":
+                sampling.structured_output.CopyFrom(structured_to_pb(value))
+            elif name in ("stop", "stop_token_ids"):
                 getattr(sampling, name).extend([value] if isinstance(value, str) else value)
             else:
                 setattr(sampling, name, value)

@@ -10,6 +10,7 @@ from engine.structured import StructuredOutputSpec as Spec
 from gateway.openai_protocol import parse_chat, parse_completion
 from gateway.server import fields_from_pb
 from gateway.validation import ModelSpec
+from pdserve.client import generate_request
 from protos.convert import sampling_from_pb, sampling_to_pb
 from protos.pdserve.v1 import common_pb2, generation_pb2
 from word_tokenizer import WORDS, word_tokenizer
@@ -114,3 +115,8 @@ def test_a_bad_grpc_structured_output_names_the_field(structured, field):
     with pytest.raises(InvalidRequestError) as info:
         fields_from_pb(request)
     assert info.value.field == field
+
+
+def test_the_python_client_sends_the_spec():
+    request = generate_request("hello", {"structured_output": Spec.choice(["a", "b"]), "max_tokens": 2})
+    assert sampling_from_pb(request.sampling).structured_output == Spec.choice(["a", "b"])
