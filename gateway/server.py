@@ -257,7 +257,7 @@ def validate_chat(pb: generation_pb2.ChatRequest, model: ModelSpec, tokenizer: T
             c = pb.tool_choice
             kind = c.WhichOneof("choice")
             raw = {"type": "function", "function": {"name": c.function_name}} if kind == "function_name" else \
-                c.mode if kind == "mode" else None
+                c.mode or None if kind == "mode" else None
             choice = parse_tool_choice(raw, tools, False if c.single_call else None)
     except InvalidRequestError as exc:        # the OpenAI parameter's path -> the proto field's
         field = exc.field.replace(".function.parameters", ".parameters_json").replace(".function.", ".") \
