@@ -78,7 +78,7 @@ def _call_of(obj: Any, tool_names: Collection[str], arguments_key: Sequence[str]
             if isinstance(arguments, str):          # some models write the arguments as JSON text
                 try:
                     arguments = json.loads(arguments)
-                except ValueError:
+                except (ValueError, RecursionError):   # RecursionError: JSON nested too deep
                     return None
             return (obj["name"], json.dumps(arguments, ensure_ascii=False)) if isinstance(arguments, dict) else None
     return obj["name"], "{}"
@@ -181,7 +181,7 @@ class HermesParser(ToolCallParser):
     def _close(self, body: str, closed: bool) -> list[Event]:
         try:
             call = _call_of(json.loads(body), self._tool_names, ("arguments", "parameters"))
-        except ValueError:
+        except (ValueError, RecursionError):   # RecursionError: JSON nested too deep
             call = None
         if call is None:
             markup = self.OPEN + body + (self.CLOSE if closed else "")
@@ -237,7 +237,7 @@ class Llama3JsonParser(ToolCallParser):
         while pos < len(text):
             try:
                 obj, pos = decoder.raw_decode(text, pos)
-            except ValueError:
+            except (ValueError, RecursionError):   # RecursionError: JSON nested too deep
                 return None
             call = _call_of(obj, self._tool_names, ("parameters", "arguments"))
             if call is None:
@@ -267,7 +267,7 @@ class RequiredParser(ToolCallParser):
         text, self._buffer = self._buffer, ""
         try:
             items = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):   # RecursionError: JSON nested too deep
             items = None
         calls = [_call_of(item, self._tool_names, ("parameters",)) for item in items] \
             if isinstance(items, list) else [None]

@@ -152,6 +152,13 @@ def test_required_reads_the_constrained_array_and_keeps_a_truncated_one_as_conte
     assert parse(RequiredParser, text[:30], NAMES) == (text[:30], [])
 
 
+def test_json_nested_past_the_decoder_is_content_for_every_parser():
+    deep = '{"name": "get_time", "arguments": ' + '{"a": ' * 5000 + "1" + "}" * 5001
+    for parser_cls, text in [(HermesParser, f"<tool_call>{deep}</tool_call>"), (Llama3JsonParser, deep),
+                             (RequiredParser, "[" * 5000)]:
+        assert parse(parser_cls, text, NAMES) == (text, [])
+
+
 def test_named_streams_the_arguments_as_they_come():
     parser = NamedParser("get_weather", new_id=ids())
     assert parser.feed(" ") == []
