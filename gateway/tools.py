@@ -126,14 +126,17 @@ def check_parameters(field: str, parameters: Any) -> str:
     try:
         jsonschema.validators.validator_for(parameters, default=jsonschema.Draft202012Validator) \
             .check_schema(parameters)
+        text = json.dumps(parameters, ensure_ascii=False)
     except jsonschema.SchemaError as exc:
         where = "".join(f"[{p!r}]" for p in exc.path)
         raise InvalidRequestError(field, f"is not a valid JSON Schema: {exc.message}"
                                          f"{' at ' + where if where else ''}") from None
+    except RecursionError:
+        raise InvalidRequestError(field, "is nested too deep") from None
     if parameters.get("type", "object") != "object":
         raise InvalidRequestError(field, f"must describe an object (type \"object\"), got type "
-                                         f"{parameters['type']!r}")
-    return json.dumps(parameters, ensure_ascii=False)
+                                         f"{parameters['type']!r:.80}")
+    return text
 
 
 def parse_tools(raw: Any) -> tuple[Tool, ...]:

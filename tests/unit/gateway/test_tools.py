@@ -70,6 +70,8 @@ def param_of(tokenizer, messages=USER, **body) -> str:
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": 3}}}}]),
      "tools[0].function.parameters"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "examples": []}}]), "tools[0].function.examples"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": json.loads(
+        '{"properties": {"a": ' * 300 + "{}" + "}}" * 300)}}]), "tools[0].function.parameters"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "strict": "yes"}}]), "tools[0].function.strict"),
     (dict(tools=[WEATHER], tool_choice="any"), "tool_choice"),
     (dict(tools=[WEATHER], tool_choice=3), "tool_choice"),
