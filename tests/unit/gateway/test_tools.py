@@ -220,6 +220,17 @@ def test_a_response_with_calls_has_tool_calls_and_finishes_with_tool_calls(token
     assert plain["finish_reason"] == "stop"
 
 
+def test_a_malformed_call_is_answered_as_content_whole_and_streamed(tokenizer):
+    texts = ["<tool_call>\n", '{"name": "get_weather", "arguments": {city: Paris}}', "\n</tool_call>"]
+    whole = ResponseBuilder(chat(tokenizer, tools=[WEATHER]), tokenizer).response(chunks(*texts))["choices"][0]
+    assert whole["message"] == {"role": "assistant", "content": "".join(texts)}
+    assert whole["finish_reason"] == "stop"
+    builder = ResponseBuilder(chat(tokenizer, tools=[WEATHER], stream=True), tokenizer)
+    deltas = [o["choices"][0]["delta"] for c in chunks(*texts) for o in builder.stream_objects(c)]
+    assert "".join(d.get("content") or "" for d in deltas) == "".join(texts)
+    assert not any("tool_calls" in d for d in deltas)
+
+
 def test_a_stream_sends_openai_tool_call_deltas(tokenizer):
     parsed = chat(tokenizer, tools=[WEATHER], stream=True)
     builder = ResponseBuilder(parsed, tokenizer, created=7)
