@@ -51,13 +51,15 @@ def bitmask_words(vocab_size: int) -> int:
 class GrammarCompiler:
     """Compiles StructuredOutputSpecs for one tokenizer and model vocabulary; thread-safe."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...],
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...] | None = None,
                  max_entries: int = DEFAULT_CACHE_ENTRIES) -> None:
+        """`stop_token_ids`: the tokens a finished grammar allows (the model's EOS ids); None: the tokenizer's
+        EOS token, read at the first compilation."""
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.vocab_size = vocab_size
         self._tokenizer = tokenizer
-        self._stop_token_ids = list(stop_token_ids)
+        self._stop_token_ids = None if stop_token_ids is None else list(stop_token_ids)
         self._max_entries = max_entries
         self._cache: OrderedDict[StructuredOutputSpec, Future] = OrderedDict()
         self._lock = threading.Lock()
@@ -125,8 +127,11 @@ class GrammarCompiler:
             import xgrammar
 
             hf = transformers.PreTrainedTokenizerFast(tokenizer_object=self._tokenizer.backend)
+            stop_token_ids = self._stop_token_ids
+            if stop_token_ids is None and self._tokenizer.eos_token_id is not None:
+                stop_token_ids = [self._tokenizer.eos_token_id]
             info = xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
-                                                           stop_token_ids=self._stop_token_ids or None)
+                                                           stop_token_ids=stop_token_ids or None)
             # xgrammar's own cache is off: ours is bounded by entries and shares in-flight compilations.
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             self._xgr = xgrammar

@@ -102,8 +102,7 @@ class Frontend:
         """The configured keys; None: every caller is served, without a tenant."""
         self.active = ActiveCalls()
         self._validation = ThreadPoolExecutor(NUM_VALIDATION_THREADS, thread_name_prefix="gateway-validate")
-        eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
-        self.grammars = GrammarCompiler(tokenizer, model.vocab_size, eos)
+        self.grammars = GrammarCompiler(tokenizer, model.vocab_size)
         """Compiles structured-output specs before dispatch, so a bad one is refused here, naming its field."""
 
     async def validate(self, validate: Callable[..., T], body) -> T:
