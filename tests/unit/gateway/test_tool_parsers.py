@@ -8,6 +8,8 @@ import random
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.tool_parsers import (CallArguments, CallStart, Content, HermesParser, Llama3JsonParser, NamedParser,
                                   ParserSpec, RequiredParser, collect, detect_parser)
@@ -198,3 +200,20 @@ def test_arguments_are_json_text_of_the_object():
     _, calls = parse(HermesParser, '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", '
                                    '"days": [1, 2]}}</tool_call>', NAMES)
     assert json.loads(calls[0].arguments) == {"city": "Paris", "days": [1, 2]}
+
+
+PIECES = ["<tool_call>", "</tool_call>", "<tool", "_call>", '{"name": "get_time", "arguments": {"a": 1}}', '{"name": "x"',
+          ", ", "}", " ", "\n", "text", "<|python_tag|>", '{"name": "get_weather", "parameters": {}}', ";", "[", "]"]
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(parts=st.lists(st.sampled_from(PIECES), max_size=12), cuts=st.lists(st.integers(0, 300), max_size=6))
+def test_every_parser_streams_what_it_parses_whole_and_keeps_text_without_calls(parts, cuts):
+    text = "".join(parts)
+    bounds = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *bounds], [*bounds, len(text)])]
+    for parser_cls, args in [(HermesParser, (NAMES,)), (Llama3JsonParser, (NAMES,)), (RequiredParser, (NAMES,))]:
+        whole = parse(parser_cls, text, *args)
+        assert collect(streamed(parser_cls, pieces, *args)) == whole
+        if not whole[1]:
+            assert whole[0] == text
