@@ -13,8 +13,9 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.model import AttentionMetadata, LlamaModel
-from engine.sampler import RowResult, SamplingRow, sample_rows
+from engine.sampler import RowResult, SamplingRow, choice_seed, sample_rows
 from engine.scheduler import SchedulerOutput
+from kernels.dispatch import gather_blocks, scatter_blocks
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +64,18 @@ class ModelRunner:
         self.kv_cache = torch.zeros(c.num_layers, 2, self.num_blocks, self.block_size, c.num_kv_heads,
                                     c.head_dim, dtype=self.dtype, device=self.device)
 
-    def execute(self, out: SchedulerOutput) -> dict[str, RowResult]:
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks, every layer, source -> destination (a forked choice's partial prompt block)."""
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=self.device)
+        # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]; staging: [n, L, 2, block_size, Hkv, D]
+        scatter_blocks(gather_blocks(self.kv_cache, src), self.kv_cache, dst)
+
+    def execute(self, out: SchedulerOutput) -> dict[str, list[RowResult]]:
         """Run `out`'s chunks; returns, per sampling chunk's request id, its token (and logprob when asked) or
-        the error that failed that request alone. An error of the forward pass itself raises (whole batch)."""
+        the error that failed that request alone: one result per choice the chunk samples (n first tokens of
+        an n > 1 request from the same logits, choice i with choice_seed(seed, i)), else one. An error of the
+        forward pass itself raises (whole batch)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -83,9 +93,10 @@ class ModelRunner:
             seq_lens.append(end)
             query_start_loc.append(query_start_loc[-1] + chunk.num_new_tokens)
             if chunk.samples:
-                sample_positions.append(query_start_loc[-1] - 1)
-                sampling.append(SamplingRow(seq.params, seq.seed, seq.prompt_token_ids, seq.output_token_ids,
-                                            seq.request_id, seq.grammar))
+                for choice in range(seq.num_choices_to_sample):
+                    sample_positions.append(query_start_loc[-1] - 1)
+                    sampling.append(SamplingRow(seq.params, choice_seed(seq.seed, choice), seq.prompt_token_ids,
+                                                seq.output_token_ids, seq.request_id, seq.grammar))
         max_blocks = max(len(c.seq.block_ids) for c in out.chunks)
         block_tables = [c.seq.block_ids + [0] * (max_blocks - len(c.seq.block_ids)) for c in out.chunks]
 
@@ -101,4 +112,7 @@ class ModelRunner:
         if not sample_positions:
             return {}
         logits = self.model.compute_logits(hidden[sample_positions]).cpu()  # [num_sampling, vocab], inference tensor
-        return {row.request_id: result for row, result in zip(sampling, sample_rows(logits, sampling))}
+        results: dict[str, list[RowResult]] = {}
+        for row, result in zip(sampling, sample_rows(logits, sampling)):
+            results.setdefault(row.request_id, []).append(result)
+        return results

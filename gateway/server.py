@@ -290,6 +290,7 @@ def chunk_to_pb(request_id: str, chunk: OutputChunk, tool_calls: Sequence[ToolCa
     pb = generation_pb2.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.token_ids,
                                          logprobs=[logprob_to_pb(lp) for lp in chunk.logprobs],
                                          finish_reason=finish_reason_to_pb(chunk.finish_reason),
+                                         choice_index=chunk.choice_index,
                                          tool_calls=[generation_pb2.ToolCall(id=c.id, name=c.name,
                                                                              arguments_json=c.arguments)
                                                      for c in tool_calls])
@@ -341,19 +342,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         remaining = context.time_remaining()
         deadline = call.arrival + remaining if remaining is not None else None
         try:
-            parser = req.tool_parser.new() if req.tool_parser is not None else None
-            events = []
+            parsers, events = {}, {}                  # per choice (n > 1): its tool call parser and events
             async with contextlib.aclosing(call.generate(req, deadline)) as chunks:
                 async for chunk in chunks:
-                    if parser is None:
+                    if req.tool_parser is None:
                         yield chunk_to_pb(req.request_id, chunk)
                         continue
+                    parser = parsers.setdefault(chunk.choice_index, req.tool_parser.new())
                     last = chunk.finish_reason is not None
                     new = parser.feed(chunk.text) + (parser.finish() if last else [])
-                    events += new
+                    events.setdefault(chunk.choice_index, []).extend(new)
                     text = "".join(e.text for e in new if isinstance(e, Content))
                     yield chunk_to_pb(req.request_id, dataclasses.replace(chunk, text=text),
-                                      collect(events)[1] if last else ())
+                                      collect(events[chunk.choice_index])[1] if last else ())
         finally:
             context.set_trailing_metadata(call.trace.metadata())
 

@@ -165,7 +165,8 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class Chunk:
-    """One streamed piece of a completion; the last one has finish_reason, usage and timings set."""
+    """One streamed piece of a completion; the last one has finish_reason, usage and timings set (with
+    sampling n > 1, each choice's last has its finish_reason and only the request's last has usage)."""
 
     request_id: str
     text: str
@@ -177,6 +178,7 @@ class Chunk:
     timings: Timings | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     """Chat with tools, on the last chunk: the calls the model made (`text` is then the content outside them)."""
+    choice_index: int = 0
 
     @classmethod
     def from_pb(cls, pb: generation_pb2.GenerateResponse) -> Chunk:
@@ -185,7 +187,7 @@ class Chunk:
                    finish_reason=_FINISH_FROM_PB.get(pb.finish_reason),
                    usage=Usage.from_pb(pb.usage) if pb.HasField("usage") else None,
                    timings=Timings.from_pb(pb.timings) if pb.HasField("timings") else None,
-                   tool_calls=tuple(ToolCall.from_pb(c) for c in pb.tool_calls))
+                   tool_calls=tuple(ToolCall.from_pb(c) for c in pb.tool_calls), choice_index=pb.choice_index)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         ignore_eos=pb.ignore_eos,
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
         structured_output=structured_from_pb(pb.structured_output) if pb.HasField("structured_output") else None,
+        n=pb.n if pb.HasField("n") else d.n,
     )
 
 
@@ -88,6 +89,8 @@ def sampling_to_pb(p: SamplingParams, stop: tuple[str, ...] = ()) -> common_pb2.
         pb.logprobs = p.logprobs
     if p.structured_output is not None:
         pb.structured_output.CopyFrom(structured_to_pb(p.structured_output))
+    if p.n != 1:
+        pb.n = p.n
     return pb
 
 
@@ -98,6 +101,16 @@ def logprob_to_pb(lp: TokenLogprob) -> common_pb2.TokenLogprob:
 
 def logprob_from_pb(pb: common_pb2.TokenLogprob) -> TokenLogprob:
     return TokenLogprob(pb.token_id, pb.logprob, [(t.token_id, t.logprob) for t in pb.top])
+
+
+def choice_tokens_to_pb(tokens: list[tuple[int, TokenLogprob | None]]) -> list[worker_pb2.ChoiceFirstToken]:
+    """First tokens of choices 1..n-1 (PrefillResponse / DecodeRequest choice_first_tokens)."""
+    return [worker_pb2.ChoiceFirstToken(token_id=t, logprob=logprob_to_pb(lp) if lp is not None else None)
+            for t, lp in tokens]
+
+
+def choice_tokens_from_pb(pbs) -> list[tuple[int, TokenLogprob | None]]:
+    return [(pb.token_id, logprob_from_pb(pb.logprob) if pb.HasField("logprob") else None) for pb in pbs]
 
 
 def finish_reason_to_pb(reason: FinishReason | None) -> int:
@@ -149,7 +162,7 @@ def step_to_pb(out: StepOutput) -> worker_pb2.DecodeResponse:
     return worker_pb2.DecodeResponse(
         token_ids=out.new_token_ids, logprobs=[logprob_to_pb(lp) for lp in out.new_logprobs],
         finish_reason=finish_reason_to_pb(out.seq.finish_reason if out.finished else None),
-        cached_tokens=out.seq.num_cached_tokens)
+        cached_tokens=out.seq.num_cached_tokens, choice_index=out.seq.choice_index)
 
 
 @dataclass(frozen=True)
