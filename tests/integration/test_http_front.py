@@ -589,6 +589,9 @@ def test_offline_batch_mixing_constrained_and_free_requests_keeps_the_free_ones_
     assert outs[0].outputs[0].token_ids == reference(PROMPTS[0], max_tokens=12)[1]
     assert re.fullmatch(r"[A-Z][a-z]+\.", outs[1].outputs[0].text)
     assert outs[2].outputs[0].text in ("100 degrees", "212 F") and outs[2].outputs[0].finish_reason == "stop"
+    broken = llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, structured_output=StructuredOutputSpec.regex("[a-z")))
+    assert broken[0].outputs[0].finish_reason == "error" and "structured_output.regex" in broken[0].outputs[0].error
+    assert llm.engine.kv.pool.get_num_used_blocks() == 0
 
 
 # ------------------------------------------------------------------------------------------------ tool calling
