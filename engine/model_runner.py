@@ -118,7 +118,7 @@ class ModelRunner:
                 for choice in range(seq.num_choices_to_sample):
                     batch.sample_positions.append(batch.query_start_loc[-1] - 1)
                     sampling.append(SamplingRow(seq.params, choice_seed(seq.seed, choice), seq.prompt_token_ids,
-                                                seq.output_token_ids, seq.request_id))
+                                                seq.output_token_ids, seq.request_id, seq.grammar))
         max_blocks = max(len(c.seq.block_ids) for c in out.chunks)
         batch.block_tables = [c.seq.block_ids + [0] * (max_blocks - len(c.seq.block_ids)) for c in out.chunks]
         if self.tp is not None:

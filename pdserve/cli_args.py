@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from engine.config import DTYPES, QUANTIZATIONS, EngineConfig
 from gateway.config import GatewayConfig
+from gateway.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from decode_worker.config import VERIFY_KV_MODES, DecodeWorkerConfig
 from pdserve.cluster_config import LocalClusterConfig
 from prefill_worker.config import CODECS, TRANSPORTS, PrefillWorkerConfig
@@ -39,7 +40,7 @@ _FLAG_NAMES = {"num_threads": "--threads", "enable_prefix_caching": "--no-prefix
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 GATEWAY_TUNING = ("max_inflight", "max_queued", "queue_timeout_s", "token_timeout_s", "max_request_bytes",
                   "local_prefill_threshold", "lease_ms", "prefill_attempts", "max_prefill_load", "routing",
-                  "drain_timeout_s", "served_model_name")
+                  "drain_timeout_s", "served_model_name", "tool_call_parser")
 """GatewayConfig fields `pdserve up` passes through to its gateway."""
 
 
@@ -190,6 +191,8 @@ def _add_gateway_tuning(g: Any, defaults: bool) -> None:
          choices=("prefix", "round-robin"), **kw)
     _arg(g, G, "drain_timeout_s", "seconds in-flight requests get to finish on SIGTERM", type=float, **kw)
     _arg(g, G, "served_model_name", "model name ListModels reports (default: the model file's name)", **kw)
+    _arg(g, G, "tool_call_parser", "how tool calls are read from the model's output: hermes (<tool_call> JSON), "
+         "llama3_json, or auto (from the chat template)", choices=("auto", *TOOL_CALL_PARSERS), **kw)
 
 
 def _add_gateway_security(p: argparse.ArgumentParser) -> None:

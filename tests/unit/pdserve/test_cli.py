@@ -50,7 +50,7 @@ def test_gateway_flags_map_onto_every_field():
                  "--quantization", "int8", "--max-queued", "7", "--queue-timeout", "1.5", "--token-timeout", "9",
                  "--max-request-bytes", "1M", "--health-port", "8081", "--metrics-port", "9090",
                  "--api-key-file", "/keys", "--allow-unauthenticated", "--tls-cert", "/pub.pem", "--tls-key",
-                 "/pub-key.pem", *TLS_FLAGS)
+                 "/pub-key.pem", "--tool-call-parser", "llama3_json", *TLS_FLAGS)
     config = cli_args.gateway_config(args)
     expected = GatewayConfig(model="/m.gguf", redis_url="redis://r:1/2", host="0.0.0.0", port=6000, http_port=0,
                              health_port=8081, metrics_port=9090,
@@ -59,7 +59,8 @@ def test_gateway_flags_map_onto_every_field():
                              routing="round-robin", quantization="int8", max_queued=7, queue_timeout_s=1.5,
                              token_timeout_s=9.0, max_request_bytes=2**20, api_key_file="/keys",
                              allow_unauthenticated=True, tls_cert="/pub.pem", tls_key="/pub-key.pem",
-                             cluster_ca="/pki/ca.pem", cluster_cert="/pki/w.pem", cluster_key="/pki/w-key.pem")
+                             cluster_ca="/pki/ca.pem", cluster_cert="/pki/w.pem", cluster_key="/pki/w-key.pem",
+                             tool_call_parser="llama3_json")
     assert config == expected
     assert_every_field_differs_from_default(dataclasses.replace(config, model="x", redis_url="y"),
                                             exclusive=["insecure_internal"])
