@@ -12,8 +12,8 @@ Structured output: a request with `params.structured_output` has its grammar com
 (engine.grammar) on the compiler's thread, never in a step. Until it is compiled the sequence is
 `awaiting_grammar` and the scheduler passes it over; the first step after compilation attaches its matcher,
 replayed over the tokens it already has (a first token sampled by a prefill worker). Each sampled token then
-advances the matcher; a grammar that fails to compile fails its request alone. A forked choice (below) gets
-a matcher of its own the same way, replayed over its first token.
+advances the matcher; a grammar that fails to compile fails its request alone. A forked choice (below) gets a
+matcher of its own the same way.
 
 n > 1 choices: the prompt is computed once. The sampling that ends it draws n first tokens (the runner, each
 choice from its own seed); choices 1..n-1 then fork on the prompt's blocks (`_fork_choices`: full blocks shared
@@ -64,6 +64,8 @@ class EngineStats:
     reserved: int         # leases RESERVED, RECEIVING or COMMITTED (decode side)
     held: int             # leases HELD or PUSHING (prefill side)
     preemptions: int      # since start
+    tensor_parallel_size: int = 1
+    kv_resharding_bytes: int = 0  # KV moved between the ranks for transfers since start (engine.parallel.ranks)
 
 
 @dataclass(frozen=True)
@@ -255,7 +257,7 @@ class LLMEngine:
                         copies.append(copy)
                 self.scheduler.add_choice(child)
                 self._leases[child.request_id] = child.lease
-                self._start_grammar(child)
+                self._start_grammar(child)           # its own matcher, replayed over its first token
             outputs.append(StepOutput(child, [token_id], [logprob] if logprob is not None else [],
                                       reason is not None, reason is not None and self._choice_done(child)))
         if copies:
@@ -403,6 +405,10 @@ class LLMEngine:
             self._leases.pop(seq.request_id, None)
         return StepOutput(seq, [], [], True, self._choice_done(seq))
 
+    def close(self) -> None:
+        """End what the engine started besides this process (tensor-parallel ranks); it cannot step after."""
+        self.runner.close()
+
     def stats(self) -> EngineStats:
         pool = self.kv.pool
         states = [lease.state for lease in self._leases.values()]
@@ -410,7 +416,8 @@ class LLMEngine:
             num_blocks=pool.num_blocks, free_blocks=pool.get_num_free_blocks(), used_blocks=pool.get_num_used_blocks(),
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             reserved=sum(s in _RESERVED_STATES for s in states), held=sum(s in _HELD_STATES for s in states),
-            preemptions=self.scheduler.num_preemptions)
+            preemptions=self.scheduler.num_preemptions, tensor_parallel_size=self.config.tensor_parallel_size,
+            kv_resharding_bytes=self.runner.tp.num_kv_bytes_moved if self.runner.tp is not None else 0)
 
 
 _SCHEDULED_STATES = frozenset({LeaseState.QUEUED, LeaseState.RUNNING})

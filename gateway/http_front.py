@@ -341,8 +341,7 @@ class HttpFront:
             await response.prepare(request)
             try:
                 while True:
-                    obj = builder.stream_chunk(chunk)
-                    if obj is not None:
+                    for obj in builder.stream_objects(chunk):
                         await response.write(_event(obj))
                     if chunk.usage is not None:      # the request's last chunk
                         break

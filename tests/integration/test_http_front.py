@@ -25,6 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutputSpec
+from gateway.openai_protocol import parse_messages
+from gateway.tools import parse_tools
+from gateway.validation import render_chat
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.integration.cluster import IDLE_TIMEOUT_S, RPC_TIMEOUT_S, Reference, assert_idle, running_cluster
 
@@ -175,7 +178,11 @@ def test_openai_client_retrieves_the_model_and_uses_developer_and_max_completion
 
 @pytest.mark.parametrize("endpoint, extra, param", [
     ("chat", {"extra_body": {"guided_decoding_backend": "outlines"}}, "guided_decoding_backend"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]},
+     "tools[0].function.parameters"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}],
+              "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name"),
+    ("chat", {"extra_body": {"functions": [{"name": "f"}]}}, "functions"),
     ("chat", {"n": 17}, "n"),
     ("chat", {"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
     ("completions", {"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
@@ -585,6 +592,128 @@ def test_offline_batch_mixing_constrained_and_free_requests_keeps_the_free_ones_
     broken = llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, structured_output=StructuredOutputSpec.regex("[a-z")))
     assert broken[0].outputs[0].finish_reason == "error" and "structured_output.regex" in broken[0].outputs[0].error
     assert llm.engine.kv.pool.get_num_used_blocks() == 0
+
+
+# ------------------------------------------------------------------------------------------------ tool calling
+WEATHER_PARAMETERS = {"type": "object", "additionalProperties": False, "required": ["city"],
+                      "properties": {"city": {"type": "string", "maxLength": 16},
+                                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
+                                           "parameters": WEATHER_PARAMETERS}},
+         {"type": "function", "function": {"name": "get_time", "description": "Local time of a city",
+                                           "parameters": {"type": "object", "required": ["city"],
+                                                          "additionalProperties": False,
+                                                          "properties": {"city": {"type": "string",
+                                                                                  "maxLength": 16}}}}}]
+ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def reassembled(stream) -> tuple[str, list[tuple[str, str]], str, list[dict]]:
+    """(content, [(name, arguments)], finish_reason, tool call deltas) of a streamed chat completion."""
+    content, calls, finish, deltas = "", {}, None, []
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or []:
+            deltas.append(delta.model_dump(exclude_none=True))
+            if delta.id is not None:
+                calls[delta.index] = [delta.function.name, ""]
+            calls[delta.index][1] += delta.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, [tuple(calls[i]) for i in sorted(calls)], finish, deltas
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_openai_client_gets_forced_tool_calls_whole_and_streamed_alike(gateway, cluster, tool_choice):
+    client = openai_client(gateway)
+    kwargs = {"model": cluster.model[0].name, "messages": ASK_WEATHER, "tools": TOOLS, "tool_choice": tool_choice,
+              "parallel_tool_calls": False, "temperature": 0, "max_tokens": 48}
+    answer = client.chat.completions.create(**kwargs)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls                     # parallel_tool_calls false: one call
+    assert call.type == "function" and call.id.startswith("call_")
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    if tool_choice != "required":
+        assert call.function.name == "get_weather"
+
+    content, streamed_calls, finish, deltas = reassembled(client.chat.completions.create(**kwargs, stream=True))
+    assert (content, streamed_calls, finish) == ("", [(call.function.name, call.function.arguments)], "tool_calls")
+    first = deltas[0]                                # OpenAI's shape: the call's id, type and name come first
+    assert set(first) == {"index", "id", "type", "function"} and first["function"]["arguments"] == ""
+    assert all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} for d in deltas[1:])
+    if tool_choice != "required":                 # the gRPC Chat gives the same call, arguments not as text
+        assert grpc_tool_calls(gateway, generation_pb2.ToolChoice(function_name="get_weather", single_call=True)) \
+            == ("", [(call.function.name, call.function.arguments)])
+    assert_idle(cluster.wait_idle())
+
+
+def test_every_choice_of_an_n_2_request_is_a_forced_tool_call(gateway, cluster):
+    # choice 1 forks on the decode worker: its own grammar matcher constrains it as choice 0's does
+    answer = openai_client(gateway).chat.completions.create(
+        model=cluster.model[0].name, messages=ASK_WEATHER, tools=TOOLS, tool_choice="required", n=2, seed=7,
+        parallel_tool_calls=False, temperature=0.8, max_tokens=48)
+    assert [c.index for c in answer.choices] == [0, 1]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for choice in answer.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    assert_idle(cluster.wait_idle())
+
+
+def grpc_tool_calls(gateway, tool_choice: generation_pb2.ToolChoice) -> tuple[str, list[tuple[str, str]]]:
+    """(text, [(name, arguments)]) of a greedy gRPC Chat of ASK_WEATHER with TOOLS; calls come on the last message."""
+    request_pb = generation_pb2.ChatRequest(
+        messages=[generation_pb2.ChatMessage(role="user", content=ASK_WEATHER[0]["content"])],
+        tools=[generation_pb2.Tool(name=t["function"]["name"], description=t["function"]["description"],
+                                   parameters_json=json.dumps(t["function"]["parameters"])) for t in TOOLS],
+        tool_choice=tool_choice, sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=48))
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        responses = list(generation_pb2_grpc.GenerationStub(channel).Chat(request_pb, timeout=RPC_TIMEOUT_S))
+    assert all(not r.tool_calls for r in responses[:-1])
+    return "".join(r.text for r in responses), [(c.name, c.arguments_json) for c in responses[-1].tool_calls]
+
+
+def test_a_tool_result_in_the_history_is_rendered_and_answered(gateway, cluster, reference):
+    history = [*ASK_WEATHER,
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature_c": 21}'}]
+    reply = openai_client(gateway).chat.completions.create(model=cluster.model[0].name, messages=history,
+                                                           tools=TOOLS, temperature=0, max_tokens=8)
+    # the gateway's rendering (default tool prompt, <tool_call> / <tool_response> blocks), done here
+    prompt = render_chat(parse_messages(history), reference.llm.tokenizer, None, parse_tools(TOOLS))
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert '<tool_response>\n{"temperature_c": 21}\n</tool_response>' in prompt
+    assert reply.usage.prompt_tokens == len(reference.llm.tokenizer.encode(prompt))
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls") and reply.usage.completion_tokens > 0
+    assert_idle(cluster.wait_idle())
+
+
+def test_langchain_bind_tools_and_with_structured_output(gateway, cluster):
+    langchain_openai = pytest.importorskip("langchain_openai")
+
+    class Weather(pydantic.BaseModel):
+        """Current weather of a city."""
+
+        city: str = pydantic.Field(max_length=16)
+        unit: str = pydantic.Field(pattern="^(celsius|fahrenheit)$")
+
+    llm = langchain_openai.ChatOpenAI(base_url=url(gateway, "/v1"), api_key="unused", model=cluster.model[0].name,
+                                      temperature=0, max_tokens=48, max_retries=0, timeout=RPC_TIMEOUT_S)
+    message = llm.bind_tools([Weather], tool_choice="Weather").invoke(ASK_WEATHER[0]["content"])
+    [call] = message.tool_calls
+    assert call["name"] == "Weather" and Weather(**call["args"])
+    for method in ("function_calling", "json_schema"):
+        weather = llm.with_structured_output(Weather, method=method).invoke(ASK_WEATHER[0]["content"])
+        assert isinstance(weather, Weather) and weather.unit in ("celsius", "fahrenheit")
+
+
 # ------------------------------------------------------------------------------------------------ n > 1, batches
 SEEDED = {"temperature": 1.0, "seed": 7, "max_tokens": 8}
 
