@@ -28,7 +28,7 @@ from engine.model_runner import ModelRunner
 from engine.quant import quantized_fingerprint
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import FinishReason, Sequence, TokenLogprob
+from engine.sequence import FinishReason, PromptLogprob, Sequence, TokenLogprob
 from kvstore.hashing import root_hash
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,9 @@ class StepOutput:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprob]
     finished: bool
+    prompt_logprobs: list[PromptLogprob] | None = None
+    """With params.prompt_logprobs, on the step that produced the first output token: the whole prompt's
+    (Sequence.prompt_logprobs)."""
 
 
 class LLMEngine:
@@ -223,11 +226,12 @@ class LLMEngine:
         num_prompt = sum(max(0, min(c.seq.num_computed_tokens + c.num_new_tokens, c.seq.num_prompt_tokens)
                                 - c.seq.num_computed_tokens) for c in out.chunks)
         self.last_step = StepRecord(num_prompt, tuple(queue_times))
-        row_results = self.runner.execute(out)
+        executed = self.runner.execute(out)
         results = []
         for chunk in out.chunks:
             seq = chunk.seq
-            row = row_results.get(seq.request_id)
+            row = executed.rows.get(seq.request_id)
+            seq.prompt_logprobs.extend(executed.prompt_logprobs.get(seq.request_id, ()))
             try:
                 if row is not None and row.error is not None:
                     raise row.error
@@ -241,7 +245,9 @@ class LLMEngine:
                 continue
             if done and seq.lease.released:
                 del self._leases[seq.request_id]
-            results.append(StepOutput(seq, [row.token_id], [row.logprob] if row.logprob is not None else [], done))
+            first = seq.params.prompt_logprobs is not None and len(seq.output_token_ids) == 1
+            results.append(StepOutput(seq, [row.token_id], [row.logprob] if row.logprob is not None else [], done,
+                                      list(seq.prompt_logprobs) if first else None))
         return results
 
     def _fail(self, seq: Sequence, exc: Exception) -> StepOutput:

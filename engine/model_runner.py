@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.model import AttentionMetadata, LlamaModel
+from engine.prompt_logprobs import compute_prompt_logprobs
 from engine.sampler import RowResult, SamplingRow, sample_rows
 from engine.scheduler import SchedulerOutput
+from engine.sequence import PromptLogprob
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +46,22 @@ def num_kv_blocks_for(config: EngineConfig, model_config: ModelConfig, dtype: to
     return budget // bytes_per_block
 
 
+@dataclass
+class RunnerOutput:
+    """What one step computed: per sampling chunk's request id its RowResult, and per request that asked for
+    prompt logprobs the ones of the prompt positions this step computed (in order, after those it has)."""
+
+    rows: dict[str, RowResult] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[PromptLogprob]] = field(default_factory=dict)
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], config: EngineConfig,
                  max_model_len: int) -> None:
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
+        self.eos_token_ids = tuple(model_config.eos_token_ids)
         self.model = LlamaModel(model_config, weights, self.dtype, self.device, max_position=max_model_len,
                                 quantization=config.quantization)
         self.num_blocks = num_kv_blocks_for(config, model_config, self.dtype, self.device)
@@ -63,9 +76,10 @@ class ModelRunner:
         self.kv_cache = torch.zeros(c.num_layers, 2, self.num_blocks, self.block_size, c.num_kv_heads,
                                     c.head_dim, dtype=self.dtype, device=self.device)
 
-    def execute(self, out: SchedulerOutput) -> dict[str, RowResult]:
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run `out`'s chunks; returns, per sampling chunk's request id, its token (and logprob when asked) or
-        the error that failed that request alone. An error of the forward pass itself raises (whole batch)."""
+        the error that failed that request alone, and the prompt logprobs computed. An error of the forward
+        pass itself raises (whole batch)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -73,6 +87,7 @@ class ModelRunner:
         query_start_loc = [0]
         sample_positions: list[int] = []
         sampling: list[SamplingRow] = []
+        prompt_rows: list[tuple[str, list[int], list[int], int]] = []   # (request id, rows, targets, top)
         bs = self.block_size
         for chunk in out.chunks:
             seq = chunk.seq
@@ -81,11 +96,19 @@ class ModelRunner:
             positions.extend(range(start, end))
             slots.extend(seq.block_ids[p // bs] * bs + p % bs for p in range(start, end))
             seq_lens.append(end)
+            if seq.params.prompt_logprobs is not None:
+                # Positions already scored are skipped: a preempted request recomputes its prompt.
+                first, last = max(start, len(seq.prompt_logprobs)), min(end, seq.num_prompt_tokens - 1)
+                if first < last:
+                    assert first == len(seq.prompt_logprobs), "prompt positions are scored without a gap"
+                    rows = [query_start_loc[-1] + p - start for p in range(first, last)]
+                    prompt_rows.append((seq.request_id, rows, seq.prompt_token_ids[first + 1:last + 1],
+                                        seq.params.prompt_logprobs))
             query_start_loc.append(query_start_loc[-1] + chunk.num_new_tokens)
             if chunk.samples:
                 sample_positions.append(query_start_loc[-1] - 1)
                 sampling.append(SamplingRow(seq.params, seq.seed, seq.prompt_token_ids, seq.output_token_ids,
-                                            seq.request_id))
+                                            seq.request_id, self.eos_token_ids))
         max_blocks = max(len(c.seq.block_ids) for c in out.chunks)
         block_tables = [c.seq.block_ids + [0] * (max_blocks - len(c.seq.block_ids)) for c in out.chunks]
 
@@ -98,7 +121,11 @@ class ModelRunner:
         )
         hidden = self.model.forward(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                                     torch.tensor(positions, dtype=torch.int64, device=dev), self.kv_cache, meta)
-        if not sample_positions:
-            return {}
-        logits = self.model.compute_logits(hidden[sample_positions]).cpu()  # [num_sampling, vocab], inference tensor
-        return {row.request_id: result for row, result in zip(sampling, sample_rows(logits, sampling))}
+        result = RunnerOutput()
+        for request_id, rows, targets, num_top in prompt_rows:
+            result.prompt_logprobs[request_id] = compute_prompt_logprobs(self.model.compute_logits, hidden[rows],
+                                                                         targets, num_top)
+        if sample_positions:
+            logits = self.model.compute_logits(hidden[sample_positions]).cpu()  # [num_sampling, vocab], inference
+            result.rows = {row.request_id: r for row, r in zip(sampling, sample_rows(logits, sampling))}
+        return result

@@ -36,6 +36,16 @@ class SamplingParams:
     """Keep generating past the model's end-of-sequence tokens."""
     logprobs: int | None = None
     """Return the log-probability of each sampled token, plus this many top alternatives; None disables."""
+    min_tokens: int = 0
+    """End-of-sequence and stop_token_ids are suppressed (their logits set to -inf) until this many tokens
+    were generated; the gateway's stop strings only match in text after them. Only up to max_tokens matter."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to those tokens' logits before sampling (OpenAI's logit_bias); each bias in
+    [-100, 100]. Applied after the penalties, so logprobs (when asked) reflect it."""
+    prompt_logprobs: int | None = None
+    """Return the log-probability of every prompt token after the first (given the tokens before it), with its
+    rank and this many top alternatives; None disables. Such a request does not reuse prefix-cached blocks
+    (its whole prompt is computed, so no position lacks its logits)."""
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the first field out of range."""
@@ -59,6 +69,17 @@ class SamplingParams:
             raise InvalidRequestError("seed", f"must be in [0, 2**63), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise InvalidRequestError("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise InvalidRequestError("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        for token_id, bias in self.logit_bias:
+            if vocab_size is not None and not 0 <= token_id < vocab_size:
+                raise InvalidRequestError("logit_bias", f"token id {token_id} is outside the vocabulary "
+                                                        f"[0, {vocab_size})")
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidRequestError("logit_bias", f"the bias of token {token_id} must be in [-100, 100], "
+                                                        f"got {bias}")
         for token_id in self.stop_token_ids:
             if vocab_size is not None and not 0 <= token_id < vocab_size:
                 raise InvalidRequestError("stop_token_ids", f"{token_id} is outside the vocabulary [0, {vocab_size})")
