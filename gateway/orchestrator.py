@@ -40,7 +40,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence, Set
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
-from engine.sequence import FinishReason
+from engine.sequence import FinishReason, PromptLogprob
 from engine.tokenizer import Tokenizer
 from gateway.output_stream import OutputStream
 from gateway.request_types import (DeadlineExceeded, NoWorkerAvailable, OutputChunk, Overloaded, RequestTrace,
@@ -445,7 +445,8 @@ class _Run:
                                     _remaining(self.deadline))
         try:
             if first is not None:
-                chunk = out.add([first.first_token_id], (first.first_logprob,) if first.first_logprob is not None else ())
+                chunk = out.add([first.first_token_id], (first.first_logprob,) if first.first_logprob is not None else (),
+                                self._prompt_logprobs(first.prompt_logprobs, self.trace.prefill_workers[-1]))
                 self.first_token_at = time.monotonic()
                 if out.stopped:
                     yield self._final(out, chunk, FinishReason.STOP, prefill, decode_start)
@@ -464,7 +465,9 @@ class _Run:
                                        f"after {out.num_tokens} tokens") from None
                 if msg.token_ids and self.first_token_at is None:
                     self.first_token_at = time.monotonic()
-                chunk = out.add(list(msg.token_ids), msg.logprobs)
+                chunk = out.add(list(msg.token_ids), msg.logprobs,
+                                self._prompt_logprobs(msg.prompt_logprobs, res.decode.worker_id)
+                                if first is None and msg.token_ids and out.num_tokens == 0 else None)
                 if out.stopped:
                     yield self._final(out, chunk, FinishReason.STOP, prefill, decode_start)
                     return
@@ -490,6 +493,16 @@ class _Run:
         raise WorkerFailed(f"decode worker {res.decode.worker_id} ended the stream without a finish reason "
                            f"after {out.num_tokens} tokens")
 
+    def _prompt_logprobs(self, received: Sequence[PromptLogprob], worker_id: str) -> tuple[PromptLogprob, ...] | None:
+        """The prompt logprobs that came with the first token, or None when the request asked for none; a worker
+        that sent the wrong number fails the request (never a response silently without them)."""
+        if self.req.sampling.prompt_logprobs is None:
+            return None
+        if len(received) != self.req.num_prompt_tokens - 1:
+            raise WorkerFailed(f"worker {worker_id} sent {len(received)} prompt logprobs for a prompt of "
+                               f"{self.req.num_prompt_tokens} tokens")
+        return tuple(received)
+
     def _final(self, out: OutputStream, chunk: OutputChunk, reason: FinishReason,
                prefill: tuple[PrefillResult, float] | None, decode_start: float) -> OutputChunk:
         first_token_at = self.first_token_at or time.monotonic()
@@ -507,4 +520,4 @@ class _Run:
                               transfer_ms=response.transfer_ms, ttft_ms=self._ms(first_token_at),
                               transport=response.transport, transfer_bytes=response.transfer_bytes)
         usage = Usage(self.req.num_prompt_tokens, out.num_tokens, cached)
-        return OutputChunk(chunk.text, chunk.token_ids, chunk.logprobs, reason, usage, timings)
+        return OutputChunk(chunk.text, chunk.token_ids, chunk.logprobs, reason, usage, timings, chunk.prompt_logprobs)

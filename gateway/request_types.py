@@ -8,7 +8,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError, OverloadedError
-from engine.sequence import FinishReason, TokenLogprob
+from engine.sequence import FinishReason, PromptLogprob, TokenLogprob
 from gateway.auth import Unauthenticated
 
 RETRY_AFTER_MS = 500
@@ -104,6 +104,8 @@ class OutputChunk:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None
+    """With sampling.prompt_logprobs, on the first chunk only: prompt tokens 1..n-1 (the first has none)."""
 
 
 @dataclass

@@ -72,7 +72,7 @@ from gateway.validation import (GenerationRequest, ModelSpec, RequestFields, dra
 from gateway.worker_client import ChannelPool
 from kvstore.hashing import root_hash
 from kvstore.index import PrefixIndex
-from protos.convert import finish_reason_to_pb, logprob_to_pb, sampling_from_pb
+from protos.convert import finish_reason_to_pb, logprob_to_pb, prompt_logprob_to_pb, sampling_from_pb
 from protos.tls import https_ssl_context, public_server_credentials
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -241,7 +241,9 @@ def validate_chat(pb: generation_pb2.ChatRequest, model: ModelSpec, tokenizer: T
 def chunk_to_pb(request_id: str, chunk: OutputChunk) -> generation_pb2.GenerateResponse:
     pb = generation_pb2.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.token_ids,
                                          logprobs=[logprob_to_pb(lp) for lp in chunk.logprobs],
-                                         finish_reason=finish_reason_to_pb(chunk.finish_reason))
+                                         finish_reason=finish_reason_to_pb(chunk.finish_reason),
+                                         prompt_logprobs=[prompt_logprob_to_pb(lp)
+                                                          for lp in chunk.prompt_logprobs or ()])
     if chunk.usage is not None:
         u = chunk.usage
         pb.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,

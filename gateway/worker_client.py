@@ -31,7 +31,8 @@ from engine.errors import InvalidRequestError
 from protos.tls import TlsFiles, channel_credentials, channel_options
 from gateway.worker_types import (ChannelState, DecodeMessage, PrefillResult, TransferTarget, WorkerBusy,
                                   WorkerCallFailed, WorkerJob, WorkerTimedOut, WorkerUnreachable)
-from protos.convert import finish_reason_from_pb, logprob_from_pb, logprob_to_pb, sampling_to_pb
+from protos.convert import (finish_reason_from_pb, logprob_from_pb, logprob_to_pb, prompt_logprob_from_pb,
+                            sampling_to_pb)
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 KEEPALIVE_TIME_MS = 20_000
@@ -132,7 +133,8 @@ class ChannelPool:
             raise _domain_error(err, f"Prefill on {endpoint}") from err
         first_logprob = logprob_from_pb(r.first_logprob) if r.HasField("first_logprob") else None
         return PrefillResult(r.first_token_id, first_logprob, r.cached_tokens, r.computed_tokens, r.transfer_bytes,
-                             r.transfer_ms, r.transport, r.prefill_ms)
+                             r.transfer_ms, r.transport, r.prefill_ms,
+                             tuple(prompt_logprob_from_pb(lp) for lp in r.prompt_logprobs))
 
     async def decode(self, endpoint: str, request_id: str, handle: str, first: PrefillResult | None,
                      timeout: float | None) -> AsyncIterator[DecodeMessage]:
@@ -153,7 +155,8 @@ class ChannelPool:
                 if msg is grpc.aio.EOF:
                     return
                 yield DecodeMessage(tuple(msg.token_ids), tuple(logprob_from_pb(lp) for lp in msg.logprobs),
-                                    finish_reason_from_pb(msg.finish_reason))
+                                    finish_reason_from_pb(msg.finish_reason),
+                                    tuple(prompt_logprob_from_pb(lp) for lp in msg.prompt_logprobs))
         finally:
             call.cancel()                            # no-op when the stream already ended
 

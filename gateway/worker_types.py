@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine.sampling_params import SamplingParams
-from engine.sequence import FinishReason, TokenLogprob
+from engine.sequence import FinishReason, PromptLogprob, TokenLogprob
 
 
 # ------------------------------------------------------------------------------------------------------ errors
@@ -71,6 +71,8 @@ class PrefillResult:
     transfer_ms: float
     transport: str
     prefill_ms: float
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()
+    """Prompt tokens 1..n-1, when the request asked for prompt logprobs."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,8 @@ class DecodeMessage:
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()
+    """A locally prefilled request's prompt logprobs, on the message with its first token."""
 
 
 class ChannelState(enum.Enum):

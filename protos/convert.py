@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
-from engine.sequence import FinishReason, TokenLogprob
+from engine.sequence import FinishReason, PromptLogprob, TokenLogprob
 from kvstore.transfer_manifest import KvLayoutSpec, TransferManifest
 from protos.pdserve.v1 import common_pb2, kv_transfer_pb2, worker_pb2
 
@@ -39,6 +39,9 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(pb.stop_token_ids),
         ignore_eos=pb.ignore_eos,
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
+        min_tokens=pb.min_tokens,
+        logit_bias=tuple(sorted(pb.logit_bias.items())),
+        prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
     )
 
 
@@ -47,11 +50,13 @@ def sampling_to_pb(p: SamplingParams, stop: tuple[str, ...] = ()) -> common_pb2.
         max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
         repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty, stop_token_ids=list(p.stop_token_ids), stop=list(stop),
-        ignore_eos=p.ignore_eos)
+        ignore_eos=p.ignore_eos, min_tokens=p.min_tokens, logit_bias=dict(p.logit_bias))
     if p.seed is not None:
         pb.seed = p.seed
     if p.logprobs is not None:
         pb.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        pb.prompt_logprobs = p.prompt_logprobs
     return pb
 
 
@@ -62,6 +67,15 @@ def logprob_to_pb(lp: TokenLogprob) -> common_pb2.TokenLogprob:
 
 def logprob_from_pb(pb: common_pb2.TokenLogprob) -> TokenLogprob:
     return TokenLogprob(pb.token_id, pb.logprob, [(t.token_id, t.logprob) for t in pb.top])
+
+
+def prompt_logprob_to_pb(lp: PromptLogprob) -> common_pb2.PromptTokenLogprob:
+    return common_pb2.PromptTokenLogprob(logprob=logprob_to_pb(lp), rank=lp.rank)
+
+
+def prompt_logprob_from_pb(pb: common_pb2.PromptTokenLogprob) -> PromptLogprob:
+    lp = pb.logprob
+    return PromptLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top], pb.rank)
 
 
 def finish_reason_to_pb(reason: FinishReason | None) -> int:
@@ -113,7 +127,8 @@ def step_to_pb(out: StepOutput) -> worker_pb2.DecodeResponse:
     return worker_pb2.DecodeResponse(
         token_ids=out.new_token_ids, logprobs=[logprob_to_pb(lp) for lp in out.new_logprobs],
         finish_reason=finish_reason_to_pb(out.seq.finish_reason if out.finished else None),
-        cached_tokens=out.seq.num_cached_tokens)
+        cached_tokens=out.seq.num_cached_tokens,
+        prompt_logprobs=[prompt_logprob_to_pb(lp) for lp in out.prompt_logprobs or ()])
 
 
 @dataclass(frozen=True)
