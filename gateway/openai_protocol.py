@@ -20,15 +20,27 @@ OpenAI parameter (the error object's `param`): "temperature", "max_tokens", "pro
     chat_template_kwargs
                         chat: further variables for the chat template (an object)
     logprobs            completions: alternatives per token (an int); chat: a bool, with top_logprobs (an int)
+    echo                completions: the text starts with the prompt; with logprobs, the logprobs start with
+                        the prompt's tokens (the first one's logprob and top_logprobs null), as OpenAI's legacy
+                        completions. max_tokens 0 (with echo only) scores the prompt and generates nothing
+    prompt_logprobs     vLLM's: an int in [0, 20]; completions: choices[0].prompt_logprobs, chat: the
+                        response's prompt_logprobs, [null, {"<token id>": {"logprob", "rank", "decoded_token"}},
+                        ...] with the prompt token and its top alternatives (streams: in the first chunk)
+    logit_bias          {"<token id>": bias in [-100, 100]}; ids outside the vocabulary are refused
+    min_tokens          EOS and stop_token_ids are suppressed until this many tokens were generated, and stop
+                        strings only match in the text after them (vLLM); at most max_tokens
     stream, stream_options.include_usage
     n, best_of          1 only
-    echo, suffix, logit_bias, tools, functions
-                        refused unless empty or false; tool_choice and function_call: "none" only;
+    suffix, tools, functions
+                        refused unless empty or false (echo on chat too); tool_choice and function_call: "none" only;
                         response_format: {"type": "text"} only
     user, metadata, store
                         accepted without effect (NO_EFFECT_FIELDS)
-Any other field (vLLM's guided_*, structured_outputs, prompt_logprobs, min_tokens, priority, ...; an unknown key
-of a message or of stream_options) is refused, naming it: nothing is silently ignored. JSON null means unset.
+Any other field (vLLM's guided_*, structured_outputs, priority, ...; an unknown key of a message or of
+stream_options) is refused, naming it: nothing is silently ignored. JSON null means unset.
+
+Prompt logprobs (echo with logprobs, prompt_logprobs) are computed on the whole prompt: such a request reuses no
+prefix-cached blocks (usage.prompt_tokens_details.cached_tokens is 0), so no position lacks its logits.
 """
 
 from __future__ import annotations
@@ -42,19 +54,19 @@ from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
-from engine.sequence import TokenLogprob
+from engine.sequence import FinishReason, PromptLogprob, TokenLogprob
 from engine.tokenizer import Tokenizer
 from gateway.request_types import OutputChunk, Usage
 from gateway.validation import (DEFAULT_MAX_TOKENS, GenerationRequest, ModelSpec, RequestFields, draw_seed,
                                 validate_messages, validate_prompt)
 
-_REFUSED = {"echo": "echoing the prompt", "suffix": "suffix", "logit_bias": "logit_bias", "tools": "tool calling",
-            "functions": "function calling"}
+_REFUSED = {"suffix": "suffix", "tools": "tool calling", "functions": "function calling"}
 """Fields refused unless empty or false."""
 _COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "cache_salt", "logprobs", "stream",
-    "stream_options", "n", "best_of", "include_stop_str_in_output", "echo", "suffix", "logit_bias", "tools", "functions"})
+    "stream_options", "n", "best_of", "include_stop_str_in_output", "echo", "suffix", "logit_bias", "tools", "functions",
+    "prompt_logprobs", "min_tokens"})
 NO_EFFECT_FIELDS = frozenset({"user", "metadata", "store"})
 """Accepted and ignored: they describe the request to OpenAI's own bookkeeping, not what is generated."""
 COMPLETION_FIELDS = _COMMON_FIELDS | NO_EFFECT_FIELDS | {"prompt"}
@@ -84,13 +96,27 @@ class OpenAIRequest:
     """Streams end with a chunk that has usage and no choices (stream_options.include_usage)."""
     logprobs: bool = False
     """Choices carry log-probabilities."""
+    echo: str | None = None
+    """Completions with echo: the prompt's text, which the choice's text starts with (its tokens start the
+    logprobs when `logprobs`)."""
+    score_only: bool = False
+    """max_tokens 0 with echo: the one token the workers generate is dropped (no completion tokens)."""
+    prompt_logprobs: int | None = None
+    """vLLM's prompt_logprobs: alternatives per prompt position in the response's prompt_logprobs."""
 
 
 def parse_completion(body: Any, model: ModelSpec, tokenizer: Tokenizer, running: Container[str] = (),
                      seed_source: Callable[[], int] = draw_seed) -> OpenAIRequest:
     """A /v1/completions body -> OpenAIRequest; InvalidRequestError names the bad parameter."""
     body = _object(body, COMPLETION_FIELDS)
+    echo = bool(_bool(body, "echo"))
+    score_only = echo and body.get("max_tokens") == 0
+    if score_only:                                       # the workers always sample one token: it is dropped
+        body = {**body, "max_tokens": 1}
     fields, max_tokens_param = _fields(body, model, chat=False)
+    if echo and fields.sampling.logprobs is not None:    # the prompt's logprobs start the choice's logprobs
+        fields = dataclasses.replace(fields, sampling=dataclasses.replace(
+            fields.sampling, prompt_logprobs=max(fields.sampling.logprobs, fields.sampling.prompt_logprobs or 0)))
     prompt = body.get("prompt")
     if prompt is None:
         raise InvalidRequestError("prompt", "is required: a string or a list of token ids")
@@ -107,13 +133,19 @@ def parse_completion(body: Any, model: ModelSpec, tokenizer: Tokenizer, running:
         req = validate_prompt(fields, prompt, model, tokenizer, running, seed_source)
     except InvalidRequestError as exc:
         raise _renamed(exc, max_tokens_param, chat=False) from exc
-    return _parsed(body, req, model, chat=False, logprobs=fields.sampling.logprobs is not None)
+    parsed = _parsed(body, req, model, chat=False, logprobs=fields.sampling.logprobs is not None)
+    if echo:
+        text = prompt if isinstance(prompt, str) else tokenizer.decode(list(prompt), skip_special_tokens=False)
+        parsed = dataclasses.replace(parsed, echo=text, score_only=score_only)
+    return parsed
 
 
 def parse_chat(body: Any, model: ModelSpec, tokenizer: Tokenizer, running: Container[str] = (),
                seed_source: Callable[[], int] = draw_seed) -> OpenAIRequest:
     """A /v1/chat/completions body -> OpenAIRequest (messages rendered with the model's chat template)."""
     body = _object(body, CHAT_FIELDS)
+    if body.get("echo") not in (None, False):
+        raise InvalidRequestError("echo", "is supported on /v1/completions only")
     fields, max_tokens_param = _fields(body, model, chat=True)
     messages = parse_messages(body.get("messages"))
     template_kwargs = parse_template_kwargs(body.get("chat_template_kwargs"))
@@ -187,6 +219,7 @@ def _fields(body: dict, model: ModelSpec, chat: bool) -> tuple[RequestFields, st
     else:
         logprobs = _int(body, "logprobs")
     top_k = _int(body, "top_k")
+    min_tokens = _int(body, "min_tokens")
     sampling = SamplingParams(
         # Chat without a limit: a valid placeholder here, the rest of the context once the prompt is known.
         max_tokens=max_tokens if max_tokens is not None else model.max_model_len if chat else DEFAULT_MAX_TOKENS,
@@ -201,6 +234,9 @@ def _fields(body: dict, model: ModelSpec, chat: bool) -> tuple[RequestFields, st
         stop_token_ids=tuple(_int_list(body, "stop_token_ids")),
         ignore_eos=bool(_bool(body, "ignore_eos")),
         logprobs=logprobs,
+        min_tokens=0 if min_tokens is None else min_tokens,
+        logit_bias=_logit_bias(body),
+        prompt_logprobs=_int(body, "prompt_logprobs"),
     )
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -212,6 +248,25 @@ def _fields(body: dict, model: ModelSpec, chat: bool) -> tuple[RequestFields, st
     fields = RequestFields(sampling, tuple(stop), model=_str(body, "model") or "",
                            cache_salt=_str(body, "cache_salt") or "")
     return fields, max_tokens_param
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """{"<token id>": bias} -> sorted (id, bias) pairs; the ids' range and the biases' are checked by
+    SamplingParams.validate (the vocabulary is known there)."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise InvalidRequestError("logit_bias", f"must be an object of token id strings to numbers, got {_kind(raw)}")
+    pairs = []
+    for key, bias in raw.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            shown = key if len(key) <= MAX_FIELD_NAME_CHARS and key.isprintable() else ascii(key[:MAX_FIELD_NAME_CHARS])
+            raise InvalidRequestError("logit_bias", f"keys must be token ids (decimal strings), got {shown!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise InvalidRequestError("logit_bias", f"the bias of token {key} must be a number, got {_kind(bias)}")
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
 
 
 def parse_messages(raw: Any) -> list[tuple[str, str]]:
@@ -254,7 +309,8 @@ def _parsed(body: dict, req: GenerationRequest, model: ModelSpec, chat: bool, lo
     include_usage = bool(_bool(options or {}, "include_usage", "stream_options.include_usage"))
     if _bool(body, "include_stop_str_in_output"):
         req = dataclasses.replace(req, include_stop_str_in_output=True)
-    return OpenAIRequest(req, chat, _str(body, "model") or model.name, stream, include_usage, logprobs)
+    return OpenAIRequest(req, chat, _str(body, "model") or model.name, stream, include_usage, logprobs,
+                         prompt_logprobs=_int(body, "prompt_logprobs"))
 
 
 def _renamed(exc: InvalidRequestError, max_tokens_param: str, chat: bool) -> InvalidRequestError:
@@ -348,11 +404,17 @@ class ResponseBuilder:
         self._created = int(time.time()) if created is None else created
         self._sent_role = False
         self._text_offset = 0
+        self._echoed = False
 
     def stream_chunk(self, chunk: OutputChunk) -> dict | None:
         """The `data:` object for `chunk`, or None when it carries nothing a client sees."""
         p = self.parsed
-        logprobs = self._logprobs(chunk.logprobs) if p.logprobs else None
+        chunk = self._generated(chunk)
+        echo = p.echo is not None and not self._echoed
+        self._echoed = self._echoed or echo
+        text = p.echo + chunk.text if echo else chunk.text
+        logprobs = self._logprobs(chunk.logprobs, chunk.prompt_logprobs if echo else None) if p.logprobs else None
+        chunk = dataclasses.replace(chunk, text=text)
         finish = chunk.finish_reason.value if chunk.finish_reason is not None else None
         if p.chat:
             delta = {"content": chunk.text} if chunk.text else {}
@@ -367,6 +429,7 @@ class ResponseBuilder:
                 return None
             choice = {"index": 0, "text": chunk.text, "logprobs": logprobs, "finish_reason": finish}
         obj = self._envelope("chat.completion.chunk" if p.chat else "text_completion", [choice])
+        self._add_prompt_logprobs(obj, chunk.prompt_logprobs)
         if p.include_usage:
             obj["usage"] = None
         return obj
@@ -374,14 +437,18 @@ class ResponseBuilder:
     def usage_chunk(self, usage: Usage) -> dict:
         """The last streamed object with stream_options.include_usage: usage and no choices."""
         obj = self._envelope("chat.completion.chunk" if self.parsed.chat else "text_completion", [])
-        obj["usage"] = usage_object(usage)
+        obj["usage"] = usage_object(self._usage(usage))
         return obj
 
     def response(self, chunks: Sequence[OutputChunk]) -> dict:
         """The whole (non-streamed) response; the last chunk is the final one."""
-        p, last = self.parsed, chunks[-1]
-        text = "".join(c.text for c in chunks)
-        logprobs = self._logprobs([lp for c in chunks for lp in c.logprobs]) if p.logprobs else None
+        p = self.parsed
+        chunks = [self._generated(c) for c in chunks]
+        last = chunks[-1]
+        prompt_logprobs = next((c.prompt_logprobs for c in chunks if c.prompt_logprobs is not None), None)
+        text = (p.echo or "") + "".join(c.text for c in chunks)
+        logprobs = self._logprobs([lp for c in chunks for lp in c.logprobs],
+                                  prompt_logprobs if p.echo is not None else None) if p.logprobs else None
         finish = last.finish_reason.value if last.finish_reason is not None else None
         if p.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
@@ -389,8 +456,34 @@ class ResponseBuilder:
         else:
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         obj = self._envelope("chat.completion" if p.chat else "text_completion", [choice])
-        obj["usage"] = usage_object(last.usage) if last.usage is not None else None
+        self._add_prompt_logprobs(obj, prompt_logprobs)
+        obj["usage"] = usage_object(self._usage(last.usage)) if last.usage is not None else None
         return obj
+
+    def _generated(self, chunk: OutputChunk) -> OutputChunk:
+        """`chunk` as the client sees it: with max_tokens 0 (score_only), without the token the workers made."""
+        if not self.parsed.score_only:
+            return chunk
+        finish = FinishReason.LENGTH if chunk.finish_reason is not None else None
+        return dataclasses.replace(chunk, text="", token_ids=(), logprobs=(), finish_reason=finish)
+
+    def _usage(self, usage: Usage) -> Usage:
+        return dataclasses.replace(usage, completion_tokens=0) if self.parsed.score_only else usage
+
+    def _add_prompt_logprobs(self, obj: dict, prompt_logprobs: Sequence[PromptLogprob] | None) -> None:
+        """vLLM's prompt_logprobs: in the choice (completions) or the response (chat), where they came."""
+        num_top = self.parsed.prompt_logprobs
+        if num_top is None or prompt_logprobs is None:
+            return
+        positions: list[dict | None] = [None]
+        for lp in prompt_logprobs:
+            entry = {str(lp.token_id): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                        "decoded_token": self._token(lp.token_id)}}
+            for rank, (token_id, logprob) in enumerate(lp.top[:num_top], start=1):
+                entry.setdefault(str(token_id), {"logprob": _finite(logprob), "rank": rank,
+                                                 "decoded_token": self._token(token_id)})
+            positions.append(entry)
+        (obj if self.parsed.chat else obj["choices"][0])["prompt_logprobs"] = positions
 
     def _envelope(self, kind: str, choices: list) -> dict:
         return {"id": self.parsed.request.request_id, "object": kind, "created": self._created,
@@ -399,7 +492,9 @@ class ResponseBuilder:
     def _token(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict:
+    def _logprobs(self, logprobs: Sequence[TokenLogprob], prompt: Sequence[PromptLogprob] | None = None) -> dict:
+        """The choice's logprobs object; completions with echo: `prompt` (tokens 1..n-1) first, after the first
+        prompt token, whose logprob and top_logprobs are null."""
         if self.parsed.chat:
             def entry(token_id: int, logprob: float) -> dict:
                 token = self._token(token_id)
@@ -407,11 +502,15 @@ class ResponseBuilder:
 
             return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                                 for lp in logprobs]}
-        tokens = [self._token(lp.token_id) for lp in logprobs]
+        num_top = self.parsed.request.sampling.logprobs or 0     # prompt_logprobs may have computed more
+        entries = [(lp.token_id, _finite(lp.logprob), {self._token(t): _finite(v) for t, v in top})
+                   for lp, top in [*((lp, lp.top[:num_top]) for lp in prompt or ()), *((lp, lp.top) for lp in logprobs)]]
+        if prompt is not None:
+            entries.insert(0, (self.parsed.request.prompt_token_ids[0], None, None))
+        tokens = [self._token(token_id) for token_id, _, _ in entries]
         offsets = []
         for token in tokens:
             offsets.append(self._text_offset)
             self._text_offset += len(token)
-        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
-                "top_logprobs": [{self._token(t): _finite(v) for t, v in lp.top} for lp in logprobs],
-                "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [top for _, _, top in entries], "text_offset": offsets}

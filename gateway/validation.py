@@ -187,10 +187,6 @@ def check_sampling(params: SamplingParams, stop: Sequence[str], vocab_size: int 
         value = getattr(params, name)
         if value is not None and value > UINT32_MAX:
             raise InvalidRequestError(f"sampling.{name}", f"must be at most {UINT32_MAX}, got {value}")
-    if isinstance(params.min_tokens, int) and isinstance(params.max_tokens, int) and \
-            params.min_tokens > params.max_tokens:
-        raise InvalidRequestError("sampling.min_tokens", f"is {params.min_tokens}, more than max_tokens "
-                                                         f"({params.max_tokens})")
     for token_id, bias in params.logit_bias:
         if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id <= UINT32_MAX:
             raise InvalidRequestError("sampling.logit_bias", f"{token_id!r} is not a token id")
@@ -212,6 +208,9 @@ def check_sampling(params: SamplingParams, stop: Sequence[str], vocab_size: int 
         params.validate(vocab_size)
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"sampling.{exc.field}", str(exc).partition(": ")[2]) from exc
+    if params.min_tokens > params.max_tokens:
+        raise InvalidRequestError("sampling.min_tokens", f"is {params.min_tokens}, more than max_tokens "
+                                                         f"({params.max_tokens})")
 
 
 def validate_prompt(fields: RequestFields, prompt: str | Sequence[int] | None, model: ModelSpec,
