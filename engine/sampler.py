@@ -181,7 +181,8 @@ def _suppress_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torc
         return logits
     dev = logits.device
     banned = torch.zeros(logits.shape, dtype=torch.bool, device=dev)          # [num_rows, vocab]
-    banned[torch.tensor(row_idx, dtype=torch.long, device=dev), torch.tensor(tok_idx, dtype=torch.long, device=dev)] = True
+    banned[torch.tensor(row_idx, dtype=torch.long, device=dev),
+           torch.tensor(tok_idx, dtype=torch.long, device=dev)] = True
     return logits.masked_fill(banned, float("-inf"))
 
 

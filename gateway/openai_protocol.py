@@ -65,8 +65,8 @@ _REFUSED = {"suffix": "suffix", "tools": "tool calling", "functions": "function 
 _COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "cache_salt", "logprobs", "stream",
-    "stream_options", "n", "best_of", "include_stop_str_in_output", "echo", "suffix", "logit_bias", "tools", "functions",
-    "prompt_logprobs", "min_tokens"})
+    "stream_options", "n", "best_of", "include_stop_str_in_output", "echo", "suffix", "logit_bias", "tools",
+    "functions", "prompt_logprobs", "min_tokens"})
 NO_EFFECT_FIELDS = frozenset({"user", "metadata", "store"})
 """Accepted and ignored: they describe the request to OpenAI's own bookkeeping, not what is generated."""
 COMPLETION_FIELDS = _COMMON_FIELDS | NO_EFFECT_FIELDS | {"prompt"}
@@ -503,8 +503,9 @@ class ResponseBuilder:
             return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                                 for lp in logprobs]}
         num_top = self.parsed.request.sampling.logprobs or 0     # prompt_logprobs may have computed more
+        scored = [(lp, lp.top[:num_top]) for lp in prompt or ()] + [(lp, lp.top) for lp in logprobs]
         entries = [(lp.token_id, _finite(lp.logprob), {self._token(t): _finite(v) for t, v in top})
-                   for lp, top in [*((lp, lp.top[:num_top]) for lp in prompt or ()), *((lp, lp.top) for lp in logprobs)]]
+                   for lp, top in scored]
         if prompt is not None:
             entries.insert(0, (self.parsed.request.prompt_token_ids[0], None, None))
         tokens = [self._token(token_id) for token_id, _, _ in entries]
