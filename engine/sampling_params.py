@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
@@ -40,12 +41,17 @@ class SamplingParams:
     """End-of-sequence and stop_token_ids are suppressed (their logits set to -inf) until this many tokens
     were generated; the gateway's stop strings only match in text after them. Only up to max_tokens matter."""
     logit_bias: tuple[tuple[int, float], ...] = ()
-    """(token id, bias) pairs added to those tokens' logits before sampling (OpenAI's logit_bias); each bias in
-    [-100, 100]. Applied after the penalties, so logprobs (when asked) reflect it."""
+    """(token id, bias) pairs (a {token id: bias} mapping is turned into them) added to those tokens' logits
+    before sampling (OpenAI's logit_bias); each bias in [-100, 100]. Applied after the penalties, so logprobs
+    (when asked) reflect it."""
     prompt_logprobs: int | None = None
     """Return the log-probability of every prompt token after the first (given the tokens before it), with its
     rank and this many top alternatives; None disables. Such a request does not reuse prefix-cached blocks
     (its whole prompt is computed, so no position lacks its logits)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, Mapping):             # {token id: bias}, as OpenAI's API writes it
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the first field out of range."""

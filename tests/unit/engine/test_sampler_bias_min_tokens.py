@@ -71,6 +71,10 @@ def test_logit_bias_validated(bias, message):
     assert message in str(exc.value)
 
 
+def test_logit_bias_mapping_becomes_sorted_pairs():
+    assert SamplingParams(logit_bias={9: 1.0, 2: -3.0}).logit_bias == ((2, -3.0), (9, 1.0))
+
+
 def test_min_tokens_validated():
     with pytest.raises(InvalidRequestError, match="min_tokens"):
         SamplingParams(min_tokens=-1).validate(VOCAB)
