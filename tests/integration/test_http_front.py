@@ -503,6 +503,12 @@ def test_openai_echo_logprobs_score_the_prompt_also_when_its_prefix_is_cached(ga
         assert all(len(top) == 1 for top in lp.top_logprobs[1:])
         assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(token_ids), max_tokens)
         assert answer.usage.prompt_tokens_details.cached_tokens == 0    # recomputed, not read from the cache
+    pieces = list(client.completions.create(model=name, prompt=SCORED, echo=True, logprobs=1, max_tokens=0,
+                                            temperature=0, stream=True))
+    assert "".join(piece.choices[0].text for piece in pieces) == SCORED
+    streamed = [lp for piece in pieces for lp in piece.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(expected[1:], abs=2e-3)
+    assert pieces[-1].choices[0].finish_reason == "length"
     assert_idle(cluster.wait_idle())
 
 
