@@ -110,7 +110,7 @@ def parse_completion(body: Any, model: ModelSpec, tokenizer: Tokenizer, running:
     """A /v1/completions body -> OpenAIRequest; InvalidRequestError names the bad parameter."""
     body = _object(body, COMPLETION_FIELDS)
     echo = bool(_bool(body, "echo"))
-    score_only = echo and body.get("max_tokens") == 0
+    score_only = echo and _is_int(body.get("max_tokens")) and body["max_tokens"] == 0
     if score_only:                                       # the workers always sample one token: it is dropped
         body = {**body, "max_tokens": 1}
     fields, max_tokens_param = _fields(body, model, chat=False)
@@ -265,6 +265,8 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
             raise InvalidRequestError("logit_bias", f"keys must be token ids (decimal strings), got {shown!r}")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)):
             raise InvalidRequestError("logit_bias", f"the bias of token {key} must be a number, got {_kind(bias)}")
+        if isinstance(bias, int) and abs(bias) > 100:      # also keeps float() off integers past its range
+            raise InvalidRequestError("logit_bias", f"the bias of token {key} must be in [-100, 100]")
         pairs.append((int(key), float(bias)))
     return tuple(sorted(pairs))
 
