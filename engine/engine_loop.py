@@ -3,14 +3,16 @@
 The engine is not thread-safe, so only the loop thread touches it. Other threads:
 - `call(fn)` runs `fn(engine)` on the loop thread between two steps and returns its result (or raises);
 - `open_stream(request_id, fn)` does the same and registers a `RequestStream` first, which then receives
-  every `StepOutput` of that request until it finishes; closing the stream early aborts the request.
+  every `StepOutput` of that request (of each of its choices when n > 1, `out.seq.choice_index`) until its
+  last choice finishes; closing the stream early aborts the request, every choice of it.
 
 Between steps the loop also runs `on_idle(engine)` hooks at most every `housekeeping_interval_s` (lease
 expiry, publishing KV events to the prefix index, load reports), and step hooks after every step that ran
 the model (metrics). A request that fails alone in a step
 (its sampling raised) ends its stream with RequestFailedError while the others go on; if the step itself
 raises (the forward pass), every open stream gets the error and the loop keeps serving (the failed
-requests are aborted so their blocks are freed). After `stop()`, `call` and `open_stream` raise LoopStopped.
+requests are aborted so their blocks are freed). One choice of an n > 1 request failing fails the request:
+its other choices are aborted. After `stop()`, `call` and `open_stream` raise LoopStopped.
 
 CPU threads: torch's OpenMP thread count is per calling thread, so the loop thread sets the engine's
 `num_threads` itself. Build an engine the loop will step with `build_engine`, on a thread that then ends: a
@@ -161,9 +163,9 @@ class EngineLoop:
                 raise LoopStopped("the engine loop has stopped")
             self._commands.put(item)
 
-    def open_stream(self, request_id: str, fn: Callable[[LLMEngine], StepOutput | None]) -> RequestStream:
+    def open_stream(self, request_id: str, fn: Callable[[LLMEngine], object]) -> RequestStream:
         """Register a stream for `request_id`, then run `fn(engine)` (which adds or starts that request).
-        `fn` may return a StepOutput that already finishes the request; it goes to the stream."""
+        `fn` may return StepOutputs (a list) that already finish choices of the request; they go to the stream."""
         stream = RequestStream(self, request_id)
         future: Future = Future()
         self._submit((fn, future, stream))
@@ -212,8 +214,8 @@ class EngineLoop:
                     self._streams.pop(stream.request_id, None)
                 future.set_exception(exc)
             else:
-                if stream is not None and isinstance(result, StepOutput):
-                    self._dispatch([result])
+                if stream is not None and isinstance(result, list):
+                    self._dispatch([out for out in result if isinstance(out, StepOutput)])
                 future.set_result(result)
             try:
                 item = self._commands.get_nowait()
@@ -237,17 +239,19 @@ class EngineLoop:
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
-            stream = self._streams.get(out.seq.request_id)
+            request_id = out.seq.group_id
+            stream = self._streams.get(request_id)
             if stream is None:
                 continue
             if out.seq.finish_reason is FinishReason.ERROR:
-                stream._put(RequestFailedError(f"request {out.seq.request_id!r} failed: {out.seq.error}"))
-                del self._streams[out.seq.request_id]
+                stream._put(RequestFailedError(f"request {request_id!r} failed: {out.seq.error}"))
+                del self._streams[request_id]
+                self.engine.abort(request_id)        # its other choices, if any
                 continue
             stream._put(out)
-            if out.finished:
+            if out.request_finished:
                 stream._put(_END)
-                del self._streams[out.seq.request_id]
+                del self._streams[request_id]
 
     def _housekeeping(self) -> None:
         now = time.monotonic()

@@ -7,6 +7,14 @@ Ownership: every request the engine knows has one `BlockLease` (engine.block_lea
 is released; `abort` is the one way out for callers (queued, running, reserved, committed or held), and a
 request whose own sampling or bookkeeping raises in a step is finished with FinishReason.ERROR and released
 while the rest of the batch goes on (an error of the forward pass itself still raises from `step`).
+
+n > 1 choices: the prompt is computed once. The sampling that ends it draws n first tokens (the runner, each
+choice from its own seed); choices 1..n-1 then fork on the prompt's blocks (`_fork_choices`: full blocks shared
+by reference count, the partial one copied) as sequences "<id>/<i>" with leases of their own, so each releases
+its own references exactly once, whenever it ends. On a worker that only prefills (hold_blocks) nothing is
+forked: the other first tokens wait in `seq.choice_first_tokens` for the decode worker, whose `start_reserved`
+forks there. `abort(request_id)` ends every choice of the request; a StepOutput says when its request's last
+choice finished (`request_finished`).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from engine.loader import LoadedModel, load_model
 from engine.model_fetch import resolve_model_path
 from engine.model_runner import ModelRunner
 from engine.quant import quantized_fingerprint
+from engine.sampler import RowResult, choice_seed
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, PromptLogprob, Sequence, TokenLogprob
@@ -58,12 +67,14 @@ class StepRecord:
 
 @dataclass
 class StepOutput:
-    """What one step did for one request: tokens appended (0 or 1) and whether it is finished."""
+    """What one step did for one sequence (a choice of its request): tokens appended (0 or 1), whether it is
+    finished, and whether every choice of its request is (the same for n = 1)."""
 
     seq: Sequence
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprob]
     finished: bool
+    request_finished: bool = False
     prompt_logprobs: list[PromptLogprob] | None = None
     """With params.prompt_logprobs, on the step that produced the first output token: the whole prompt's
     (Sequence.prompt_logprobs)."""
@@ -101,7 +112,11 @@ class LLMEngine:
             self.kv, self.model_config.eos_token_ids)
         self._seed_rng = random.Random(config.seed)
         self._leases: dict[str, BlockLease] = {}
-        """Every request not yet released, by id: its lease owns its blocks (engine.block_lease)."""
+        """Every sequence not yet released, by id: its lease owns its blocks (engine.block_lease)."""
+        self._choices: dict[str, list[str]] = {}
+        """Request id -> the ids of its forked choices 1..n-1 (n > 1), until its last choice finishes."""
+        self._num_open_choices: dict[str, int] = {}
+        """Request id -> its choices not finished yet, from the fork on (n > 1)."""
         self.num_steps = 0
         """Steps that ran the model (a step with nothing schedulable does not count)."""
         self.last_step: StepRecord | None = None
@@ -139,7 +154,8 @@ class LLMEngine:
         self.validate(prompt_token_ids, params)
         if seed is None:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        return Sequence(request_id, list(prompt_token_ids), params, seed, cache_salt)
+        return Sequence(request_id, list(prompt_token_ids), params, seed, cache_salt,
+                        num_choices_to_sample=params.n)
 
     # --- disaggregation: reservations (decode side) and held blocks (prefill side) ------------------------------
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -159,11 +175,14 @@ class LLMEngine:
         return seq
 
     def start_reserved(self, request_id: str, first_token_id: int | None = None,
-                       first_logprob: TokenLogprob | None = None) -> StepOutput | None:
+                       first_logprob: TokenLogprob | None = None,
+                       choice_first_tokens: list[tuple[int, TokenLogprob | None]] = ()) -> list[StepOutput]:
         """Start decoding a reservation. With `first_token_id`, the prompt's KV has been committed into its
-        blocks (lease COMMITTED) and the first token sampled elsewhere; without, this worker computes the rest
-        of the prompt itself (lease RESERVED). Raises PreconditionError when the lease is elsewhere. Returns
-        the finished StepOutput when the first token already ends the request, else None."""
+        blocks (lease COMMITTED) and the first token sampled elsewhere (with `choice_first_tokens`, those of
+        choices 1..n-1, which fork here); without, this worker computes the rest of the prompt itself (lease
+        RESERVED). Raises PreconditionError when the lease is elsewhere, InvalidRequestError when the first
+        tokens are not one per choice. Returns the finished StepOutputs of choices the first token already
+        ends (no new tokens: the caller has them)."""
         lease = self._leases.get(request_id)
         want = LeaseState.RESERVED if first_token_id is None else LeaseState.COMMITTED
         if lease is None or lease.state is not want:
@@ -171,11 +190,18 @@ class LLMEngine:
             raise PreconditionError(f"request {request_id!r} cannot start decoding: its reservation is {state}, "
                                     f"expected {want.value}")
         seq = lease.seq
+        if first_token_id is not None and len(choice_first_tokens) != seq.params.n - 1:
+            raise InvalidRequestError("choice_first_token_ids", f"{len(choice_first_tokens)} first tokens of "
+                                      f"other choices for a request of n={seq.params.n}")
         seq.queued_s = time.perf_counter()
         if first_token_id is None:
             self.scheduler.adopt(seq)
-            return None
+            return []
+        seq.num_choices_to_sample = 1
         seq.num_computed_tokens = seq.num_prompt_tokens
+        finished = [out for out in self._fork_choices(seq, list(choice_first_tokens)) if out.finished]
+        for out in finished:
+            out.new_token_ids, out.new_logprobs = [], []
         seq.output_token_ids.append(first_token_id)
         if first_logprob is not None:
             seq.output_logprobs.append(first_logprob)
@@ -183,19 +209,75 @@ class LLMEngine:
         reason = self.scheduler.stop_reason(seq)
         if reason is None:
             self.scheduler.adopt(seq)
-            return None
+            return finished
         self.scheduler.finish(seq, reason)
         del self._leases[request_id]
-        return StepOutput(seq, [], [], True)
+        return finished + [StepOutput(seq, [], [], True, self._choice_done(seq))]
+
+    def _fork_choices(self, parent: Sequence, first_tokens: list[tuple[int, TokenLogprob | None]]) -> list[StepOutput]:
+        """Choices 1..len(first_tokens) of `parent`'s request, each with its first token, forked on the blocks of
+        `parent`'s computed prompt (before `parent` may finish and release them). A choice its first token
+        ends takes no blocks; one that finds no free block for its copy waits to recompute its prompt."""
+        if not first_tokens:
+            return []
+        self._num_open_choices[parent.request_id] = 1 + len(first_tokens)
+        child_ids = self._choices[parent.request_id] = []
+        outputs, copies = [], []
+        for i, (token_id, logprob) in enumerate(first_tokens, start=1):
+            child = Sequence(f"{parent.request_id}/{i}", parent.prompt_token_ids, parent.params,
+                             choice_seed(parent.seed, i), parent.cache_salt, parent_id=parent.request_id,
+                             choice_index=i, cacheable=parent.cacheable, num_cached_tokens=parent.num_cached_tokens,
+                             queued_s=parent.queued_s, first_scheduled_s=parent.first_scheduled_s)
+            child.output_token_ids.append(token_id)
+            if logprob is not None:
+                child.output_logprobs.append(logprob)
+            child_ids.append(child.request_id)
+            reason = self.scheduler.stop_reason(child)
+            if reason is not None:
+                child.lease = BlockLease(child, self.kv)
+                self.scheduler.finish(child, reason)
+            else:
+                if self.kv.can_fork(parent):
+                    copy = self.kv.fork(parent, child)
+                    if copy is not None:
+                        copies.append(copy)
+                self.scheduler.add_choice(child)
+                self._leases[child.request_id] = child.lease
+            outputs.append(StepOutput(child, [token_id], [logprob] if logprob is not None else [],
+                                      reason is not None, reason is not None and self._choice_done(child)))
+        if copies:
+            self.runner.copy_blocks(copies)
+        return outputs
+
+    def _choice_done(self, seq: Sequence) -> bool:
+        """One choice of `seq`'s request finished: whether it was the request's last one."""
+        request_id = seq.group_id
+        left = self._num_open_choices.get(request_id)
+        if left is None:                         # n = 1, or choice 0 ended before its choices forked
+            return True
+        if left > 1:
+            self._num_open_choices[request_id] = left - 1
+            return False
+        del self._num_open_choices[request_id]
+        self._choices.pop(request_id, None)
+        return True
 
     def get_lease(self, request_id: str) -> BlockLease | None:
         """The lease of a request not yet released (no side effects)."""
         return self._leases.get(request_id)
 
     def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is (queued, running, reserved, committed, held); returns whether it was
-        here. Its blocks are released exactly once, by its lease. A pinned lease (a transfer or push uses the
-        blocks) is only marked: the pin's holder releases it through here once it unpinned."""
+        """Drop a request, every choice of it, wherever it is (queued, running, reserved, committed, held);
+        returns whether it was here. Its blocks are released exactly once, by its leases. A pinned lease (a
+        transfer or push uses the blocks) is only marked: the pin's holder releases it through here once it
+        unpinned."""
+        found = self._abort_sequence(request_id)
+        for child_id in self._choices.pop(request_id, ()):
+            found = self._abort_sequence(child_id) or found
+        self._num_open_choices.pop(request_id, None)
+        return found
+
+    def _abort_sequence(self, request_id: str) -> bool:
         lease = self._leases.get(request_id)
         if lease is None:
             return False
@@ -230,16 +312,22 @@ class LLMEngine:
         results = []
         for chunk in out.chunks:
             seq = chunk.seq
-            row = executed.rows.get(seq.request_id)
+            rows = executed.rows.get(seq.request_id)
+            row = rows[0] if rows else None
+            forked: list[StepOutput] = []
             seq.prompt_logprobs.extend(executed.prompt_logprobs.get(seq.request_id, ()))
             try:
-                if row is not None and row.error is not None:
-                    raise row.error
+                for r in rows or ():
+                    if r.error is not None:
+                        raise r.error
                 if row is not None and row.logprob is not None:
                     seq.output_logprobs.append(row.logprob)
+                if rows is not None and seq.num_choices_to_sample > 1:
+                    forked = self._first_tokens_of_choices(seq, rows[1:])
                 done = self.scheduler.update(chunk, row.token_id if row is not None else None)
             except Exception as exc:  # this request alone fails; the rest of the batch goes on
                 results.append(self._fail(seq, exc))
+                results.extend(forked)
                 continue
             if row is None:
                 continue
@@ -247,8 +335,19 @@ class LLMEngine:
                 del self._leases[seq.request_id]
             first = seq.params.prompt_logprobs is not None and len(seq.output_token_ids) == 1
             results.append(StepOutput(seq, [row.token_id], [row.logprob] if row.logprob is not None else [], done,
-                                      list(seq.prompt_logprobs) if first else None))
+                                      done and self._choice_done(seq), list(seq.prompt_logprobs) if first else None))
+            results.extend(forked)
         return results
+
+    def _first_tokens_of_choices(self, seq: Sequence, rows: list[RowResult]) -> list[StepOutput]:
+        """The other choices' first tokens, drawn with `seq`'s: kept for the decode worker (hold_blocks), or
+        forked here (the prompt is computed: this step sampled its last position)."""
+        seq.num_choices_to_sample = 1
+        first_tokens = [(r.token_id, r.logprob) for r in rows]
+        if seq.hold_blocks:
+            seq.choice_first_tokens = first_tokens
+            return []
+        return self._fork_choices(seq, first_tokens)
 
     def _fail(self, seq: Sequence, exc: Exception) -> StepOutput:
         log.warning("request %s failed in its step and was dropped: %s: %s", seq.request_id,
@@ -262,7 +361,7 @@ class LLMEngine:
                 seq.lease.request_release()
         if seq.lease.released:
             self._leases.pop(seq.request_id, None)
-        return StepOutput(seq, [], [], True)
+        return StepOutput(seq, [], [], True, self._choice_done(seq))
 
     def stats(self) -> EngineStats:
         pool = self.kv.pool

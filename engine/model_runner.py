@@ -15,9 +15,10 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.model import AttentionMetadata, LlamaModel
 from engine.prompt_logprobs import compute_prompt_logprobs
-from engine.sampler import RowResult, SamplingRow, sample_rows
+from engine.sampler import RowResult, SamplingRow, choice_seed, sample_rows
 from engine.scheduler import SchedulerOutput
 from engine.sequence import PromptLogprob
+from kernels.dispatch import gather_blocks, scatter_blocks
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +49,11 @@ def num_kv_blocks_for(config: EngineConfig, model_config: ModelConfig, dtype: to
 
 @dataclass
 class RunnerOutput:
-    """What one step computed: per sampling chunk's request id its RowResult, and per request that asked for
-    prompt logprobs the ones of the prompt positions this step computed (in order, after those it has)."""
+    """What one step computed: per sampling chunk's request id its RowResults (one per choice sampled), and per
+    request that asked for prompt logprobs the ones of the prompt positions this step computed (in order, after
+    those it has)."""
 
-    rows: dict[str, RowResult] = field(default_factory=dict)
+    rows: dict[str, list[RowResult]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[PromptLogprob]] = field(default_factory=dict)
 
 
@@ -76,10 +78,18 @@ class ModelRunner:
         self.kv_cache = torch.zeros(c.num_layers, 2, self.num_blocks, self.block_size, c.num_kv_heads,
                                     c.head_dim, dtype=self.dtype, device=self.device)
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks, every layer, source -> destination (a forked choice's partial prompt block)."""
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=self.device)
+        # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]; staging: [n, L, 2, block_size, Hkv, D]
+        scatter_blocks(gather_blocks(self.kv_cache, src), self.kv_cache, dst)
+
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run `out`'s chunks; returns, per sampling chunk's request id, its token (and logprob when asked) or
-        the error that failed that request alone, and the prompt logprobs computed. An error of the forward
-        pass itself raises (whole batch)."""
+        the error that failed that request alone: one result per choice the chunk samples (n first tokens of
+        an n > 1 request from the same logits, choice i with choice_seed(seed, i)), else one; and the prompt
+        logprobs computed. An error of the forward pass itself raises (whole batch)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -106,9 +116,10 @@ class ModelRunner:
                                         seq.params.prompt_logprobs))
             query_start_loc.append(query_start_loc[-1] + chunk.num_new_tokens)
             if chunk.samples:
-                sample_positions.append(query_start_loc[-1] - 1)
-                sampling.append(SamplingRow(seq.params, seq.seed, seq.prompt_token_ids, seq.output_token_ids,
-                                            seq.request_id, self.eos_token_ids))
+                for choice in range(seq.num_choices_to_sample):
+                    sample_positions.append(query_start_loc[-1] - 1)
+                    sampling.append(SamplingRow(seq.params, choice_seed(seq.seed, choice), seq.prompt_token_ids,
+                                                seq.output_token_ids, seq.request_id, self.eos_token_ids))
         max_blocks = max(len(c.seq.block_ids) for c in out.chunks)
         block_tables = [c.seq.block_ids + [0] * (max_blocks - len(c.seq.block_ids)) for c in out.chunks]
 
@@ -127,5 +138,6 @@ class ModelRunner:
                                                                          targets, num_top)
         if sample_positions:
             logits = self.model.compute_logits(hidden[sample_positions]).cpu()  # [num_sampling, vocab], inference
-            result.rows = {row.request_id: r for row, r in zip(sampling, sample_rows(logits, sampling))}
+            for row, r in zip(sampling, sample_rows(logits, sampling)):
+                result.rows.setdefault(row.request_id, []).append(r)
         return result

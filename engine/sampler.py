@@ -10,7 +10,7 @@ Order of operations for each row (the vLLM / OpenAI conventions):
    nucleus; sample with the exponential-race trick: argmax(p / E) with E ~ Exp(1) is a draw from p.
 
 Randomness is per token, not per batch: the noise for output token i of a request comes from a generator
-seeded with mix(seed, i). A request therefore gets the same tokens whatever else is in the batch, after a
+seeded with mix(seed, i); choice j of an n > 1 request has its own seed, choice_seed(seed, j). A request therefore gets the same tokens whatever else is in the batch, after a
 preemption, and when its first token was sampled on a prefill worker and the rest on a decode worker.
 
 Logits arrive as the model made them, under torch.inference_mode: nothing here writes into its input.
@@ -33,6 +33,18 @@ _MASK64 = (1 << 64) - 1
 def token_seed(seed: int, index: int) -> int:
     """splitmix64 of (seed, index): a well-spread 63-bit seed for the noise of output token `index`."""
     z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """Seed of choice `index` of a request seeded `seed` (n > 1): the request's own for choice 0, else a
+    splitmix64 mix of (seed, index) on another odd constant than token_seed's, so choice streams do not overlap
+    the token streams of one seed. It depends on nothing else: choice i is reproducible whatever the batch."""
+    if index == 0:
+        return seed
+    z = (seed ^ ((index * 0xD1B54A32D192ED03) & _MASK64)) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) >> 1

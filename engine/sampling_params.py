@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
 
+MAX_CHOICES = 16
+"""Most choices (`n`) one request may ask for: they share one prefill, but each decodes on its own."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -37,6 +40,10 @@ class SamplingParams:
     """Keep generating past the model's end-of-sequence tokens."""
     logprobs: int | None = None
     """Return the log-probability of each sampled token, plus this many top alternatives; None disables."""
+    n: int = 1
+    """Choices to generate from one prompt, in [1, MAX_CHOICES]. The prompt is computed once; the choices fork
+    on its KV blocks, and choice i samples the stream of `engine.sampler.choice_seed(seed, i)` (choice 0 the
+    request's own seed, so it is the completion an n=1 request with that seed gets)."""
     min_tokens: int = 0
     """End-of-sequence and stop_token_ids are suppressed (their logits set to -inf) until this many tokens
     were generated; the gateway's stop strings only match in text after them. Only up to max_tokens matter."""
@@ -86,6 +93,8 @@ class SamplingParams:
             if not -100.0 <= bias <= 100.0:
                 raise InvalidRequestError("logit_bias", f"the bias of token {token_id} must be in [-100, 100], "
                                                         f"got {bias}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_CHOICES:
+            raise InvalidRequestError("n", f"must be an integer in [1, {MAX_CHOICES}], got {self.n!r}")
         for token_id in self.stop_token_ids:
             if vocab_size is not None and not 0 <= token_id < vocab_size:
                 raise InvalidRequestError("stop_token_ids", f"{token_id} is outside the vocabulary [0, {vocab_size})")

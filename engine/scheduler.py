@@ -104,6 +104,21 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
+    def add_choice(self, child: Sequence) -> None:
+        """Take `child`, a choice forked from a sequence of this batch, with its first token: it runs from the
+        next step when it holds its prompt's blocks (KVCacheManager.fork), else (no block was free for the
+        fork) it goes to the front of the waiting queue to recompute its prompt, as a preempted sequence does."""
+        assert child.lease is None and child.output_token_ids
+        child.lease = BlockLease(child, self.kv)
+        child.arrival_order = self._num_arrivals
+        self._num_arrivals += 1
+        if child.block_ids:
+            child.lease.advance(LeaseState.RUNNING, expect=_QUEUED)
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        else:
+            self.waiting.appendleft(child)
+
     # --- one step ---------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -80,7 +80,8 @@ class ActiveCalls:
         if self._idle.is_set():
             return True
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
             return True
         except TimeoutError:
             return False

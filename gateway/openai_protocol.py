@@ -6,7 +6,10 @@ so both APIs accept and refuse the same requests. Every rejection is an InvalidR
 OpenAI parameter (the error object's `param`): "temperature", "max_tokens", "prompt", "messages[1].role", ...
 
     model               the served name or an alias; missing means the served model
-    prompt              /v1/completions: a string, a list of token ids, or a one-element list of either
+    prompt              /v1/completions: a string, a list of token ids, or a list of strings or of token-id lists
+                        (a batch: each prompt runs as its own request; choices are indexed prompt-major,
+                        index = prompt_i * n + choice_j; a bad prompt is refused naming "prompt[i]"), at most
+                        MAX_PROMPTS
     messages            /v1/chat/completions: [{"role": "system"|"developer"|"user"|"assistant",
                         "content": a string or a list of {"type": "text", "text": ...} parts}]; "developer" is
                         rendered as "system"
@@ -20,17 +23,21 @@ OpenAI parameter (the error object's `param`): "temperature", "max_tokens", "pro
     chat_template_kwargs
                         chat: further variables for the chat template (an object)
     logprobs            completions: alternatives per token (an int); chat: a bool, with top_logprobs (an int)
-    echo                completions: the text starts with the prompt; with logprobs, the logprobs start with
-                        the prompt's tokens (the first one's logprob and top_logprobs null), as OpenAI's legacy
-                        completions. max_tokens 0 (with echo only) scores the prompt and generates nothing
-    prompt_logprobs     vLLM's: an int in [0, 20]; completions: choices[0].prompt_logprobs, chat: the
+    echo                completions: each choice's text starts with its prompt; with logprobs, the logprobs
+                        start with the prompt's tokens (the first one's logprob and top_logprobs null), as OpenAI's
+                        legacy completions. max_tokens 0 (with echo only) scores the prompt, generating nothing
+    prompt_logprobs     vLLM's: an int in [0, 20]; completions: each choice's prompt_logprobs, chat: the
                         response's prompt_logprobs, [null, {"<token id>": {"logprob", "rank", "decoded_token"}},
                         ...] with the prompt token and its top alternatives (streams: in the first chunk)
     logit_bias          {"<token id>": bias in [-100, 100]}; ids outside the vocabulary are refused
     min_tokens          EOS and stop_token_ids are suppressed until this many tokens were generated, and stop
                         strings only match in the text after them (vLLM); at most max_tokens
     stream, stream_options.include_usage
-    n, best_of          1 only
+    n                   choices per prompt, 1..MAX_CHOICES (the prompt is computed once; the choices fork on its
+                        KV; with a seed, choice i is reproducible). Greedy n > 1 gives identical choices.
+    best_of             completions: candidates per prompt, n..MAX_CHOICES, generated as n = best_of; the n with
+                        the highest cumulative logprob are returned, best first (usage counts every candidate's
+                        tokens). Not with stream, as in OpenAI. Chat: 1 only.
     suffix, tools, functions
                         refused unless empty or false (echo on chat too); tool_choice and function_call: "none" only;
                         response_format: {"type": "text"} only
@@ -53,7 +60,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_CHOICES, SamplingParams
 from engine.sequence import FinishReason, PromptLogprob, TokenLogprob
 from engine.tokenizer import Tokenizer
 from gateway.request_types import OutputChunk, Usage
@@ -73,6 +80,8 @@ COMPLETION_FIELDS = _COMMON_FIELDS | NO_EFFECT_FIELDS | {"prompt"}
 CHAT_FIELDS = _COMMON_FIELDS | NO_EFFECT_FIELDS | {
     "messages", "max_completion_tokens", "top_logprobs", "response_format", "tool_choice", "function_call",
     "chat_template_kwargs"}
+MAX_PROMPTS = 64
+"""Most prompts in one batched /v1/completions request."""
 MAX_FIELD_NAME_CHARS = 64
 """Longer unknown field names are cut in the error's `param`."""
 _MESSAGE_FIELDS = frozenset({"role", "content"})
@@ -96,13 +105,21 @@ class OpenAIRequest:
     """Streams end with a chunk that has usage and no choices (stream_options.include_usage)."""
     logprobs: bool = False
     """Choices carry log-probabilities."""
-    echo: str | None = None
-    """Completions with echo: the prompt's text, which the choice's text starts with (its tokens start the
+    more: tuple[GenerationRequest, ...] = ()
+    """The other prompts of a batched /v1/completions, in order (`request` is the first)."""
+    n: int = 1
+    """Choices per prompt in the response (request.sampling.n is best_of when that is larger)."""
+    echo: tuple[str, ...] | None = None
+    """Completions with echo: each prompt's text, which its choices' texts start with (its tokens start their
     logprobs when `logprobs`)."""
     score_only: bool = False
     """max_tokens 0 with echo: the one token the workers generate is dropped (no completion tokens)."""
     prompt_logprobs: int | None = None
     """vLLM's prompt_logprobs: alternatives per prompt position in the response's prompt_logprobs."""
+
+    @property
+    def requests(self) -> tuple[GenerationRequest, ...]:
+        return (self.request, *self.more)
 
 
 def parse_completion(body: Any, model: ModelSpec, tokenizer: Tokenizer, running: Container[str] = (),
@@ -114,30 +131,66 @@ def parse_completion(body: Any, model: ModelSpec, tokenizer: Tokenizer, running:
     if score_only:                                       # the workers always sample one token: it is dropped
         body = {**body, "max_tokens": 1}
     fields, max_tokens_param = _fields(body, model, chat=False)
-    if echo and fields.sampling.logprobs is not None:    # the prompt's logprobs start the choice's logprobs
+    if echo and fields.sampling.logprobs is not None:    # the prompt's logprobs start the choices' logprobs
         fields = dataclasses.replace(fields, sampling=dataclasses.replace(
             fields.sampling, prompt_logprobs=max(fields.sampling.logprobs, fields.sampling.prompt_logprobs or 0)))
-    prompt = body.get("prompt")
+    prompts = _prompts(body.get("prompt"))
+    reqs = []
+    for i, prompt in enumerate(prompts):
+        try:
+            reqs.append(validate_prompt(fields, prompt, model, tokenizer, running, seed_source))
+        except InvalidRequestError as exc:
+            renamed = _renamed(exc, max_tokens_param, chat=False)
+            if len(prompts) > 1 and renamed.field == "prompt":
+                renamed = type(renamed)(f"prompt[{i}]", str(renamed).partition(": ")[2])
+            raise renamed from exc
+    n = _int(body, "n") or 1
+    best_of = _int(body, "best_of")
+    if best_of is not None and best_of != n:
+        if not n <= best_of <= MAX_CHOICES:
+            raise InvalidRequestError("best_of", f"must be in [n, {MAX_CHOICES}] (n is {n}), got {best_of}")
+        if _bool(body, "stream"):
+            raise InvalidRequestError("best_of", "cannot be used with stream (the best choices are known only "
+                                                 "at the end)")
+        # Candidates are ranked by cumulative logprob: they need their logprobs, dropped unless asked for.
+        sampling = dataclasses.replace(reqs[0].sampling, n=best_of,
+                                       logprobs=reqs[0].sampling.logprobs if reqs[0].sampling.logprobs is not None
+                                       else 0)
+        reqs = [dataclasses.replace(r, sampling=dataclasses.replace(sampling, seed=r.sampling.seed)) for r in reqs]
+    first = reqs[0]
+    # Batched prompts run as requests of their own, under ids derived from the first one's.
+    more = tuple(dataclasses.replace(r, request_id=f"{first.request_id}-{i}") for i, r in enumerate(reqs[1:], 1))
+    parsed = _parsed(body, first, model, chat=False, logprobs=fields.sampling.logprobs is not None)
+    texts = tuple(p if isinstance(p, str) else tokenizer.decode(list(p), skip_special_tokens=False)
+                  for p in prompts) if echo else None
+    return dataclasses.replace(parsed, more=tuple(dataclasses.replace(r, include_stop_str_in_output=
+                                                                      parsed.request.include_stop_str_in_output)
+                                                  for r in more), n=n, echo=texts, score_only=score_only)
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """The prompts of a /v1/completions `prompt`: one (a string, token ids) or a batch (a list of either)."""
     if prompt is None:
         raise InvalidRequestError("prompt", "is required: a string or a list of token ids")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]                                   # a batch of one
-    if isinstance(prompt, list):
-        if any(isinstance(p, (str, list)) for p in prompt):
-            raise InvalidRequestError("prompt", "batches of prompts are not supported; send one per request")
+    if isinstance(prompt, str):
+        return [prompt]
+    if not isinstance(prompt, list):
+        raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {_kind(prompt)}")
+    if not prompt:
+        raise InvalidRequestError("prompt", "must not be empty")
+    if not isinstance(prompt[0], (str, list)):           # token ids (a batch starts with a string or a list)
         if not all(_is_int(p) for p in prompt):
             raise InvalidRequestError("prompt", "must be a string or a list of token ids (integers)")
-    elif not isinstance(prompt, str):
-        raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {_kind(prompt)}")
-    try:
-        req = validate_prompt(fields, prompt, model, tokenizer, running, seed_source)
-    except InvalidRequestError as exc:
-        raise _renamed(exc, max_tokens_param, chat=False) from exc
-    parsed = _parsed(body, req, model, chat=False, logprobs=fields.sampling.logprobs is not None)
-    if echo:
-        text = prompt if isinstance(prompt, str) else tokenizer.decode(list(prompt), skip_special_tokens=False)
-        parsed = dataclasses.replace(parsed, echo=text, score_only=score_only)
-    return parsed
+        return [prompt]
+    if len(prompt) > MAX_PROMPTS:
+        raise InvalidRequestError("prompt", f"has {len(prompt)} prompts; at most {MAX_PROMPTS}")
+    for i, p in enumerate(prompt):
+        if isinstance(p, list):
+            if not all(_is_int(t) for t in p):
+                raise InvalidRequestError(f"prompt[{i}]", "must be a list of token ids (integers)")
+        elif not isinstance(p, str):
+            raise InvalidRequestError(f"prompt[{i}]", f"must be a string or a list of token ids, got {_kind(p)}")
+    return prompt
 
 
 def parse_chat(body: Any, model: ModelSpec, tokenizer: Tokenizer, running: Container[str] = (),
@@ -190,10 +243,9 @@ def parse_template_kwargs(raw: Any) -> dict | None:
 
 def _fields(body: dict, model: ModelSpec, chat: bool) -> tuple[RequestFields, str]:
     """The sampling and common fields (not yet validated beyond JSON types) and the max_tokens parameter's name."""
-    for name in ("n", "best_of"):
-        value = _int(body, name)
-        if value is not None and value != 1:
-            raise InvalidRequestError(name, f"only 1 is supported, got {value}")
+    if chat and _int(body, "best_of") not in (None, 1):
+        raise InvalidRequestError("best_of", "is a /v1/completions parameter; chat supports only 1")
+    n = _int(body, "n")
     for name, what in _REFUSED.items():
         if body.get(name) not in (None, False, "", [], {}):
             raise InvalidRequestError(name, f"{what} is not supported")
@@ -234,6 +286,7 @@ def _fields(body: dict, model: ModelSpec, chat: bool) -> tuple[RequestFields, st
         stop_token_ids=tuple(_int_list(body, "stop_token_ids")),
         ignore_eos=bool(_bool(body, "ignore_eos")),
         logprobs=logprobs,
+        n=1 if n is None else n,
         min_tokens=0 if min_tokens is None else min_tokens,
         logit_bias=_logit_bias(body),
         prompt_logprobs=_int(body, "prompt_logprobs"),
@@ -312,7 +365,7 @@ def _parsed(body: dict, req: GenerationRequest, model: ModelSpec, chat: bool, lo
     if _bool(body, "include_stop_str_in_output"):
         req = dataclasses.replace(req, include_stop_str_in_output=True)
     return OpenAIRequest(req, chat, _str(body, "model") or model.name, stream, include_usage, logprobs,
-                         prompt_logprobs=_int(body, "prompt_logprobs"))
+                         n=req.sampling.n, prompt_logprobs=_int(body, "prompt_logprobs"))
 
 
 def _renamed(exc: InvalidRequestError, max_tokens_param: str, chat: bool) -> InvalidRequestError:
@@ -398,40 +451,48 @@ def usage_object(usage: Usage) -> dict:
 
 
 class ResponseBuilder:
-    """OpenAI objects for one request: a chunk object per streamed chunk, or one response at the end."""
+    """OpenAI objects for one request: a chunk object per streamed chunk, or one response at the end. Chunks
+    carry their choice's index in the response (gateway.http_front numbers a batch's prompts prompt-major).
+    Prompt logprobs come with the first chunk of each prompt's choice 0; with echo every choice of that prompt
+    starts with them."""
 
     def __init__(self, parsed: OpenAIRequest, tokenizer: Tokenizer, created: int | None = None) -> None:
         self.parsed = parsed
         self._tokenizer = tokenizer
         self._created = int(time.time()) if created is None else created
-        self._sent_role = False
-        self._text_offset = 0
-        self._echoed = False
+        self._sent_role: set[int] = set()
+        self._text_offset: dict[int, int] = {}
+        self._echoed: set[int] = set()
+        self._prompt_logprobs: dict[int, tuple[PromptLogprob, ...]] = {}     # by prompt
 
     def stream_chunk(self, chunk: OutputChunk) -> dict | None:
         """The `data:` object for `chunk`, or None when it carries nothing a client sees."""
-        p = self.parsed
+        p, index = self.parsed, chunk.choice_index
         chunk = self._generated(chunk)
-        echo = p.echo is not None and not self._echoed
-        self._echoed = self._echoed or echo
-        text = p.echo + chunk.text if echo else chunk.text
-        logprobs = self._logprobs(chunk.logprobs, chunk.prompt_logprobs if echo else None) if p.logprobs else None
-        chunk = dataclasses.replace(chunk, text=text)
+        prompt_i = index // p.request.sampling.n
+        if chunk.prompt_logprobs is not None:
+            self._prompt_logprobs[prompt_i] = chunk.prompt_logprobs
+        echo = p.echo is not None and index not in self._echoed
+        if echo:
+            self._echoed.add(index)
+            chunk = dataclasses.replace(chunk, text=p.echo[prompt_i] + chunk.text)
+        logprobs = self._logprobs(chunk.logprobs, index, self._prompt_logprobs.get(prompt_i) if echo else None,
+                                  prompt_i) if p.logprobs else None
         finish = chunk.finish_reason.value if chunk.finish_reason is not None else None
         if p.chat:
             delta = {"content": chunk.text} if chunk.text else {}
-            if not self._sent_role:
+            if index not in self._sent_role:
                 delta = {"role": "assistant", "content": chunk.text}
             elif not (chunk.text or logprobs or finish):
                 return None
-            self._sent_role = True
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            self._sent_role.add(index)
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
             if not (chunk.text or logprobs or finish):
                 return None
-            choice = {"index": 0, "text": chunk.text, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "text": chunk.text, "logprobs": logprobs, "finish_reason": finish}
         obj = self._envelope("chat.completion.chunk" if p.chat else "text_completion", [choice])
-        self._add_prompt_logprobs(obj, chunk.prompt_logprobs)
+        self._add_prompt_logprobs(obj, choice, chunk.prompt_logprobs)
         if p.include_usage:
             obj["usage"] = None
         return obj
@@ -443,24 +504,42 @@ class ResponseBuilder:
         return obj
 
     def response(self, chunks: Sequence[OutputChunk]) -> dict:
-        """The whole (non-streamed) response; the last chunk is the final one."""
+        """The whole (non-streamed) response; the chunk with usage is the request's last. With best_of, the
+        parsed.n candidates of each prompt with the highest cumulative logprob, best first."""
         p = self.parsed
         chunks = [self._generated(c) for c in chunks]
-        last = chunks[-1]
-        prompt_logprobs = next((c.prompt_logprobs for c in chunks if c.prompt_logprobs is not None), None)
-        text = (p.echo or "") + "".join(c.text for c in chunks)
-        logprobs = self._logprobs([lp for c in chunks for lp in c.logprobs],
-                                  prompt_logprobs if p.echo is not None else None) if p.logprobs else None
-        finish = last.finish_reason.value if last.finish_reason is not None else None
-        if p.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        obj = self._envelope("chat.completion" if p.chat else "text_completion", [choice])
-        self._add_prompt_logprobs(obj, prompt_logprobs)
-        obj["usage"] = usage_object(self._usage(last.usage)) if last.usage is not None else None
+        by_choice: dict[int, list[OutputChunk]] = {}
+        for c in chunks:
+            by_choice.setdefault(c.choice_index, []).append(c)
+        per_prompt = p.request.sampling.n                    # candidates generated per prompt
+        choices = []
+        obj = self._envelope("chat.completion" if p.chat else "text_completion", choices)
+        for prompt_i in range(len(p.requests)):
+            candidates = [by_choice[i] for i in range(prompt_i * per_prompt, (prompt_i + 1) * per_prompt)
+                          if i in by_choice]
+            prompt_logprobs = next((c.prompt_logprobs for cs in candidates for c in cs
+                                    if c.prompt_logprobs is not None), None)
+            if per_prompt > p.n:
+                candidates.sort(key=lambda cs: -sum(lp.logprob for c in cs for lp in c.logprobs))
+            for rank, cs in enumerate(candidates[:p.n]):
+                choices.append(self._choice(prompt_i * p.n + rank, cs, prompt_i, prompt_logprobs))
+                self._add_prompt_logprobs(obj, choices[-1], prompt_logprobs)
+        usage = next((c.usage for c in chunks if c.usage is not None), None)
+        obj["usage"] = usage_object(self._usage(usage)) if usage is not None else None
         return obj
+
+    def _choice(self, index: int, chunks: Sequence[OutputChunk], prompt_i: int,
+                prompt_logprobs: Sequence[PromptLogprob] | None) -> dict:
+        p = self.parsed
+        text = (p.echo[prompt_i] if p.echo is not None else "") + "".join(c.text for c in chunks)
+        logprobs = self._logprobs([lp for c in chunks for lp in c.logprobs], index,
+                                  prompt_logprobs if p.echo is not None else None, prompt_i) if p.logprobs else None
+        reason = next((c.finish_reason for c in reversed(chunks) if c.finish_reason is not None), None)
+        finish = reason.value if reason is not None else None
+        if p.chat:
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                    "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     def _generated(self, chunk: OutputChunk) -> OutputChunk:
         """`chunk` as the client sees it: with max_tokens 0 (score_only), without the token the workers made."""
@@ -472,7 +551,8 @@ class ResponseBuilder:
     def _usage(self, usage: Usage) -> Usage:
         return dataclasses.replace(usage, completion_tokens=0) if self.parsed.score_only else usage
 
-    def _add_prompt_logprobs(self, obj: dict, prompt_logprobs: Sequence[PromptLogprob] | None) -> None:
+    def _add_prompt_logprobs(self, obj: dict, choice: dict,
+                             prompt_logprobs: Sequence[PromptLogprob] | None) -> None:
         """vLLM's prompt_logprobs: in the choice (completions) or the response (chat), where they came."""
         num_top = self.parsed.prompt_logprobs
         if num_top is None or prompt_logprobs is None:
@@ -485,7 +565,7 @@ class ResponseBuilder:
                 entry.setdefault(str(token_id), {"logprob": _finite(logprob), "rank": rank,
                                                  "decoded_token": self._token(token_id)})
             positions.append(entry)
-        (obj if self.parsed.chat else obj["choices"][0])["prompt_logprobs"] = positions
+        (obj if self.parsed.chat else choice)["prompt_logprobs"] = positions
 
     def _envelope(self, kind: str, choices: list) -> dict:
         return {"id": self.parsed.request.request_id, "object": kind, "created": self._created,
@@ -494,9 +574,10 @@ class ResponseBuilder:
     def _token(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _logprobs(self, logprobs: Sequence[TokenLogprob], prompt: Sequence[PromptLogprob] | None = None) -> dict:
-        """The choice's logprobs object; completions with echo: `prompt` (tokens 1..n-1) first, after the first
-        prompt token, whose logprob and top_logprobs are null."""
+    def _logprobs(self, logprobs: Sequence[TokenLogprob], index: int = 0,
+                  prompt: Sequence[PromptLogprob] | None = None, prompt_i: int = 0) -> dict:
+        """Choice `index`'s logprobs object; completions with echo: `prompt` (tokens 1..n-1 of prompt `prompt_i`)
+        first, after the prompt's first token, whose logprob and top_logprobs are null."""
         if self.parsed.chat:
             def entry(token_id: int, logprob: float) -> dict:
                 token = self._token(token_id)
@@ -509,11 +590,13 @@ class ResponseBuilder:
         entries = [(lp.token_id, _finite(lp.logprob), {self._token(t): _finite(v) for t, v in top})
                    for lp, top in scored]
         if prompt is not None:
-            entries.insert(0, (self.parsed.request.prompt_token_ids[0], None, None))
+            entries.insert(0, (self.parsed.requests[prompt_i].prompt_token_ids[0], None, None))
         tokens = [self._token(token_id) for token_id, _, _ in entries]
         offsets = []
+        offset = self._text_offset.get(index, 0)
         for token in tokens:
-            offsets.append(self._text_offset)
-            self._text_offset += len(token)
+            offsets.append(offset)
+            offset += len(token)
+        self._text_offset[index] = offset
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
                 "top_logprobs": [top for _, _, top in entries], "text_offset": offsets}

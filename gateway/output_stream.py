@@ -1,5 +1,5 @@
-"""One request's output: token ids -> text deltas (UTF-8 safe, engine.tokenizer.IncrementalDetokenizer) ->
-stop strings (gateway.stop_strings), as OutputChunks.
+"""One choice's output: token ids -> text deltas (UTF-8 safe, engine.tokenizer.IncrementalDetokenizer) ->
+stop strings (gateway.stop_strings), as OutputChunks of that choice (a request with n > 1 has one each).
 
 min_tokens: the text of the first min_tokens tokens bypasses the stop-string matcher (a stop string counts only
 when it lies wholly in the text after them), as the workers suppress stop tokens until then."""
@@ -16,9 +16,10 @@ from gateway.validation import GenerationRequest
 class OutputStream:
     """Token ids -> text deltas (UTF-8 safe) -> stop strings."""
 
-    def __init__(self, tokenizer: Tokenizer, req: GenerationRequest) -> None:
+    def __init__(self, tokenizer: Tokenizer, req: GenerationRequest, choice_index: int = 0) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, req.prompt_token_ids)
         self._stop = StopStringMatcher(req.stop, req.include_stop_str_in_output)
+        self.choice_index = choice_index
         self._min_tokens = req.sampling.min_tokens
         self.num_tokens = 0
 
@@ -33,14 +34,15 @@ class OutputStream:
         text = self._detokenizer.add(token_ids[:num_unchecked]) if num_unchecked else ""
         if len(token_ids) > num_unchecked:
             text += self._stop.add(self._detokenizer.add(token_ids[num_unchecked:]))[0]
-        return OutputChunk(text, tuple(token_ids), logprobs, prompt_logprobs=prompt_logprobs)
+        return OutputChunk(text, tuple(token_ids), logprobs, choice_index=self.choice_index,
+                           prompt_logprobs=prompt_logprobs)
 
     def finish(self) -> OutputChunk:
         """The end of the stream: text held back by the detokenizer or the stop-string matcher."""
         text, _ = self._stop.add(self._detokenizer.flush())
-        return OutputChunk(text + self._stop.flush(), ())
+        return OutputChunk(text + self._stop.flush(), (), choice_index=self.choice_index)
 
     @staticmethod
     def merge(a: OutputChunk, b: OutputChunk) -> OutputChunk:
         return OutputChunk(a.text + b.text, a.token_ids + b.token_ids, a.logprobs + b.logprobs,
-                           prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs)
+                           choice_index=a.choice_index, prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs)

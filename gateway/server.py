@@ -242,6 +242,7 @@ def chunk_to_pb(request_id: str, chunk: OutputChunk) -> generation_pb2.GenerateR
     pb = generation_pb2.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.token_ids,
                                          logprobs=[logprob_to_pb(lp) for lp in chunk.logprobs],
                                          finish_reason=finish_reason_to_pb(chunk.finish_reason),
+                                         choice_index=chunk.choice_index,
                                          prompt_logprobs=[prompt_logprob_to_pb(lp)
                                                           for lp in chunk.prompt_logprobs or ()])
     if chunk.usage is not None:

@@ -155,7 +155,8 @@ class Timings:
 
 @dataclass(frozen=True)
 class Chunk:
-    """One streamed piece of a completion; the last one has finish_reason, usage and timings set."""
+    """One streamed piece of a completion; the last one has finish_reason, usage and timings set (with
+    sampling n > 1, each choice's last has its finish_reason and only the request's last has usage)."""
 
     request_id: str
     text: str
@@ -165,6 +166,7 @@ class Chunk:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    choice_index: int = 0
     prompt_logprobs: tuple[PromptLogprob, ...] = ()
     """With the prompt_logprobs option, on the first chunk: prompt tokens 1..n-1 (the first has none)."""
 
@@ -175,6 +177,7 @@ class Chunk:
                    finish_reason=_FINISH_FROM_PB.get(pb.finish_reason),
                    usage=Usage.from_pb(pb.usage) if pb.HasField("usage") else None,
                    timings=Timings.from_pb(pb.timings) if pb.HasField("timings") else None,
+                   choice_index=pb.choice_index,
                    prompt_logprobs=tuple(PromptLogprob.from_pb(lp) for lp in pb.prompt_logprobs))
 
 

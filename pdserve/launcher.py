@@ -13,8 +13,8 @@ answers grpc.health.v1 SERVING over mutual TLS to the probe certificate, the gat
 `insecure_internal` starts everything plaintext instead, with a warning. The Redis URL (and its password)
 reaches every process in its environment as PDSERVE_REDIS_URL, never on a command line. A process that exits while
 starting, or a start that outlasts `start_timeout_s`, raises ClusterError with the tail of the culprit's log, after
-stopping everything already started. Children run `python -P -m pdserve.cli` (3.10: the same without the script
-directory on sys.path), so a `pdserve/` folder in the working directory never shadows the installed package.
+stopping everything already started. Children run `python -P -m pdserve.cli`, so a `pdserve/`
+folder in the working directory never shadows the installed package.
 
 While it runs, a supervisor thread keeps the cluster up: a dead embedded redis-server is restarted on the same
 port (workers re-register and re-publish their cached blocks on reconnect; routing is load-only meanwhile); a dead
@@ -89,23 +89,14 @@ if pgid > 0:
 for path in dirs:
     shutil.rmtree(path, ignore_errors=True)
 """
-# Python 3.10 has no -P: drop the script directory ('' for -c, i.e. the working directory) before the import.
-_SAFE_PATH_BOOTSTRAP = ("import runpy, sys\n"
-                        "if sys.path and sys.path[0] in ('', '.'):\n"
-                        "    del sys.path[0]\n"
-                        "runpy.run_module('pdserve.cli', run_name='__main__', alter_sys=True)\n")
-
-
 class ClusterError(RuntimeError):
     """The local cluster could not start (the message names the process and ends with its log's tail)."""
 
 
-def child_command(argv: list[str], version: tuple[int, ...] = tuple(sys.version_info)) -> list[str]:
+def child_command(argv: list[str]) -> list[str]:
     """The command line that runs `pdserve ARGV` with this interpreter and its installed packages, whatever the
-    working directory holds (`python -m` would put it first on sys.path)."""
-    if version >= (3, 11):
-        return [sys.executable, "-P", "-m", "pdserve.cli", *argv]
-    return [sys.executable, "-c", _SAFE_PATH_BOOTSTRAP, *argv]
+    working directory holds (`-P`: plain `python -m` would put it first on sys.path)."""
+    return [sys.executable, "-P", "-m", "pdserve.cli", *argv]
 
 
 def divide_threads(num_cpus: int, num_workers: int) -> list[int]:

@@ -5,6 +5,7 @@ One request (DESIGN section 3, step 5):
     target.endpoint checked first (prefill_worker.destinations: a live decode worker of this cluster, or
     PERMISSION_DENIED before anything is computed)
     add_request(max_tokens=1, hold_blocks) ─▶ engine batch (chunked, prefix cache) ─▶ first token sampled
+       (n > 1: one first token per choice, from the same logits; the choices fork on the decode worker)
     ─▶ lease HELD ─pin─▶ PUSHING: push blocks [num_cached_blocks:] of the prompt to the decode worker's
        reservation (shm or grpc) ─unpin─▶ HELD
     ─▶ released by the engine (always, exactly once: success, rejected transfer or abort)
@@ -40,6 +41,7 @@ from protos.convert import TransferTargetData, WorkerRequestData
 class PrefillResult:
     first_token_id: int
     first_logprob: TokenLogprob | None
+    choice_first_tokens: list[tuple[int, TokenLogprob | None]]   # choices 1..n-1 (n > 1)
     cached_tokens: int
     computed_tokens: int
     transfer_bytes: int
@@ -93,8 +95,9 @@ class PrefillWorker:
         finally:
             stream.close()  # aborts the finished request: the engine releases its lease here, exactly once
         return PrefillResult(out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None,
-                             seq.num_cached_tokens, seq.num_prompt_tokens - seq.num_cached_tokens,
-                             stats.num_bytes, stats.elapsed_ms, stats.transport, prefill_ms, out.prompt_logprobs)
+                             list(seq.choice_first_tokens), seq.num_cached_tokens,
+                             seq.num_prompt_tokens - seq.num_cached_tokens, stats.num_bytes, stats.elapsed_ms,
+                             stats.transport, prefill_ms, out.prompt_logprobs)
 
     def _push(self, rid: str, src_block_ids: list[int], target: TransferTargetData, start: float,
               timeout_s: float):

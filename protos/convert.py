@@ -39,6 +39,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(pb.stop_token_ids),
         ignore_eos=pb.ignore_eos,
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
+        n=pb.n if pb.HasField("n") else d.n,
         min_tokens=pb.min_tokens,
         logit_bias=tuple(sorted(pb.logit_bias.items())),
         prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
@@ -55,6 +56,8 @@ def sampling_to_pb(p: SamplingParams, stop: tuple[str, ...] = ()) -> common_pb2.
         pb.seed = p.seed
     if p.logprobs is not None:
         pb.logprobs = p.logprobs
+    if p.n != 1:
+        pb.n = p.n
     if p.prompt_logprobs is not None:
         pb.prompt_logprobs = p.prompt_logprobs
     return pb
@@ -69,6 +72,14 @@ def logprob_from_pb(pb: common_pb2.TokenLogprob) -> TokenLogprob:
     return TokenLogprob(pb.token_id, pb.logprob, [(t.token_id, t.logprob) for t in pb.top])
 
 
+def choice_tokens_to_pb(tokens: list[tuple[int, TokenLogprob | None]]) -> list[worker_pb2.ChoiceFirstToken]:
+    """First tokens of choices 1..n-1 (PrefillResponse / DecodeRequest choice_first_tokens)."""
+    return [worker_pb2.ChoiceFirstToken(token_id=t, logprob=logprob_to_pb(lp) if lp is not None else None)
+            for t, lp in tokens]
+
+
+def choice_tokens_from_pb(pbs) -> list[tuple[int, TokenLogprob | None]]:
+    return [(pb.token_id, logprob_from_pb(pb.logprob) if pb.HasField("logprob") else None) for pb in pbs]
 def prompt_logprob_to_pb(lp: PromptLogprob) -> common_pb2.PromptTokenLogprob:
     return common_pb2.PromptTokenLogprob(logprob=logprob_to_pb(lp), rank=lp.rank)
 
@@ -127,7 +138,7 @@ def step_to_pb(out: StepOutput) -> worker_pb2.DecodeResponse:
     return worker_pb2.DecodeResponse(
         token_ids=out.new_token_ids, logprobs=[logprob_to_pb(lp) for lp in out.new_logprobs],
         finish_reason=finish_reason_to_pb(out.seq.finish_reason if out.finished else None),
-        cached_tokens=out.seq.num_cached_tokens,
+        cached_tokens=out.seq.num_cached_tokens, choice_index=out.seq.choice_index,
         prompt_logprobs=[prompt_logprob_to_pb(lp) for lp in out.prompt_logprobs or ()])
 
 

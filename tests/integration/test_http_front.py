@@ -175,7 +175,7 @@ def test_openai_client_retrieves_the_model_and_uses_developer_and_max_completion
     ("chat", {"extra_body": {"structured_outputs": {"choice": ["yes", "no"]}}}, "structured_outputs"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ("chat", {"n": 2}, "n"),
+    ("chat", {"n": 17}, "n"),
     ("chat", {"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
     ("chat", {"extra_body": {"echo": True}}, "echo"),
     ("completions", {"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
@@ -258,7 +258,8 @@ def test_streams_concatenate_to_the_non_streamed_text_and_end_with_done(gateway)
 @pytest.mark.parametrize("path, body, status, param", [
     ("/v1/completions", greedy("hello", temperature=-1), 400, "temperature"),
     ("/v1/completions", greedy("hello", max_tokens=0), 400, "max_tokens"),
-    ("/v1/completions", greedy("hello", n=2), 400, "n"),
+    ("/v1/completions", greedy("hello", n=17), 400, "n"),
+    ("/v1/completions", greedy(["hello", ""], n=2), 400, "prompt[1]"),
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
     ("/v1/completions", greedy("hello", model="gpt-4"), 404, "model"),
     ("/v1/completions", b'{"prompt": "hello", ', 400, None),
@@ -596,4 +597,119 @@ def test_lm_eval_loglikelihood_task_through_local_completions(gateway, reference
         [[(loglikelihood, _)]] = sample["resps"]
         assert float(loglikelihood) == pytest.approx(expected, abs=5e-3)
     assert "perplexity,none" in results["results"]["pdserve_capitals"]
+# ------------------------------------------------------------------------------------------------ n > 1, batches
+SEEDED = {"temperature": 1.0, "seed": 7, "max_tokens": 8}
+
+
+def offline_choices(reference, prompt, n: int, **fields) -> list[str]:
+    params = SamplingParams(n=n, **{**SEEDED, **fields})
+    return [o.text for o in reference.llm.generate(prompt, params)[0].outputs]
+
+
+def streamed_choices(events) -> tuple[dict[int, str], dict[int, str], object]:
+    """(text per index, finish_reason per index, usage) of an openai client stream."""
+    texts, finishes, usage = {}, {}, None
+    for event in events:
+        usage = event.usage or usage
+        for c in event.choices:
+            part = c.text if hasattr(c, "text") else (c.delta.content or "")
+            texts[c.index] = texts.get(c.index, "") + part
+            if c.finish_reason is not None:
+                assert c.index not in finishes
+                finishes[c.index] = c.finish_reason
+    return texts, finishes, usage
+
+
+def test_openai_client_n3_is_one_prefill_with_seeded_reproducible_choices(gateway, reference, cluster):
+    client = openai.OpenAI(base_url=url(gateway, "/v1"), api_key="unused", max_retries=0, timeout=RPC_TIMEOUT_S)
+    name = cluster.model[0].name
+    free_before = cluster.wait_idle()["d0"].free_blocks
+    expected = offline_choices(reference, PROMPTS[0], 3, ignore_eos=True)
+    assert len(set(expected)) == 3
+    answer = client.completions.create(model=name, prompt=PROMPTS[0], n=3, extra_body={"ignore_eos": True}, **SEEDED)
+    assert [(c.index, c.text, c.finish_reason) for c in answer.choices] == \
+        [(i, t, "length") for i, t in enumerate(expected)]
+    assert answer.usage.prompt_tokens == len(cluster.model[1].encode(PROMPTS[0]))
+    assert answer.usage.completion_tokens == 3 * 8                    # summed over the choices, as OpenAI
+    events = client.completions.create(model=name, prompt=PROMPTS[0], n=3, extra_body={"ignore_eos": True},
+                                       stream=True, stream_options={"include_usage": True}, **SEEDED)
+    texts, finishes, usage = streamed_choices(events)
+    assert texts == dict(enumerate(expected)) and finishes == {0: "length", 1: "length", 2: "length"}
+    assert usage.completion_tokens == 24
+    # choice 0 is the n=1 completion with the request's seed
+    one = client.completions.create(model=name, prompt=PROMPTS[0], extra_body={"ignore_eos": True}, **SEEDED)
+    assert one.choices[0].text == expected[0]
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(model=name, messages=messages, n=3, **SEEDED)
+    again = client.chat.completions.create(model=name, messages=messages, n=3, stream=True, **SEEDED)
+    texts, finishes, _ = streamed_choices(again)
+    assert [c.index for c in chat.choices] == [0, 1, 2] and len(finishes) == 3
+    assert texts == {c.index: c.message.content for c in chat.choices}
+    assert finishes == {c.index: c.finish_reason for c in chat.choices}
+    greedy_n = client.chat.completions.create(model=name, messages=messages, n=2, temperature=0, max_tokens=6)
+    assert greedy_n.choices[0].message.content == greedy_n.choices[1].message.content
+    stats = cluster.wait_idle()
+    assert_idle(stats)
+    assert stats["d0"].free_blocks == free_before
+
+
+def test_batched_prompts_are_indexed_prompt_major(gateway, reference, cluster):
+    ids = reference.llm.tokenizer.encode(PROMPTS[2])
+    answer = post(gateway, "/v1/completions", greedy([PROMPTS[1], ids], 6, n=2))
+    texts = [reference(PROMPTS[1], 6)[0], reference(ids, 6)[0]]
+    assert [(c["index"], c["text"]) for c in answer["choices"]] == \
+        [(0, texts[0]), (1, texts[0]), (2, texts[1]), (3, texts[1])]
+    assert answer["usage"]["prompt_tokens"] == len(cluster.model[1].encode(PROMPTS[1])) + len(ids)
+    events = [json.loads(e) for e in stream(gateway, "/v1/completions", greedy([PROMPTS[1], ids], 6, n=2))[:-1]]
+    streamed = {}
+    for e in events:
+        for c in e["choices"]:
+            streamed[c["index"]] = streamed.get(c["index"], "") + c["text"]
+    assert streamed == {i: texts[i // 2] for i in range(4)}
+    one_token = post(gateway, "/v1/completions", {"prompt": PROMPTS[1], "n": 3, **SEEDED, "max_tokens": 1})
+    assert [c["finish_reason"] for c in one_token["choices"]] == ["length"] * 3     # ended as the choices forked
+    assert one_token["usage"]["completion_tokens"] == 3
+    best = post(gateway, "/v1/completions", {"prompt": PROMPTS[1], "n": 1, "best_of": 3, **SEEDED})
+    assert len(best["choices"]) == 1 and best["choices"][0]["text"] in offline_choices(reference, PROMPTS[1], 3)
+    assert_idle(cluster.wait_idle())
+
+
+def test_local_prefill_forks_the_same_choices(cluster, reference):
+    local = cluster.gateway(local_prefill_threshold=10_000)
+    answer = post(local, "/v1/completions", {"prompt": PROMPTS[0], "n": 3, "ignore_eos": True, **SEEDED})
+    assert [c["text"] for c in answer["choices"]] == offline_choices(reference, PROMPTS[0], 3, ignore_eos=True)
+    assert_idle(cluster.wait_idle())
+
+
+def test_cancel_of_an_n3_stream_returns_the_decode_workers_blocks(gateway, cluster):
+    free_before = cluster.wait_idle()["d0"].free_blocks
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            response = await session.post(url(gateway, "/v1/completions"),
+                                          json=greedy(PROMPTS[0], 400, ignore_eos=True, stream=True, n=3))
+            for _ in range(6):
+                assert (await response.content.readline()).startswith(b"data: ")
+                await response.content.readline()
+            running = (await asyncio.to_thread(cluster.stats, "d0")).running
+            response.close()
+            return running
+
+    assert asyncio.run(scenario()) == 3
+    stats = cluster.wait_idle()
+    assert_idle(stats)
+    assert stats["d0"].free_blocks == free_before
+
+
+def test_grpc_generate_streams_each_choice_with_its_index(gateway, cluster):
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        chunks = list(generation_pb2_grpc.GenerationStub(channel).Generate(generation_pb2.GenerateRequest(
+            text=PROMPTS[2], sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0.0, n=2,
+                                                                ignore_eos=True)), timeout=RPC_TIMEOUT_S))
+    by_choice = {i: [c for c in chunks if c.choice_index == i] for i in (0, 1)}
+    assert {c.choice_index for c in chunks} == {0, 1}
+    assert [sum(len(c.token_ids) for c in cs) for cs in by_choice.values()] == [4, 4]
+    assert [sum(c.finish_reason != 0 for c in cs) for cs in by_choice.values()] == [1, 1]
+    assert chunks[-1].usage.completion_tokens == 8 and sum(c.HasField("usage") for c in chunks) == 1
     assert_idle(cluster.wait_idle())

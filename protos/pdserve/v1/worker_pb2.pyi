@@ -60,7 +60,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[WorkerRequest, _Mapping]] = ..., target: _Optional[_Union[TransferTarget, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "cached_tokens", "computed_tokens", "transfer_bytes", "transfer_ms", "transport", "prefill_ms", "prompt_logprobs")
+    __slots__ = ("first_token_id", "first_logprob", "cached_tokens", "computed_tokens", "transfer_bytes", "transfer_ms", "transport", "prefill_ms", "prompt_logprobs", "choice_first_tokens")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class PrefillResponse(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprob: _common_pb2.TokenLogprob
     cached_tokens: int
@@ -79,35 +80,48 @@ class PrefillResponse(_message.Message):
     transport: str
     prefill_ms: float
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.PromptTokenLogprob]
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., transport: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PromptTokenLogprob, _Mapping]]] = ...) -> None: ...
+    choice_first_tokens: _containers.RepeatedCompositeFieldContainer[ChoiceFirstToken]
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., transport: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PromptTokenLogprob, _Mapping]]] = ..., choice_first_tokens: _Optional[_Iterable[_Union[ChoiceFirstToken, _Mapping]]] = ...) -> None: ...
+
+class ChoiceFirstToken(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: _common_pb2.TokenLogprob
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "handle", "first_token_id", "first_logprob", "prefill_locally")
+    __slots__ = ("request_id", "handle", "first_token_id", "first_logprob", "prefill_locally", "choice_first_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     PREFILL_LOCALLY_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     handle: str
     first_token_id: int
     first_logprob: _common_pb2.TokenLogprob
     prefill_locally: bool
-    def __init__(self, request_id: _Optional[str] = ..., handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., prefill_locally: _Optional[bool] = ...) -> None: ...
+    choice_first_tokens: _containers.RepeatedCompositeFieldContainer[ChoiceFirstToken]
+    def __init__(self, request_id: _Optional[str] = ..., handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., prefill_locally: _Optional[bool] = ..., choice_first_tokens: _Optional[_Iterable[_Union[ChoiceFirstToken, _Mapping]]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "cached_tokens", "prompt_logprobs")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "cached_tokens", "prompt_logprobs", "choice_index")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_INDEX_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     finish_reason: _common_pb2.FinishReason
     cached_tokens: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.PromptTokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PromptTokenLogprob, _Mapping]]] = ...) -> None: ...
+    choice_index: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PromptTokenLogprob, _Mapping]]] = ..., choice_index: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

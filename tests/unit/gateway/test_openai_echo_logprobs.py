@@ -37,7 +37,7 @@ def generated(usage=Usage(3, 1, 0)):
 
 def test_echo_and_logprobs_ask_the_workers_for_prompt_logprobs(tokenizer):
     parsed = completion(tokenizer, echo=True, logprobs=1, max_tokens=3)
-    assert parsed.echo == "hello a world" and not parsed.score_only
+    assert parsed.echo == ("hello a world",) and not parsed.score_only
     assert parsed.request.sampling.prompt_logprobs == 1 and parsed.request.sampling.max_tokens == 3
     assert completion(tokenizer, echo=True).request.sampling.prompt_logprobs is None    # text only
     assert completion(tokenizer, echo=True, logprobs=1, prompt_logprobs=3).request.sampling.prompt_logprobs == 3

@@ -4,6 +4,7 @@ cancellation."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 import subprocess
 import sys
@@ -374,3 +375,39 @@ def test_the_request_path_policy_imports_no_grpc_protobuf_redis_or_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[3])
     assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------------------------------------ n > 1
+class ChoicesWorkers(FakeWorkers):
+    """Prefill samples a first token per choice; decode streams two choices interleaved."""
+
+    async def prefill(self, endpoint, job, target, timeout):
+        result = await super().prefill(endpoint, job, target, timeout)
+        return dataclasses.replace(result, choice_first_tokens=((7, None),))
+
+
+def test_two_choices_stream_with_their_index_each_finish_and_one_summed_usage_at_the_end():
+    fake = ChoicesWorkers()
+    fake.stream = [DecodeMessage((9,), choice_index=1), DecodeMessage((10,)),
+                   DecodeMessage((), (), FinishReason.LENGTH, choice_index=1), DecodeMessage((9,)),
+                   DecodeMessage((), (), FinishReason.STOP)]
+    orch, _ = make(fake)
+    req = dataclasses.replace(request(), sampling=SamplingParams(max_tokens=16, seed=1, n=2))
+    chunks = asyncio.run(run(orch, req))
+    by_choice = {i: [t for c in chunks if c.choice_index == i for t in c.token_ids] for i in (0, 1)}
+    assert by_choice == {0: [8, 10, 9], 1: [7, 9]}
+    assert [(c.choice_index, c.finish_reason) for c in chunks if c.finish_reason is not None] == \
+        [(1, FinishReason.LENGTH), (0, FinishReason.STOP)]
+    assert [c.usage for c in chunks if c.usage is not None] == [chunks[-1].usage]
+    assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].usage.prompt_tokens == len(PROMPT)
+    assert fake.aborts() == []                              # D finished every choice: nothing to abort
+
+
+def test_a_stream_that_ends_before_every_choice_finished_fails_and_aborts_the_decode_worker():
+    fake = ChoicesWorkers()
+    fake.stream = [DecodeMessage((9,)), DecodeMessage((), (), FinishReason.LENGTH)]
+    orch, _ = make(fake)
+    req = dataclasses.replace(request(), sampling=SamplingParams(max_tokens=16, seed=1, n=2))
+    with pytest.raises(WorkerFailed):
+        asyncio.run(run(orch, req))
+    assert [a[1:] for a in fake.aborts()] == [("decode", "r")]

@@ -24,7 +24,7 @@ class ScoringWorkers(FakeWorkers):
     def __init__(self, prompt_logprobs=SCORED) -> None:
         super().__init__()
         self.prompt_logprobs = prompt_logprobs
-        self.stream = [DecodeMessage((9,), (), None, prompt_logprobs), DecodeMessage((10,)),
+        self.stream = [DecodeMessage((9,), (), None, prompt_logprobs=prompt_logprobs), DecodeMessage((10,)),
                        DecodeMessage((), (), FinishReason.LENGTH)]
 
     async def prefill(self, endpoint, job, target, timeout):
