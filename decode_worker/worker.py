@@ -68,7 +68,9 @@ class DecodeWorker:
                  verify_kv: str = "off", max_reserved_fraction_per_caller: float = 1.0) -> None:
         self.loop = loop
         engine = loop.engine
-        self.layout = KvLayoutSpec.from_cache(engine.runner.kv_cache, engine.fingerprint)
+        if verify_kv != "off" and engine.runner.tp is not None:
+            raise ValueError("verify_kv recomputes layer 0 on rank 0 alone: it needs tensor_parallel_size 1")
+        self.layout = KvLayoutSpec.from_cache(engine.runner.transfer_cache(), engine.fingerprint)
         self.max_lease_ms = max_lease_ms
         self.trust_plaintext_kv = trust_plaintext_kv
         self.verify_kv = verify_kv
@@ -136,7 +138,11 @@ class DecodeWorker:
             except IllegalTransition:
                 raise TransferRejected(f"this reservation is {res.lease.state.value}, not waiting for its KV",
                                        "handle") from None
-        return ReceiveTarget(self.layout, tuple(res.missing_block_ids), self.loop.engine.runner.kv_cache)
+        runner = self.loop.engine.runner
+        if runner.tp is None:
+            return ReceiveTarget(self.layout, tuple(res.missing_block_ids), runner.kv_cache)
+        # Every KV head arrives; rank 0 hands each rank its own (ModelRunner.write_received).
+        return ReceiveTarget(self.layout, tuple(res.missing_block_ids), runner.transfer_cache(), runner.write_received)
 
     def commit(self, request_id: str, handle: str, blocks: ReceivedBlocks) -> None:
         """Verify the received KV when verify_kv asks (TransferRejected on a mismatch: never decode on bad KV),

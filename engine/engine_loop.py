@@ -12,7 +12,9 @@ the model (metrics). A request that fails alone in a step
 (its sampling raised) ends its stream with RequestFailedError while the others go on; if the step itself
 raises (the forward pass), every open stream gets the error and the loop keeps serving (the failed
 requests are aborted so their blocks are freed). One choice of an n > 1 request failing fails the request:
-its other choices are aborted. After `stop()`, `call` and `open_stream` raise LoopStopped.
+its other choices are aborted. A tensor-parallel rank that fails (TensorParallelError) ends the process at
+once with status EXIT_RANK_FAILED: the ranks are gone, and open RPCs see UNAVAILABLE.
+After `stop()`, `call` and `open_stream` raise LoopStopped.
 
 CPU threads: torch's OpenMP thread count is per calling thread, so the loop thread sets the engine's
 `num_threads` itself. Build an engine the loop will step with `build_engine`, on a thread that then ends: a
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -37,10 +40,13 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import RequestFailedError
 from engine.llm_engine import LLMEngine, StepOutput
+from engine.parallel.ranks import TensorParallelError
 from engine.sequence import FinishReason
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+EXIT_RANK_FAILED = 70
+"""Exit status of a worker whose tensor-parallel rank failed."""
 _END = object()
 
 
@@ -226,6 +232,13 @@ class EngineLoop:
         steps_before, started = self.engine.num_steps, time.perf_counter()
         try:
             outputs = self.engine.step()
+        except TensorParallelError:
+            # A rank died or timed out: the ranks are gone, this worker cannot step again. Exiting at once
+            # gives every open RPC UNAVAILABLE (the gateway retries elsewhere) and the launcher sees the exit.
+            log.critical("a tensor-parallel rank failed; the worker exits with status %d", EXIT_RANK_FAILED,
+                         exc_info=True)
+            logging.shutdown()
+            os._exit(EXIT_RANK_FAILED)
         except Exception as exc:
             log.exception("engine step failed; failing its %d open requests", len(self._streams))
             for request_id, stream in list(self._streams.items()):

@@ -8,6 +8,13 @@ is released; `abort` is the one way out for callers (queued, running, reserved, 
 request whose own sampling or bookkeeping raises in a step is finished with FinishReason.ERROR and released
 while the rest of the batch goes on (an error of the forward pass itself still raises from `step`).
 
+Structured output: a request with `params.structured_output` has its grammar compiled by `self.grammars`
+(engine.grammar) on the compiler's thread, never in a step. Until it is compiled the sequence is
+`awaiting_grammar` and the scheduler passes it over; the first step after compilation attaches its matcher,
+replayed over the tokens it already has (a first token sampled by a prefill worker). Each sampled token then
+advances the matcher; a grammar that fails to compile fails its request alone. A forked choice (below) gets a
+matcher of its own the same way.
+
 n > 1 choices: the prompt is computed once. The sampling that ends it draws n first tokens (the runner, each
 choice from its own seed); choices 1..n-1 then fork on the prompt's blocks (`_fork_choices`: full blocks shared
 by reference count, the partial one copied) as sequences "<id>/<i>" with leases of their own, so each releases
@@ -22,6 +29,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +37,7 @@ import torch
 from engine.config import EngineConfig
 from engine.block_lease import BlockLease, LeaseState
 from engine.errors import InvalidRequestError, OverloadedError, PreconditionError
+from engine.grammar import GrammarCompiler
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import LoadedModel, load_model
 from engine.model_fetch import resolve_model_path
@@ -55,6 +64,8 @@ class EngineStats:
     reserved: int         # leases RESERVED, RECEIVING or COMMITTED (decode side)
     held: int             # leases HELD or PUSHING (prefill side)
     preemptions: int      # since start
+    tensor_parallel_size: int = 1
+    kv_resharding_bytes: int = 0  # KV moved between the ranks for transfers since start (engine.parallel.ranks)
 
 
 @dataclass(frozen=True)
@@ -110,6 +121,10 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting,
                             self.max_model_len),
             self.kv, self.model_config.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
+        """Compiles and caches the structured-output grammars of this engine's requests."""
+        self._pending_grammars: dict[str, tuple[Sequence, Future]] = {}
+        """Requests whose grammar is compiling (or compiled, not yet attached), by id."""
         self._seed_rng = random.Random(config.seed)
         self._leases: dict[str, BlockLease] = {}
         """Every sequence not yet released, by id: its lease owns its blocks (engine.block_lease)."""
@@ -136,6 +151,8 @@ class LLMEngine:
                 "prompt", f"has {len(prompt_token_ids)} tokens; the context holds {self.max_model_len} "
                           "(prompt plus at least one generated token)")
         params.validate(vocab)
+        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
+            raise InvalidRequestError("prompt_logprobs", "is not supported under tensor parallelism yet")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, seed: int | None = None, hold_blocks: bool = False) -> Sequence:
@@ -146,6 +163,7 @@ class LLMEngine:
         seq.queued_s = time.perf_counter()
         self.scheduler.add(seq)
         self._leases[request_id] = seq.lease
+        self._start_grammar(seq)
         return seq
 
     def _new_sequence(self, request_id, prompt_token_ids, params, cache_salt, seed) -> Sequence:
@@ -172,6 +190,7 @@ class LLMEngine:
         self.kv.allocate(seq, num_new, hit_block_ids)
         seq.num_cached_tokens = seq.num_computed_tokens
         self._leases[request_id] = seq.lease
+        self._start_grammar(seq)
         return seq
 
     def start_reserved(self, request_id: str, first_token_id: int | None = None,
@@ -243,6 +262,7 @@ class LLMEngine:
                         copies.append(copy)
                 self.scheduler.add_choice(child)
                 self._leases[child.request_id] = child.lease
+                self._start_grammar(child)           # its own matcher, replayed over its first token
             outputs.append(StepOutput(child, [token_id], [logprob] if logprob is not None else [],
                                       reason is not None, reason is not None and self._choice_done(child)))
         if copies:
@@ -261,6 +281,30 @@ class LLMEngine:
         del self._num_open_choices[request_id]
         self._choices.pop(request_id, None)
         return True
+
+    def _start_grammar(self, seq: Sequence) -> None:
+        if seq.params.structured_output is not None:
+            seq.awaiting_grammar = True
+            self._pending_grammars[seq.request_id] = (seq, self.grammars.submit(seq.params.structured_output))
+
+    def _attach_grammars(self) -> list[StepOutput]:
+        """Attach the matchers of compiled grammars to their sequences once the scheduler holds them (queued
+        or running); fail those whose grammar did not compile. Entries of released requests are dropped."""
+        failed = []
+        for request_id, (seq, future) in list(self._pending_grammars.items()):
+            if seq.lease.released:
+                del self._pending_grammars[request_id]
+            elif future.done() and seq.lease.state in _SCHEDULED_STATES:
+                del self._pending_grammars[request_id]
+                try:
+                    state = self.grammars.new_state(future.result())
+                    state.sync(seq.output_token_ids)
+                except Exception as exc:  # this request alone fails
+                    failed.append(self._fail(seq, exc))
+                    continue
+                seq.grammar = state
+                seq.awaiting_grammar = False
+        return failed
 
     def get_lease(self, request_id: str) -> BlockLease | None:
         """The lease of a request not yet released (no side effects)."""
@@ -294,9 +338,12 @@ class LLMEngine:
 
     # --- one step ---------------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        failed = self._attach_grammars() if self._pending_grammars else []
         out = self.scheduler.schedule()
         if not out.chunks:
-            return []
+            if self._pending_grammars:  # nothing else to run: give a compilation a moment instead of spinning
+                wait([f for _, f in self._pending_grammars.values()], timeout=0.01, return_when=FIRST_COMPLETED)
+            return failed
         self.num_steps += 1
         started = time.perf_counter()
         queue_times = []
@@ -309,7 +356,7 @@ class LLMEngine:
                                 - c.seq.num_computed_tokens) for c in out.chunks)
         self.last_step = StepRecord(num_prompt, tuple(queue_times))
         executed = self.runner.execute(out)
-        results = []
+        results = failed
         for chunk in out.chunks:
             seq = chunk.seq
             rows = executed.rows.get(seq.request_id)
@@ -325,6 +372,8 @@ class LLMEngine:
                 if rows is not None and seq.num_choices_to_sample > 1:
                     forked = self._first_tokens_of_choices(seq, rows[1:])
                 done = self.scheduler.update(chunk, row.token_id if row is not None else None)
+                if seq.grammar is not None and row is not None:
+                    seq.grammar.sync(seq.output_token_ids)
             except Exception as exc:  # this request alone fails; the rest of the batch goes on
                 results.append(self._fail(seq, exc))
                 results.extend(forked)
@@ -363,6 +412,10 @@ class LLMEngine:
             self._leases.pop(seq.request_id, None)
         return StepOutput(seq, [], [], True, self._choice_done(seq))
 
+    def close(self) -> None:
+        """End what the engine started besides this process (tensor-parallel ranks); it cannot step after."""
+        self.runner.close()
+
     def stats(self) -> EngineStats:
         pool = self.kv.pool
         states = [lease.state for lease in self._leases.values()]
@@ -370,9 +423,11 @@ class LLMEngine:
             num_blocks=pool.num_blocks, free_blocks=pool.get_num_free_blocks(), used_blocks=pool.get_num_used_blocks(),
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             reserved=sum(s in _RESERVED_STATES for s in states), held=sum(s in _HELD_STATES for s in states),
-            preemptions=self.scheduler.num_preemptions)
+            preemptions=self.scheduler.num_preemptions, tensor_parallel_size=self.config.tensor_parallel_size,
+            kv_resharding_bytes=self.runner.tp.num_kv_bytes_moved if self.runner.tp is not None else 0)
 
 
+_SCHEDULED_STATES = frozenset({LeaseState.QUEUED, LeaseState.RUNNING})
 _RESERVED_STATES = frozenset({LeaseState.RESERVED, LeaseState.RECEIVING, LeaseState.COMMITTED})
 _HELD_STATES = frozenset({LeaseState.HELD, LeaseState.PUSHING})
 

@@ -4,14 +4,16 @@ Order of operations for each row (the vLLM / OpenAI conventions):
 1. penalties on raw logits: repetition (prompt + output tokens; positive logits divided, negative multiplied),
    then frequency and presence (output tokens only); then logit_bias is added, and while fewer than
    min_tokens tokens were generated the stop tokens (stop_token_ids, and EOS unless ignore_eos) are set to -inf;
-2. logprobs, when asked, are the log-softmax of these processed logits (before temperature and truncation);
-3. greedy rows (temperature 0) take the argmax;
-4. other rows: divide by temperature, keep top_k, then tokens within min_p of the top one, then the top_p
+2. the structured-output bitmask of constrained rows (engine.grammar): disallowed tokens get -inf;
+3. logprobs, when asked, are the log-softmax of these processed logits (before temperature and truncation);
+4. greedy rows (temperature 0) take the argmax;
+5. other rows: divide by temperature, keep top_k, then tokens within min_p of the top one, then the top_p
    nucleus; sample with the exponential-race trick: argmax(p / E) with E ~ Exp(1) is a draw from p.
 
 Randomness is per token, not per batch: the noise for output token i of a request comes from a generator
 seeded with mix(seed, i); choice j of an n > 1 request has its own seed, choice_seed(seed, j). A request therefore gets the same tokens whatever else is in the batch, after a
 preemption, and when its first token was sampled on a prefill worker and the rest on a decode worker.
+A row's grammar state is only read here (its mask); the engine advances it with the sampled token.
 
 Logits arrive as the model made them, under torch.inference_mode: nothing here writes into its input.
 `sample_rows` confines an exception to the row that raised it (engine.faults injects one in tests).
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.faults import SAMPLING_FAULTS
+from engine.grammar import GrammarState, apply_token_bitmask, fill_bitmasks
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprob
 
@@ -59,6 +62,8 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     request_id: str = ""
+    grammar: GrammarState | None = None
+    """The sequence's structured-output matcher, synced with output_token_ids; None when unconstrained."""
     eos_token_ids: tuple[int, ...] = ()
     """The model's end-of-sequence tokens (suppressed with the stop tokens until params.min_tokens)."""
 
@@ -96,6 +101,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     logits = _apply_penalties(logits.float(), rows)
     logits = _apply_logit_bias(logits, rows)
     logits = _suppress_stop_tokens(logits, rows)
+    logits = _apply_grammar_masks(logits, rows)
 
     logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
@@ -196,6 +202,18 @@ def _suppress_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torc
     banned[torch.tensor(row_idx, dtype=torch.long, device=dev),
            torch.tensor(tok_idx, dtype=torch.long, device=dev)] = True
     return logits.masked_fill(banned, float("-inf"))
+def _apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """logits: [num_rows, vocab] -> a new tensor where constrained rows allow only their grammar's next tokens.
+
+    One bitmask fill for the constrained rows (on the CPU, where the matchers live), one masked copy on the
+    logits' device; unconstrained rows are untouched, so their tokens do not depend on their batch-mates.
+    """
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if not constrained:
+        return logits
+    bitmask = fill_bitmasks([rows[i].grammar for i in constrained], logits.shape[1])   # [n_con, words] int32
+    ids = torch.tensor(constrained, dtype=torch.long, device=logits.device)
+    return logits.index_copy(0, ids, apply_token_bitmask(logits.index_select(0, ids), bitmask))
 
 
 def _truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
+from engine.structured import StructuredOutputSpec
 
 MAX_CHOICES = 16
 """Most choices (`n`) one request may ask for: they share one prefill, but each decodes on its own."""
@@ -40,6 +41,9 @@ class SamplingParams:
     """Keep generating past the model's end-of-sequence tokens."""
     logprobs: int | None = None
     """Return the log-probability of each sampled token, plus this many top alternatives; None disables."""
+    structured_output: StructuredOutputSpec | None = None
+    """Constrain the output to a JSON schema, a JSON object, a regex, one of some choices or a grammar
+    (engine.structured); None leaves it free. Applied as a token mask in the sampler; EOS ends a finished match."""
     n: int = 1
     """Choices to generate from one prompt, in [1, MAX_CHOICES]. The prompt is computed once; the choices fork
     on its KV blocks, and choice i samples the stream of `engine.sampler.choice_seed(seed, i)` (choice 0 the
@@ -98,6 +102,8 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             if vocab_size is not None and not 0 <= token_id < vocab_size:
                 raise InvalidRequestError("stop_token_ids", f"{token_id} is outside the vocabulary [0, {vocab_size})")
+        if self.structured_output is not None:
+            self.structured_output.validate()
 
     @property
     def greedy(self) -> bool:

@@ -21,6 +21,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.block_lease import BlockLease
+    from engine.grammar import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -91,6 +92,10 @@ class Sequence:
     does not trust (and everything computed on top of it)."""
     lease: BlockLease | None = field(default=None, repr=False, compare=False)
     """The one owner of `block_ids` (engine.block_lease); set when the engine first takes the request."""
+    grammar: GrammarState | None = field(default=None, repr=False, compare=False)
+    """The structured-output matcher (params.structured_output set), attached once its grammar compiled."""
+    awaiting_grammar: bool = False
+    """Its grammar is still compiling: the scheduler leaves it out of steps until the engine attaches it."""
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None

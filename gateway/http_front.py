@@ -58,6 +58,7 @@ from gateway import tokenize_api
 from gateway.auth import Unauthenticated
 from gateway.frontend import Call, Frontend
 from gateway.openai_protocol import OpenAIRequest, ResponseBuilder, parse_chat, parse_completion
+from gateway.structured_request import rename_error
 from gateway.discovery import WorkerDirectory
 from gateway.request_types import RETRY_AFTER_MS, ClientGone, OutputChunk, ShuttingDown, Usage, error_code
 from gateway.validation import ModelNotFound
@@ -317,6 +318,10 @@ class HttpFront:
                 if self.draining:
                     raise ShuttingDown("the gateway is shutting down; retry on another one")
                 parsed = await f.validate(parse, await _read_json(request, self._max_request_bytes))
+                try:
+                    await f.compile_structured(parsed.request.sampling.structured_output)
+                except InvalidRequestError as exc:
+                    raise rename_error(exc, parsed.structured_param) from None
                 deadline = _deadline(request, call.arrival)
                 if parsed.stream:
                     return await self._stream(request, call, parsed, deadline)
@@ -336,8 +341,7 @@ class HttpFront:
             await response.prepare(request)
             try:
                 while True:
-                    obj = builder.stream_chunk(chunk)
-                    if obj is not None:
+                    for obj in builder.stream_objects(chunk):
                         await response.write(_event(obj))
                     if chunk.usage is not None:      # the request's last chunk
                         break

@@ -106,6 +106,16 @@ def divide_threads(num_cpus: int, num_workers: int) -> list[int]:
     return [max(1, base + (i < extra)) for i in range(num_workers)]
 
 
+def worker_threads(config: LocalClusterConfig, roles: list[str], num_cpus: int) -> list[int]:
+    """Threads of each worker's processes (`roles` in start order): the engine's num_threads when set, else
+    `num_cpus` divided among all processes, a tensor-parallel worker counting one per rank."""
+    if config.engine.num_threads is not None:
+        return [config.engine.num_threads] * len(roles)
+    ranks = [config.tensor_parallel_size(role) for role in roles]
+    per_rank = divide_threads(num_cpus, sum(ranks))
+    return [per_rank[sum(ranks[:i])] for i in range(len(roles))]
+
+
 def available_cpus() -> int:
     """CPUs this process may run on (its affinity mask, which containers narrow), else os.cpu_count()."""
     if hasattr(os, "sched_getaffinity"):
@@ -315,11 +325,8 @@ class LocalCluster:
         self._start_reaper()
         self._child_env = {**os.environ, REDIS_URL_ENV: self._redis_url}
 
-        if config.engine.num_threads is not None:
-            threads = [config.engine.num_threads] * num_workers
-        else:
-            threads = divide_threads(config.num_cpus or available_cpus(), num_workers)
         roles = ["prefill"] * config.num_prefill + ["decode"] * config.num_decode
+        threads = worker_threads(config, roles, config.num_cpus or available_cpus())
         indexes = list(range(config.num_prefill)) + list(range(config.num_decode))
         worker_ids = [f"{role}-{index}" for role, index in zip(roles, indexes)]
         if config.insecure_internal:
@@ -474,7 +481,8 @@ def worker_argv(role: str, worker_id: str, port: int, config: LocalClusterConfig
                 tls: TlsFiles | None) -> list[str]:
     """`pdserve <role>-worker` arguments for one worker of the local cluster: mutual TLS with `tls`, plaintext
     (--insecure-internal) when None. No Redis URL: the worker reads it from PDSERVE_REDIS_URL."""
-    engine = dataclasses.replace(config.engine, num_threads=num_threads)
+    engine = dataclasses.replace(config.engine, num_threads=num_threads,
+                                 tensor_parallel_size=config.tensor_parallel_size(role))
     if role == "prefill" and config.prefill_kv_cache_memory is not None:
         engine = dataclasses.replace(engine, kv_cache_memory=config.prefill_kv_cache_memory)
     argv = [f"{role}-worker", "--worker-id", worker_id, "--host", "127.0.0.1", "--port", str(port),

@@ -58,7 +58,7 @@ class PrefillWorker:
         self.config = config
         self.destinations = destinations
         engine = loop.engine
-        self.layout = KvLayoutSpec.from_cache(engine.runner.kv_cache, engine.fingerprint)
+        self.layout = KvLayoutSpec.from_cache(engine.runner.transfer_cache(), engine.fingerprint)
         self.sender = KvSender(chunk_bytes=config.chunk_bytes, tls=config.tls_files)
         self.host_id = host_id()
         self._lock = threading.Lock()
@@ -109,9 +109,11 @@ class PrefillWorker:
             fault = FaultInjection(0) if self._faults_left > 0 and src_block_ids else None
             self._faults_left -= fault is not None
         try:
+            # Every KV head on the wire: a tensor-parallel worker gathers them from its ranks first.
+            kv_cache, src_block_ids = self.loop.engine.runner.blocks_to_send(src_block_ids)
             return self.sender.push(
                 target.endpoint, request_id=rid, handle=target.handle, layout=self.layout,
-                kv_cache=self.loop.engine.runner.kv_cache, src_block_ids=src_block_ids,
+                kv_cache=kv_cache, src_block_ids=src_block_ids,
                 dst_block_ids=target.block_ids, transport=self._transport(target), codec=self.config.codec,
                 timeout_s=max(timeout_s - (time.perf_counter() - start), 0.001), fault=fault)
         except TransferFailed as exc:

@@ -140,7 +140,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "epoch", "num_blocks", "free_blocks", "used_blocks", "running", "waiting", "reserved", "transfer_errors", "preemptions")
+    __slots__ = ("worker_id", "role", "epoch", "num_blocks", "free_blocks", "used_blocks", "running", "waiting", "reserved", "transfer_errors", "preemptions", "tensor_parallel_size", "kv_resharding_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,8 @@ class WorkerStats(_message.Message):
     RESERVED_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ERRORS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_RESHARDING_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     epoch: int
@@ -163,4 +165,6 @@ class WorkerStats(_message.Message):
     reserved: int
     transfer_errors: int
     preemptions: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., reserved: _Optional[int] = ..., transfer_errors: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    tensor_parallel_size: int
+    kv_resharding_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., reserved: _Optional[int] = ..., transfer_errors: _Optional[int] = ..., preemptions: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., kv_resharding_bytes: _Optional[int] = ...) -> None: ...

@@ -72,9 +72,9 @@ def test_max_tokens_0_scores_the_prompt_and_generates_nothing(tokenizer):
 def test_streamed_echo_comes_first_once(tokenizer):
     parsed = completion(tokenizer, echo=True, logprobs=1, stream=True)
     builder = ResponseBuilder(parsed, tokenizer, created=7)
-    first = builder.stream_chunk(OutputChunk("b", (B,), (TokenLogprob(B, -0.7, [(B, -0.7)]),),
-                                             prompt_logprobs=PROMPT_LOGPROBS))
-    second = builder.stream_chunk(OutputChunk("a", (A,), (TokenLogprob(A, -0.2, [(A, -0.2)]),)))
+    [first] = builder.stream_objects(OutputChunk("b", (B,), (TokenLogprob(B, -0.7, [(B, -0.7)]),),
+                                                 prompt_logprobs=PROMPT_LOGPROBS))
+    second = builder.stream_objects(OutputChunk("a", (A,), (TokenLogprob(A, -0.2, [(A, -0.2)]),)))[0]
     assert first["choices"][0]["text"] == "hello a worldb" and second["choices"][0]["text"] == "a"
     assert first["choices"][0]["logprobs"]["text_offset"] == [0, 5, 6, 11]
     assert second["choices"][0]["logprobs"] == {"tokens": ["a"], "token_logprobs": [-0.2],
@@ -102,7 +102,7 @@ def test_vllm_prompt_logprobs_at_the_top_for_chat(tokenizer):
     assert body["prompt_logprobs"][1] == {str(A): {"logprob": -2.0, "rank": 2, "decoded_token": "a"}}
     assert "prompt_logprobs" not in body["choices"][0]
     stream = ResponseBuilder(dataclasses.replace(parsed, stream=True), tokenizer, created=7)
-    assert stream.stream_chunk(generated()[0])["prompt_logprobs"] == body["prompt_logprobs"]
+    assert stream.stream_objects(generated()[0])[0]["prompt_logprobs"] == body["prompt_logprobs"]
 
 
 def test_logit_bias_and_min_tokens_reach_the_sampling_params(tokenizer):

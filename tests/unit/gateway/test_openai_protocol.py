@@ -166,8 +166,7 @@ def test_bad_completion_parameters_are_named(tokenizer, body, param):
     ([{"role": "user", "content": "a"}], {"top_logprobs": 2}, "top_logprobs"),
     ([{"role": "user", "content": "a"}], {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ([{"role": "user", "content": "a"}], {"max_completion_tokens": 0}, "max_completion_tokens"),
-    ([{"role": "user", "content": "a"}], {"tools": [{"type": "function"}]}, "tools"),
-    ([{"role": "user", "content": "a"}], {"response_format": {"type": "json_object"}}, "response_format"),
+    ([{"role": "user", "content": "a"}], {"tools": [{"type": "function"}]}, "tools[0].function"),
     ([{"role": "user", "content": "a\ud800"}], {}, "messages[0].content"),
     ([{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}], {}, "messages[0].content"),
     ([{"role": "user", "content": "a"}], {"max_tokens": 2**32}, "max_tokens"),
@@ -199,11 +198,12 @@ def test_completion_response_with_usage_and_cached_tokens(tokenizer):
 def test_completion_stream_chunks_skip_empty_ones_and_end_with_a_usage_chunk(tokenizer):
     parsed = completion(tokenizer, prompt="hello", stream=True, stream_options={"include_usage": True})
     builder = ResponseBuilder(parsed, tokenizer, created=7)
-    objects = [builder.stream_chunk(c) for c in chunks()]
-    assert objects[1] is None
-    assert [o["choices"][0]["text"] for o in (objects[0], objects[2])] == ["hello", " world"]
-    assert [o["choices"][0]["finish_reason"] for o in (objects[0], objects[2])] == [None, "length"]
-    assert all(o["usage"] is None for o in (objects[0], objects[2]))
+    objects = [builder.stream_objects(c) for c in chunks()]
+    assert objects[1] == []
+    objects = [o for c in objects for o in c]
+    assert [o["choices"][0]["text"] for o in (objects[0], objects[1])] == ["hello", " world"]
+    assert [o["choices"][0]["finish_reason"] for o in objects] == [None, "length"]
+    assert all(o["usage"] is None for o in objects)
     usage = builder.usage_chunk(Usage(6, 3, 4))
     assert usage["choices"] == [] and usage["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
 
@@ -218,7 +218,7 @@ def test_completion_logprobs_have_tokens_offsets_and_no_infinity(tokenizer):
 def test_chat_stream_sends_the_role_first_then_deltas(tokenizer):
     parsed = chat(tokenizer, [{"role": "user", "content": "hello"}], stream=True, logprobs=True, top_logprobs=1)
     builder = ResponseBuilder(parsed, tokenizer, created=7)
-    objects = [builder.stream_chunk(c) for c in chunks()]
+    objects = [o for c in chunks() for o in builder.stream_objects(c)]
     assert [o["object"] for o in objects] == ["chat.completion.chunk"] * 3
     assert [o["choices"][0]["delta"] for o in objects] == [{"role": "assistant", "content": "hello"}, {},
                                                            {"content": " world"}]
@@ -255,19 +255,10 @@ USER = [{"role": "user", "content": "hello"}]
 
 
 @pytest.mark.parametrize("body, param", [
-    (dict(guided_json={"type": "object"}), "guided_json"),
-    (dict(guided_choice=["yes", "no"]), "guided_choice"),
-    (dict(guided_regex="a+"), "guided_regex"),
-    (dict(guided_grammar="root ::= 'a'"), "guided_grammar"),
-    (dict(structured_outputs={"choice": ["a"]}), "structured_outputs"),
     (dict(priority=0), "priority"),
     (dict(service_tier="flex"), "service_tier"),
-    (dict(response_format={"type": "json_object"}), "response_format"),
-    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), "response_format"),
-    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    (dict(tool_choice="auto"), "tool_choice"),
-    (dict(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
-    (dict(parallel_tool_calls=False), "parallel_tool_calls"),
+    (dict(functions=[{"name": "f"}]), "functions"),
+    (dict(function_call="auto"), "function_call"),
     (dict(n=17), "n"),
     (dict(best_of=2), "best_of"),
     (dict(echo=True), "echo"),
@@ -283,11 +274,11 @@ def test_chat_fields_pdserve_does_not_implement_are_refused_by_name(tokenizer, b
 
 
 @pytest.mark.parametrize("body, param", [
-    (dict(guided_choice=["yes", "no"]), "guided_choice"),
     (dict(suffix="b"), "suffix"),
     (dict(messages=USER), "messages"),                  # a chat field
     (dict(max_completion_tokens=3), "max_completion_tokens"),
     (dict(chat_template_kwargs={}), "chat_template_kwargs"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),     # chat only
 ])
 def test_completion_fields_pdserve_does_not_implement_are_refused_by_name(tokenizer, body, param):
     assert param_of(completion, tokenizer, prompt="hello", **body) == param
@@ -295,7 +286,8 @@ def test_completion_fields_pdserve_does_not_implement_are_refused_by_name(tokeni
 
 @pytest.mark.parametrize("message, param", [
     ({"role": "user", "content": "a", "name": "bob"}, "messages[0].name"),
-    ({"role": "assistant", "content": "a", "tool_calls": [{"id": "1"}]}, "messages[0].tool_calls"),
+    ({"role": "user", "content": "a", "tool_calls": []}, "messages[0].tool_calls"),     # assistant messages only
+    ({"role": "assistant", "content": "a", "tool_call_id": "1"}, "messages[0].tool_call_id"),
 ])
 def test_a_message_field_pdserve_does_not_implement_is_refused_by_name(tokenizer, message, param):
     assert param_of(chat, tokenizer, [message]) == param
@@ -379,7 +371,7 @@ def test_best_of_returns_the_n_candidates_with_the_highest_cumulative_logprob(to
 def test_streamed_choices_each_get_the_role_first_and_their_own_index(tokenizer):
     parsed = chat(tokenizer, USER, n=2, stream=True)
     builder = ResponseBuilder(parsed, tokenizer, created=7)
-    objects = [builder.stream_chunk(OutputChunk(t, (7,), (), None, choice_index=i))
-               for i, t in ((0, "a"), (1, "b"), (0, "c"))]
+    objects = [o for i, t in ((0, "a"), (1, "b"), (0, "c"))
+               for o in builder.stream_objects(OutputChunk(t, (7,), (), None, choice_index=i))]
     assert [(o["choices"][0]["index"], o["choices"][0]["delta"]) for o in objects] == \
         [(0, {"role": "assistant", "content": "a"}), (1, {"role": "assistant", "content": "b"}), (0, {"content": "c"})]

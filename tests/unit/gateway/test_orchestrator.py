@@ -325,6 +325,37 @@ def test_a_client_leaving_mid_stream_aborts_d():
     assert fake.aborts() == [("d0:1", "decode", "r")] and orch.get_inflight("d0") == 0
 
 
+def test_a_cancel_landing_as_a_decode_message_arrives_is_never_lost():
+    # A non-streamed HTTP completion only notices its client left by its task being cancelled, once. Messages
+    # that are always ready make the cancel land, at some step, just as a message arrives: it must still end the
+    # request (asyncio.wait_for on 3.11 returned the message instead and the generation ran on for nobody).
+    async def flood(endpoint, request_id, handle, first, timeout):
+        for _ in range(2000):
+            await asyncio.sleep(0)
+            yield DecodeMessage((9,))
+        yield DecodeMessage((), (), FinishReason.LENGTH)
+
+    async def trial(steps: int) -> list[tuple[str, str, str]]:
+        fake = FakeWorkers()
+        fake.decode = flood
+        orch, _ = make(fake)
+
+        async def collect():
+            return [chunk async for chunk in orch.generate(request(), deadline=None, arrival=time.monotonic())]
+
+        task = asyncio.ensure_future(collect())
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=5.0)
+        assert done and task.cancelled(), f"cancelled after {steps} loop steps, the request ran on"
+        await orch.close()
+        return fake.aborts()
+
+    for steps in range(8, 48):
+        assert asyncio.run(trial(steps)) == [("d0:1", "decode", "r")], steps
+
+
 def test_cancel_during_reserve_aborts_d_only_after_its_answer():
     fake = FakeWorkers()
     fake.reserve_gate = asyncio.Event()
