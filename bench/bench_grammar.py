@@ -200,7 +200,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     tokenizer = load_gguf_tokenizer(fetch_default_model(progress=False))
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "cpu": cpu_model(), "threads": args.threads, "vocab_size": tokenizer.vocab_size, "engines": {}}
     for cls in (XGrammarEngine, LLGuidanceEngine):
         start = time.perf_counter()

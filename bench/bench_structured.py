@@ -78,7 +78,7 @@ def main() -> None:
     free = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     constrained = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, structured_output=spec)
     sample = llm.generate(prompt_ids, constrained)[0].outputs[0].text          # warm-up, and a look at the output
-    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    report = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "cpu": cpu_model(), "threads": args.threads, "new_tokens": args.new_tokens, "repeats": args.repeats,
               "prompt_tokens": len(prompt_ids), "constrained_sample": sample, "tpot_ms": {}}
     for batch in args.batches:
