@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from word_tokenizer import WORDS, word_tokenizer
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, PromptLogprob, TokenLogprob
@@ -12,7 +13,6 @@ from gateway.openai_protocol import ResponseBuilder, parse_chat, parse_completio
 from gateway.output_stream import OutputStream
 from gateway.request_types import OutputChunk, Usage
 from gateway.validation import GenerationRequest, ModelSpec
-from word_tokenizer import WORDS, word_tokenizer
 
 MODEL = ModelSpec(name="tiny", max_model_len=16, vocab_size=len(WORDS), fingerprint="fp")
 HELLO, WORLD, A, B = (WORDS.index(w) for w in ("hello", "world", "a", "b"))
@@ -30,7 +30,10 @@ def completion(tokenizer, **body):
     return parse_completion({"prompt": PROMPT, **body}, MODEL, tokenizer, seed_source=lambda: 1)
 
 
-def generated(usage=Usage(3, 1, 0)):
+USAGE = Usage(3, 1, 0)
+
+
+def generated(usage=USAGE):
     return [OutputChunk("b", (B,), (TokenLogprob(B, -0.7, [(B, -0.7)]),), FinishReason.LENGTH, usage,
                         prompt_logprobs=PROMPT_LOGPROBS)]
 
