@@ -43,8 +43,9 @@ class KVCacheManager:
         """Blocks of the longest cached prefix of `seq` (no side effects).
 
         At least one token is always left to compute, so the last position's logits exist to sample from.
+        A request that asks for prompt logprobs takes no hit: every prompt position's logits must be computed.
         """
-        if not self.enable_caching or seq.num_computed_tokens:
+        if not self.enable_caching or seq.num_computed_tokens or seq.params.prompt_logprobs is not None:
             return []
         self.update_block_hashes(seq)
         max_blocks = (seq.num_tokens - 1) // self.block_size

@@ -11,7 +11,7 @@ from engine.errors import RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel
 from engine.sampling_params import SamplingParams
-from engine.sequence import FinishReason, Sequence, TokenLogprob
+from engine.sequence import FinishReason, PromptLogprob, Sequence, TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer
 
 
@@ -33,6 +33,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int
+    prompt_logprobs: list[PromptLogprob | None] | None = None
+    """With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (as vLLM)."""
 
 
 Prompt = str | list[int]
@@ -82,6 +84,7 @@ class LLM:
             prompt_token_ids=seq.prompt_token_ids,
             outputs=[self._completion(choices[seq.request_id][i]) for i in sorted(choices[seq.request_id])],
             num_cached_tokens=seq.num_cached_tokens,
+            prompt_logprobs=[None, *seq.prompt_logprobs] if seq.params.prompt_logprobs is not None else None,
         ) for prompt, seq in zip(prompts, seqs)]
 
     def _completion(self, seq: Sequence) -> CompletionOutput:

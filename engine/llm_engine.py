@@ -46,7 +46,7 @@ from engine.quant import quantized_fingerprint
 from engine.sampler import RowResult, choice_seed
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.sequence import FinishReason, Sequence, TokenLogprob
+from engine.sequence import FinishReason, PromptLogprob, Sequence, TokenLogprob
 from kvstore.hashing import root_hash
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,9 @@ class StepOutput:
     new_logprobs: list[TokenLogprob]
     finished: bool
     request_finished: bool = False
+    prompt_logprobs: list[PromptLogprob] | None = None
+    """With params.prompt_logprobs, on the step that produced the first output token: the whole prompt's
+    (Sequence.prompt_logprobs)."""
 
 
 class LLMEngine:
@@ -155,6 +158,8 @@ class LLMEngine:
                 "prompt", f"has {len(prompt_token_ids)} tokens; the context holds {self.max_model_len} "
                           "(prompt plus at least one generated token)")
         params.validate(vocab)
+        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
+            raise InvalidRequestError("prompt_logprobs", "is not supported under tensor parallelism yet")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, seed: int | None = None, hold_blocks: bool = False) -> Sequence:
@@ -357,13 +362,14 @@ class LLMEngine:
         num_prompt = sum(max(0, min(c.seq.num_computed_tokens + c.num_new_tokens, c.seq.num_prompt_tokens)
                                 - c.seq.num_computed_tokens) for c in out.chunks)
         self.last_step = StepRecord(num_prompt, tuple(queue_times))
-        row_results = self.runner.execute(out)
+        executed = self.runner.execute(out)
         results = failed
         for chunk in out.chunks:
             seq = chunk.seq
-            rows = row_results.get(seq.request_id)
+            rows = executed.rows.get(seq.request_id)
             row = rows[0] if rows else None
             forked: list[StepOutput] = []
+            seq.prompt_logprobs.extend(executed.prompt_logprobs.get(seq.request_id, ()))
             try:
                 for r in rows or ():
                     if r.error is not None:
@@ -383,8 +389,9 @@ class LLMEngine:
                 continue
             if done and seq.lease.released:
                 del self._leases[seq.request_id]
+            first = seq.params.prompt_logprobs is not None and len(seq.output_token_ids) == 1
             results.append(StepOutput(seq, [row.token_id], [row.logprob] if row.logprob is not None else [], done,
-                                      done and self._choice_done(seq)))
+                                      done and self._choice_done(seq), list(seq.prompt_logprobs) if first else None))
             results.extend(forked)
         return results
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +20,7 @@ from engine.parallel.ranks import TensorParallelGroup
 from engine.parallel.shard import build_rank_model, rank_shards, shard_config
 from engine.sampler import RowResult, SamplingRow, choice_seed, sample_rows
 from engine.scheduler import SchedulerOutput
+from engine.sequence import PromptLogprob
 from engine.step_batch import StepBatch, copy_blocks, run_step
 
 log = logging.getLogger(__name__)
@@ -48,12 +50,23 @@ def num_kv_blocks_for(config: EngineConfig, model_config: ModelConfig, dtype: to
     return budget // bytes_per_block
 
 
+@dataclass
+class RunnerOutput:
+    """What one step computed: per sampling chunk's request id its RowResults (one per choice sampled), and per
+    request that asked for prompt logprobs the ones of the prompt positions this step computed (in order, after
+    those it has)."""
+
+    rows: dict[str, list[RowResult]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[PromptLogprob]] = field(default_factory=dict)
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], config: EngineConfig,
                  max_model_len: int) -> None:
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
+        self.eos_token_ids = tuple(model_config.eos_token_ids)
         c = model_config
         self.tp: TensorParallelGroup | None = None
         """Ranks 1..N-1 when config.tensor_parallel_size > 1 (engine.parallel.ranks); this process is rank 0."""
@@ -97,14 +110,15 @@ class ModelRunner:
         else:
             copy_blocks(self.kv_cache, pairs)
 
-    def execute(self, out: SchedulerOutput) -> dict[str, list[RowResult]]:
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run `out`'s chunks; returns, per sampling chunk's request id, its token (and logprob when asked) or
         the error that failed that request alone: one result per choice the chunk samples (n first tokens of
-        an n > 1 request from the same logits, choice i with choice_seed(seed, i)), else one. An error of the
-        forward pass itself raises (whole batch); under tensor parallelism a failed rank raises
-        TensorParallelError."""
+        an n > 1 request from the same logits, choice i with choice_seed(seed, i)), else one; and the prompt
+        logprobs computed. An error of the forward pass itself raises (whole batch); under tensor parallelism a
+        failed rank raises TensorParallelError."""
         batch = StepBatch([], [], [], [], [], [0], [])
         sampling: list[SamplingRow] = []
+        prompt_ids: list[str] = []                   # the request id of each of batch.prompt_rows
         bs = self.block_size
         for chunk in out.chunks:
             seq = chunk.seq
@@ -113,25 +127,33 @@ class ModelRunner:
             batch.positions.extend(range(start, end))
             batch.slot_mapping.extend(seq.block_ids[p // bs] * bs + p % bs for p in range(start, end))
             batch.seq_lens.append(end)
+            if seq.params.prompt_logprobs is not None:
+                # Positions already scored are skipped: a preempted request recomputes its prompt.
+                first, last = max(start, len(seq.prompt_logprobs)), min(end, seq.num_prompt_tokens - 1)
+                if first < last:
+                    assert first == len(seq.prompt_logprobs), "prompt positions are scored without a gap"
+                    rows = [batch.query_start_loc[-1] + p - start for p in range(first, last)]
+                    batch.prompt_rows.append((rows, seq.prompt_token_ids[first + 1:last + 1],
+                                              seq.params.prompt_logprobs))
+                    prompt_ids.append(seq.request_id)
             batch.query_start_loc.append(batch.query_start_loc[-1] + chunk.num_new_tokens)
             if chunk.samples:
                 for choice in range(seq.num_choices_to_sample):
                     batch.sample_positions.append(batch.query_start_loc[-1] - 1)
                     sampling.append(SamplingRow(seq.params, choice_seed(seq.seed, choice), seq.prompt_token_ids,
-                                                seq.output_token_ids, seq.request_id, seq.grammar))
+                                                seq.output_token_ids, seq.request_id, seq.grammar,
+                                                eos_token_ids=self.eos_token_ids))
         max_blocks = max(len(c.seq.block_ids) for c in out.chunks)
         batch.block_tables = [c.seq.block_ids + [0] * (max_blocks - len(c.seq.block_ids)) for c in out.chunks]
         if self.tp is not None:
-            logits = self.tp.run_step(self.model, self.kv_cache, batch, self.device)
+            logits, prompt_logprobs = self.tp.run_step(self.model, self.kv_cache, batch, self.device)
         else:
-            logits = run_step(self.model, self.kv_cache, batch, self.device)
-        if logits is None:
-            return {}
-        # logits: [num_sampling, vocab], inference tensor
-        results: dict[str, list[RowResult]] = {}
-        for row, result in zip(sampling, sample_rows(logits, sampling)):
-            results.setdefault(row.request_id, []).append(result)
-        return results
+            logits, prompt_logprobs = run_step(self.model, self.kv_cache, batch, self.device)
+        result = RunnerOutput(prompt_logprobs=dict(zip(prompt_ids, prompt_logprobs)))
+        if logits is not None:  # logits: [num_sampling, vocab], inference tensor
+            for row, r in zip(sampling, sample_rows(logits, sampling)):
+                result.rows.setdefault(row.request_id, []).append(r)
+        return result
 
     # --- KV transfer: always every KV head on the wire, whatever this worker's tensor-parallel degree ------------
     def transfer_cache(self) -> torch.Tensor:

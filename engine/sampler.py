@@ -2,9 +2,10 @@
 
 Order of operations for each row (the vLLM / OpenAI conventions):
 1. penalties on raw logits: repetition (prompt + output tokens; positive logits divided, negative multiplied),
-   then frequency and presence (output tokens only);
+   then frequency and presence (output tokens only); then logit_bias is added, and while fewer than
+   min_tokens tokens were generated the stop tokens (stop_token_ids, and EOS unless ignore_eos) are set to -inf;
 2. the structured-output bitmask of constrained rows (engine.grammar): disallowed tokens get -inf;
-3. logprobs, when asked, are the log-softmax of these penalized logits (before temperature and truncation);
+3. logprobs, when asked, are the log-softmax of these processed logits (before temperature and truncation);
 4. greedy rows (temperature 0) take the argmax;
 5. other rows: divide by temperature, keep top_k, then tokens within min_p of the top one, then the top_p
    nucleus; sample with the exponential-race trick: argmax(p / E) with E ~ Exp(1) is a draw from p.
@@ -63,6 +64,8 @@ class SamplingRow:
     request_id: str = ""
     grammar: GrammarState | None = None
     """The sequence's structured-output matcher, synced with output_token_ids; None when unconstrained."""
+    eos_token_ids: tuple[int, ...] = ()
+    """The model's end-of-sequence tokens (suppressed with the stop tokens until params.min_tokens)."""
 
 
 @dataclass
@@ -96,6 +99,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     for r in rows:
         SAMPLING_FAULTS.check(r.request_id)
     logits = _apply_penalties(logits.float(), rows)
+    logits = _apply_logit_bias(logits, rows)
+    logits = _suppress_stop_tokens(logits, rows)
     logits = _apply_grammar_masks(logits, rows)
 
     logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
@@ -166,6 +171,37 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     return logits
 
 
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """logits: [num_rows, vocab] -> a new tensor with each row's logit_bias added (one scatter for the batch)."""
+    row_idx = [i for i, r in enumerate(rows) for _ in r.params.logit_bias]
+    if not row_idx:
+        return logits
+    dev = logits.device
+    tok_idx = [t for r in rows for t, _ in r.params.logit_bias]
+    bias = torch.zeros_like(logits)                                            # [num_rows, vocab]
+    bias.index_put_((torch.tensor(row_idx, dtype=torch.long, device=dev),
+                     torch.tensor(tok_idx, dtype=torch.long, device=dev)),
+                    torch.tensor([b for r in rows for _, b in r.params.logit_bias], dtype=logits.dtype, device=dev),
+                    accumulate=True)
+    return logits + bias
+
+
+def _suppress_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """min_tokens: rows that generated fewer tokens get -inf at their stop tokens (stop_token_ids, and the model's
+    EOS unless ignore_eos), so they cannot end yet. logits: [num_rows, vocab] -> a new tensor when any row does."""
+    row_idx, tok_idx = [], []
+    for i, r in enumerate(rows):
+        if len(r.output_token_ids) < r.params.min_tokens:
+            stops = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_token_ids))
+            row_idx.extend([i] * len(stops))
+            tok_idx.extend(stops)
+    if not row_idx:
+        return logits
+    dev = logits.device
+    banned = torch.zeros(logits.shape, dtype=torch.bool, device=dev)          # [num_rows, vocab]
+    banned[torch.tensor(row_idx, dtype=torch.long, device=dev),
+           torch.tensor(tok_idx, dtype=torch.long, device=dev)] = True
+    return logits.masked_fill(banned, float("-inf"))
 def _apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """logits: [num_rows, vocab] -> a new tensor where constrained rows allow only their grammar's next tokens.
 

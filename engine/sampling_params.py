@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
@@ -47,6 +48,21 @@ class SamplingParams:
     """Choices to generate from one prompt, in [1, MAX_CHOICES]. The prompt is computed once; the choices fork
     on its KV blocks, and choice i samples the stream of `engine.sampler.choice_seed(seed, i)` (choice 0 the
     request's own seed, so it is the completion an n=1 request with that seed gets)."""
+    min_tokens: int = 0
+    """End-of-sequence and stop_token_ids are suppressed (their logits set to -inf) until this many tokens
+    were generated; the gateway's stop strings only match in text after them. Only up to max_tokens matter."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs (a {token id: bias} mapping is turned into them) added to those tokens' logits
+    before sampling (OpenAI's logit_bias); each bias in [-100, 100]. Applied after the penalties, so logprobs
+    (when asked) reflect it."""
+    prompt_logprobs: int | None = None
+    """Return the log-probability of every prompt token after the first (given the tokens before it), with its
+    rank and this many top alternatives; None disables. Such a request does not reuse prefix-cached blocks
+    (its whole prompt is computed, so no position lacks its logits)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, Mapping):             # {token id: bias}, as OpenAI's API writes it
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the first field out of range."""
@@ -70,6 +86,17 @@ class SamplingParams:
             raise InvalidRequestError("seed", f"must be in [0, 2**63), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise InvalidRequestError("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise InvalidRequestError("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        for token_id, bias in self.logit_bias:
+            if vocab_size is not None and not 0 <= token_id < vocab_size:
+                raise InvalidRequestError("logit_bias", f"token id {token_id} is outside the vocabulary "
+                                                        f"[0, {vocab_size})")
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidRequestError("logit_bias", f"the bias of token {token_id} must be in [-100, 100], "
+                                                        f"got {bias}")
         if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_CHOICES:
             raise InvalidRequestError("n", f"must be an integer in [1, {MAX_CHOICES}], got {self.n!r}")
         for token_id in self.stop_token_ids:

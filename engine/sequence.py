@@ -47,6 +47,14 @@ class TokenLogprob:
 
 
 @dataclass
+class PromptLogprob(TokenLogprob):
+    """Log-probability of a prompt token given the tokens before it, its rank (1 = the most likely token) and
+    the top alternatives at its position."""
+
+    rank: int = 1
+
+
+@dataclass
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]
@@ -57,6 +65,9 @@ class Sequence:
     arrival_order: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+    """With params.prompt_logprobs: entry i is prompt token i + 1's (the first token has none); filled as the
+    prompt's chunks are computed, complete when the first output token is sampled."""
     block_ids: list[int] = field(default_factory=list)
     """KV blocks in logical order; block i holds tokens [i*block_size, (i+1)*block_size)."""
     block_hashes: list[int] = field(default_factory=list)

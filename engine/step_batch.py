@@ -6,11 +6,13 @@ the same step over its own slice of the model and of the paged KV cache (block i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from engine.model import AttentionMetadata, DecoderModel
+from engine.prompt_logprobs import compute_prompt_logprobs
+from engine.sequence import PromptLogprob
 from kernels.dispatch import gather_blocks, scatter_blocks
 
 
@@ -23,14 +25,18 @@ class StepBatch:
     seq_lens: list[int]              # [batch]
     query_start_loc: list[int]       # [batch + 1]
     sample_positions: list[int]      # rows of the flat batch whose logits are sampled
+    prompt_rows: list[tuple[list[int], list[int], int]] = field(default_factory=list)
+    """Per request asking for prompt logprobs: (rows of the flat batch, the prompt token after each row, top
+    alternatives). Never under tensor parallelism (LLMEngine.validate refuses such requests there)."""
 
 
 def run_step(model: DecoderModel, kv_cache: torch.Tensor, batch: StepBatch,
-             device: torch.device) -> torch.Tensor | None:
+             device: torch.device) -> tuple[torch.Tensor | None, list[list[PromptLogprob]]]:
     """Run `batch` through `model`, writing its K/V into kv_cache [L, 2, blocks, block_size, kv_heads, D].
 
     Returns the sampled rows' logits [num_sampling, vocab] on CPU (an inference tensor), or None when no row
-    samples. On a tensor-parallel rank other than 0 the logits are that rank's vocabulary slice."""
+    samples, and the prompt logprobs of each of batch.prompt_rows (engine.prompt_logprobs). On a
+    tensor-parallel rank other than 0 the logits are that rank's vocabulary slice."""
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64, device=device),
         block_tables=torch.tensor(batch.block_tables, dtype=torch.int32, device=device),
@@ -39,9 +45,11 @@ def run_step(model: DecoderModel, kv_cache: torch.Tensor, batch: StepBatch,
     )
     hidden = model.forward(torch.tensor(batch.input_ids, dtype=torch.int64, device=device),
                            torch.tensor(batch.positions, dtype=torch.int64, device=device), kv_cache, meta)
+    prompt_logprobs = [compute_prompt_logprobs(model.compute_logits, hidden[rows], targets, num_top)
+                       for rows, targets, num_top in batch.prompt_rows]
     if not batch.sample_positions:
-        return None
-    return model.compute_logits(hidden[batch.sample_positions]).cpu()
+        return None, prompt_logprobs
+    return model.compute_logits(hidden[batch.sample_positions]).cpu(), prompt_logprobs
 
 
 def copy_blocks(kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:

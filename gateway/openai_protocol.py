@@ -27,6 +27,15 @@ OpenAI parameter (the error object's `param`): "temperature", "max_tokens", "pro
     chat_template_kwargs
                         chat: further variables for the chat template (an object)
     logprobs            completions: alternatives per token (an int); chat: a bool, with top_logprobs (an int)
+    echo                completions: each choice's text starts with its prompt; with logprobs, the logprobs
+                        start with the prompt's tokens (the first one's logprob and top_logprobs null), as OpenAI's
+                        legacy completions. max_tokens 0 (with echo only) scores the prompt, generating nothing
+    prompt_logprobs     vLLM's: an int in [0, 20]; completions: each choice's prompt_logprobs, chat: the
+                        response's prompt_logprobs, [null, {"<token id>": {"logprob", "rank", "decoded_token"}},
+                        ...] with the prompt token and its top alternatives (streams: in the first chunk)
+    logit_bias          {"<token id>": bias in [-100, 100]}; ids outside the vocabulary are refused
+    min_tokens          EOS and stop_token_ids are suppressed until this many tokens were generated, and stop
+                        strings only match in the text after them (vLLM); at most max_tokens
     stream, stream_options.include_usage
     n                   choices per prompt, 1..MAX_CHOICES (the prompt is computed once; the choices fork on its
                         KV; with a seed, choice i is reproducible). Greedy n > 1 gives identical choices.
@@ -36,12 +45,15 @@ OpenAI parameter (the error object's `param`): "temperature", "max_tokens", "pro
     response_format, structured_outputs, guided_json, guided_regex, guided_choice, guided_grammar
                         structured output, at most one of them (gateway.structured_request); the grammar is
                         compiled before dispatch (gateway.frontend), a spec that does not compile names its field
-    echo, suffix, logit_bias, functions
-                        refused unless empty or false; function_call: "none" only
+    suffix, functions
+                        refused unless empty or false (echo on chat too); function_call: "none" only
     user, metadata, store
                         accepted without effect (NO_EFFECT_FIELDS)
-Any other field (vLLM's guided_decoding_backend, prompt_logprobs, min_tokens, priority, ...; an unknown key
-of a message or of stream_options) is refused, naming it: nothing is silently ignored. JSON null means unset.
+Any other field (vLLM's guided_decoding_backend, priority, ...; an unknown key of a message or of
+stream_options) is refused, naming it: nothing is silently ignored. JSON null means unset.
+
+Prompt logprobs (echo with logprobs, prompt_logprobs) are computed on the whole prompt: such a request reuses no
+prefix-cached blocks (usage.prompt_tokens_details.cached_tokens is 0), so no position lacks its logits.
 """
 
 from __future__ import annotations
@@ -56,9 +68,9 @@ from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import MAX_CHOICES, SamplingParams
-from engine.sequence import TokenLogprob
+from engine.sequence import FinishReason, PromptLogprob, TokenLogprob
 from engine.tokenizer import Tokenizer
-from gateway.json_fields import check_known
+from gateway.json_fields import MAX_FIELD_NAME_CHARS, check_known
 from gateway.json_fields import json_kind as _kind
 from gateway.request_types import OutputChunk, Usage
 from gateway.structured_request import FIELDS as STRUCTURED_FIELDS
@@ -68,14 +80,14 @@ from gateway.tools import ChatMessage, ToolCall, check_name, parse_tool_choice, 
 from gateway.validation import (DEFAULT_MAX_TOKENS, GenerationRequest, ModelSpec, RequestFields, draw_seed,
                                 validate_messages, validate_prompt)
 
-_REFUSED = {"echo": "echoing the prompt", "suffix": "suffix", "logit_bias": "logit_bias",
+_REFUSED = {"suffix": "suffix",
             "functions": "function calling (the legacy API; use tools)"}
 """Fields refused unless empty or false."""
 _COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "cache_salt", "logprobs", "stream",
     "stream_options", "n", "best_of", "include_stop_str_in_output", "echo", "suffix", "logit_bias", "functions",
-    *STRUCTURED_FIELDS})
+    "prompt_logprobs", "min_tokens", *STRUCTURED_FIELDS})
 NO_EFFECT_FIELDS = frozenset({"user", "metadata", "store"})
 """Accepted and ignored: they describe the request to OpenAI's own bookkeeping, not what is generated."""
 COMPLETION_FIELDS = _COMMON_FIELDS | NO_EFFECT_FIELDS | {"prompt"}
@@ -115,6 +127,13 @@ class OpenAIRequest:
     """The other prompts of a batched /v1/completions, in order (`request` is the first)."""
     n: int = 1
     """Choices per prompt in the response (request.sampling.n is best_of when that is larger)."""
+    echo: tuple[str, ...] | None = None
+    """Completions with echo: each prompt's text, which its choices' texts start with (its tokens start their
+    logprobs when `logprobs`)."""
+    score_only: bool = False
+    """max_tokens 0 with echo: the one token the workers generate is dropped (no completion tokens)."""
+    prompt_logprobs: int | None = None
+    """vLLM's prompt_logprobs: alternatives per prompt position in the response's prompt_logprobs."""
 
     @property
     def requests(self) -> tuple[GenerationRequest, ...]:
@@ -125,7 +144,14 @@ def parse_completion(body: Any, model: ModelSpec, tokenizer: Tokenizer, running:
                      seed_source: Callable[[], int] = draw_seed) -> OpenAIRequest:
     """A /v1/completions body -> OpenAIRequest; InvalidRequestError names the bad parameter."""
     body = _object(body, COMPLETION_FIELDS)
+    echo = bool(_bool(body, "echo"))
+    score_only = echo and _is_int(body.get("max_tokens")) and body["max_tokens"] == 0
+    if score_only:                                       # the workers always sample one token: it is dropped
+        body = {**body, "max_tokens": 1}
     fields, max_tokens_param, structured_param = _fields(body, model, chat=False)
+    if echo and fields.sampling.logprobs is not None:    # the prompt's logprobs start the choices' logprobs
+        fields = dataclasses.replace(fields, sampling=dataclasses.replace(
+            fields.sampling, prompt_logprobs=max(fields.sampling.logprobs, fields.sampling.prompt_logprobs or 0)))
     prompts = _prompts(body.get("prompt"))
     reqs = []
     for i, prompt in enumerate(prompts):
@@ -154,9 +180,11 @@ def parse_completion(body: Any, model: ModelSpec, tokenizer: Tokenizer, running:
     more = tuple(dataclasses.replace(r, request_id=f"{first.request_id}-{i}") for i, r in enumerate(reqs[1:], 1))
     parsed = _parsed(body, first, model, chat=False, logprobs=fields.sampling.logprobs is not None,
                      structured_param=structured_param)
+    texts = tuple(p if isinstance(p, str) else tokenizer.decode(list(p), skip_special_tokens=False)
+                  for p in prompts) if echo else None
     return dataclasses.replace(parsed, more=tuple(dataclasses.replace(r, include_stop_str_in_output=
                                                                       parsed.request.include_stop_str_in_output)
-                                                  for r in more), n=n)
+                                                  for r in more), n=n, echo=texts, score_only=score_only)
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
@@ -188,6 +216,8 @@ def parse_chat(body: Any, model: ModelSpec, tokenizer: Tokenizer, running: Conta
                seed_source: Callable[[], int] = draw_seed) -> OpenAIRequest:
     """A /v1/chat/completions body -> OpenAIRequest (messages rendered with the model's chat template)."""
     body = _object(body, CHAT_FIELDS)
+    if body.get("echo") not in (None, False):
+        raise InvalidRequestError("echo", "is supported on /v1/completions only")
     fields, max_tokens_param, structured_param = _fields(body, model, chat=True)
     tools = parse_tools(body.get("tools"))
     choice = parse_tool_choice(body.get("tool_choice"), tools, body.get("parallel_tool_calls"))
@@ -256,6 +286,7 @@ def _fields(body: dict, model: ModelSpec, chat: bool) -> tuple[RequestFields, st
     else:
         logprobs = _int(body, "logprobs")
     top_k = _int(body, "top_k")
+    min_tokens = _int(body, "min_tokens")
     sampling = SamplingParams(
         # Chat without a limit: a valid placeholder here, the rest of the context once the prompt is known.
         max_tokens=max_tokens if max_tokens is not None else model.max_model_len if chat else DEFAULT_MAX_TOKENS,
@@ -272,6 +303,9 @@ def _fields(body: dict, model: ModelSpec, chat: bool) -> tuple[RequestFields, st
         logprobs=logprobs,
         structured_output=structured_output,
         n=1 if n is None else n,
+        min_tokens=0 if min_tokens is None else min_tokens,
+        logit_bias=_logit_bias(body),
+        prompt_logprobs=_int(body, "prompt_logprobs"),
     )
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -283,6 +317,27 @@ def _fields(body: dict, model: ModelSpec, chat: bool) -> tuple[RequestFields, st
     fields = RequestFields(sampling, tuple(stop), model=_str(body, "model") or "",
                            cache_salt=_str(body, "cache_salt") or "")
     return fields, max_tokens_param, structured_param
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """{"<token id>": bias} -> sorted (id, bias) pairs; the ids' range and the biases' are checked by
+    SamplingParams.validate (the vocabulary is known there)."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise InvalidRequestError("logit_bias", f"must be an object of token id strings to numbers, got {_kind(raw)}")
+    pairs = []
+    for key, bias in raw.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            shown = key if len(key) <= MAX_FIELD_NAME_CHARS and key.isprintable() else ascii(key[:MAX_FIELD_NAME_CHARS])
+            raise InvalidRequestError("logit_bias", f"keys must be token ids (decimal strings), got {shown!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise InvalidRequestError("logit_bias", f"the bias of token {key} must be a number, got {_kind(bias)}")
+        if isinstance(bias, int) and abs(bias) > 100:      # also keeps float() off integers past its range
+            raise InvalidRequestError("logit_bias", f"the bias of token {key} must be in [-100, 100]")
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
 
 
 def parse_messages(raw: Any) -> list[ChatMessage]:
@@ -370,7 +425,7 @@ def _parsed(body: dict, req: GenerationRequest, model: ModelSpec, chat: bool, lo
     if _bool(body, "include_stop_str_in_output"):
         req = dataclasses.replace(req, include_stop_str_in_output=True)
     return OpenAIRequest(req, chat, _str(body, "model") or model.name, stream, include_usage, logprobs,
-                         structured_param, n=req.sampling.n)
+                         structured_param, n=req.sampling.n, prompt_logprobs=_int(body, "prompt_logprobs"))
 
 
 def _renamed(exc: InvalidRequestError, max_tokens_param: str, structured_param: str, chat: bool
@@ -451,7 +506,10 @@ class ResponseBuilder:
 
     With tools, each choice's text goes through a tool call parser of its own: content deltas carry the text
     outside the calls, each call streams as OpenAI's `tool_calls` deltas (index, id, type and function.name
-    first, then function.arguments fragments), and a choice whose calls ended it finishes with "tool_calls"."""
+    first, then function.arguments fragments), and a choice whose calls ended it finishes with "tool_calls".
+
+    Prompt logprobs come with the first chunk of each prompt's choice 0; with echo (completions) every choice of
+    that prompt starts with its prompt and their logprobs."""
 
     def __init__(self, parsed: OpenAIRequest, tokenizer: Tokenizer, created: int | None = None) -> None:
         self.parsed = parsed
@@ -461,17 +519,30 @@ class ResponseBuilder:
         self._text_offset: dict[int, int] = {}
         self._parsers: dict[int, ToolCallParser] = {}
         """Streams with tools: each choice's parser, by index."""
+        self._echoed: set[int] = set()
+        self._prompt_logprobs: dict[int, tuple[PromptLogprob, ...]] = {}     # by prompt
 
     def stream_objects(self, chunk: OutputChunk) -> list[dict]:
         """The `data:` objects for `chunk` (none when it carries nothing a client sees)."""
         p, index = self.parsed, chunk.choice_index
-        logprobs = self._logprobs(chunk.logprobs, index) if p.logprobs else None
+        chunk = self._generated(chunk)
+        prompt_i = index // p.request.sampling.n
+        if chunk.prompt_logprobs is not None:
+            self._prompt_logprobs[prompt_i] = chunk.prompt_logprobs
+        echo = p.echo is not None and index not in self._echoed
+        if echo:
+            self._echoed.add(index)
+            chunk = dataclasses.replace(chunk, text=p.echo[prompt_i] + chunk.text)
+        logprobs = self._logprobs(chunk.logprobs, index, self._prompt_logprobs.get(prompt_i) if echo else None,
+                                  prompt_i) if p.logprobs else None
         finish = chunk.finish_reason.value if chunk.finish_reason is not None else None
         if not p.chat:
             if not (chunk.text or logprobs or finish):
                 return []
-            return [self._chunk_object({"index": index, "text": chunk.text, "logprobs": logprobs,
-                                        "finish_reason": finish})]
+            choice = {"index": index, "text": chunk.text, "logprobs": logprobs, "finish_reason": finish}
+            obj = self._chunk_object(choice)
+            self._add_prompt_logprobs(obj, choice, chunk.prompt_logprobs)
+            return [obj]
         spec = p.request.tool_parser
         if spec is not None and index not in self._parsers:
             self._parsers[index] = spec.new()
@@ -492,6 +563,7 @@ class ResponseBuilder:
         if objects:
             objects[0]["choices"][0]["logprobs"] = logprobs
             objects[-1]["choices"][0]["finish_reason"] = finish
+            self._add_prompt_logprobs(objects[0], objects[0]["choices"][0], chunk.prompt_logprobs)
         return objects
 
     def _chunk_object(self, choice: dict) -> dict:
@@ -503,34 +575,40 @@ class ResponseBuilder:
     def usage_chunk(self, usage: Usage) -> dict:
         """The last streamed object with stream_options.include_usage: usage and no choices."""
         obj = self._envelope("chat.completion.chunk" if self.parsed.chat else "text_completion", [])
-        obj["usage"] = usage_object(usage)
+        obj["usage"] = usage_object(self._usage(usage))
         return obj
 
     def response(self, chunks: Sequence[OutputChunk]) -> dict:
         """The whole (non-streamed) response; the chunk with usage is the request's last. With best_of, the
         parsed.n candidates of each prompt with the highest cumulative logprob, best first."""
         p = self.parsed
+        chunks = [self._generated(c) for c in chunks]
         by_choice: dict[int, list[OutputChunk]] = {}
         for c in chunks:
             by_choice.setdefault(c.choice_index, []).append(c)
         per_prompt = p.request.sampling.n                    # candidates generated per prompt
         choices = []
+        obj = self._envelope("chat.completion" if p.chat else "text_completion", choices)
         for prompt_i in range(len(p.requests)):
             candidates = [by_choice[i] for i in range(prompt_i * per_prompt, (prompt_i + 1) * per_prompt)
                           if i in by_choice]
+            prompt_logprobs = next((c.prompt_logprobs for cs in candidates for c in cs
+                                    if c.prompt_logprobs is not None), None)
             if per_prompt > p.n:
                 candidates.sort(key=lambda cs: -sum(lp.logprob for c in cs for lp in c.logprobs))
             for rank, cs in enumerate(candidates[:p.n]):
-                choices.append(self._choice(prompt_i * p.n + rank, cs))
+                choices.append(self._choice(prompt_i * p.n + rank, cs, prompt_i, prompt_logprobs))
+                self._add_prompt_logprobs(obj, choices[-1], prompt_logprobs)
         usage = next((c.usage for c in chunks if c.usage is not None), None)
-        obj = self._envelope("chat.completion" if p.chat else "text_completion", choices)
-        obj["usage"] = usage_object(usage) if usage is not None else None
+        obj["usage"] = usage_object(self._usage(usage)) if usage is not None else None
         return obj
 
-    def _choice(self, index: int, chunks: Sequence[OutputChunk]) -> dict:
+    def _choice(self, index: int, chunks: Sequence[OutputChunk], prompt_i: int = 0,
+                prompt_logprobs: Sequence[PromptLogprob] | None = None) -> dict:
         p = self.parsed
-        text = "".join(c.text for c in chunks)
-        logprobs = self._logprobs([lp for c in chunks for lp in c.logprobs], index) if p.logprobs else None
+        text = (p.echo[prompt_i] if p.echo is not None else "") + "".join(c.text for c in chunks)
+        logprobs = self._logprobs([lp for c in chunks for lp in c.logprobs], index,
+                                  prompt_logprobs if p.echo is not None else None, prompt_i) if p.logprobs else None
         reason = next((c.finish_reason for c in reversed(chunks) if c.finish_reason is not None), None)
         finish = reason.value if reason is not None else None
         if p.chat:
@@ -547,6 +625,32 @@ class ResponseBuilder:
             return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
+    def _generated(self, chunk: OutputChunk) -> OutputChunk:
+        """`chunk` as the client sees it: with max_tokens 0 (score_only), without the token the workers made."""
+        if not self.parsed.score_only:
+            return chunk
+        finish = FinishReason.LENGTH if chunk.finish_reason is not None else None
+        return dataclasses.replace(chunk, text="", token_ids=(), logprobs=(), finish_reason=finish)
+
+    def _usage(self, usage: Usage) -> Usage:
+        return dataclasses.replace(usage, completion_tokens=0) if self.parsed.score_only else usage
+
+    def _add_prompt_logprobs(self, obj: dict, choice: dict,
+                             prompt_logprobs: Sequence[PromptLogprob] | None) -> None:
+        """vLLM's prompt_logprobs: in the choice (completions) or the response (chat), where they came."""
+        num_top = self.parsed.prompt_logprobs
+        if num_top is None or prompt_logprobs is None:
+            return
+        positions: list[dict | None] = [None]
+        for lp in prompt_logprobs:
+            entry = {str(lp.token_id): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                        "decoded_token": self._token(lp.token_id)}}
+            for rank, (token_id, logprob) in enumerate(lp.top[:num_top], start=1):
+                entry.setdefault(str(token_id), {"logprob": _finite(logprob), "rank": rank,
+                                                 "decoded_token": self._token(token_id)})
+            positions.append(entry)
+        (obj if self.parsed.chat else choice)["prompt_logprobs"] = positions
+
     def _envelope(self, kind: str, choices: list) -> dict:
         return {"id": self.parsed.request.request_id, "object": kind, "created": self._created,
                 "model": self.parsed.model, "choices": choices}
@@ -554,7 +658,10 @@ class ResponseBuilder:
     def _token(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _logprobs(self, logprobs: Sequence[TokenLogprob], index: int = 0) -> dict:
+    def _logprobs(self, logprobs: Sequence[TokenLogprob], index: int = 0,
+                  prompt: Sequence[PromptLogprob] | None = None, prompt_i: int = 0) -> dict:
+        """Choice `index`'s logprobs object; completions with echo: `prompt` (tokens 1..n-1 of prompt `prompt_i`)
+        first, after the prompt's first token, whose logprob and top_logprobs are null."""
         if self.parsed.chat:
             def entry(token_id: int, logprob: float) -> dict:
                 token = self._token(token_id)
@@ -562,16 +669,21 @@ class ResponseBuilder:
 
             return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                                 for lp in logprobs]}
-        tokens = [self._token(lp.token_id) for lp in logprobs]
+        num_top = self.parsed.request.sampling.logprobs or 0     # prompt_logprobs may have computed more
+        scored = [(lp, lp.top[:num_top]) for lp in prompt or ()] + [(lp, lp.top) for lp in logprobs]
+        entries = [(lp.token_id, _finite(lp.logprob), {self._token(t): _finite(v) for t, v in top})
+                   for lp, top in scored]
+        if prompt is not None:
+            entries.insert(0, (self.parsed.requests[prompt_i].prompt_token_ids[0], None, None))
+        tokens = [self._token(token_id) for token_id, _, _ in entries]
         offsets = []
         offset = self._text_offset.get(index, 0)
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
         self._text_offset[index] = offset
-        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
-                "top_logprobs": [{self._token(t): _finite(v) for t, v in lp.top} for lp in logprobs],
-                "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [top for _, _, top in entries], "text_offset": offsets}
 
 
 def _deltas(parser: ToolCallParser | None, text: str, last: bool) -> list[dict]:

@@ -45,7 +45,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence, Set
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
-from engine.sequence import FinishReason
+from engine.sequence import FinishReason, PromptLogprob
 from engine.tokenizer import Tokenizer
 from gateway.output_stream import OutputStream
 from gateway.request_types import (DeadlineExceeded, NoWorkerAvailable, OutputChunk, Overloaded, RequestTrace,
@@ -465,8 +465,10 @@ class _Run:
             if first is not None:
                 self.first_token_at = time.monotonic()
                 firsts = [(first.first_token_id, first.first_logprob), *first.choice_first_tokens]
-                for out, (token_id, logprob) in zip(outs, firsts):
-                    chunk = out.add([token_id], (logprob,) if logprob is not None else ())
+                for out, (token_id, logprob) in zip(outs, firsts):   # prompt logprobs: with choice 0's
+                    chunk = out.add([token_id], (logprob,) if logprob is not None else (),
+                                    self._prompt_logprobs(first.prompt_logprobs, self.trace.prefill_workers[-1])
+                                    if out.choice_index == 0 else None)
                     yield end(out, chunk, FinishReason.STOP) if out.stopped else chunk
             while open_choices:
                 try:
@@ -495,7 +497,10 @@ class _Run:
                     continue                         # stopped here by a stop string
                 if msg.token_ids and self.first_token_at is None:
                     self.first_token_at = time.monotonic()
-                chunk = out.add(list(msg.token_ids), msg.logprobs)
+                chunk = out.add(list(msg.token_ids), msg.logprobs,
+                                self._prompt_logprobs(msg.prompt_logprobs, res.decode.worker_id)
+                                if first is None and msg.choice_index == 0 and msg.token_ids and out.num_tokens == 0
+                                else None)
                 if out.stopped:
                     yield end(out, chunk, FinishReason.STOP)
                 elif msg.finish_reason is not None:
@@ -517,6 +522,16 @@ class _Run:
             raise WorkerFailed(f"decode worker {res.decode.worker_id} ended the stream without a finish reason "
                                f"after {sum(o.num_tokens for o in outs)} tokens")
 
+    def _prompt_logprobs(self, received: Sequence[PromptLogprob], worker_id: str) -> tuple[PromptLogprob, ...] | None:
+        """The prompt logprobs that came with the first token, or None when the request asked for none; a worker
+        that sent the wrong number fails the request (never a response silently without them)."""
+        if self.req.sampling.prompt_logprobs is None:
+            return None
+        if len(received) != self.req.num_prompt_tokens - 1:
+            raise WorkerFailed(f"worker {worker_id} sent {len(received)} prompt logprobs for a prompt of "
+                               f"{self.req.num_prompt_tokens} tokens")
+        return tuple(received)
+
     def _final(self, chunk: OutputChunk, reason: FinishReason, prefill: tuple[PrefillResult, float] | None,
                decode_start: float, num_completion_tokens: int) -> OutputChunk:
         first_token_at = self.first_token_at or time.monotonic()
@@ -534,4 +549,5 @@ class _Run:
                               transfer_ms=response.transfer_ms, ttft_ms=self._ms(first_token_at),
                               transport=response.transport, transfer_bytes=response.transfer_bytes)
         usage = Usage(self.req.num_prompt_tokens, num_completion_tokens, cached)
-        return OutputChunk(chunk.text, chunk.token_ids, chunk.logprobs, reason, usage, timings, chunk.choice_index)
+        return OutputChunk(chunk.text, chunk.token_ids, chunk.logprobs, reason, usage, timings, chunk.choice_index,
+                           chunk.prompt_logprobs)

@@ -1,9 +1,12 @@
 """One choice's output: token ids -> text deltas (UTF-8 safe, engine.tokenizer.IncrementalDetokenizer) ->
-stop strings (gateway.stop_strings), as OutputChunks of that choice (a request with n > 1 has one each)."""
+stop strings (gateway.stop_strings), as OutputChunks of that choice (a request with n > 1 has one each).
+
+min_tokens: the text of the first min_tokens tokens bypasses the stop-string matcher (a stop string counts only
+when it lies wholly in the text after them), as the workers suppress stop tokens until then."""
 
 from __future__ import annotations
 
-from engine.sequence import TokenLogprob
+from engine.sequence import PromptLogprob, TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from gateway.request_types import OutputChunk
 from gateway.stop_strings import StopStringMatcher
@@ -17,16 +20,22 @@ class OutputStream:
         self._detokenizer = IncrementalDetokenizer(tokenizer, req.prompt_token_ids)
         self._stop = StopStringMatcher(req.stop, req.include_stop_str_in_output)
         self.choice_index = choice_index
+        self._min_tokens = req.sampling.min_tokens
         self.num_tokens = 0
 
     @property
     def stopped(self) -> bool:
         return self._stop.stopped
 
-    def add(self, token_ids: list[int], logprobs: tuple[TokenLogprob, ...]) -> OutputChunk:
+    def add(self, token_ids: list[int], logprobs: tuple[TokenLogprob, ...],
+            prompt_logprobs: tuple[PromptLogprob, ...] | None = None) -> OutputChunk:
+        num_unchecked = max(0, min(len(token_ids), self._min_tokens - self.num_tokens))
         self.num_tokens += len(token_ids)
-        text, _ = self._stop.add(self._detokenizer.add(token_ids)) if token_ids else ("", False)
-        return OutputChunk(text, tuple(token_ids), logprobs, choice_index=self.choice_index)
+        text = self._detokenizer.add(token_ids[:num_unchecked]) if num_unchecked else ""
+        if len(token_ids) > num_unchecked:
+            text += self._stop.add(self._detokenizer.add(token_ids[num_unchecked:]))[0]
+        return OutputChunk(text, tuple(token_ids), logprobs, choice_index=self.choice_index,
+                           prompt_logprobs=prompt_logprobs)
 
     def finish(self) -> OutputChunk:
         """The end of the stream: text held back by the detokenizer or the stop-string matcher."""
@@ -36,4 +45,4 @@ class OutputStream:
     @staticmethod
     def merge(a: OutputChunk, b: OutputChunk) -> OutputChunk:
         return OutputChunk(a.text + b.text, a.token_ids + b.token_ids, a.logprobs + b.logprobs,
-                           choice_index=a.choice_index)
+                           choice_index=a.choice_index, prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs)

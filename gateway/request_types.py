@@ -8,7 +8,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError, OverloadedError
-from engine.sequence import FinishReason, TokenLogprob
+from engine.sequence import FinishReason, PromptLogprob, TokenLogprob
 from gateway.auth import Unauthenticated
 
 RETRY_AFTER_MS = 500
@@ -108,6 +108,8 @@ class OutputChunk:
     timings: Timings | None = None
     choice_index: int = 0
     """Which choice of the request (sampling.n > 1) the chunk continues."""
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None
+    """With sampling.prompt_logprobs, on the first chunk only: prompt tokens 1..n-1 (the first has none)."""
 
 
 @dataclass

@@ -77,7 +77,7 @@ from gateway.validation import (GenerationRequest, ModelSpec, RequestFields, dra
 from gateway.worker_client import ChannelPool
 from kvstore.hashing import root_hash
 from kvstore.index import PrefixIndex
-from protos.convert import finish_reason_to_pb, logprob_to_pb, sampling_from_pb
+from protos.convert import finish_reason_to_pb, logprob_to_pb, prompt_logprob_to_pb, sampling_from_pb
 from protos.tls import https_ssl_context, public_server_credentials
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -293,7 +293,9 @@ def chunk_to_pb(request_id: str, chunk: OutputChunk, tool_calls: Sequence[ToolCa
                                          choice_index=chunk.choice_index,
                                          tool_calls=[generation_pb2.ToolCall(id=c.id, name=c.name,
                                                                              arguments_json=c.arguments)
-                                                     for c in tool_calls])
+                                                     for c in tool_calls],
+                                         prompt_logprobs=[prompt_logprob_to_pb(lp)
+                                                          for lp in chunk.prompt_logprobs or ()])
     if chunk.usage is not None:
         u = chunk.usage
         pb.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,

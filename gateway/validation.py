@@ -20,8 +20,9 @@ server maps it to INVALID_ARGUMENT "field: message" (the HTTP front renames it t
     cache_salt          longer than MAX_CACHE_SALT_CHARS
     (any text field)    not encodable as UTF-8 (a lone surrogate such as "\ud800")
 
-Integers must fit the proto field they travel in (uint32 max_tokens / top_k / logprobs / stop_token_ids,
-seed < 2**63) and floats the proto's float32. A temperature in (0, MIN_TEMPERATURE) is treated as greedy
+Integers must fit the proto field they travel in (uint32 max_tokens / top_k / logprobs / prompt_logprobs /
+min_tokens / stop_token_ids / logit_bias keys, seed < 2**63) and floats the proto's float32; min_tokens is at
+most max_tokens. A temperature in (0, MIN_TEMPERATURE) is treated as greedy
 (temperature 0): dividing logits by it would overflow the sampler's float32 arithmetic (vLLM does the same
 below 1e-5).
 
@@ -187,14 +188,19 @@ def check_sampling(params: SamplingParams, stop: Sequence[str], vocab_size: int 
             raise InvalidRequestError(f"sampling.{name}", f"must be a finite number, got {value}")
         if abs(value) > FLOAT32_MAX:
             raise InvalidRequestError(f"sampling.{name}", f"must be at most {FLOAT32_MAX:.6g} in magnitude, got {value}")
-    for name in ("max_tokens", "top_k", "logprobs", "seed"):
+    for name in ("max_tokens", "top_k", "logprobs", "prompt_logprobs", "min_tokens", "seed"):
         value = getattr(params, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise InvalidRequestError(f"sampling.{name}", f"must be an integer, got {type(value).__name__}")
-    for name in ("max_tokens", "top_k", "logprobs"):
+    for name in ("max_tokens", "top_k", "logprobs", "prompt_logprobs", "min_tokens"):
         value = getattr(params, name)
         if value is not None and value > UINT32_MAX:
             raise InvalidRequestError(f"sampling.{name}", f"must be at most {UINT32_MAX}, got {value}")
+    for token_id, bias in params.logit_bias:
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id <= UINT32_MAX:
+            raise InvalidRequestError("sampling.logit_bias", f"{token_id!r} is not a token id")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise InvalidRequestError("sampling.logit_bias", f"the bias of token {token_id} must be a number")
     for token_id in params.stop_token_ids:
         if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id <= UINT32_MAX:
             raise InvalidRequestError("sampling.stop_token_ids", f"{token_id!r} is not a token id")
@@ -211,6 +217,9 @@ def check_sampling(params: SamplingParams, stop: Sequence[str], vocab_size: int 
         params.validate(vocab_size)
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"sampling.{exc.field}", str(exc).partition(": ")[2]) from exc
+    if params.min_tokens > params.max_tokens:
+        raise InvalidRequestError("sampling.min_tokens", f"is {params.min_tokens}, more than max_tokens "
+                                                         f"({params.max_tokens})")
 
 
 def validate_prompt(fields: RequestFields, prompt: str | Sequence[int] | None, model: ModelSpec,

@@ -32,7 +32,7 @@ from protos.tls import TlsFiles, channel_credentials, channel_options
 from gateway.worker_types import (ChannelState, DecodeMessage, PrefillResult, TransferTarget, WorkerBusy,
                                   WorkerCallFailed, WorkerJob, WorkerTimedOut, WorkerUnreachable)
 from protos.convert import (choice_tokens_from_pb, choice_tokens_to_pb, finish_reason_from_pb, logprob_from_pb,
-                            logprob_to_pb, sampling_to_pb)
+                            logprob_to_pb, prompt_logprob_from_pb, sampling_to_pb)
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 KEEPALIVE_TIME_MS = 20_000
@@ -134,7 +134,8 @@ class ChannelPool:
         first_logprob = logprob_from_pb(r.first_logprob) if r.HasField("first_logprob") else None
         return PrefillResult(r.first_token_id, first_logprob, r.cached_tokens, r.computed_tokens, r.transfer_bytes,
                              r.transfer_ms, r.transport, r.prefill_ms,
-                             tuple(choice_tokens_from_pb(r.choice_first_tokens)))
+                             tuple(choice_tokens_from_pb(r.choice_first_tokens)),
+                             tuple(prompt_logprob_from_pb(lp) for lp in r.prompt_logprobs))
 
     async def decode(self, endpoint: str, request_id: str, handle: str, first: PrefillResult | None,
                      timeout: float | None) -> AsyncIterator[DecodeMessage]:
@@ -156,7 +157,8 @@ class ChannelPool:
                 if msg is grpc.aio.EOF:
                     return
                 yield DecodeMessage(tuple(msg.token_ids), tuple(logprob_from_pb(lp) for lp in msg.logprobs),
-                                    finish_reason_from_pb(msg.finish_reason), msg.choice_index)
+                                    finish_reason_from_pb(msg.finish_reason), msg.choice_index,
+                                    tuple(prompt_logprob_from_pb(lp) for lp in msg.prompt_logprobs))
         finally:
             call.cancel()                            # no-op when the stream already ended
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from engine.sampling_params import SamplingParams
-from engine.sequence import FinishReason, TokenLogprob
+from engine.sequence import FinishReason, PromptLogprob, TokenLogprob
 
 
 # ------------------------------------------------------------------------------------------------------ errors
@@ -73,6 +73,8 @@ class PrefillResult:
     prefill_ms: float
     choice_first_tokens: tuple[tuple[int, TokenLogprob | None], ...] = ()
     """First tokens of choices 1..n-1 (n > 1), from the same prompt logits."""
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()
+    """Prompt tokens 1..n-1, when the request asked for prompt logprobs."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,8 @@ class DecodeMessage:
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
     choice_index: int = 0
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()
+    """A locally prefilled request's prompt logprobs, on the message with its first token."""
 
 
 class ChannelState(enum.Enum):

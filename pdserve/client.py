@@ -85,6 +85,9 @@ class GenerateOptions(TypedDict, total=False):
     presence_penalty: float  # OpenAI-style, in [-2, 2]
     frequency_penalty: float  # OpenAI-style, in [-2, 2]
     structured_output: StructuredOutputSpec | None  # constrain the output (engine.structured); None leaves it free
+    min_tokens: int  # EOS, stop tokens and stop strings have no effect until this many tokens were generated
+    logit_bias: Mapping[int, float]  # token id -> bias in [-100, 100] added to its logit
+    prompt_logprobs: int | None  # each prompt token's logprob (after the first) plus this many alternatives
     cache_salt: str  # requests share cached prefix blocks only with requests of the same salt
     request_id: str  # caller-chosen id; empty lets the gateway assign one
     model: str  # served model name from list_models(); empty means the default
@@ -116,6 +119,22 @@ class TokenLogprob:
     @classmethod
     def from_pb(cls, pb: common_pb2.TokenLogprob) -> TokenLogprob:
         return cls(pb.token_id, pb.logprob, tuple((t.token_id, t.logprob) for t in pb.top))
+
+
+@dataclass(frozen=True)
+class PromptLogprob:
+    """A prompt token's log-probability given the tokens before it, its rank (1 = the most likely token) and the
+    most likely alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]
+
+    @classmethod
+    def from_pb(cls, pb: common_pb2.PromptTokenLogprob) -> PromptLogprob:
+        lp = TokenLogprob.from_pb(pb.logprob)
+        return cls(lp.token_id, lp.logprob, pb.rank, lp.top)
 
 
 @dataclass(frozen=True)
@@ -179,6 +198,8 @@ class Chunk:
     tool_calls: tuple[ToolCall, ...] = ()
     """Chat with tools, on the last chunk: the calls the model made (`text` is then the content outside them)."""
     choice_index: int = 0
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()
+    """With the prompt_logprobs option, on the first chunk: prompt tokens 1..n-1 (the first has none)."""
 
     @classmethod
     def from_pb(cls, pb: generation_pb2.GenerateResponse) -> Chunk:
@@ -187,7 +208,8 @@ class Chunk:
                    finish_reason=_FINISH_FROM_PB.get(pb.finish_reason),
                    usage=Usage.from_pb(pb.usage) if pb.HasField("usage") else None,
                    timings=Timings.from_pb(pb.timings) if pb.HasField("timings") else None,
-                   tool_calls=tuple(ToolCall.from_pb(c) for c in pb.tool_calls), choice_index=pb.choice_index)
+                   tool_calls=tuple(ToolCall.from_pb(c) for c in pb.tool_calls), choice_index=pb.choice_index,
+                   prompt_logprobs=tuple(PromptLogprob.from_pb(lp) for lp in pb.prompt_logprobs))
 
 
 @dataclass(frozen=True)
@@ -204,6 +226,7 @@ class Completion:
     logprobs: tuple[TokenLogprob, ...] = ()
     tool_calls: tuple[ToolCall, ...] = ()
     """Chat with tools: the calls the model made."""
+    prompt_logprobs: tuple[PromptLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -226,6 +249,7 @@ class _Collector:
         self.texts: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: tuple[PromptLogprob, ...] = ()
         self.last: Chunk | None = None
 
     def add(self, chunk: Chunk) -> None:
@@ -233,6 +257,7 @@ class _Collector:
         self.texts.append(chunk.text)
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
+        self.prompt_logprobs = self.prompt_logprobs or chunk.prompt_logprobs
         self.last = chunk
 
     def result(self) -> Completion:
@@ -240,7 +265,7 @@ class _Collector:
         return Completion(request_id=self.request_id, text="".join(self.texts), token_ids=tuple(self.token_ids),
                           finish_reason=last.finish_reason if last else None, usage=last.usage if last else None,
                           timings=last.timings if last else None, logprobs=tuple(self.logprobs),
-                          tool_calls=last.tool_calls if last else ())
+                          tool_calls=last.tool_calls if last else (), prompt_logprobs=self.prompt_logprobs)
 
 
 def collect(chunks: Iterable[Chunk]) -> Completion:
@@ -274,6 +299,8 @@ def _sampling_pb(options: Mapping[str, Any]) -> common_pb2.SamplingParams:
                 sampling.structured_output.CopyFrom(structured_to_pb(value))
             elif name in ("stop", "stop_token_ids"):
                 getattr(sampling, name).extend([value] if isinstance(value, str) else value)
+            elif name == "logit_bias":
+                sampling.logit_bias.update(value)
             else:
                 setattr(sampling, name, value)
         except (TypeError, ValueError) as exc:  # protobuf rejects the type or range (e.g. a negative uint)

@@ -28,7 +28,7 @@ from engine.block_lease import IllegalTransition, LeaseState
 from engine.engine_loop import EngineLoop
 from engine.errors import InvalidRequestError, PreconditionError, RequestAborted
 from engine.llm_engine import EngineStats
-from engine.sequence import TokenLogprob
+from engine.sequence import PromptLogprob, TokenLogprob
 from kvstore.shm import host_id
 from kvstore.transfer_manifest import KvLayoutSpec
 from kvstore.transfer_service import FaultInjection, KvSender, TransferFailed
@@ -48,6 +48,8 @@ class PrefillResult:
     transfer_ms: float
     transport: str
     prefill_ms: float
+    prompt_logprobs: list[PromptLogprob] | None = None
+    """With params.prompt_logprobs: prompt tokens 1..n-1 (engine Sequence.prompt_logprobs)."""
 
 
 class PrefillWorker:
@@ -93,8 +95,9 @@ class PrefillWorker:
         finally:
             stream.close()  # aborts the finished request: the engine releases its lease here, exactly once
         return PrefillResult(out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None,
-                             list(seq.choice_first_tokens), seq.num_cached_tokens, seq.num_prompt_tokens - seq.num_cached_tokens,
-                             stats.num_bytes, stats.elapsed_ms, stats.transport, prefill_ms)
+                             list(seq.choice_first_tokens), seq.num_cached_tokens,
+                             seq.num_prompt_tokens - seq.num_cached_tokens, stats.num_bytes, stats.elapsed_ms,
+                             stats.transport, prefill_ms, out.prompt_logprobs)
 
     def _push(self, rid: str, src_block_ids: list[int], target: TransferTargetData, start: float,
               timeout_s: float):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
-from engine.sequence import FinishReason, TokenLogprob
+from engine.sequence import FinishReason, PromptLogprob, TokenLogprob
 from engine.structured import StructuredOutputSpec
 from kvstore.transfer_manifest import KvLayoutSpec, TransferManifest
 from protos.pdserve.v1 import common_pb2, kv_transfer_pb2, worker_pb2
@@ -43,6 +43,9 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
         structured_output=structured_from_pb(pb.structured_output) if pb.HasField("structured_output") else None,
         n=pb.n if pb.HasField("n") else d.n,
+        min_tokens=pb.min_tokens,
+        logit_bias=tuple(sorted(pb.logit_bias.items())),
+        prompt_logprobs=pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None,
     )
 
 
@@ -82,7 +85,7 @@ def sampling_to_pb(p: SamplingParams, stop: tuple[str, ...] = ()) -> common_pb2.
         max_tokens=p.max_tokens, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
         repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty, stop_token_ids=list(p.stop_token_ids), stop=list(stop),
-        ignore_eos=p.ignore_eos)
+        ignore_eos=p.ignore_eos, min_tokens=p.min_tokens, logit_bias=dict(p.logit_bias))
     if p.seed is not None:
         pb.seed = p.seed
     if p.logprobs is not None:
@@ -91,6 +94,8 @@ def sampling_to_pb(p: SamplingParams, stop: tuple[str, ...] = ()) -> common_pb2.
         pb.structured_output.CopyFrom(structured_to_pb(p.structured_output))
     if p.n != 1:
         pb.n = p.n
+    if p.prompt_logprobs is not None:
+        pb.prompt_logprobs = p.prompt_logprobs
     return pb
 
 
@@ -111,6 +116,13 @@ def choice_tokens_to_pb(tokens: list[tuple[int, TokenLogprob | None]]) -> list[w
 
 def choice_tokens_from_pb(pbs) -> list[tuple[int, TokenLogprob | None]]:
     return [(pb.token_id, logprob_from_pb(pb.logprob) if pb.HasField("logprob") else None) for pb in pbs]
+def prompt_logprob_to_pb(lp: PromptLogprob) -> common_pb2.PromptTokenLogprob:
+    return common_pb2.PromptTokenLogprob(logprob=logprob_to_pb(lp), rank=lp.rank)
+
+
+def prompt_logprob_from_pb(pb: common_pb2.PromptTokenLogprob) -> PromptLogprob:
+    lp = pb.logprob
+    return PromptLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top], pb.rank)
 
 
 def finish_reason_to_pb(reason: FinishReason | None) -> int:
@@ -162,7 +174,8 @@ def step_to_pb(out: StepOutput) -> worker_pb2.DecodeResponse:
     return worker_pb2.DecodeResponse(
         token_ids=out.new_token_ids, logprobs=[logprob_to_pb(lp) for lp in out.new_logprobs],
         finish_reason=finish_reason_to_pb(out.seq.finish_reason if out.finished else None),
-        cached_tokens=out.seq.num_cached_tokens, choice_index=out.seq.choice_index)
+        cached_tokens=out.seq.num_cached_tokens, choice_index=out.seq.choice_index,
+        prompt_logprobs=[prompt_logprob_to_pb(lp) for lp in out.prompt_logprobs or ()])
 
 
 @dataclass(frozen=True)

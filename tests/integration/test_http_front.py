@@ -14,6 +14,7 @@ import re
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import aiohttp
 import grpc
@@ -185,9 +186,11 @@ def test_openai_client_retrieves_the_model_and_uses_developer_and_max_completion
     ("chat", {"extra_body": {"functions": [{"name": "f"}]}}, "functions"),
     ("chat", {"n": 17}, "n"),
     ("chat", {"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
-    ("completions", {"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
+    ("chat", {"extra_body": {"echo": True}}, "echo"),
+    ("completions", {"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
     ("completions", {"extra_body": {"priority": 1}}, "priority"),
-    ("completions", {"echo": True}, "echo"),
+    ("completions", {"logit_bias": {"49152": 1}}, "logit_bias"),
+    ("completions", {"extra_body": {"min_tokens": 5}}, "min_tokens"),
 ])
 def test_openai_client_gets_bad_request_naming_a_field_pdserve_does_not_implement(gateway, cluster, endpoint, extra,
                                                                                   param):
@@ -830,3 +833,132 @@ def test_grpc_generate_streams_each_choice_with_its_index(gateway, cluster):
     assert [sum(c.finish_reason != 0 for c in cs) for cs in by_choice.values()] == [1, 1]
     assert chunks[-1].usage.completion_tokens == 8 and sum(c.HasField("usage") for c in chunks) == 1
     assert_idle(cluster.wait_idle())
+
+
+# ------------------------------------------------------------------------------------------------ prompt logprobs
+SCORED = ("The quick brown fox jumps over the lazy dog, and then it runs into the forest where the old owl lives. "
+          "The owl asks the fox where it is going, and the fox says")            # 3 full blocks of 16 tokens
+
+
+def offline_prompt_logprobs(reference, token_ids: list[int]) -> list[float | None]:
+    """The offline engine's prompt logprobs (tests/e2e checks them against transformers), first entry None."""
+    out = reference.llm.generate([token_ids], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))[0]
+    return [None] + [lp.logprob for lp in out.prompt_logprobs[1:]]
+
+
+def openai_client(gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url(gateway, "/v1"), api_key="unused", max_retries=0, timeout=RPC_TIMEOUT_S)
+
+
+def test_openai_echo_logprobs_score_the_prompt_also_when_its_prefix_is_cached(gateway, reference, cluster):
+    client, name = openai_client(gateway), cluster.model[0].name
+    token_ids = reference.llm.tokenizer.encode(SCORED)
+    expected = offline_prompt_logprobs(reference, token_ids)
+    client.completions.create(model=name, prompt=SCORED, max_tokens=1, temperature=0)
+    again = client.completions.create(model=name, prompt=SCORED, max_tokens=1, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0          # the prompt's prefix is cached now
+    generated = reference(SCORED, max_tokens=3, ignore_eos=True)[0]
+    for max_tokens in (0, 3):
+        answer = client.completions.create(model=name, prompt=SCORED, echo=True, logprobs=1, max_tokens=max_tokens,
+                                           temperature=0, extra_body={"ignore_eos": True})
+        [choice], lp = answer.choices, answer.choices[0].logprobs
+        assert choice.text == SCORED + (generated if max_tokens else "")
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == len(token_ids) + max_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:len(token_ids)] == pytest.approx(expected[1:], abs=2e-3)
+        assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+        assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(token_ids), max_tokens)
+        assert answer.usage.prompt_tokens_details.cached_tokens == 0    # recomputed, not read from the cache
+    pieces = list(client.completions.create(model=name, prompt=SCORED, echo=True, logprobs=1, max_tokens=0,
+                                            temperature=0, stream=True))
+    assert "".join(piece.choices[0].text for piece in pieces) == SCORED
+    streamed = [lp for piece in pieces for lp in piece.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(expected[1:], abs=2e-3)
+    assert pieces[-1].choices[0].finish_reason == "length"
+    assert_idle(cluster.wait_idle())
+
+
+def test_vllm_prompt_logprobs_on_both_endpoints_disaggregated_and_local(gateway, reference, cluster):
+    token_ids = reference.llm.tokenizer.encode(SCORED)
+    expected = offline_prompt_logprobs(reference, token_ids)
+    local = cluster.gateway(local_prefill_threshold=10_000)
+    for front in (gateway, local):
+        answer = post(front, "/v1/completions", greedy(SCORED, 2, prompt_logprobs=2))
+        positions = answer["choices"][0]["prompt_logprobs"]
+        assert positions[0] is None and len(positions) == len(token_ids)
+        for p, entry in enumerate(positions[1:], start=1):
+            mine = entry[str(token_ids[p])]
+            assert mine["logprob"] == pytest.approx(expected[p], abs=2e-3)
+            assert 1 <= mine["rank"] and mine["decoded_token"] == reference.llm.tokenizer.decode([token_ids[p]])
+            assert 1 <= len(entry) <= 3
+        assert answer["choices"][0]["text"] == reference(SCORED, max_tokens=2)[0]
+    chat = post(local, "/v1/chat/completions", {"messages": [{"role": "user", "content": SCORED}], "max_tokens": 1,
+                                                "prompt_logprobs": 0})
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert_idle(cluster.wait_idle())
+
+
+def test_grpc_prompt_logprobs_come_with_the_first_message(gateway, reference):
+    token_ids = reference.llm.tokenizer.encode(SCORED)
+    expected = offline_prompt_logprobs(reference, token_ids)
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        messages = list(generation_pb2_grpc.GenerationStub(channel).Generate(generation_pb2.GenerateRequest(
+            token_ids=generation_pb2.TokenIds(ids=token_ids),
+            sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)),
+            timeout=RPC_TIMEOUT_S))
+    first = messages[0].prompt_logprobs
+    assert [p.logprob.token_id for p in first] == token_ids[1:]
+    assert [p.logprob.logprob for p in first] == pytest.approx(expected[1:], abs=2e-3)
+    assert all(len(p.logprob.top) == 1 and p.rank >= 1 for p in first)
+    assert all(not m.prompt_logprobs for m in messages[1:])
+
+
+def test_logit_bias_and_min_tokens_end_to_end(gateway, reference, cluster):
+    client, name = openai_client(gateway), cluster.model[0].name
+    eos = reference.llm.engine.model_config.eos_token_ids[0]
+    forced = reference.llm.tokenizer.encode(" banana")[0]
+    biased = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                       logit_bias={str(forced): 100})
+    assert biased.choices[0].text == reference.llm.tokenizer.decode([forced] * 4)
+    ends = {str(eos): 100}                                   # EOS certain: only min_tokens keeps it away
+    short = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=8, temperature=0, logit_bias=ends)
+    held = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=8, temperature=0, logit_bias=ends,
+                                     extra_body={"min_tokens": 4})
+    assert (short.usage.completion_tokens, short.choices[0].finish_reason) == (1, "stop")
+    assert (held.usage.completion_tokens, held.choices[0].finish_reason) == (5, "stop")
+    assert_idle(cluster.wait_idle())
+
+
+def test_lm_eval_loglikelihood_task_through_local_completions(gateway, reference, cluster, tmp_path, monkeypatch):
+    """lm-eval-harness's local-completions model (echo + logprobs, max_tokens 1, token ids) on a task read from
+    tests/data/lm_eval; its log-likelihoods are the engine's prompt logprobs summed over each continuation."""
+    lm_eval = pytest.importorskip("lm_eval", reason="the dev extra provides lm-eval")
+    from lm_eval.tasks import TaskManager
+    data = Path(__file__).parent.parent / "data" / "lm_eval"
+    tokenizer_dir = tmp_path / "tokenizer"                  # the served model's tokenizer, for lm-eval's HF backend
+    tokenizer_dir.mkdir()
+    reference.llm.tokenizer.backend.save(str(tokenizer_dir / "tokenizer.json"))
+    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": reference.llm.tokenizer.decode(
+            list(reference.llm.engine.model_config.eos_token_ids), skip_special_tokens=False)}))
+    monkeypatch.chdir(data)                                  # the task's data_files are relative to it
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={"model": cluster.model[0].name, "base_url": url(gateway, "/v1/completions"),
+                    "tokenizer_backend": "huggingface", "tokenizer": str(tokenizer_dir), "tokenized_requests": True,
+                    "num_concurrent": 1, "max_retries": 1},
+        tasks=["pdserve_capitals"], task_manager=TaskManager(include_path=str(data), include_defaults=False),
+        log_samples=True, apply_chat_template=False)
+    samples = results["samples"]["pdserve_capitals"]
+    assert len(samples) == 4
+    tok = reference.llm.tokenizer
+    for sample in samples:
+        context, continuation = sample["doc"]["context"], sample["doc"]["continuation"]
+        context_ids, continuation_ids = tok.encode(context), tok.encode(continuation)
+        logprobs = offline_prompt_logprobs(reference, context_ids + continuation_ids)
+        expected = sum(logprobs[len(context_ids):])
+        [[(loglikelihood, _)]] = sample["resps"]
+        assert float(loglikelihood) == pytest.approx(expected, abs=5e-3)
+    assert "perplexity,none" in results["results"]["pdserve_capitals"]

@@ -292,7 +292,10 @@ SAMPLING_FIELDS = {
     "n": field(st.sampled_from([1, 2])), "best_of": field(st.sampled_from([1, 2])),
     "response_format": field(st.sampled_from([{"type": "text"}, {"type": "json_object"}])),
     "guided_regex": field(any_text), "guided_choice": field(st.lists(any_text, max_size=3)),
-    "echo": json_values, "suffix": json_values, "logit_bias": json_values, "tools": json_values,
+    "logit_bias": field(st.dictionaries(st.one_of(st.integers(0, 2**33).map(str), any_text), st.one_of(ints, floats),
+                                        max_size=3)),
+    "min_tokens": field(ints), "prompt_logprobs": field(ints),
+    "echo": json_values, "suffix": json_values, "tools": json_values,
     "functions": json_values, "user": json_values, "unknown_field": json_values,
 }
 COMPLETION_FIELDS = {**SAMPLING_FIELDS, "logprobs": field(ints)}

@@ -99,8 +99,20 @@ def test_chat_renders_the_template_and_defaults_max_tokens_to_the_rest_of_the_co
     (dict(prompt="a", n=3, best_of=2), "best_of"),
     (dict(prompt="a", best_of=17), "best_of"),
     (dict(prompt="a", best_of=2, stream=True), "best_of"),
-    (dict(prompt="a", echo=True), "echo"),
-    (dict(prompt="a", logit_bias={"7": 1}), "logit_bias"),
+    (dict(prompt="a", logit_bias={"x": 1}), "logit_bias"),
+    (dict(prompt="a", logit_bias={"7": "up"}), "logit_bias"),
+    (dict(prompt="a", logit_bias={"99999": 1}), "logit_bias"),
+    (dict(prompt="a", logit_bias={"7": 100.5}), "logit_bias"),
+    (dict(prompt="a", logit_bias={"7": 10**400}), "logit_bias"),
+    (dict(prompt="a", logit_bias={"7": float("inf")}), "logit_bias"),
+    (dict(prompt="a", echo=True, max_tokens=0.0), "max_tokens"),
+    (dict(prompt="a", echo=True, max_tokens=False), "max_tokens"),
+    (dict(prompt="a", logit_bias=[7]), "logit_bias"),
+    (dict(prompt="a", min_tokens=-1), "min_tokens"),
+    (dict(prompt="a", min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(prompt="a", prompt_logprobs=21), "prompt_logprobs"),
+    (dict(prompt="a", echo=True, logprobs=21), "logprobs"),
+    (dict(prompt="a", echo=True, max_tokens=-1), "max_tokens"),
     (dict(prompt="a", stop=["ok", ""]), "stop"),
     (dict(prompt="a", stop=3), "stop"),
     (dict(prompt="a", stop_token_ids=[99]), "stop_token_ids"),
@@ -243,14 +255,11 @@ USER = [{"role": "user", "content": "hello"}]
 
 
 @pytest.mark.parametrize("body, param", [
-    (dict(prompt_logprobs=1), "prompt_logprobs"),
-    (dict(min_tokens=2), "min_tokens"),
     (dict(priority=0), "priority"),
     (dict(service_tier="flex"), "service_tier"),
     (dict(functions=[{"name": "f"}]), "functions"),
     (dict(function_call="auto"), "function_call"),
     (dict(n=17), "n"),
-    (dict(logit_bias={"7": 5}), "logit_bias"),
     (dict(best_of=2), "best_of"),
     (dict(echo=True), "echo"),
     (dict(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}),
@@ -265,9 +274,7 @@ def test_chat_fields_pdserve_does_not_implement_are_refused_by_name(tokenizer, b
 
 
 @pytest.mark.parametrize("body, param", [
-    (dict(prompt_logprobs=0), "prompt_logprobs"),
     (dict(suffix="b"), "suffix"),
-    (dict(echo=True), "echo"),
     (dict(messages=USER), "messages"),                  # a chat field
     (dict(max_completion_tokens=3), "max_completion_tokens"),
     (dict(chat_template_kwargs={}), "chat_template_kwargs"),
