@@ -24,7 +24,8 @@ class LoadedModel:
     config: ModelConfig
     """Hyperparameters read from the checkpoint."""
     weights: dict[str, torch.Tensor]
-    """Hugging Face parameter name -> tensor on CPU in the requested dtype (names and shapes: module docstring)."""
+    """Hugging Face parameter name -> tensor on CPU in the requested dtype (names and shapes: module docstring);
+    a GPTQ checkpoint's quantized linears are `engine.gptq_format.GPTQWeight`s (packed, as stored) instead."""
     tokenizer: Tokenizer
     """The checkpoint's tokenizer and chat template."""
     fingerprint: str
