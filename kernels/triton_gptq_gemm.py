@@ -18,6 +18,7 @@ from kernels._checks import STORAGE_DTYPES, check_last_dim_contiguous, check_ten
 GPTQ_BITS = (4, 8)
 BLOCK_N = 64
 BLOCK_K = 64
+BLOCK_K_FP32 = 32  # fp32 tiles at 64 spill registers on sm_90 (tests/kernels/sm90_compile.py)
 
 
 @triton.jit
@@ -86,5 +87,6 @@ def gptq_gemm_triton(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tenso
     _gptq_gemm_kernel[grid](
         x, qweight, qzeros, scales, g_idx, out, num_rows, out_features, in_features, zero_offset,
         x.stride(0), qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0),
-        BITS=bits, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        BITS=bits, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K_FP32 if x.dtype == torch.float32 else BLOCK_K)
     return out
