@@ -262,7 +262,8 @@ def _gptq_gemm_launches(m: ModelShape, dtype, block_size: None):
                partial(gptq_gemm_triton, x, qweight, qzeros, scales, g_idx, bits, 1))
 
 
-_LAUNCHES = {"gptq_gemm": _gptq_gemm_launches, "decode": _decode_launches, "prefill": _prefill_launches, "write_kv": _write_kv_launches,
+_LAUNCHES = {"gptq_gemm": _gptq_gemm_launches, "decode": _decode_launches, "prefill": _prefill_launches,
+             "write_kv": _write_kv_launches,
              "rms_norm": _rms_norm_launches, "rotary": _rotary_launches, "block_copy": _block_copy_launches,
              "block_int8": _block_int8_launches}
 
