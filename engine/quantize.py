@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,13 +116,11 @@ def quantize_checkpoint(source: str | Path, out: str | Path, options: QuantizeOp
     tensors: dict[str, torch.Tensor] = {}
     for i in tqdm(range(config.num_layers), desc="quantizing layers", unit="layer", disable=not progress):
         p = f"model.layers.{i}."
-        quantized = _quantize_layer(config, weights, p, hidden, cos_sin, options, min_zero, errors)
+        quantized, hidden = _quantize_layer(config, weights, p, hidden, cos_sin, options, min_zero, errors)
         for name, q in quantized.items():
             packed = pack_weight(q.codes, q.zeros, q.scales, q.g_idx, gptq)
             for suffix in ("qweight", "qzeros", "scales", "g_idx"):
                 tensors[f"{name}.{suffix}"] = getattr(packed, suffix)
-        if hidden is not None:
-            hidden = _layer_forward(config, weights, p, hidden, cos_sin, quantized)
         layer_errors = [errors[n] for n in quantized]
         each = ", ".join(f"{n.rsplit('.', 1)[-1]} {errors[n]:.2e}" for n in quantized)
         log(f"layer {i}: {options.method} {gptq.bits}-bit g{gptq.group_size}{' act-order' if gptq.desc_act else ''}"
@@ -136,34 +134,31 @@ def quantize_checkpoint(source: str | Path, out: str | Path, options: QuantizeOp
 
 
 def _quantize_layer(config: ModelConfig, weights: dict[str, torch.Tensor], p: str, hidden: torch.Tensor | None,
-                    cos_sin: torch.Tensor, options: QuantizeOptions, min_zero: int,
-                    errors: dict[str, float]) -> dict[str, QuantizedWeight]:
-    """Every linear of layer `p`, true-sequentially: the input of each group of linears is computed with the
-    groups before it already quantized. hidden: [samples, seq_len, hidden] or None (rtn)."""
+                    cos_sin: torch.Tensor, options: QuantizeOptions, min_zero: int, errors: dict[str, float]
+                    ) -> tuple[dict[str, QuantizedWeight], torch.Tensor | None]:
+    """Every linear of layer `p`, true-sequentially (module docstring), and the layer's output with them
+    quantized. hidden: [samples, seq_len, hidden], or None for rtn (then None is returned for the output)."""
     quantized: dict[str, QuantizedWeight] = {}
-    inputs = None if hidden is None else _linear_inputs(config, weights, p, hidden, cos_sin, quantized)
-    for stage, (module, names) in enumerate(_LINEAR_GROUPS):
-        if inputs is not None and stage > 0:
-            inputs = _linear_inputs(config, weights, p, hidden, cos_sin, quantized)
-        x = None if inputs is None else inputs[stage]
+    stages = _layer_stages(config, weights, p, hidden, cos_sin, quantized) if hidden is not None else None
+    for module, names in _LINEAR_GROUPS:
+        x = next(stages) if stages is not None else None                      # this group's input
         hessian = None
         if x is not None:
             acc = HessianAccumulator(x.shape[-1])
             acc.add(x)
             hessian = acc.hessian
         for short in names:
-            name = f"{p}{module}{short}.weight"
-            w = weights[name]
+            name = f"{p}{module}{short}"
+            w = weights[name + ".weight"]
             if options.method == "gptq":
                 q = gptq_quantize(w, hessian, options.bits, options.group_size, options.sym, options.act_order,
                                   options.damp_percent, options.block_size, min_zero)
             else:
                 q = rtn_quantize(w, options.bits, options.group_size, options.sym, min_zero)
-            quantized[name.removesuffix(".weight")] = q
-            errors[name.removesuffix(".weight")] = (
-                hessian_error(w, q.dequantize(), hessian) if hessian is not None
-                else float(((w - q.dequantize()).norm() / w.norm()) ** 2))
-    return quantized
+            quantized[name] = q
+            errors[name] = (hessian_error(w, q.dequantize(), hessian) if hessian is not None
+                            else float(((w - q.dequantize()).norm() / w.norm()) ** 2))
+    return quantized, None if stages is None else next(stages)
 
 
 def _weight(weights: dict[str, torch.Tensor], quantized: dict[str, QuantizedWeight], name: str) -> torch.Tensor:
@@ -198,25 +193,22 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return kernels.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
 
 
-def _linear_inputs(config: ModelConfig, weights, p: str, hidden: torch.Tensor, cos_sin: torch.Tensor,
-                   quantized: dict[str, QuantizedWeight]) -> list[torch.Tensor]:
-    """The inputs of layer p's four linear groups (qkv, o, gate/up, down) with `quantized` weights in place."""
+def _layer_stages(config: ModelConfig, weights, p: str, hidden: torch.Tensor, cos_sin: torch.Tensor,
+                  quantized: dict[str, QuantizedWeight]) -> Iterator[torch.Tensor]:
+    """Layer p's forward in steps: yields the inputs of qkv, o, gate/up and down, then the layer's output. Each
+    step runs after the caller put the previous group's quantized weights into `quantized`."""
     eps = config.rms_norm_eps
     x = _rms_norm(hidden, weights[p + "input_layernorm.weight"], eps)
+    yield x
     attn = _attention(config, weights, quantized, p, x, cos_sin)
+    yield attn
     h = hidden + F.linear(attn, _weight(weights, quantized, p + "self_attn.o_proj.weight"))
     y = _rms_norm(h, weights[p + "post_attention_layernorm.weight"], eps)
+    yield y
     inner = (F.silu(F.linear(y, _weight(weights, quantized, p + "mlp.gate_proj.weight")))
              * F.linear(y, _weight(weights, quantized, p + "mlp.up_proj.weight")))
-    return [x, attn, y, inner]
-
-
-def _layer_forward(config: ModelConfig, weights, p: str, hidden: torch.Tensor, cos_sin: torch.Tensor,
-                   quantized: dict[str, QuantizedWeight]) -> torch.Tensor:
-    """Layer p's output with its quantized weights: [S, T, hidden] -> [S, T, hidden]."""
-    x, attn, y, inner = _linear_inputs(config, weights, p, hidden, cos_sin, quantized)
-    h = hidden + F.linear(attn, _weight(weights, quantized, p + "self_attn.o_proj.weight"))
-    return h + F.linear(inner, _weight(weights, quantized, p + "mlp.down_proj.weight"))
+    yield inner
+    yield h + F.linear(inner, _weight(weights, quantized, p + "mlp.down_proj.weight"))
 
 
 def _calibration_hidden(token_ids: list[int], weights: dict[str, torch.Tensor], options: QuantizeOptions
