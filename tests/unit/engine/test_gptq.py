@@ -28,11 +28,9 @@ pytest.importorskip("transformers", reason="the dev extra provides transformers"
 VARIANTS = {  # name -> pdserve quantize flags
     "gptq4-g32": ["--method", "gptq", "--bits", "4", "--group-size", "32"],
     "gptq4-g32-act-order-asym": ["--method", "gptq", "--bits", "4", "--group-size", "32", "--act-order", "--no-sym"],
-    "gptq4-g-1-act-order-v2": ["--method", "gptq", "--bits", "4", "--group-size", "-1", "--act-order", "--no-sym",
-                               "--checkpoint-format", "gptq_v2"],
-    "gptq8-g32-act-order": ["--method", "gptq", "--bits", "8", "--group-size", "32", "--act-order"],
+    "gptq8-g32-act-order-asym-v2": ["--method", "gptq", "--bits", "8", "--group-size", "32", "--act-order",
+                                    "--no-sym", "--checkpoint-format", "gptq_v2"],
     "rtn4-g32": ["--method", "rtn", "--bits", "4", "--group-size", "32"],
-    "rtn4-g-1": ["--method", "rtn", "--bits", "4", "--group-size", "-1"],
 }
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
@@ -120,7 +118,7 @@ def _greedy(engine: LLMEngine, prompt: list[int]) -> list[int]:
     return seq.output_token_ids
 
 
-@pytest.mark.parametrize("name", ["gptq4-g32-act-order-asym", "gptq8-g32-act-order", "rtn4-g-1"])
+@pytest.mark.parametrize("name", ["gptq4-g32-act-order-asym", "gptq8-g32-act-order-asym-v2", "rtn4-g32"])
 def test_greedy_tokens_equal_the_float_model_over_the_dequantized_weights(checkpoints, name, monkeypatch):
     # float32 activations on both sides: the int4 linears take their exact (GEMM) path
     monkeypatch.setattr(quant, "INT4PACK_MAX_ROWS", 0)
