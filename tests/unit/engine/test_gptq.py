@@ -223,3 +223,21 @@ def test_transformers_gptq_loader_reads_the_same_weights(checkpoints):
         theirs = hf(torch.tensor([PROMPT])).logits[0].float()
     mine = _prompt_logits(path, PROMPT)
     assert (mine - theirs).abs().max().item() < 0.05 * theirs.abs().max().item()  # measured 1.2% (float16 dequantization)
+
+
+def test_a_gguf_source_is_quantized_from_its_dequantized_weights(tmp_path):
+    """A GGUF file quantizes like a directory: config.json and tokenizer.json are written from its metadata."""
+    from tiny_gguf import write_tiny_gguf
+
+    source = tmp_path / "tiny.gguf"
+    write_tiny_gguf(source)
+    out = tmp_path / "rtn"
+    assert main(["quantize", "--method", "rtn", "--bits", "4", "--group-size", "32", "--quiet", "--out", str(out),
+                 str(source)]) == 0
+    gguf, gptq = load_model(source, progress=False), load_model(out, progress=False)
+    assert gptq.config == gguf.config
+    assert gptq.tokenizer.encode("hello world") == gguf.tokenizer.encode("hello world")
+    w = gguf.weights["model.layers.0.mlp.up_proj.weight"]
+    q = GPTQLinear(gptq.weights["model.layers.0.mlp.up_proj.weight"], None, torch.device("cpu")).dequantize()
+    step = (w.amax(dim=1) - w.amin(dim=1)).max() / 15
+    assert (q - w).abs().max() <= step  # round to nearest on groups no wider than the row
