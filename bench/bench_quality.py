@@ -152,22 +152,27 @@ def main() -> None:
     meta = {"date": str(datetime.date.today()), "cpu": cpu_model(), "threads": args.threads,
             "torch": torch.__version__, "ctx": args.ctx, "eval_text": str(EVAL_TEXT.relative_to(ROOT)),
             "calibration_text": str(CALIBRATION_TEXT.relative_to(ROOT)), "quantize_s": quantize_s}
+    save(out_dir, meta, results, peer, with_speed=not args.skip_speed)
+
+
+def save(out_dir: Path, meta: dict, results: dict[str, dict], peer: dict | None, with_speed: bool) -> None:
+    """Write quality.json and quality.md (the BENCHMARKS.md table) into out_dir, and print the table."""
     (out_dir / "quality.json").write_text(json.dumps({"meta": meta, "modes": results, "llama_perplexity": peer},
                                                      indent=2))
     base = results["float32"]["ppl"]
-    speed = "" if args.skip_speed else f" decode tok/s b1 | decode tok/s b{BATCH} | prefill tok/s (512) |"
-    lines = [f"Measured {meta['date']} on {meta['cpu']}, {args.threads} threads, torch {meta['torch']}; "
+    speed = f" decode tok/s b1 | decode tok/s b{BATCH} | prefill tok/s (512) |" if with_speed else ""
+    lines = [f"Measured {meta['date']} on {meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}; "
              f"perplexity over {results['float32']['tokens_scored']} tokens of {meta['eval_text']} "
-             f"(chunks of {args.ctx}, second halves scored).", "",
+             f"(chunks of {meta['ctx']}, second halves scored).", "",
              "| mode | weight MiB read per decode step | perplexity | vs float32 |" + speed,
              "|---|---:|---:|---:|" + ("---:|---:|---:|" if speed else "")]
-    for name, r in results.items():
+    for r in results.values():
         line = f"| {r['label']} | {r['weight_mib']:.1f} | {r['ppl']:.3f} | {r['ppl'] / base - 1:+.2%} |"
         if speed:
             line += f" {r['decode_b1']:.1f} | {r[f'decode_b{BATCH}']:.1f} | {r['prefill_512']:.1f} |"
         lines.append(line)
     if peer:
-        lines += ["", f"llama.cpp llama-perplexity on the same GGUF (Q4_1), text and -c {args.ctx}: "
+        lines += ["", f"llama.cpp llama-perplexity on the same GGUF (Q4_1), text and -c {meta['ctx']}: "
                   f"PPL = {peer['ppl']:.4f} +/- {peer['stderr']:.4f} over {peer['chunks']} chunks; "
                   f"pdserve float32 (exactly those weights): {base:.4f} ({base / peer['ppl'] - 1:+.2%}), "
                   f"int4 (the same codes): {results['int4']['ppl']:.4f} "
