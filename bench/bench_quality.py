@@ -11,7 +11,8 @@ Per mode:
 - perplexity on bench/data/shakespeare_eval.txt the way llama.cpp's llama-perplexity computes it: the token
   stream cut into chunks of --ctx tokens, the first token of a chunk replaced by BOS when the model adds one,
   each chunk evaluated alone and only its second half scored (positions ctx/2 .. ctx-1);
-- decode tokens/s at batch 1 and with 32 sequences, and 512-token prefill (bench/bench_engine.bench_pdserve).
+- decode tokens/s at batch 1 and with 32 sequences (--speed-tokens new tokens each), and 512-token prefill
+  (bench/bench_engine.bench_pdserve).
 llama-perplexity (bench/build_llama_server.sh builds it) runs on the same GGUF, text and --ctx as the
 independent check of the Q4_1 row. Figures go to OUT_DIR/quality.json and quality.md; checkpoints are kept in
 OUT_DIR and reused (delete them to requantize).
@@ -36,6 +37,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import bench_engine  # noqa: E402
 from bench_engine import BATCH, bench_pdserve  # noqa: E402
 
 from engine.llm import LLM  # noqa: E402
@@ -106,7 +108,10 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=512, help="perplexity chunk length (llama-perplexity -c)")
     parser.add_argument("--llama-perplexity", default=str(LLAMA_PERPLEXITY), help="binary; '' skips it")
     parser.add_argument("--skip-speed", action="store_true", help="only memory and perplexity")
+    parser.add_argument("--speed-tokens", type=int, default=bench_engine.NEW_TOKENS,
+                        help="new tokens per sequence in the decode speed runs")
     args = parser.parse_args()
+    bench_engine.NEW_TOKENS = args.speed_tokens
     torch.set_num_threads(args.threads)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -151,7 +156,8 @@ def main() -> None:
 
     meta = {"date": str(datetime.date.today()), "cpu": cpu_model(), "threads": args.threads,
             "torch": torch.__version__, "ctx": args.ctx, "eval_text": str(EVAL_TEXT.relative_to(ROOT)),
-            "calibration_text": str(CALIBRATION_TEXT.relative_to(ROOT)), "quantize_s": quantize_s}
+            "calibration_text": str(CALIBRATION_TEXT.relative_to(ROOT)), "quantize_s": quantize_s,
+            "speed_tokens": args.speed_tokens}
     save(out_dir, meta, results, peer, with_speed=not args.skip_speed)
 
 
