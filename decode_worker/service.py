@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 from decode_worker.worker import DecodeWorker
 from kvstore.shm import host_id
-from protos.convert import (TransferTargetData, WorkerStatsData, logprob_from_pb, request_from_pb, step_to_pb,
-                            target_to_pb, worker_stats_to_pb)
+from protos.convert import (TransferTargetData, WorkerStatsData, choice_tokens_from_pb, logprob_from_pb,
+                            request_from_pb, step_to_pb, target_to_pb, worker_stats_to_pb)
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from protos.service_runtime import caller_of, status_on_error
 
@@ -31,7 +31,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         first_logprob = logprob_from_pb(request.first_logprob) if request.HasField("first_logprob") else None
         first_token = None if request.prefill_locally else request.first_token_id
         with status_on_error(context):
-            stream = self.worker.decode(request.request_id, request.handle, first_token, first_logprob)
+            stream = self.worker.decode(request.request_id, request.handle, first_token, first_logprob,
+                                        choice_tokens_from_pb(request.choice_first_tokens))
         context.add_callback(stream.close)  # client cancel or deadline: abort, blocks freed
         with status_on_error(context):
             for out in stream:

@@ -7,6 +7,10 @@ Lifecycle of one request (DESIGN section 3, steps 4-6), as states of its blocks'
                    └──decode(prefill locally)──────────────────────────────────────────────────────▶ RUNNING
     lease expiry (RESERVED / COMMITTED), abort, rejected transfer ──▶ released, once, by the engine
 
+A request with n > 1 choices is reserved, transferred and committed once, for its prompt; Decode hands the prefill
+worker's other first tokens to the engine, which forks the choices on the committed blocks (each choice its own
+lease; engine.llm_engine), and the one stream carries every choice's tokens with its index.
+
 The lease is the one owner of the blocks; a `Reservation` adds what the gateway was told (handle, lease
 deadline). gRPC threads pin and unpin the lease themselves (it has its own lock); every release goes through
 the EngineLoop, so the engine and its pool stay single-threaded. An abort while the KV is arriving only marks
@@ -64,7 +68,9 @@ class DecodeWorker:
                  verify_kv: str = "off", max_reserved_fraction_per_caller: float = 1.0) -> None:
         self.loop = loop
         engine = loop.engine
-        self.layout = KvLayoutSpec.from_cache(engine.runner.kv_cache, engine.fingerprint)
+        if verify_kv != "off" and engine.runner.tp is not None:
+            raise ValueError("verify_kv recomputes layer 0 on rank 0 alone: it needs tensor_parallel_size 1")
+        self.layout = KvLayoutSpec.from_cache(engine.runner.transfer_cache(), engine.fingerprint)
         self.max_lease_ms = max_lease_ms
         self.trust_plaintext_kv = trust_plaintext_kv
         self.verify_kv = verify_kv
@@ -132,7 +138,11 @@ class DecodeWorker:
             except IllegalTransition:
                 raise TransferRejected(f"this reservation is {res.lease.state.value}, not waiting for its KV",
                                        "handle") from None
-        return ReceiveTarget(self.layout, tuple(res.missing_block_ids), self.loop.engine.runner.kv_cache)
+        runner = self.loop.engine.runner
+        if runner.tp is None:
+            return ReceiveTarget(self.layout, tuple(res.missing_block_ids), runner.kv_cache)
+        # Every KV head arrives; rank 0 hands each rank its own (ModelRunner.write_received).
+        return ReceiveTarget(self.layout, tuple(res.missing_block_ids), runner.transfer_cache(), runner.write_received)
 
     def commit(self, request_id: str, handle: str, blocks: ReceivedBlocks) -> None:
         """Verify the received KV when verify_kv asks (TransferRejected on a mismatch: never decode on bad KV),
@@ -172,15 +182,18 @@ class DecodeWorker:
 
     # --- Decode -----------------------------------------------------------------------------------------------
     def decode(self, request_id: str, handle: str, first_token_id: int | None,
-               first_logprob: TokenLogprob | None = None) -> RequestStream:
-        """Start a reservation: with first_token_id its KV must be committed; None prefills locally. Raises
-        PreconditionError (unknown, expired, aborted, or KV not committed)."""
+               first_logprob: TokenLogprob | None = None,
+               choice_first_tokens: list[tuple[int, TokenLogprob | None]] = ()) -> RequestStream:
+        """Start a reservation: with first_token_id its KV must be committed (and `choice_first_tokens`, one per
+        further choice of an n > 1 request, fork on it); None prefills locally. Raises PreconditionError
+        (unknown, expired, aborted, or KV not committed) or InvalidRequestError (first tokens not one per
+        choice)."""
         with self._lock:
             res = self._live(request_id, handle)
         if res is None:
             raise PreconditionError(f"no live reservation {handle!r} for {request_id!r} (expired or aborted)")
         stream = self.loop.open_stream(request_id, lambda e: e.start_reserved(request_id, first_token_id,
-                                                                              first_logprob))
+                                                                              first_logprob, choice_first_tokens))
         with self._lock:
             if self._reservations.get(request_id) is res:
                 del self._reservations[request_id]

@@ -10,7 +10,7 @@ import importlib
 _EXPORTS = {
     "LLM": "engine.llm", "RequestOutput": "engine.llm", "CompletionOutput": "engine.llm",
     "EngineConfig": "engine.config", "ModelConfig": "engine.config",
-    "SamplingParams": "engine.sampling_params",
+    "SamplingParams": "engine.sampling_params", "StructuredOutputSpec": "engine.structured",
     "InvalidRequestError": "engine.errors", "OverloadedError": "engine.errors",
     "PreconditionError": "engine.errors", "RequestFailedError": "engine.errors",
 }

@@ -219,6 +219,14 @@ class EngineConfig:
     """CPU threads for torch in this process; None leaves torch's default."""
     seed: int = 0
     """Seed for requests that do not set their own."""
+    tensor_parallel_size: int = 1
+    """Ranks (processes) the model is split over, Megatron-style (engine.parallel): rank 0 is this process and
+    schedules and samples, ranks 1..N-1 are spawned and run each step it sends them; on CUDA rank r uses device
+    index + r. Each rank holds its attention heads (KV heads replicated when fewer than N), its slice of the MLP
+    and of the vocabulary, and a KV cache of its heads with the same block ids. 1 runs in this process alone."""
+    tensor_parallel_timeout_s: float = 60.0
+    """Longest any collective between the ranks may wait (a rank that stops answering); past it, or when a rank
+    dies, the worker fails with TensorParallelError instead of hanging."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -240,5 +248,10 @@ class EngineConfig:
                              f"got {self.kv_cache_memory_fraction}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"EngineConfig.num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"EngineConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not self.tensor_parallel_timeout_s > 0:
+            raise ValueError("EngineConfig.tensor_parallel_timeout_s must be > 0, "
+                             f"got {self.tensor_parallel_timeout_s}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"EngineConfig.num_threads must be >= 1, got {self.num_threads}")

@@ -3,14 +3,18 @@
 The engine is not thread-safe, so only the loop thread touches it. Other threads:
 - `call(fn)` runs `fn(engine)` on the loop thread between two steps and returns its result (or raises);
 - `open_stream(request_id, fn)` does the same and registers a `RequestStream` first, which then receives
-  every `StepOutput` of that request until it finishes; closing the stream early aborts the request.
+  every `StepOutput` of that request (of each of its choices when n > 1, `out.seq.choice_index`) until its
+  last choice finishes; closing the stream early aborts the request, every choice of it.
 
 Between steps the loop also runs `on_idle(engine)` hooks at most every `housekeeping_interval_s` (lease
 expiry, publishing KV events to the prefix index, load reports), and step hooks after every step that ran
 the model (metrics). A request that fails alone in a step
 (its sampling raised) ends its stream with RequestFailedError while the others go on; if the step itself
 raises (the forward pass), every open stream gets the error and the loop keeps serving (the failed
-requests are aborted so their blocks are freed). After `stop()`, `call` and `open_stream` raise LoopStopped.
+requests are aborted so their blocks are freed). One choice of an n > 1 request failing fails the request:
+its other choices are aborted. A tensor-parallel rank that fails (TensorParallelError) ends the process at
+once with status EXIT_RANK_FAILED: the ranks are gone, and open RPCs see UNAVAILABLE.
+After `stop()`, `call` and `open_stream` raise LoopStopped.
 
 CPU threads: torch's OpenMP thread count is per calling thread, so the loop thread sets the engine's
 `num_threads` itself. Build an engine the loop will step with `build_engine`, on a thread that then ends: a
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -35,10 +40,13 @@ import torch
 from engine.config import EngineConfig
 from engine.errors import RequestFailedError
 from engine.llm_engine import LLMEngine, StepOutput
+from engine.parallel.ranks import TensorParallelError
 from engine.sequence import FinishReason
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+EXIT_RANK_FAILED = 70
+"""Exit status of a worker whose tensor-parallel rank failed."""
 _END = object()
 
 
@@ -161,9 +169,9 @@ class EngineLoop:
                 raise LoopStopped("the engine loop has stopped")
             self._commands.put(item)
 
-    def open_stream(self, request_id: str, fn: Callable[[LLMEngine], StepOutput | None]) -> RequestStream:
+    def open_stream(self, request_id: str, fn: Callable[[LLMEngine], object]) -> RequestStream:
         """Register a stream for `request_id`, then run `fn(engine)` (which adds or starts that request).
-        `fn` may return a StepOutput that already finishes the request; it goes to the stream."""
+        `fn` may return StepOutputs (a list) that already finish choices of the request; they go to the stream."""
         stream = RequestStream(self, request_id)
         future: Future = Future()
         self._submit((fn, future, stream))
@@ -212,8 +220,8 @@ class EngineLoop:
                     self._streams.pop(stream.request_id, None)
                 future.set_exception(exc)
             else:
-                if stream is not None and isinstance(result, StepOutput):
-                    self._dispatch([result])
+                if stream is not None and isinstance(result, list):
+                    self._dispatch([out for out in result if isinstance(out, StepOutput)])
                 future.set_result(result)
             try:
                 item = self._commands.get_nowait()
@@ -224,6 +232,13 @@ class EngineLoop:
         steps_before, started = self.engine.num_steps, time.perf_counter()
         try:
             outputs = self.engine.step()
+        except TensorParallelError:
+            # A rank died or timed out: the ranks are gone, this worker cannot step again. Exiting at once
+            # gives every open RPC UNAVAILABLE (the gateway retries elsewhere) and the launcher sees the exit.
+            log.critical("a tensor-parallel rank failed; the worker exits with status %d", EXIT_RANK_FAILED,
+                         exc_info=True)
+            logging.shutdown()
+            os._exit(EXIT_RANK_FAILED)
         except Exception as exc:
             log.exception("engine step failed; failing its %d open requests", len(self._streams))
             for request_id, stream in list(self._streams.items()):
@@ -237,17 +252,19 @@ class EngineLoop:
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
-            stream = self._streams.get(out.seq.request_id)
+            request_id = out.seq.group_id
+            stream = self._streams.get(request_id)
             if stream is None:
                 continue
             if out.seq.finish_reason is FinishReason.ERROR:
-                stream._put(RequestFailedError(f"request {out.seq.request_id!r} failed: {out.seq.error}"))
-                del self._streams[out.seq.request_id]
+                stream._put(RequestFailedError(f"request {request_id!r} failed: {out.seq.error}"))
+                del self._streams[request_id]
+                self.engine.abort(request_id)        # its other choices, if any
                 continue
             stream._put(out)
-            if out.finished:
+            if out.request_finished:
                 stream._put(_END)
-                del self._streams[out.seq.request_id]
+                del self._streams[request_id]
 
     def _housekeeping(self) -> None:
         now = time.monotonic()

@@ -86,6 +86,38 @@ class KVCacheManager:
         num_have = len(computed_block_ids) if computed_block_ids else len(seq.block_ids)
         return self.num_blocks_needed(num_computed + num_new_tokens) - num_have
 
+    # --- n > 1: choices forked on the prompt's blocks ------------------------------------------------------------
+    def can_fork(self, parent: Sequence) -> bool:
+        """Whether a free block is there for the copy of the prompt's partial last block (none needed when the
+        prompt ends on a block boundary)."""
+        return self.pool.can_allocate(1 if parent.num_prompt_tokens % self.block_size else 0)
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Give `child` (holding no blocks) the KV of `parent`'s prompt, computed:
+
+            prompt (block_size 4, 10 tokens)  [ b0 ][ b1 ][ b2 . . ]
+            child                             [ b0 ][ b1 ][ c2 . . ]   b0, b1 shared: one more reference each
+                                                                       c2 fresh: b2's first 2 slots copied
+        The full blocks are shared by reference count (each holder frees its own reference); the partial block
+        is where the choices diverge, so it is copied now (copy on write of the first divergent block). Returns
+        (source, destination) block ids for the caller to copy on the device, or None when the prompt ends on a
+        block boundary. Callers check `can_fork` first."""
+        bs = self.block_size
+        num_prompt = parent.num_prompt_tokens
+        num_full = num_prompt // bs
+        assert not child.block_ids and len(parent.block_ids) >= -(-num_prompt // bs), "fork of an uncomputed prompt"
+        shared = parent.block_ids[:num_full]
+        self.pool.touch(shared)
+        child.block_ids = list(shared)
+        child.block_hashes = parent.block_hashes[:num_full]
+        child.num_registered_blocks = min(parent.num_registered_blocks, num_full)
+        child.num_computed_tokens = num_prompt
+        if num_prompt % bs == 0:
+            return None
+        dst = self.pool.allocate(1)[0]
+        child.block_ids.append(dst)
+        return parent.block_ids[num_full], dst
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register every block of `seq` that is full and computed, so later requests can reuse it (never the
         blocks of a sequence that is not `cacheable`)."""

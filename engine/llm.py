@@ -11,7 +11,7 @@ from engine.errors import RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel
 from engine.sampling_params import SamplingParams
-from engine.sequence import FinishReason, TokenLogprob
+from engine.sequence import FinishReason, Sequence, TokenLogprob
 from engine.tokenizer import IncrementalDetokenizer
 
 
@@ -51,7 +51,8 @@ class LLM:
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  cache_salt: str | None = None) -> list[RequestOutput]:
-        """Run every prompt (text, or a list of token ids) to completion together; outputs keep the input order."""
+        """Run every prompt (text, or a list of token ids) to completion together; outputs keep the input order.
+        A request with params.n > 1 gets n outputs, choice i at index i (its prompt computed once)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
@@ -61,12 +62,16 @@ class LLM:
             raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts")
 
         seqs = []
+        choices: dict[str, dict[int, Sequence]] = {}      # request id -> choice index -> its sequence
         try:
             for prompt, params in zip(prompts, params_list):
                 token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-                seqs.append(self.engine.add_request(f"offline-{next(self._ids)}", token_ids, params, cache_salt))
+                seq = self.engine.add_request(f"offline-{next(self._ids)}", token_ids, params, cache_salt)
+                seqs.append(seq)
+                choices[seq.request_id] = {0: seq}
             while self.engine.has_unfinished():
-                self.engine.step()
+                for out in self.engine.step():
+                    choices[out.seq.group_id][out.seq.choice_index] = out.seq
         except BaseException:
             for seq in seqs:
                 self.engine.abort(seq.request_id)
@@ -75,10 +80,13 @@ class LLM:
             request_id=seq.request_id,
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=seq.prompt_token_ids,
-            outputs=[CompletionOutput(self.tokenizer.decode(seq.output_token_ids), list(seq.output_token_ids),
-                                      seq.finish_reason.value, list(seq.output_logprobs), seq.error)],
+            outputs=[self._completion(choices[seq.request_id][i]) for i in sorted(choices[seq.request_id])],
             num_cached_tokens=seq.num_cached_tokens,
         ) for prompt, seq in zip(prompts, seqs)]
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        return CompletionOutput(self.tokenizer.decode(seq.output_token_ids), list(seq.output_token_ids),
+                                seq.finish_reason.value, list(seq.output_logprobs), seq.error)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Generate one completion, yielding text as it is produced (never a broken UTF-8 character). Raises

@@ -1,7 +1,9 @@
 """Runs one scheduled step: builds the flat batch and its attention metadata, runs the model, samples.
 
 Owns the device state of a worker: the model's weights and the paged KV cache tensor
-`[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]` (K at index 0, V at 1).
+`[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]` (K at index 0, V at 1). Under tensor
+parallelism (EngineConfig.tensor_parallel_size > 1) it is rank 0: its model and cache hold rank 0's slice and
+`tp` runs every step on the other ranks too (engine.parallel).
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ import os
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.model import AttentionMetadata, LlamaModel
-from engine.sampler import RowResult, SamplingRow, sample_rows
+from engine.model import LlamaModel
+from engine.parallel.ranks import TensorParallelGroup
+from engine.parallel.shard import build_rank_model, rank_shards, shard_config
+from engine.sampler import RowResult, SamplingRow, choice_seed, sample_rows
 from engine.scheduler import SchedulerOutput
+from engine.step_batch import StepBatch, copy_blocks, run_step
 
 log = logging.getLogger(__name__)
 
@@ -49,56 +54,112 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
-        self.model = LlamaModel(model_config, weights, self.dtype, self.device, max_position=max_model_len,
-                                quantization=config.quantization)
-        self.num_blocks = num_kv_blocks_for(config, model_config, self.dtype, self.device)
         c = model_config
-        bytes_per_token = c.kv_bytes_per_token(self.dtype.itemsize)
-        log.info("KV cache: %d bytes/token (%s), %d blocks of %d tokens = %d tokens, %.1f MiB",
-                 bytes_per_token, str(self.dtype).removeprefix("torch."), self.num_blocks, self.block_size,
+        self.tp: TensorParallelGroup | None = None
+        """Ranks 1..N-1 when config.tensor_parallel_size > 1 (engine.parallel.ranks); this process is rank 0."""
+        local = c
+        if config.tensor_parallel_size > 1:
+            shards = rank_shards(c, config.tensor_parallel_size, config.quantization)
+            # Every rank has the same blocks: size them for the rank with the most KV heads.
+            largest = max(shards, key=lambda s: len(s.heads.kv_heads))
+            self.num_blocks = num_kv_blocks_for(config, shard_config(c, largest), self.dtype, self.device)
+            self.tp = TensorParallelGroup.start(config, c, weights, shards, max_model_len, self.num_blocks,
+                                                self.dtype)
+            try:
+                self.model = build_rank_model(c, weights, self.dtype, self.device, max_model_len,
+                                              config.quantization, shards, 0, self.tp.group)
+                self.tp.wait_ready()
+            except BaseException:
+                self.tp.close()
+                raise
+            local = shard_config(c, shards[0])
+        else:
+            self.model = LlamaModel(c, weights, self.dtype, self.device, max_position=max_model_len,
+                                    quantization=config.quantization)
+            self.num_blocks = num_kv_blocks_for(config, c, self.dtype, self.device)
+        bytes_per_token = local.kv_bytes_per_token(self.dtype.itemsize)
+        log.info("KV cache: %d bytes/token (%s%s), %d blocks of %d tokens = %d tokens, %.1f MiB",
+                 bytes_per_token, str(self.dtype).removeprefix("torch."),
+                 f", rank 0 of {config.tensor_parallel_size}" if self.tp else "", self.num_blocks, self.block_size,
                  self.num_blocks * self.block_size, self.num_blocks * self.block_size * bytes_per_token / 2**20)
         # Zeroed, not empty: attention masks the slots past a sequence's length, but a masked slot still enters
         # the P @ V product with weight 0, and 0 * NaN is NaN. Recycled memory can hold NaN bit patterns;
         # after this every slot only ever holds K/V values.
-        self.kv_cache = torch.zeros(c.num_layers, 2, self.num_blocks, self.block_size, c.num_kv_heads,
+        self.kv_cache = torch.zeros(c.num_layers, 2, self.num_blocks, self.block_size, local.num_kv_heads,
                                     c.head_dim, dtype=self.dtype, device=self.device)
+        """This rank's heads: [L, 2, blocks, block_size, kv_heads of rank 0, D] (all of them without TP)."""
 
-    def execute(self, out: SchedulerOutput) -> dict[str, RowResult]:
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks, every layer, source -> destination (a forked choice's partial prompt block), on
+        every rank."""
+        if self.tp is not None:
+            self.tp.copy_blocks(self.kv_cache, pairs)
+        else:
+            copy_blocks(self.kv_cache, pairs)
+
+    def execute(self, out: SchedulerOutput) -> dict[str, list[RowResult]]:
         """Run `out`'s chunks; returns, per sampling chunk's request id, its token (and logprob when asked) or
-        the error that failed that request alone. An error of the forward pass itself raises (whole batch)."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        query_start_loc = [0]
-        sample_positions: list[int] = []
+        the error that failed that request alone: one result per choice the chunk samples (n first tokens of
+        an n > 1 request from the same logits, choice i with choice_seed(seed, i)), else one. An error of the
+        forward pass itself raises (whole batch); under tensor parallelism a failed rank raises
+        TensorParallelError."""
+        batch = StepBatch([], [], [], [], [], [0], [])
         sampling: list[SamplingRow] = []
         bs = self.block_size
         for chunk in out.chunks:
             seq = chunk.seq
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + chunk.num_new_tokens
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(seq.block_ids[p // bs] * bs + p % bs for p in range(start, end))
-            seq_lens.append(end)
-            query_start_loc.append(query_start_loc[-1] + chunk.num_new_tokens)
+            batch.input_ids.extend(seq.token_ids[start:end])
+            batch.positions.extend(range(start, end))
+            batch.slot_mapping.extend(seq.block_ids[p // bs] * bs + p % bs for p in range(start, end))
+            batch.seq_lens.append(end)
+            batch.query_start_loc.append(batch.query_start_loc[-1] + chunk.num_new_tokens)
             if chunk.samples:
-                sample_positions.append(query_start_loc[-1] - 1)
-                sampling.append(SamplingRow(seq.params, seq.seed, seq.prompt_token_ids, seq.output_token_ids,
-                                            seq.request_id))
+                for choice in range(seq.num_choices_to_sample):
+                    batch.sample_positions.append(batch.query_start_loc[-1] - 1)
+                    sampling.append(SamplingRow(seq.params, choice_seed(seq.seed, choice), seq.prompt_token_ids,
+                                                seq.output_token_ids, seq.request_id, seq.grammar))
         max_blocks = max(len(c.seq.block_ids) for c in out.chunks)
-        block_tables = [c.seq.block_ids + [0] * (max_blocks - len(c.seq.block_ids)) for c in out.chunks]
-
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(block_tables, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
-        )
-        hidden = self.model.forward(torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                                    torch.tensor(positions, dtype=torch.int64, device=dev), self.kv_cache, meta)
-        if not sample_positions:
+        batch.block_tables = [c.seq.block_ids + [0] * (max_blocks - len(c.seq.block_ids)) for c in out.chunks]
+        if self.tp is not None:
+            logits = self.tp.run_step(self.model, self.kv_cache, batch, self.device)
+        else:
+            logits = run_step(self.model, self.kv_cache, batch, self.device)
+        if logits is None:
             return {}
-        logits = self.model.compute_logits(hidden[sample_positions]).cpu()  # [num_sampling, vocab], inference tensor
-        return {row.request_id: result for row, result in zip(sampling, sample_rows(logits, sampling))}
+        # logits: [num_sampling, vocab], inference tensor
+        results: dict[str, list[RowResult]] = {}
+        for row, result in zip(sampling, sample_rows(logits, sampling)):
+            results.setdefault(row.request_id, []).append(result)
+        return results
+
+    # --- KV transfer: always every KV head on the wire, whatever this worker's tensor-parallel degree ------------
+    def transfer_cache(self) -> torch.Tensor:
+        """The cache a KV transfer sees: [L, 2, blocks, block_size, num_kv_heads (all), D]. Without tensor
+        parallelism the cache itself; with it a meta tensor of that shape (no memory): the blocks are gathered
+        from and written to the ranks by `blocks_to_send` and `write_received`."""
+        if self.tp is None:
+            return self.kv_cache
+        c = self.tp.shards[-1].heads
+        shape = (*self.kv_cache.shape[:4], c.kv_heads.stop, self.kv_cache.shape[5])
+        return torch.empty(shape, dtype=self.kv_cache.dtype, device="meta")
+
+    def blocks_to_send(self, block_ids: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """(cache, ids) holding `block_ids` with every KV head: the cache itself, or the blocks gathered from
+        the ranks (then ids 0..n-1 of that staging tensor)."""
+        if self.tp is None:
+            return self.kv_cache, block_ids
+        return self.tp.gather_kv(self.kv_cache, block_ids), list(range(len(block_ids)))
+
+    def write_received(self, decoded, block_ids) -> None:
+        """Write received blocks (kvstore.transfer.DecodedBlocks, every KV head) into `block_ids` of every
+        rank's cache, each rank its own heads."""
+        shape = self.transfer_cache().shape  # [L, 2, num_blocks, block_size, all kv heads, D]
+        staging = torch.empty(*shape[:2], len(block_ids), *shape[3:], dtype=self.kv_cache.dtype, device=self.device)
+        decoded.scatter_into(staging, range(len(block_ids)))
+        self.tp.scatter_kv(self.kv_cache, list(block_ids), staging)
+
+    def close(self) -> None:
+        """End the tensor-parallel ranks (nothing to do without them); the runner cannot step after."""
+        if self.tp is not None:
+            self.tp.close()

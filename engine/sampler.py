@@ -3,14 +3,16 @@
 Order of operations for each row (the vLLM / OpenAI conventions):
 1. penalties on raw logits: repetition (prompt + output tokens; positive logits divided, negative multiplied),
    then frequency and presence (output tokens only);
-2. logprobs, when asked, are the log-softmax of these penalized logits (before temperature and truncation);
-3. greedy rows (temperature 0) take the argmax;
-4. other rows: divide by temperature, keep top_k, then tokens within min_p of the top one, then the top_p
+2. the structured-output bitmask of constrained rows (engine.grammar): disallowed tokens get -inf;
+3. logprobs, when asked, are the log-softmax of these penalized logits (before temperature and truncation);
+4. greedy rows (temperature 0) take the argmax;
+5. other rows: divide by temperature, keep top_k, then tokens within min_p of the top one, then the top_p
    nucleus; sample with the exponential-race trick: argmax(p / E) with E ~ Exp(1) is a draw from p.
 
 Randomness is per token, not per batch: the noise for output token i of a request comes from a generator
-seeded with mix(seed, i). A request therefore gets the same tokens whatever else is in the batch, after a
+seeded with mix(seed, i); choice j of an n > 1 request has its own seed, choice_seed(seed, j). A request therefore gets the same tokens whatever else is in the batch, after a
 preemption, and when its first token was sampled on a prefill worker and the rest on a decode worker.
+A row's grammar state is only read here (its mask); the engine advances it with the sampled token.
 
 Logits arrive as the model made them, under torch.inference_mode: nothing here writes into its input.
 `sample_rows` confines an exception to the row that raised it (engine.faults injects one in tests).
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.faults import SAMPLING_FAULTS
+from engine.grammar import GrammarState, apply_token_bitmask, fill_bitmasks
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprob
 
@@ -37,6 +40,18 @@ def token_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """Seed of choice `index` of a request seeded `seed` (n > 1): the request's own for choice 0, else a
+    splitmix64 mix of (seed, index) on another odd constant than token_seed's, so choice streams do not overlap
+    the token streams of one seed. It depends on nothing else: choice i is reproducible whatever the batch."""
+    if index == 0:
+        return seed
+    z = (seed ^ ((index * 0xD1B54A32D192ED03) & _MASK64)) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
 @dataclass
 class SamplingRow:
     """What the sampler needs to know about one row of the batch."""
@@ -46,6 +61,8 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     request_id: str = ""
+    grammar: GrammarState | None = None
+    """The sequence's structured-output matcher, synced with output_token_ids; None when unconstrained."""
 
 
 @dataclass
@@ -79,6 +96,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     for r in rows:
         SAMPLING_FAULTS.check(r.request_id)
     logits = _apply_penalties(logits.float(), rows)
+    logits = _apply_grammar_masks(logits, rows)
 
     logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
@@ -146,6 +164,20 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
         delta = freq * counts + presence * (counts > 0).to(dtype)
         logits = logits.index_copy(0, count_ids, logits.index_select(0, count_ids) - delta)
     return logits
+
+
+def _apply_grammar_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """logits: [num_rows, vocab] -> a new tensor where constrained rows allow only their grammar's next tokens.
+
+    One bitmask fill for the constrained rows (on the CPU, where the matchers live), one masked copy on the
+    logits' device; unconstrained rows are untouched, so their tokens do not depend on their batch-mates.
+    """
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if not constrained:
+        return logits
+    bitmask = fill_bitmasks([rows[i].grammar for i in constrained], logits.shape[1])   # [n_con, words] int32
+    ids = torch.tensor(constrained, dtype=torch.long, device=logits.device)
+    return logits.index_copy(0, ids, apply_token_bitmask(logits.index_select(0, ids), bitmask))
 
 
 def _truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
+from engine.structured import StructuredOutputSpec
+
+MAX_CHOICES = 16
+"""Most choices (`n`) one request may ask for: they share one prefill, but each decodes on its own."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,13 @@ class SamplingParams:
     """Keep generating past the model's end-of-sequence tokens."""
     logprobs: int | None = None
     """Return the log-probability of each sampled token, plus this many top alternatives; None disables."""
+    structured_output: StructuredOutputSpec | None = None
+    """Constrain the output to a JSON schema, a JSON object, a regex, one of some choices or a grammar
+    (engine.structured); None leaves it free. Applied as a token mask in the sampler; EOS ends a finished match."""
+    n: int = 1
+    """Choices to generate from one prompt, in [1, MAX_CHOICES]. The prompt is computed once; the choices fork
+    on its KV blocks, and choice i samples the stream of `engine.sampler.choice_seed(seed, i)` (choice 0 the
+    request's own seed, so it is the completion an n=1 request with that seed gets)."""
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the first field out of range."""
@@ -59,9 +70,13 @@ class SamplingParams:
             raise InvalidRequestError("seed", f"must be in [0, 2**63), got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_CHOICES:
+            raise InvalidRequestError("n", f"must be an integer in [1, {MAX_CHOICES}], got {self.n!r}")
         for token_id in self.stop_token_ids:
             if vocab_size is not None and not 0 <= token_id < vocab_size:
                 raise InvalidRequestError("stop_token_ids", f"{token_id} is outside the vocabulary [0, {vocab_size})")
+        if self.structured_output is not None:
+            self.structured_output.validate()
 
     @property
     def greedy(self) -> bool:

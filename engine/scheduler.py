@@ -6,7 +6,9 @@ Then waiting sequences join (FCFS) while budget, `max_num_seqs` and KV blocks al
 the remaining budget is split into chunks across steps. When a running sequence needs a block and none is
 free, the most recently arrived running sequence is preempted: its lease frees its blocks and it goes back to the
 front of the waiting queue, to be recomputed (prompt + tokens generated so far) when blocks are available
-again. Nothing joins from the waiting queue in a step that preempted.
+again. Nothing joins from the waiting queue in a step that preempted. A sequence whose structured-output
+grammar is still compiling (`awaiting_grammar`) is passed over, in either queue, without holding up the others.
+An EOS ends a constrained sequence even with ignore_eos: its grammar allows EOS only once it is complete.
 
 Pure Python: no torch, no I/O.
 """
@@ -104,6 +106,21 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
+    def add_choice(self, child: Sequence) -> None:
+        """Take `child`, a choice forked from a sequence of this batch, with its first token: it runs from the
+        next step when it holds its prompt's blocks (KVCacheManager.fork), else (no block was free for the
+        fork) it goes to the front of the waiting queue to recompute its prompt, as a preempted sequence does."""
+        assert child.lease is None and child.output_token_ids
+        child.lease = BlockLease(child, self.kv)
+        child.arrival_order = self._num_arrivals
+        self._num_arrivals += 1
+        if child.block_ids:
+            child.lease.advance(LeaseState.RUNNING, expect=_QUEUED)
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        else:
+            self.waiting.appendleft(child)
+
     # --- one step ---------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -111,6 +128,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.awaiting_grammar:
+                i += 1
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.can_allocate(seq, num_new):
                 victim = self.running.pop()
@@ -128,8 +148,10 @@ class Scheduler:
                 raise RuntimeError("a single sequence does not fit in the KV cache; capacity < max_model_len")
             return out
 
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = next((s for s in self.waiting if not s.awaiting_grammar), None)
+            if seq is None:
+                break
             hit_block_ids = self.kv.get_computed_blocks(seq)
             num_computed = len(hit_block_ids) * self.kv.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
@@ -139,7 +161,7 @@ class Scheduler:
             seq.lease.advance(LeaseState.RUNNING, expect=_QUEUED)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_computed
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.chunks.append(ScheduledChunk(seq, num_new))
@@ -167,7 +189,7 @@ class Scheduler:
         token_id = seq.output_token_ids[-1]
         if token_id in seq.params.stop_token_ids:
             return FinishReason.STOP
-        if not seq.params.ignore_eos and token_id in self.eos_token_ids:
+        if token_id in self.eos_token_ids and (not seq.params.ignore_eos or seq.params.structured_output):
             return FinishReason.STOP
         if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH

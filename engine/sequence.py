@@ -5,6 +5,10 @@ Pure data; the scheduler and the KV cache manager move it between states:
     WAITING --schedule--> RUNNING --finish/abort--> FINISHED
        ^                      |
        +------ preempt -------+   (blocks freed, num_computed_tokens reset: recomputed when rescheduled)
+
+A request with n > 1 choices is one Sequence until its first sampling, which draws n first tokens from the
+prompt's logits; choices 1..n-1 then become Sequences of their own (`parent_id`, `choice_index`), forked on the
+prompt's blocks (KVCacheManager.fork), each with its own lease.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.block_lease import BlockLease
+    from engine.grammar import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -76,10 +81,28 @@ class Sequence:
     does not trust (and everything computed on top of it)."""
     lease: BlockLease | None = field(default=None, repr=False, compare=False)
     """The one owner of `block_ids` (engine.block_lease); set when the engine first takes the request."""
+    grammar: GrammarState | None = field(default=None, repr=False, compare=False)
+    """The structured-output matcher (params.structured_output set), attached once its grammar compiled."""
+    awaiting_grammar: bool = False
+    """Its grammar is still compiling: the scheduler leaves it out of steps until the engine attaches it."""
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None
     """Why the request failed (finish_reason ERROR), for the caller's status message."""
+    parent_id: str | None = None
+    """The request id of choice 0 when this sequence is another choice of that request (n > 1)."""
+    choice_index: int = 0
+    """Which choice of its request this sequence is (0 for the request's own sequence)."""
+    num_choices_to_sample: int = 1
+    """First tokens the next sampling of this sequence draws: params.n until its first token is sampled (each
+    from its choice's seed), then 1."""
+    choice_first_tokens: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)
+    """First tokens of choices 1..n-1 when they are not forked here (a prefill worker hands them on)."""
+
+    @property
+    def group_id(self) -> str:
+        """The request this sequence belongs to (its own id, or its choice 0's)."""
+        return self.parent_id or self.request_id
 
     @property
     def token_ids(self) -> list[int]:

@@ -17,6 +17,7 @@ UTF-8 character.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -25,6 +26,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
@@ -108,6 +110,15 @@ def _compile_chat_template(source: str) -> jinja2.Template:
         raise ValueError(f"the model's chat template does not compile: {exc} (line {exc.lineno})") from exc
 
 
+@functools.lru_cache(maxsize=8)
+def _reads_tools(source: str) -> bool:
+    env = ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+    try:
+        return "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
+    except jinja2.exceptions.TemplateSyntaxError:
+        return False
+
+
 def _validate_messages(messages: Any) -> list[dict]:
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
         raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts, got {type(messages).__name__}")
@@ -120,6 +131,8 @@ def _validate_messages(messages: Any) -> list[dict]:
         for field in ("role", "content"):
             if field not in message:
                 raise ValueError(f"messages[{i}].{field} is missing")
+            if field == "content" and message[field] is None and message.get("tool_calls"):
+                continue                                   # an assistant turn that only calls tools
             if not isinstance(message[field], str):
                 raise ValueError(f"messages[{i}].{field} must be a string, got {type(message[field]).__name__}")
         checked.append(dict(message))
@@ -277,9 +290,13 @@ class Tokenizer:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            template_kwargs: Mapping[str, Any] | None = None) -> str:
+                            template_kwargs: Mapping[str, Any] | None = None,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """Render `messages` ([{"role": str, "content": str}, ...]) with the model's chat template;
         `template_kwargs` are further template variables (e.g. enable_thinking), never overriding the ones set here.
+        `tools` is the template's `tools` variable, as transformers passes it ([{"type": "function", "function":
+        {...}}], None when there are none; see `supports_tools`); messages may then carry `tool_calls` (content
+        None when that is all they carry) and `tool_call_id`.
 
         Raises ValueError naming the offending field (e.g. "messages[1].content must be a string"), when the
         model has no template, or when the template itself raises (its `raise_exception` message is kept).
@@ -287,14 +304,23 @@ class Tokenizer:
         checked = _validate_messages(messages)
         if self.chat_template is None:
             raise ValueError("the model has no chat template; send a plain prompt instead of messages")
-        if self._compiled_template is None or self._compiled_template[0] != self.chat_template:
-            self._compiled_template = (self.chat_template, _compile_chat_template(self.chat_template))
         try:
-            return self._compiled_template[1].render({
+            return self._template().render({
                 **(template_kwargs or {}), "messages": checked, "add_generation_prompt": add_generation_prompt,
+                "tools": list(tools) if tools else None,
                 "bos_token": self._bos_token or "", "eos_token": self._eos_token or ""})
         except jinja2.exceptions.TemplateError as exc:
             raise ValueError(f"chat template error: {exc}") from exc
+
+    def _template(self) -> jinja2.Template:
+        if self._compiled_template is None or self._compiled_template[0] != self.chat_template:
+            self._compiled_template = (self.chat_template, _compile_chat_template(self.chat_template))
+        return self._compiled_template[1]
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template reads a `tools` variable (it renders tool definitions itself)."""
+        return bool(self.chat_template) and _reads_tools(self.chat_template)
 
     # properties
 

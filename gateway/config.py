@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.config import QUANTIZATIONS
+from gateway.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from protos.tls import TlsFiles
 
 
@@ -96,6 +97,10 @@ class GatewayConfig:
     """This gateway's certificate (PEM), issued by the cluster CA for role gateway."""
     cluster_key: str | None = None
     """Private key (PEM) of cluster_cert."""
+    tool_call_parser: str = "auto"
+    """How tool calls are read out of the model's output (gateway.tool_parsers): "hermes" (`<tool_call>` JSON
+    blocks), "llama3_json", or "auto": chosen from the chat template (llama3_json for Llama 3.1+'s, else hermes;
+    a template without a tools section gets the Hermes default tool prompt)."""
     insecure_internal: bool = False
     """Talk plaintext to the workers, on purpose (without the cluster files it is plaintext anyway, with a
     warning at start; the CLI requires one or the other)."""
@@ -131,6 +136,9 @@ class GatewayConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"GatewayConfig.quantization must be None or one of {QUANTIZATIONS}, "
                              f"got {self.quantization!r}")
+        if self.tool_call_parser not in ("auto", *TOOL_CALL_PARSERS):
+            raise ValueError(f"GatewayConfig.tool_call_parser must be 'auto' or one of {TOOL_CALL_PARSERS}, "
+                             f"got {self.tool_call_parser!r}")
         if self.served_model_name == "":
             raise ValueError("GatewayConfig.served_model_name must be None or a non-empty name")
         if (self.tls_cert is None) != (self.tls_key is None):

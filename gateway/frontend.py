@@ -3,6 +3,7 @@ gateway.http_front): admission, the orchestrator, metrics, and the calls a drain
 
     with frontend.call("http", "completions") as call:     # counted in flight; its status recorded on leaving
         req = await frontend.validate(parse_completion, body)  # on a thread: tokenizing never blocks the loop
+        await frontend.compile_structured(req.sampling.structured_output)   # its grammar, on the compile thread
         async with contextlib.aclosing(call.generate(req, deadline=None)) as chunks:
             async for chunk in chunks: ...
 
@@ -31,6 +32,8 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from engine.grammar import GrammarCompiler
+from engine.structured import StructuredOutputSpec
 from engine.tokenizer import Tokenizer
 from gateway.auth import Admission, ApiKeyStore, Principal, RateLimited, cache_namespace
 from gateway.metrics import GatewayMetrics
@@ -80,7 +83,8 @@ class ActiveCalls:
         if self._idle.is_set():
             return True
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
             return True
         except TimeoutError:
             return False
@@ -99,14 +103,23 @@ class Frontend:
         """The configured keys; None: every caller is served, without a tenant."""
         self.active = ActiveCalls()
         self._validation = ThreadPoolExecutor(NUM_VALIDATION_THREADS, thread_name_prefix="gateway-validate")
+        self.grammars = GrammarCompiler(tokenizer, model.vocab_size)
+        """Compiles structured-output specs before dispatch, so a bad one is refused here, naming its field."""
 
     async def validate(self, validate: Callable[..., T], body) -> T:
         """`validate(body, model, tokenizer, running_ids)` (gateway.validation / openai_protocol) on a thread."""
         return await asyncio.get_running_loop().run_in_executor(
             self._validation, functools.partial(validate, body, self.model, self.tokenizer, self.running_ids))
 
+    async def compile_structured(self, spec: StructuredOutputSpec | None) -> None:
+        """Compile `spec` (cached) on the grammar compiler's thread, never the event loop. Raises
+        InvalidRequestError naming `structured_output.<kind>` when it does not compile; the caller renames it."""
+        if spec is not None:
+            await asyncio.wrap_future(self.grammars.submit(spec))
+
     def close(self) -> None:
         self._validation.shutdown(wait=False, cancel_futures=True)
+        self.grammars.close()
 
     @property
     def running_ids(self) -> set[str]:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import importlib.metadata
 import json
@@ -47,7 +48,7 @@ import logging
 import math
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -57,8 +58,9 @@ from gateway import tokenize_api
 from gateway.auth import Unauthenticated
 from gateway.frontend import Call, Frontend
 from gateway.openai_protocol import OpenAIRequest, ResponseBuilder, parse_chat, parse_completion
+from gateway.structured_request import rename_error
 from gateway.discovery import WorkerDirectory
-from gateway.request_types import RETRY_AFTER_MS, ClientGone, ShuttingDown, error_code
+from gateway.request_types import RETRY_AFTER_MS, ClientGone, OutputChunk, ShuttingDown, Usage, error_code
 from gateway.validation import ModelNotFound
 
 log = logging.getLogger(__name__)
@@ -126,6 +128,49 @@ def _error_response(exc: BaseException) -> web.Response:
 
 def _event(obj: dict) -> bytes:
     return b"data: " + _dumps(obj).encode() + b"\n\n"
+
+
+async def run_prompts(call: Call, parsed: OpenAIRequest, deadline: float | None) -> AsyncIterator[OutputChunk]:
+    """The chunks of every prompt of `parsed` (a batched /v1/completions runs each prompt as a request of its
+    own, concurrently), as one stream: choice j of prompt i is index i * n + j, and only the very last chunk
+    carries usage (summed over the prompts) and timings (the last prompt's). The first error ends it all;
+    closing it closes every prompt's request (aborting what its workers still hold)."""
+    reqs = parsed.requests
+    if len(reqs) == 1:
+        async with contextlib.aclosing(call.generate(reqs[0], deadline)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, req) -> None:
+        try:
+            async with contextlib.aclosing(call.generate(req, deadline)) as chunks:
+                async for chunk in chunks:
+                    await queue.put((i, chunk))
+        except Exception as exc:       # handed to the consumer, which ends the whole request
+            await queue.put((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, req)) for i, req in enumerate(reqs)]
+    try:
+        usages: list[Usage] = []
+        while len(usages) < len(reqs):
+            i, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            chunk = dataclasses.replace(item, choice_index=i * reqs[i].sampling.n + item.choice_index)
+            if item.usage is not None:
+                usages.append(item.usage)
+                total = Usage(*(sum(getattr(u, f) for u in usages)
+                                for f in ("prompt_tokens", "completion_tokens", "cached_tokens")))
+                last = len(usages) == len(reqs)
+                chunk = dataclasses.replace(chunk, usage=total if last else None,
+                                            timings=item.timings if last else None)
+            yield chunk
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class BodyRefused(InvalidRequestError):
@@ -273,10 +318,14 @@ class HttpFront:
                 if self.draining:
                     raise ShuttingDown("the gateway is shutting down; retry on another one")
                 parsed = await f.validate(parse, await _read_json(request, self._max_request_bytes))
+                try:
+                    await f.compile_structured(parsed.request.sampling.structured_output)
+                except InvalidRequestError as exc:
+                    raise rename_error(exc, parsed.structured_param) from None
                 deadline = _deadline(request, call.arrival)
                 if parsed.stream:
                     return await self._stream(request, call, parsed, deadline)
-                async with contextlib.aclosing(call.generate(parsed.request, deadline)) as chunks:
+                async with contextlib.aclosing(run_prompts(call, parsed, deadline)) as chunks:
                     collected = [chunk async for chunk in chunks]
                 body = ResponseBuilder(parsed, f.tokenizer).response(collected)
                 return _json(body)
@@ -286,16 +335,15 @@ class HttpFront:
     async def _stream(self, request: web.Request, call: Call, parsed: OpenAIRequest,
                       deadline: float | None) -> web.StreamResponse:
         builder = ResponseBuilder(parsed, self._frontend.tokenizer)
-        async with contextlib.aclosing(call.generate(parsed.request, deadline)) as chunks:
+        async with contextlib.aclosing(run_prompts(call, parsed, deadline)) as chunks:
             chunk = await anext(chunks)          # raises before any byte is sent: the error gets its status
             response = web.StreamResponse(headers=_SSE_HEADERS)
             await response.prepare(request)
             try:
                 while True:
-                    obj = builder.stream_chunk(chunk)
-                    if obj is not None:
+                    for obj in builder.stream_objects(chunk):
                         await response.write(_event(obj))
-                    if chunk.finish_reason is not None:
+                    if chunk.usage is not None:      # the request's last chunk
                         break
                     chunk = await anext(chunks)
                 if parsed.include_usage and chunk.usage is not None:

@@ -168,7 +168,7 @@ class RequestRecorder:
             self._last_token_at = now
             self._num_tokens += len(chunk.token_ids)
             self._m.generation_tokens.inc(len(chunk.token_ids))
-        if chunk.finish_reason is not None:
+        if chunk.usage is not None:              # the request's last chunk (each choice's last has a finish_reason)
             self._finish(chunk, now)
 
     def _finish(self, chunk: OutputChunk, now: float) -> None:

@@ -6,10 +6,17 @@ so both APIs accept and refuse the same requests. Every rejection is an InvalidR
 OpenAI parameter (the error object's `param`): "temperature", "max_tokens", "prompt", "messages[1].role", ...
 
     model               the served name or an alias; missing means the served model
-    prompt              /v1/completions: a string, a list of token ids, or a one-element list of either
-    messages            /v1/chat/completions: [{"role": "system"|"developer"|"user"|"assistant",
+    prompt              /v1/completions: a string, a list of token ids, or a list of strings or of token-id lists
+                        (a batch: each prompt runs as its own request; choices are indexed prompt-major,
+                        index = prompt_i * n + choice_j; a bad prompt is refused naming "prompt[i]"), at most
+                        MAX_PROMPTS
+    messages            /v1/chat/completions: [{"role": "system"|"developer"|"user"|"assistant"|"tool",
                         "content": a string or a list of {"type": "text", "text": ...} parts}]; "developer" is
-                        rendered as "system"
+                        rendered as "system"; assistant messages may carry "tool_calls" ([{"id", "type":
+                        "function", "function": {"name", "arguments": JSON object text}}], content then may be
+                        null), tool messages "tool_call_id" (and "name")
+    tools, tool_choice, parallel_tool_calls
+                        chat: tool calling (gateway.tools, gateway.tool_parsers)
     max_tokens          completions: default 16; chat (or max_completion_tokens, the same limit; both given must
                         agree): default the rest of the context
     temperature, top_p, top_k, min_p, seed, presence_penalty, frequency_penalty, repetition_penalty, stop (a
@@ -21,19 +28,26 @@ OpenAI parameter (the error object's `param`): "temperature", "max_tokens", "pro
                         chat: further variables for the chat template (an object)
     logprobs            completions: alternatives per token (an int); chat: a bool, with top_logprobs (an int)
     stream, stream_options.include_usage
-    n, best_of          1 only
-    echo, suffix, logit_bias, tools, functions
-                        refused unless empty or false; tool_choice and function_call: "none" only;
-                        response_format: {"type": "text"} only
+    n                   choices per prompt, 1..MAX_CHOICES (the prompt is computed once; the choices fork on its
+                        KV; with a seed, choice i is reproducible). Greedy n > 1 gives identical choices.
+    best_of             completions: candidates per prompt, n..MAX_CHOICES, generated as n = best_of; the n with
+                        the highest cumulative logprob are returned, best first (usage counts every candidate's
+                        tokens). Not with stream, as in OpenAI. Chat: 1 only.
+    response_format, structured_outputs, guided_json, guided_regex, guided_choice, guided_grammar
+                        structured output, at most one of them (gateway.structured_request); the grammar is
+                        compiled before dispatch (gateway.frontend), a spec that does not compile names its field
+    echo, suffix, logit_bias, functions
+                        refused unless empty or false; function_call: "none" only
     user, metadata, store
                         accepted without effect (NO_EFFECT_FIELDS)
-Any other field (vLLM's guided_*, structured_outputs, prompt_logprobs, min_tokens, priority, ...; an unknown key
+Any other field (vLLM's guided_decoding_backend, prompt_logprobs, min_tokens, priority, ...; an unknown key
 of a message or of stream_options) is refused, naming it: nothing is silently ignored. JSON null means unset.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from collections.abc import Callable, Container, Sequence
@@ -41,32 +55,43 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_CHOICES, SamplingParams
 from engine.sequence import TokenLogprob
 from engine.tokenizer import Tokenizer
+from gateway.json_fields import check_known
+from gateway.json_fields import json_kind as _kind
 from gateway.request_types import OutputChunk, Usage
+from gateway.structured_request import FIELDS as STRUCTURED_FIELDS
+from gateway.structured_request import parse_structured_output, rename_error
+from gateway.tool_parsers import CallStart, Content, ToolCallParser
+from gateway.tools import ChatMessage, ToolCall, check_name, parse_tool_choice, parse_tools
 from gateway.validation import (DEFAULT_MAX_TOKENS, GenerationRequest, ModelSpec, RequestFields, draw_seed,
                                 validate_messages, validate_prompt)
 
-_REFUSED = {"echo": "echoing the prompt", "suffix": "suffix", "logit_bias": "logit_bias", "tools": "tool calling",
-            "functions": "function calling"}
+_REFUSED = {"echo": "echoing the prompt", "suffix": "suffix", "logit_bias": "logit_bias",
+            "functions": "function calling (the legacy API; use tools)"}
 """Fields refused unless empty or false."""
 _COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "cache_salt", "logprobs", "stream",
-    "stream_options", "n", "best_of", "include_stop_str_in_output", "echo", "suffix", "logit_bias", "tools", "functions"})
+    "stream_options", "n", "best_of", "include_stop_str_in_output", "echo", "suffix", "logit_bias", "functions",
+    *STRUCTURED_FIELDS})
 NO_EFFECT_FIELDS = frozenset({"user", "metadata", "store"})
 """Accepted and ignored: they describe the request to OpenAI's own bookkeeping, not what is generated."""
 COMPLETION_FIELDS = _COMMON_FIELDS | NO_EFFECT_FIELDS | {"prompt"}
 CHAT_FIELDS = _COMMON_FIELDS | NO_EFFECT_FIELDS | {
-    "messages", "max_completion_tokens", "top_logprobs", "response_format", "tool_choice", "function_call",
-    "chat_template_kwargs"}
-MAX_FIELD_NAME_CHARS = 64
-"""Longer unknown field names are cut in the error's `param`."""
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+    "function_call", "chat_template_kwargs"}
+MAX_PROMPTS = 64
+"""Most prompts in one batched /v1/completions request."""
 _MESSAGE_FIELDS = frozenset({"role", "content"})
+_ASSISTANT_FIELDS = _MESSAGE_FIELDS | {"tool_calls"}
+_TOOL_MESSAGE_FIELDS = _MESSAGE_FIELDS | {"tool_call_id", "name"}
+_TOOL_CALL_FIELDS = frozenset({"id", "type", "function"})
+_TOOL_CALL_FUNCTION_FIELDS = frozenset({"name", "arguments"})
 _STREAM_OPTIONS = frozenset({"include_usage"})
 _ROLE_ALIASES = {"developer": "system"}
-_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
 """Set by the gateway itself; chat_template_kwargs may not override them."""
 
 
@@ -84,47 +109,103 @@ class OpenAIRequest:
     """Streams end with a chunk that has usage and no choices (stream_options.include_usage)."""
     logprobs: bool = False
     """Choices carry log-probabilities."""
+    structured_param: str = ""
+    """The parameter that carried request.sampling.structured_output (errors about it name this field)."""
+    more: tuple[GenerationRequest, ...] = ()
+    """The other prompts of a batched /v1/completions, in order (`request` is the first)."""
+    n: int = 1
+    """Choices per prompt in the response (request.sampling.n is best_of when that is larger)."""
+
+    @property
+    def requests(self) -> tuple[GenerationRequest, ...]:
+        return (self.request, *self.more)
 
 
 def parse_completion(body: Any, model: ModelSpec, tokenizer: Tokenizer, running: Container[str] = (),
                      seed_source: Callable[[], int] = draw_seed) -> OpenAIRequest:
     """A /v1/completions body -> OpenAIRequest; InvalidRequestError names the bad parameter."""
     body = _object(body, COMPLETION_FIELDS)
-    fields, max_tokens_param = _fields(body, model, chat=False)
-    prompt = body.get("prompt")
+    fields, max_tokens_param, structured_param = _fields(body, model, chat=False)
+    prompts = _prompts(body.get("prompt"))
+    reqs = []
+    for i, prompt in enumerate(prompts):
+        try:
+            reqs.append(validate_prompt(fields, prompt, model, tokenizer, running, seed_source))
+        except InvalidRequestError as exc:
+            renamed = _renamed(exc, max_tokens_param, structured_param, chat=False)
+            if len(prompts) > 1 and renamed.field == "prompt":
+                renamed = type(renamed)(f"prompt[{i}]", str(renamed).partition(": ")[2])
+            raise renamed from exc
+    n = _int(body, "n") or 1
+    best_of = _int(body, "best_of")
+    if best_of is not None and best_of != n:
+        if not n <= best_of <= MAX_CHOICES:
+            raise InvalidRequestError("best_of", f"must be in [n, {MAX_CHOICES}] (n is {n}), got {best_of}")
+        if _bool(body, "stream"):
+            raise InvalidRequestError("best_of", "cannot be used with stream (the best choices are known only "
+                                                 "at the end)")
+        # Candidates are ranked by cumulative logprob: they need their logprobs, dropped unless asked for.
+        sampling = dataclasses.replace(reqs[0].sampling, n=best_of,
+                                       logprobs=reqs[0].sampling.logprobs if reqs[0].sampling.logprobs is not None
+                                       else 0)
+        reqs = [dataclasses.replace(r, sampling=dataclasses.replace(sampling, seed=r.sampling.seed)) for r in reqs]
+    first = reqs[0]
+    # Batched prompts run as requests of their own, under ids derived from the first one's.
+    more = tuple(dataclasses.replace(r, request_id=f"{first.request_id}-{i}") for i, r in enumerate(reqs[1:], 1))
+    parsed = _parsed(body, first, model, chat=False, logprobs=fields.sampling.logprobs is not None,
+                     structured_param=structured_param)
+    return dataclasses.replace(parsed, more=tuple(dataclasses.replace(r, include_stop_str_in_output=
+                                                                      parsed.request.include_stop_str_in_output)
+                                                  for r in more), n=n)
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """The prompts of a /v1/completions `prompt`: one (a string, token ids) or a batch (a list of either)."""
     if prompt is None:
         raise InvalidRequestError("prompt", "is required: a string or a list of token ids")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]                                   # a batch of one
-    if isinstance(prompt, list):
-        if any(isinstance(p, (str, list)) for p in prompt):
-            raise InvalidRequestError("prompt", "batches of prompts are not supported; send one per request")
+    if isinstance(prompt, str):
+        return [prompt]
+    if not isinstance(prompt, list):
+        raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {_kind(prompt)}")
+    if not prompt:
+        raise InvalidRequestError("prompt", "must not be empty")
+    if not isinstance(prompt[0], (str, list)):           # token ids (a batch starts with a string or a list)
         if not all(_is_int(p) for p in prompt):
             raise InvalidRequestError("prompt", "must be a string or a list of token ids (integers)")
-    elif not isinstance(prompt, str):
-        raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {_kind(prompt)}")
-    try:
-        req = validate_prompt(fields, prompt, model, tokenizer, running, seed_source)
-    except InvalidRequestError as exc:
-        raise _renamed(exc, max_tokens_param, chat=False) from exc
-    return _parsed(body, req, model, chat=False, logprobs=fields.sampling.logprobs is not None)
+        return [prompt]
+    if len(prompt) > MAX_PROMPTS:
+        raise InvalidRequestError("prompt", f"has {len(prompt)} prompts; at most {MAX_PROMPTS}")
+    for i, p in enumerate(prompt):
+        if isinstance(p, list):
+            if not all(_is_int(t) for t in p):
+                raise InvalidRequestError(f"prompt[{i}]", "must be a list of token ids (integers)")
+        elif not isinstance(p, str):
+            raise InvalidRequestError(f"prompt[{i}]", f"must be a string or a list of token ids, got {_kind(p)}")
+    return prompt
 
 
 def parse_chat(body: Any, model: ModelSpec, tokenizer: Tokenizer, running: Container[str] = (),
                seed_source: Callable[[], int] = draw_seed) -> OpenAIRequest:
     """A /v1/chat/completions body -> OpenAIRequest (messages rendered with the model's chat template)."""
     body = _object(body, CHAT_FIELDS)
-    fields, max_tokens_param = _fields(body, model, chat=True)
+    fields, max_tokens_param, structured_param = _fields(body, model, chat=True)
+    tools = parse_tools(body.get("tools"))
+    choice = parse_tool_choice(body.get("tool_choice"), tools, body.get("parallel_tool_calls"))
+    if choice.forced and not structured_param:       # a tool schema that does not compile names the tool's field
+        structured_param = "tools" if choice.mode == "required" else \
+            f"tools[{[t.name for t in tools].index(choice.function)}].function.parameters"
     messages = parse_messages(body.get("messages"))
     template_kwargs = parse_template_kwargs(body.get("chat_template_kwargs"))
     try:
-        req = validate_messages(fields, messages, model, tokenizer, running, seed_source, template_kwargs)
+        req = validate_messages(fields, messages, model, tokenizer, running, seed_source, template_kwargs, tools,
+                                choice)
     except InvalidRequestError as exc:
-        raise _renamed(exc, max_tokens_param, chat=True) from exc
+        raise _renamed(exc, max_tokens_param, structured_param, chat=True) from exc
     if _int(body, max_tokens_param) is None:                 # the rest of the context, as OpenAI and vLLM
         req = dataclasses.replace(req, sampling=dataclasses.replace(
             req.sampling, max_tokens=model.max_model_len - req.num_prompt_tokens))
-    return _parsed(body, req, model, chat=True, logprobs=fields.sampling.logprobs is not None)
+    return _parsed(body, req, model, chat=True, logprobs=fields.sampling.logprobs is not None,
+                   structured_param=structured_param)
 
 
 # ------------------------------------------------------------------------------------------------ parsing
@@ -133,16 +214,6 @@ def _object(body: Any, known: frozenset[str]) -> dict:
         raise InvalidRequestError("body", f"must be a JSON object, got {_kind(body)}")
     check_known(body, known)
     return body
-
-
-def check_known(obj: dict, known: frozenset[str], prefix: str = "") -> None:
-    """Refuse the first field that is set (not null) and not in `known`: pdserve does not implement it. A name
-    that is empty, long or not printable UTF-8 is named by its ascii() form (an error object must encode)."""
-    for name, value in obj.items():
-        if name not in known and value is not None:
-            safe = 0 < len(name) <= MAX_FIELD_NAME_CHARS and name.isprintable() and name.isascii()
-            shown = name if safe else ascii(name[:MAX_FIELD_NAME_CHARS])
-            raise InvalidRequestError(prefix + shown, "is not supported by pdserve")
 
 
 def parse_template_kwargs(raw: Any) -> dict | None:
@@ -156,21 +227,19 @@ def parse_template_kwargs(raw: Any) -> dict | None:
     return raw
 
 
-def _fields(body: dict, model: ModelSpec, chat: bool) -> tuple[RequestFields, str]:
-    """The sampling and common fields (not yet validated beyond JSON types) and the max_tokens parameter's name."""
-    for name in ("n", "best_of"):
-        value = _int(body, name)
-        if value is not None and value != 1:
-            raise InvalidRequestError(name, f"only 1 is supported, got {value}")
+def _fields(body: dict, model: ModelSpec, chat: bool) -> tuple[RequestFields, str, str]:
+    """The sampling and common fields (not yet validated beyond JSON types), the max_tokens parameter's name and
+    the structured-output parameter's ("" without one)."""
+    if chat and _int(body, "best_of") not in (None, 1):
+        raise InvalidRequestError("best_of", "is a /v1/completions parameter; chat supports only 1")
+    n = _int(body, "n")
     for name, what in _REFUSED.items():
         if body.get(name) not in (None, False, "", [], {}):
             raise InvalidRequestError(name, f"{what} is not supported")
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none"):
-            raise InvalidRequestError(name, "tool calling is not supported; only \"none\"")
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise InvalidRequestError("response_format", "only {\"type\": \"text\"} is supported")
+    if body.get("function_call") not in (None, "none"):
+        raise InvalidRequestError("function_call", "the legacy function calling API is not supported; use tools "
+                                                   "and tool_choice")
+    structured_output, structured_param = parse_structured_output(body)
     max_tokens_param = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
         else "max_tokens"
     max_tokens = _int(body, max_tokens_param)
@@ -201,6 +270,8 @@ def _fields(body: dict, model: ModelSpec, chat: bool) -> tuple[RequestFields, st
         stop_token_ids=tuple(_int_list(body, "stop_token_ids")),
         ignore_eos=bool(_bool(body, "ignore_eos")),
         logprobs=logprobs,
+        structured_output=structured_output,
+        n=1 if n is None else n,
     )
     stop = body.get("stop")
     if isinstance(stop, str):
@@ -211,10 +282,10 @@ def _fields(body: dict, model: ModelSpec, chat: bool) -> tuple[RequestFields, st
         raise InvalidRequestError("stop", "must be a string or a list of strings")
     fields = RequestFields(sampling, tuple(stop), model=_str(body, "model") or "",
                            cache_salt=_str(body, "cache_salt") or "")
-    return fields, max_tokens_param
+    return fields, max_tokens_param, structured_param
 
 
-def parse_messages(raw: Any) -> list[tuple[str, str]]:
+def parse_messages(raw: Any) -> list[ChatMessage]:
     if raw is None:
         raise InvalidRequestError("messages", "is required")
     if not isinstance(raw, list):
@@ -224,25 +295,69 @@ def parse_messages(raw: Any) -> list[tuple[str, str]]:
         if not isinstance(message, dict):
             raise InvalidRequestError(f"messages[{i}]", f"must be an object with role and content, "
                                                         f"got {_kind(message)}")
-        check_known(message, _MESSAGE_FIELDS, f"messages[{i}].")
-        role, content = message.get("role"), message.get("content")
+        role = message.get("role")
         if not isinstance(role, str):
             raise InvalidRequestError(f"messages[{i}].role", f"must be a string, got {_kind(role)}")
         role = _ROLE_ALIASES.get(role, role)
+        check_known(message, _ASSISTANT_FIELDS if role == "assistant" else _TOOL_MESSAGE_FIELDS if role == "tool"
+                    else _MESSAGE_FIELDS, f"messages[{i}].")
+        tool_calls = _tool_calls(message.get("tool_calls"), f"messages[{i}].tool_calls")
+        content = message.get("content")
         if isinstance(content, list):
             texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
             if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
                 raise InvalidRequestError(f"messages[{i}].content", "only text parts ({\"type\": \"text\", "
                                                                     "\"text\": ...}) are supported")
             content = "\n".join(texts)
-        elif not isinstance(content, str):
+        elif not isinstance(content, str) and not (content is None and tool_calls):
             raise InvalidRequestError(f"messages[{i}].content", f"must be a string or a list of text parts, "
                                                                 f"got {_kind(content)}")
-        messages.append((role, content))
+        tool_call_id = ""
+        if role == "tool":
+            tool_call_id = message.get("tool_call_id")
+            if not isinstance(tool_call_id, str) or not tool_call_id:
+                raise InvalidRequestError(f"messages[{i}].tool_call_id", "is required for a tool message: the id "
+                                                                         "of the call it answers")
+            _str(message, "name", f"messages[{i}].name")
+        messages.append(ChatMessage(role, content, tool_calls, tool_call_id))
     return messages
 
 
-def _parsed(body: dict, req: GenerationRequest, model: ModelSpec, chat: bool, logprobs: bool) -> OpenAIRequest:
+def _tool_calls(raw: Any, field: str) -> tuple[ToolCall, ...]:
+    """An assistant message's `tool_calls`."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise InvalidRequestError(field, f"must be a list of tool calls, got {_kind(raw)}")
+    calls = []
+    for j, call in enumerate(raw):
+        where = f"{field}[{j}]"
+        if not isinstance(call, dict):
+            raise InvalidRequestError(where, f"must be an object, got {_kind(call)}")
+        check_known(call, _TOOL_CALL_FIELDS, where + ".")
+        if call.get("type", "function") != "function":
+            raise InvalidRequestError(f"{where}.type", f"must be \"function\", got {call.get('type')!r:.80}")
+        call_id = call.get("id")
+        if not isinstance(call_id, str) or not call_id:
+            raise InvalidRequestError(f"{where}.id", "must be a non-empty string")
+        function = call.get("function")
+        if not isinstance(function, dict):
+            raise InvalidRequestError(f"{where}.function", f"must be an object, got {_kind(function)}")
+        check_known(function, _TOOL_CALL_FUNCTION_FIELDS, f"{where}.function.")
+        name = check_name(f"{where}.function.name", function.get("name"))
+        arguments = function.get("arguments")
+        try:
+            decoded = json.loads(arguments) if isinstance(arguments, str) else None
+        except (ValueError, RecursionError):
+            decoded = None
+        if not isinstance(decoded, dict):
+            raise InvalidRequestError(f"{where}.function.arguments", "must be the JSON text of an object")
+        calls.append(ToolCall(call_id, name, arguments))
+    return tuple(calls)
+
+
+def _parsed(body: dict, req: GenerationRequest, model: ModelSpec, chat: bool, logprobs: bool,
+            structured_param: str = "") -> OpenAIRequest:
     stream = bool(_bool(body, "stream"))
     options = body.get("stream_options")
     if options is not None:
@@ -254,12 +369,16 @@ def _parsed(body: dict, req: GenerationRequest, model: ModelSpec, chat: bool, lo
     include_usage = bool(_bool(options or {}, "include_usage", "stream_options.include_usage"))
     if _bool(body, "include_stop_str_in_output"):
         req = dataclasses.replace(req, include_stop_str_in_output=True)
-    return OpenAIRequest(req, chat, _str(body, "model") or model.name, stream, include_usage, logprobs)
+    return OpenAIRequest(req, chat, _str(body, "model") or model.name, stream, include_usage, logprobs,
+                         structured_param, n=req.sampling.n)
 
 
-def _renamed(exc: InvalidRequestError, max_tokens_param: str, chat: bool) -> InvalidRequestError:
+def _renamed(exc: InvalidRequestError, max_tokens_param: str, structured_param: str, chat: bool
+             ) -> InvalidRequestError:
     """A validation error with the OpenAI parameter's name instead of the gRPC field path."""
     name = exc.field.removeprefix("sampling.")
+    if name.startswith("structured_output"):
+        return rename_error(InvalidRequestError(name, str(exc).partition(": ")[2]), structured_param)
     if name.startswith("stop["):
         name = "stop"
     elif name == "token_ids":
@@ -269,19 +388,6 @@ def _renamed(exc: InvalidRequestError, max_tokens_param: str, chat: bool) -> Inv
     elif name == "logprobs" and chat:
         name = "top_logprobs"
     return type(exc)(name, str(exc).partition(": ")[2])             # keeps ModelNotFound (HTTP 404)
-
-
-def _kind(value: Any) -> str:
-    """The JSON type name of a decoded value."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    return "a list" if isinstance(value, list) else "an object"
 
 
 def _is_int(value: Any) -> bool:
@@ -320,10 +426,10 @@ def _bool(body: dict, name: str, param: str | None = None) -> bool | None:
     return value
 
 
-def _str(body: dict, name: str) -> str | None:
+def _str(body: dict, name: str, param: str | None = None) -> str | None:
     value = body.get(name)
     if value is not None and not isinstance(value, str):
-        raise InvalidRequestError(name, f"must be a string, got {_kind(value)}")
+        raise InvalidRequestError(param or name, f"must be a string, got {_kind(value)}")
     return value
 
 
@@ -340,34 +446,57 @@ def usage_object(usage: Usage) -> dict:
 
 
 class ResponseBuilder:
-    """OpenAI objects for one request: a chunk object per streamed chunk, or one response at the end."""
+    """OpenAI objects for one request: the chunk objects of each streamed chunk, or one response at the end.
+    Chunks carry their choice's index in the response (gateway.http_front numbers a batch's prompts prompt-major).
+
+    With tools, each choice's text goes through a tool call parser of its own: content deltas carry the text
+    outside the calls, each call streams as OpenAI's `tool_calls` deltas (index, id, type and function.name
+    first, then function.arguments fragments), and a choice whose calls ended it finishes with "tool_calls"."""
 
     def __init__(self, parsed: OpenAIRequest, tokenizer: Tokenizer, created: int | None = None) -> None:
         self.parsed = parsed
         self._tokenizer = tokenizer
         self._created = int(time.time()) if created is None else created
-        self._sent_role = False
-        self._text_offset = 0
+        self._sent_role: set[int] = set()
+        self._text_offset: dict[int, int] = {}
+        self._parsers: dict[int, ToolCallParser] = {}
+        """Streams with tools: each choice's parser, by index."""
 
-    def stream_chunk(self, chunk: OutputChunk) -> dict | None:
-        """The `data:` object for `chunk`, or None when it carries nothing a client sees."""
-        p = self.parsed
-        logprobs = self._logprobs(chunk.logprobs) if p.logprobs else None
+    def stream_objects(self, chunk: OutputChunk) -> list[dict]:
+        """The `data:` objects for `chunk` (none when it carries nothing a client sees)."""
+        p, index = self.parsed, chunk.choice_index
+        logprobs = self._logprobs(chunk.logprobs, index) if p.logprobs else None
         finish = chunk.finish_reason.value if chunk.finish_reason is not None else None
-        if p.chat:
-            delta = {"content": chunk.text} if chunk.text else {}
-            if not self._sent_role:
-                delta = {"role": "assistant", "content": chunk.text}
-            elif not (chunk.text or logprobs or finish):
-                return None
-            self._sent_role = True
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        else:
+        if not p.chat:
             if not (chunk.text or logprobs or finish):
-                return None
-            choice = {"index": 0, "text": chunk.text, "logprobs": logprobs, "finish_reason": finish}
-        obj = self._envelope("chat.completion.chunk" if p.chat else "text_completion", [choice])
-        if p.include_usage:
+                return []
+            return [self._chunk_object({"index": index, "text": chunk.text, "logprobs": logprobs,
+                                        "finish_reason": finish})]
+        spec = p.request.tool_parser
+        if spec is not None and index not in self._parsers:
+            self._parsers[index] = spec.new()
+        parser = self._parsers.get(index)
+        deltas = _deltas(parser, chunk.text, finish is not None)
+        if finish is not None:
+            finish = _finish_reason(parser, finish)
+        if index not in self._sent_role:
+            if deltas and "tool_calls" in deltas[0] and "content" not in deltas[0]:
+                deltas[0] = {"role": "assistant", "content": None, **deltas[0]}
+            else:
+                deltas[:1] = [{"role": "assistant", "content": "", **(deltas[0] if deltas else {})}]
+            self._sent_role.add(index)
+        elif not deltas and (logprobs or finish):
+            deltas = [{}]
+        objects = [self._chunk_object({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})
+                   for delta in deltas]
+        if objects:
+            objects[0]["choices"][0]["logprobs"] = logprobs
+            objects[-1]["choices"][0]["finish_reason"] = finish
+        return objects
+
+    def _chunk_object(self, choice: dict) -> dict:
+        obj = self._envelope("chat.completion.chunk" if self.parsed.chat else "text_completion", [choice])
+        if self.parsed.include_usage:
             obj["usage"] = None
         return obj
 
@@ -378,19 +507,45 @@ class ResponseBuilder:
         return obj
 
     def response(self, chunks: Sequence[OutputChunk]) -> dict:
-        """The whole (non-streamed) response; the last chunk is the final one."""
-        p, last = self.parsed, chunks[-1]
-        text = "".join(c.text for c in chunks)
-        logprobs = self._logprobs([lp for c in chunks for lp in c.logprobs]) if p.logprobs else None
-        finish = last.finish_reason.value if last.finish_reason is not None else None
-        if p.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-        obj = self._envelope("chat.completion" if p.chat else "text_completion", [choice])
-        obj["usage"] = usage_object(last.usage) if last.usage is not None else None
+        """The whole (non-streamed) response; the chunk with usage is the request's last. With best_of, the
+        parsed.n candidates of each prompt with the highest cumulative logprob, best first."""
+        p = self.parsed
+        by_choice: dict[int, list[OutputChunk]] = {}
+        for c in chunks:
+            by_choice.setdefault(c.choice_index, []).append(c)
+        per_prompt = p.request.sampling.n                    # candidates generated per prompt
+        choices = []
+        for prompt_i in range(len(p.requests)):
+            candidates = [by_choice[i] for i in range(prompt_i * per_prompt, (prompt_i + 1) * per_prompt)
+                          if i in by_choice]
+            if per_prompt > p.n:
+                candidates.sort(key=lambda cs: -sum(lp.logprob for c in cs for lp in c.logprobs))
+            for rank, cs in enumerate(candidates[:p.n]):
+                choices.append(self._choice(prompt_i * p.n + rank, cs))
+        usage = next((c.usage for c in chunks if c.usage is not None), None)
+        obj = self._envelope("chat.completion" if p.chat else "text_completion", choices)
+        obj["usage"] = usage_object(usage) if usage is not None else None
         return obj
+
+    def _choice(self, index: int, chunks: Sequence[OutputChunk]) -> dict:
+        p = self.parsed
+        text = "".join(c.text for c in chunks)
+        logprobs = self._logprobs([lp for c in chunks for lp in c.logprobs], index) if p.logprobs else None
+        reason = next((c.finish_reason for c in reversed(chunks) if c.finish_reason is not None), None)
+        finish = reason.value if reason is not None else None
+        if p.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if p.request.tool_parser is not None:
+                parser = p.request.tool_parser.new()
+                content, calls = parser.parse(text)
+                message["content"] = content
+                if calls:
+                    message["tool_calls"] = [{"id": c.id, "type": "function",
+                                              "function": {"name": c.name, "arguments": c.arguments}}
+                                             for c in calls]
+                    finish = _finish_reason(parser, finish) if finish is not None else None
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     def _envelope(self, kind: str, choices: list) -> dict:
         return {"id": self.parsed.request.request_id, "object": kind, "created": self._created,
@@ -399,7 +554,7 @@ class ResponseBuilder:
     def _token(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _logprobs(self, logprobs: Sequence[TokenLogprob]) -> dict:
+    def _logprobs(self, logprobs: Sequence[TokenLogprob], index: int = 0) -> dict:
         if self.parsed.chat:
             def entry(token_id: int, logprob: float) -> dict:
                 token = self._token(token_id)
@@ -409,9 +564,36 @@ class ResponseBuilder:
                                 for lp in logprobs]}
         tokens = [self._token(lp.token_id) for lp in logprobs]
         offsets = []
+        offset = self._text_offset.get(index, 0)
         for token in tokens:
-            offsets.append(self._text_offset)
-            self._text_offset += len(token)
+            offsets.append(offset)
+            offset += len(token)
+        self._text_offset[index] = offset
         return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
                 "top_logprobs": [{self._token(t): _finite(v) for t, v in lp.top} for lp in logprobs],
                 "text_offset": offsets}
+
+
+def _deltas(parser: ToolCallParser | None, text: str, last: bool) -> list[dict]:
+    """Chat deltas of one choice's new text: content, and with tools the tool_calls of OpenAI's stream."""
+    if parser is None:
+        return [{"content": text}] if text else []
+    events = parser.feed(text) + (parser.finish() if last else [])
+    deltas: list[dict] = []
+    for event in events:
+        if isinstance(event, Content):
+            if deltas and set(deltas[-1]) == {"content"}:
+                deltas[-1]["content"] += event.text
+            else:
+                deltas.append({"content": event.text})
+        elif isinstance(event, CallStart):
+            deltas.append({"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                           "function": {"name": event.name, "arguments": ""}}]})
+        else:
+            deltas.append({"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]})
+    return deltas
+
+
+def _finish_reason(parser: ToolCallParser | None, finish: str) -> str:
+    """A choice that stopped after tool calls finishes with "tool_calls"."""
+    return "tool_calls" if finish == "stop" and parser is not None and parser.num_calls else finish

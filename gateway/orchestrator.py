@@ -16,6 +16,10 @@
                 local -> no P is involved; D computes what it lacks (Decode with prefill_locally)
     decode      D.Decode streams token ids; the gateway detokenizes incrementally (UTF-8 safe), applies stop
                 strings and yields `OutputChunk`s; the last one carries finish_reason, usage and timings.
+                n > 1: one Reserve, one Prefill (n first tokens), one KV transfer; D forks the choices and
+                streams each one's tokens with its index; each choice has its own detokenizer and stop
+                strings, its last chunk its finish_reason, and the request's last chunk the usage (completion
+                tokens summed over the choices) and timings.
                 A stream that sends nothing for `token_timeout_s` (a hung worker), breaks or fails ends the
                 request with WorkerFailed (UNAVAILABLE) after the chunks already yielded.
 
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -200,7 +205,8 @@ class Orchestrator:
 
     async def wait_for_room(self, timeout_s: float) -> None:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._room.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):       # not wait_for: it can lose a cancellation (see _decode)
+                await self._room.wait()
 
     def abort_later(self, candidate: Candidate, role: str, worker_request_id: str) -> None:
         """Best-effort Abort in a background task (it must run even when the request's task is cancelled)."""
@@ -436,24 +442,38 @@ class _Run:
         return result, (time.monotonic() - start) * 1000.0
 
     async def _decode(self, prefill: tuple[PrefillResult, float] | None) -> AsyncIterator[OutputChunk]:
+        """The decode stream as OutputChunks, each choice (n > 1) through its own OutputStream. A choice ends at
+        its finish on D or at a stop string here; D keeps decoding a choice stopped here until the request
+        ends (the request's end aborts what D still runs)."""
         res, orch = self.reservation, self.orch
         first = prefill[0] if prefill is not None else None
         decode_start = time.monotonic()
-        out = OutputStream(orch.tokenizer, self.req)
+        outs = [OutputStream(orch.tokenizer, self.req, i) for i in range(self.req.sampling.n)]
+        open_choices = set(range(len(outs)))         # not yet ended for the client
+        num_running_on_decode = len(outs)            # not yet finished by D
         token_timeout_s = orch.limits.token_timeout_s
         stream = orch.client.decode(res.decode.endpoint, res.worker_request_id, res.target.handle, first,
                                     _remaining(self.deadline))
+
+        def end(out: OutputStream, chunk: OutputChunk, reason: FinishReason) -> OutputChunk:
+            open_choices.discard(out.choice_index)
+            if open_choices:
+                return dataclasses.replace(chunk, finish_reason=reason)
+            return self._final(chunk, reason, prefill, decode_start, sum(o.num_tokens for o in outs))
+
         try:
             if first is not None:
-                chunk = out.add([first.first_token_id], (first.first_logprob,) if first.first_logprob is not None else ())
                 self.first_token_at = time.monotonic()
-                if out.stopped:
-                    yield self._final(out, chunk, FinishReason.STOP, prefill, decode_start)
-                    return
-                yield chunk
-            while True:
+                firsts = [(first.first_token_id, first.first_logprob), *first.choice_first_tokens]
+                for out, (token_id, logprob) in zip(outs, firsts):
+                    chunk = out.add([token_id], (logprob,) if logprob is not None else ())
+                    yield end(out, chunk, FinishReason.STOP) if out.stopped else chunk
+            while open_choices:
                 try:
-                    msg = await asyncio.wait_for(anext(stream), token_timeout_s)
+                    # asyncio.timeout, not wait_for: on 3.11 wait_for loses a cancellation (client disconnect) that
+                    # lands as the next message arrives, and the generation would run on for nobody.
+                    async with asyncio.timeout(token_timeout_s):
+                        msg = await anext(stream)
                 except StopAsyncIteration:
                     break
                 except TimeoutError:
@@ -461,21 +481,27 @@ class _Run:
                         raise DeadlineExceeded("the request's deadline passed while decoding") from None
                     orch.mark_suspect(res.decode, unreachable=False)
                     raise WorkerFailed(f"decode worker {res.decode.worker_id} sent nothing for {token_timeout_s:g}s "
-                                       f"after {out.num_tokens} tokens") from None
+                                       f"after {sum(o.num_tokens for o in outs)} tokens") from None
+                if not 0 <= msg.choice_index < len(outs):
+                    raise WorkerFailed(f"decode worker {res.decode.worker_id} sent choice {msg.choice_index} of a "
+                                       f"request of n={len(outs)}")
+                if msg.finish_reason is not None:
+                    num_running_on_decode -= 1
+                    if not num_running_on_decode:
+                        self.reservation = None      # D finished it: nothing left to abort there
+                        orch.room_freed()
+                out = outs[msg.choice_index]
+                if out.choice_index not in open_choices:
+                    continue                         # stopped here by a stop string
                 if msg.token_ids and self.first_token_at is None:
                     self.first_token_at = time.monotonic()
                 chunk = out.add(list(msg.token_ids), msg.logprobs)
                 if out.stopped:
-                    yield self._final(out, chunk, FinishReason.STOP, prefill, decode_start)
-                    return
-                if msg.finish_reason is not None:
-                    self.reservation = None          # D finished it: nothing left to abort there
-                    orch.room_freed()
+                    yield end(out, chunk, FinishReason.STOP)
+                elif msg.finish_reason is not None:
                     final = out.merge(chunk, out.finish())   # the flushed tail may complete a stop string
-                    yield self._final(out, final, FinishReason.STOP if out.stopped else msg.finish_reason, prefill,
-                                      decode_start)
-                    return
-                if chunk.token_ids or chunk.text:
+                    yield end(out, final, FinishReason.STOP if out.stopped else msg.finish_reason)
+                elif chunk.token_ids or chunk.text:
                     yield chunk
         except InvalidRequestError:
             raise
@@ -483,15 +509,16 @@ class _Run:
             if isinstance(err, WorkerTimedOut) or _is_past(self.deadline):
                 raise DeadlineExceeded("the request's deadline passed while decoding") from err
             orch.mark_suspect(res.decode, unreachable=isinstance(err, WorkerUnreachable))
-            raise WorkerFailed(f"decode worker {res.decode.worker_id} failed after {out.num_tokens} tokens: "
-                               f"{err}") from err
+            raise WorkerFailed(f"decode worker {res.decode.worker_id} failed after "
+                               f"{sum(o.num_tokens for o in outs)} tokens: {err}") from err
         finally:
             await stream.aclose()
-        raise WorkerFailed(f"decode worker {res.decode.worker_id} ended the stream without a finish reason "
-                           f"after {out.num_tokens} tokens")
+        if open_choices:
+            raise WorkerFailed(f"decode worker {res.decode.worker_id} ended the stream without a finish reason "
+                               f"after {sum(o.num_tokens for o in outs)} tokens")
 
-    def _final(self, out: OutputStream, chunk: OutputChunk, reason: FinishReason,
-               prefill: tuple[PrefillResult, float] | None, decode_start: float) -> OutputChunk:
+    def _final(self, chunk: OutputChunk, reason: FinishReason, prefill: tuple[PrefillResult, float] | None,
+               decode_start: float, num_completion_tokens: int) -> OutputChunk:
         first_token_at = self.first_token_at or time.monotonic()
         reserved_at = self.reserved_at
         if prefill is None:
@@ -506,5 +533,5 @@ class _Run:
             timings = Timings(queue_ms=self._ms(reserved_at) + worker_queue_ms, prefill_ms=response.prefill_ms,
                               transfer_ms=response.transfer_ms, ttft_ms=self._ms(first_token_at),
                               transport=response.transport, transfer_bytes=response.transfer_bytes)
-        usage = Usage(self.req.num_prompt_tokens, out.num_tokens, cached)
-        return OutputChunk(chunk.text, chunk.token_ids, chunk.logprobs, reason, usage, timings)
+        usage = Usage(self.req.num_prompt_tokens, num_completion_tokens, cached)
+        return OutputChunk(chunk.text, chunk.token_ids, chunk.logprobs, reason, usage, timings, chunk.choice_index)

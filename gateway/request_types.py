@@ -71,6 +71,7 @@ def error_code(exc: BaseException | None) -> str:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    """Summed over the request's choices, as OpenAI counts them (the prompt is counted once)."""
     cached_tokens: int
     """Prompt tokens whose KV came from a prefix cache: P's hit when P prefilled, D's when D did."""
 
@@ -96,7 +97,8 @@ class Timings:
 
 @dataclass(frozen=True)
 class OutputChunk:
-    """New text and token ids since the previous chunk; the last chunk has finish_reason, usage, timings."""
+    """New text and token ids of one choice since its previous chunk. The last chunk of each choice has its
+    finish_reason; the last chunk of the request (the one with usage) also has timings."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -104,6 +106,8 @@ class OutputChunk:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    choice_index: int = 0
+    """Which choice of the request (sampling.n > 1) the chunk continues."""
 
 
 @dataclass

@@ -42,10 +42,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import logging
 import signal
 import threading
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +55,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.errors import InvalidRequestError
 from engine.loader import load_model
 from engine.model_fetch import resolve_model_path
 from engine.fingerprint import quantized_fingerprint
@@ -67,6 +70,8 @@ from gateway.discovery import WorkerDirectory
 from gateway.orchestrator import Orchestrator, OrchestratorLimits
 from gateway.request_types import RETRY_AFTER_MS, OutputChunk, error_code
 from gateway.routing import RoutingPolicy
+from gateway.tool_parsers import Content, collect, detect_parser
+from gateway.tools import ChatMessage, ToolCall, check_name, parse_tool_choice, parse_tools
 from gateway.validation import (GenerationRequest, ModelSpec, RequestFields, draw_seed, max_bytes_per_token,
                                 validate_messages, validate_prompt)
 from gateway.worker_client import ChannelPool
@@ -219,7 +224,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 def fields_from_pb(pb: generation_pb2.GenerateRequest | generation_pb2.ChatRequest) -> RequestFields:
     """What GenerateRequest and ChatRequest share, as plain values (validated by gateway.validation)."""
     sampling = pb.sampling
-    return RequestFields(sampling_from_pb(sampling), tuple(sampling.stop), pb.request_id, pb.model, pb.cache_salt)
+    try:
+        params = sampling_from_pb(sampling)
+    except InvalidRequestError as exc:          # structured_output's own checks: the field path in the request
+        raise InvalidRequestError(f"sampling.{exc.field}", str(exc).partition(": ")[2]) from None
+    return RequestFields(params, tuple(sampling.stop), pb.request_id, pb.model, pb.cache_salt)
 
 
 def validate_generate(pb: generation_pb2.GenerateRequest, model: ModelSpec, tokenizer: Tokenizer,
@@ -232,16 +241,59 @@ def validate_generate(pb: generation_pb2.GenerateRequest, model: ModelSpec, toke
 
 def validate_chat(pb: generation_pb2.ChatRequest, model: ModelSpec, tokenizer: Tokenizer,
                   running: Container[str] = (), seed_source: Callable[[], int] = draw_seed) -> GenerationRequest:
-    """A ChatRequest rendered with the model's chat template, validated and tokenized (validate_messages)."""
-    messages = [(message.role, message.content) for message in pb.messages]
-    return validate_messages(fields_from_pb(pb), messages, model, tokenizer, running, seed_source)
+    """A ChatRequest rendered with the model's chat template, validated and tokenized (validate_messages); its
+    tools and tool choice checked as the OpenAI API checks them (gateway.tools)."""
+    messages = [ChatMessage(m.role, None if m.tool_calls and not m.content else m.content,
+                            tuple(_tool_call_from_pb(f"messages[{i}].tool_calls[{j}]", c)
+                                  for j, c in enumerate(m.tool_calls)), m.tool_call_id)
+                for i, m in enumerate(pb.messages)]
+    try:
+        tools = parse_tools([{"type": "function", "function": {
+            "name": t.name, "description": t.description or None,
+            "parameters": _json_object(f"tools[{i}].parameters_json", t.parameters_json) if t.parameters_json
+            else None}} for i, t in enumerate(pb.tools)])
+        choice = None
+        if pb.HasField("tool_choice"):
+            c = pb.tool_choice
+            kind = c.WhichOneof("choice")
+            raw = {"type": "function", "function": {"name": c.function_name}} if kind == "function_name" else \
+                c.mode or None if kind == "mode" else None
+            choice = parse_tool_choice(raw, tools, False if c.single_call else None)
+    except InvalidRequestError as exc:        # the OpenAI parameter's path -> the proto field's
+        field = exc.field.replace(".function.parameters", ".parameters_json").replace(".function.", ".") \
+            .replace("tool_choice.name", "tool_choice.function_name").replace("parallel_tool_calls",
+                                                                                 "tool_choice.single_call")
+        raise InvalidRequestError(field, str(exc).partition(": ")[2]) from None
+    return validate_messages(fields_from_pb(pb), messages, model, tokenizer, running, seed_source,
+                             tools=tools, tool_choice=choice)
+
+
+def _json_object(field: str, text: str):
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRequestError(field, f"is not valid JSON: {exc}") from None
+
+
+def _tool_call_from_pb(field: str, pb: generation_pb2.ToolCall) -> ToolCall:
+    check_name(f"{field}.name", pb.name)
+    if not pb.id:
+        raise InvalidRequestError(f"{field}.id", "must not be empty")
+    if not isinstance(_json_object(f"{field}.arguments_json", pb.arguments_json), dict):
+        raise InvalidRequestError(f"{field}.arguments_json", "must be the JSON text of an object")
+    return ToolCall(pb.id, pb.name, pb.arguments_json)
 
 
 # ------------------------------------------------------------------------------------------------ servicer
-def chunk_to_pb(request_id: str, chunk: OutputChunk) -> generation_pb2.GenerateResponse:
+def chunk_to_pb(request_id: str, chunk: OutputChunk, tool_calls: Sequence[ToolCall] = ()
+                ) -> generation_pb2.GenerateResponse:
     pb = generation_pb2.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.token_ids,
                                          logprobs=[logprob_to_pb(lp) for lp in chunk.logprobs],
-                                         finish_reason=finish_reason_to_pb(chunk.finish_reason))
+                                         finish_reason=finish_reason_to_pb(chunk.finish_reason),
+                                         choice_index=chunk.choice_index,
+                                         tool_calls=[generation_pb2.ToolCall(id=c.id, name=c.name,
+                                                                             arguments_json=c.arguments)
+                                                     for c in tool_calls])
     if chunk.usage is not None:
         u = chunk.usage
         pb.usage.CopyFrom(generation_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
@@ -274,6 +326,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         principal = f.authenticate(_authorization(context.invocation_metadata()))
         with f.call("grpc", endpoint, principal) as call:
             req = await f.validate(validate, request)
+            try:
+                await f.compile_structured(req.sampling.structured_output)
+            except InvalidRequestError as exc:
+                raise InvalidRequestError(f"sampling.{exc.field}", str(exc).partition(": ")[2]) from None
             async for response in self._run(call, req, context):
                 yield response
 
@@ -286,9 +342,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         remaining = context.time_remaining()
         deadline = call.arrival + remaining if remaining is not None else None
         try:
+            parsers, events = {}, {}                  # per choice (n > 1): its tool call parser and events
             async with contextlib.aclosing(call.generate(req, deadline)) as chunks:
                 async for chunk in chunks:
-                    yield chunk_to_pb(req.request_id, chunk)
+                    if req.tool_parser is None:
+                        yield chunk_to_pb(req.request_id, chunk)
+                        continue
+                    parser = parsers.setdefault(chunk.choice_index, req.tool_parser.new())
+                    last = chunk.finish_reason is not None
+                    new = parser.feed(chunk.text) + (parser.finish() if last else [])
+                    events.setdefault(chunk.choice_index, []).extend(new)
+                    text = "".join(e.text for e in new if isinstance(e, Content))
+                    yield chunk_to_pb(req.request_id, dataclasses.replace(chunk, text=text),
+                                      collect(events[chunk.choice_index])[1] if last else ())
         finally:
             context.set_trailing_metadata(call.trace.metadata())
 
@@ -305,7 +371,9 @@ def load_model_spec(config: GatewayConfig) -> tuple[ModelSpec, Tokenizer]:
     spec = ModelSpec(name=name, max_model_len=max_len, vocab_size=loaded.config.vocab_size,
                      fingerprint=quantized_fingerprint(loaded.fingerprint, config.quantization),
                      aliases=frozenset({config.model, str(path)}),
-                     max_bytes_per_token=max_bytes_per_token(loaded.tokenizer))
+                     max_bytes_per_token=max_bytes_per_token(loaded.tokenizer),
+                     tool_call_parser=config.tool_call_parser if config.tool_call_parser != "auto" else
+                     detect_parser(loaded.tokenizer.chat_template))
     return spec, loaded.tokenizer
 
 

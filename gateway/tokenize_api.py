@@ -1,7 +1,7 @@
 """vLLM's /tokenize and /detokenize bodies (pure: JSON values in and out; no aiohttp).
 
-    tokenize    {"prompt": a string} or {"messages": [...], "chat_template_kwargs"?: {...}}, with an optional
-                "model" -> {"tokens": [ids], "count": n, "max_model_len": m}. Text is tokenized as /v1/completions
+    tokenize    {"prompt": a string} or {"messages": [...], "chat_template_kwargs"?: {...}, "tools"?: [...]}, with an
+                optional "model" -> {"tokens": [ids], "count": n, "max_model_len": m}. Text is tokenized as /v1/completions
                 tokenizes it, messages rendered and tokenized as /v1/chat/completions does (generation prompt
                 included), so the ids are the prompt a generation request would get. A prompt longer than the
                 context is counted, not refused.
@@ -19,9 +19,10 @@ from typing import Any
 from engine.errors import InvalidRequestError
 from engine.tokenizer import Tokenizer
 from gateway.openai_protocol import check_known, parse_messages, parse_template_kwargs
-from gateway.validation import CHAT_ROLES, ModelNotFound, ModelSpec
+from gateway.tools import parse_tools
+from gateway.validation import ModelNotFound, ModelSpec, render_chat
 
-TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "chat_template_kwargs"})
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "chat_template_kwargs", "tools"})
 DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
 
@@ -36,16 +37,9 @@ def tokenize(body: Any, model: ModelSpec, tokenizer: Tokenizer, running: Contain
             raise InvalidRequestError("prompt", "must be a string")
         token_ids = tokenizer.encode(prompt)
     else:
-        pairs = parse_messages(messages)
-        for i, (role, _) in enumerate(pairs):
-            if role not in CHAT_ROLES:
-                raise InvalidRequestError(f"messages[{i}].role", f"must be one of {CHAT_ROLES}, got {role!r}")
-        template_kwargs = parse_template_kwargs(body.get("chat_template_kwargs"))
-        try:
-            text = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in pairs],
-                                                 add_generation_prompt=True, template_kwargs=template_kwargs)
-        except ValueError as exc:
-            raise InvalidRequestError("messages", str(exc)) from exc
+        tools = parse_tools(body.get("tools"))
+        text = render_chat(parse_messages(messages), tokenizer, parse_template_kwargs(body.get("chat_template_kwargs")),
+                           tools)
         token_ids = tokenizer.encode(text)
     return {"tokens": token_ids, "count": len(token_ids), "max_model_len": model.max_model_len}
 

@@ -13,6 +13,8 @@ server maps it to INVALID_ARGUMENT "field: message" (the HTTP front renames it t
     token_ids           an id outside [0, vocab_size)
     messages            empty, too long after the chat template, or the template refused them
     messages[i].role    not one of CHAT_ROLES
+    messages[i].tool_call_id
+                        a tool result that answers no earlier assistant tool call
     sampling.<name>     a SamplingParams field out of range (SamplingParams.validate), or a float not finite
     sampling.stop[i]    an empty stop string (it would match everywhere); sampling.stop: too many / too long
     cache_salt          longer than MAX_CACHE_SALT_CHARS
@@ -45,12 +47,14 @@ from typing import Any
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from gateway.tool_parsers import ParserSpec
+from gateway.tools import ChatMessage, Tool, ToolChoice, check_history, constraint, template_messages
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_CACHE_SALT_CHARS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 DEFAULT_MAX_TOKENS = 16
 """max_tokens when the request leaves it unset (as common.proto documents)."""
 
@@ -78,6 +82,8 @@ class ModelSpec:
     max_bytes_per_token: int | None = None
     """Most UTF-8 bytes of text one token covers (`max_bytes_per_token`); None skips the check before
     tokenizing."""
+    tool_call_parser: str = "hermes"
+    """How tool calls are read out of the model's free output (one of gateway.tool_parsers.PARSERS)."""
 
     def accepts(self, model: str) -> bool:
         return model == "" or model == self.name or model in self.aliases
@@ -97,6 +103,9 @@ class GenerationRequest:
     cache_salt: str = ""
     include_stop_str_in_output: bool = False
     """The text keeps the stop string that ended it (the gateway's stop strings only)."""
+    tool_parser: ParserSpec | None = None
+    """Chat with tools: how the gateway reads tool calls out of the output (gateway.tool_parsers); None: the
+    output is all content."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -233,31 +242,58 @@ def validate_prompt(fields: RequestFields, prompt: str | Sequence[int] | None, m
     return _finish(request_id, prompt_token_ids, fields, seed_source)
 
 
-def validate_messages(fields: RequestFields, messages: Sequence[tuple[str, str]], model: ModelSpec,
+def validate_messages(fields: RequestFields, messages: Sequence[ChatMessage], model: ModelSpec,
                       tokenizer: Tokenizer, running: Container[str] = (),
                       seed_source: Callable[[], int] = draw_seed,
-                      template_kwargs: Mapping[str, Any] | None = None) -> GenerationRequest:
-    """The checks of validate_chat on plain values: `messages` are (role, content) pairs; `template_kwargs` are
-    further chat template variables (the OpenAI API's chat_template_kwargs)."""
+                      template_kwargs: Mapping[str, Any] | None = None,
+                      tools: Sequence[Tool] = (), tool_choice: ToolChoice | None = None) -> GenerationRequest:
+    """The checks of validate_chat on plain values: `messages` as gateway.tools.ChatMessage; `template_kwargs` are
+    further chat template variables (the OpenAI API's chat_template_kwargs); `tools` and `tool_choice` as
+    gateway.tools parses them (the choice checked against the tools already): the tools are shown to the model
+    unless the choice is "none", a forced choice constrains the sampling, and the request's tool_parser is set."""
+    choice = tool_choice or ToolChoice("auto" if tools else "none")
+    enforced = constraint(choice, tools)
+    if enforced is not None:
+        if fields.sampling.structured_output is not None:
+            raise InvalidRequestError("tool_choice", f"{choice.mode if choice.mode == 'required' else 'a named function'}"
+                                                     " is enforced with its own constraint; it cannot be combined "
+                                                     "with structured output (response_format, ...)")
+        fields = dataclasses.replace(fields, sampling=dataclasses.replace(fields.sampling,
+                                                                          structured_output=enforced))
+    shown = tools if choice.mode != "none" else ()
     request_id = _check_common(fields, model, running)
+    text = render_chat(messages, tokenizer, template_kwargs, shown)
+    _check_byte_bound("messages", text, model, " after the chat template")
+    prompt_token_ids = tokenizer.encode(text)
+    _check_length("messages", len(prompt_token_ids), model, " after the chat template")
+    req = _finish(request_id, prompt_token_ids, fields, seed_source)
+    if shown:
+        req = dataclasses.replace(req, tool_parser=ParserSpec.of(choice, shown, model.tool_call_parser))
+    return req
+
+
+def render_chat(messages: Sequence[ChatMessage], tokenizer: Tokenizer,
+                template_kwargs: Mapping[str, Any] | None = None, tools: Sequence[Tool] = ()) -> str:
+    """`messages` checked (roles, text, tool results answering earlier calls) and rendered with the chat
+    template, generation prompt included, tools as gateway.tools.template_messages renders them."""
     if not messages:
         raise InvalidRequestError("messages", "must not be empty")
-    for i, (role, content) in enumerate(messages):
-        if role not in CHAT_ROLES:
-            raise InvalidRequestError(f"messages[{i}].role", f"must be one of {CHAT_ROLES}, got {role!r}")
-        _check_text(f"messages[{i}].content", content)
+    for i, message in enumerate(messages):
+        if message.role not in CHAT_ROLES:
+            raise InvalidRequestError(f"messages[{i}].role", f"must be one of {CHAT_ROLES}, got {message.role!r}")
+        if message.content is not None:
+            _check_text(f"messages[{i}].content", message.content)
+    check_history(messages)
+    native = tokenizer.supports_tools
     try:
-        text = tokenizer.apply_chat_template([{"role": role, "content": content} for role, content in messages],
-                                             add_generation_prompt=True, template_kwargs=template_kwargs)
+        return tokenizer.apply_chat_template(template_messages(messages, tools, native), add_generation_prompt=True,
+                                             template_kwargs=template_kwargs,
+                                             tools=[t.to_template() for t in tools] if native else None)
     except ValueError as exc:
         field, _, detail = str(exc).partition(" ")
         if field.startswith("messages[") and detail:
             raise InvalidRequestError(field, detail) from exc
         raise InvalidRequestError("messages", str(exc)) from exc
-    _check_byte_bound("messages", text, model, " after the chat template")
-    prompt_token_ids = tokenizer.encode(text)
-    _check_length("messages", len(prompt_token_ids), model, " after the chat template")
-    return _finish(request_id, prompt_token_ids, fields, seed_source)
 
 
 def _check_common(fields: RequestFields, model: ModelSpec, running: Container[str]) -> str:

@@ -31,7 +31,8 @@ from engine.errors import InvalidRequestError
 from protos.tls import TlsFiles, channel_credentials, channel_options
 from gateway.worker_types import (ChannelState, DecodeMessage, PrefillResult, TransferTarget, WorkerBusy,
                                   WorkerCallFailed, WorkerJob, WorkerTimedOut, WorkerUnreachable)
-from protos.convert import finish_reason_from_pb, logprob_from_pb, logprob_to_pb, sampling_to_pb
+from protos.convert import (choice_tokens_from_pb, choice_tokens_to_pb, finish_reason_from_pb, logprob_from_pb,
+                            logprob_to_pb, sampling_to_pb)
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 KEEPALIVE_TIME_MS = 20_000
@@ -132,7 +133,8 @@ class ChannelPool:
             raise _domain_error(err, f"Prefill on {endpoint}") from err
         first_logprob = logprob_from_pb(r.first_logprob) if r.HasField("first_logprob") else None
         return PrefillResult(r.first_token_id, first_logprob, r.cached_tokens, r.computed_tokens, r.transfer_bytes,
-                             r.transfer_ms, r.transport, r.prefill_ms)
+                             r.transfer_ms, r.transport, r.prefill_ms,
+                             tuple(choice_tokens_from_pb(r.choice_first_tokens)))
 
     async def decode(self, endpoint: str, request_id: str, handle: str, first: PrefillResult | None,
                      timeout: float | None) -> AsyncIterator[DecodeMessage]:
@@ -143,6 +145,7 @@ class ChannelPool:
             request.first_token_id = first.first_token_id
             if first.first_logprob is not None:
                 request.first_logprob.CopyFrom(logprob_to_pb(first.first_logprob))
+            request.choice_first_tokens.extend(choice_tokens_to_pb(list(first.choice_first_tokens)))
         call = worker_pb2_grpc.DecodeWorkerStub(self._channel(endpoint, "decode")).Decode(request, timeout=timeout)
         try:
             while True:
@@ -153,7 +156,7 @@ class ChannelPool:
                 if msg is grpc.aio.EOF:
                     return
                 yield DecodeMessage(tuple(msg.token_ids), tuple(logprob_from_pb(lp) for lp in msg.logprobs),
-                                    finish_reason_from_pb(msg.finish_reason))
+                                    finish_reason_from_pb(msg.finish_reason), msg.choice_index)
         finally:
             call.cancel()                            # no-op when the stream already ended
 

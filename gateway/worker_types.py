@@ -71,15 +71,18 @@ class PrefillResult:
     transfer_ms: float
     transport: str
     prefill_ms: float
+    choice_first_tokens: tuple[tuple[int, TokenLogprob | None], ...] = ()
+    """First tokens of choices 1..n-1 (n > 1), from the same prompt logits."""
 
 
 @dataclass(frozen=True)
 class DecodeMessage:
-    """One message of a decode stream; the last one has a finish_reason."""
+    """One message of a decode stream, of one choice; the last one of each choice has a finish_reason."""
 
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: FinishReason | None = None
+    choice_index: int = 0
 
 
 class ChannelState(enum.Enum):

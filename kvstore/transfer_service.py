@@ -28,7 +28,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -60,7 +60,9 @@ class ReceiveTarget:
     """Where a checked transfer may land: the receiver's layout, the ids it reserved (in send order) and its cache."""
     layout: KvLayoutSpec
     block_ids: tuple[int, ...]
-    kv_cache: torch.Tensor  # [L, 2, num_blocks, block_size, Hkv, D]
+    kv_cache: torch.Tensor  # [L, 2, num_blocks, block_size, Hkv, D]; a meta tensor of that shape when `write` is set
+    write: Callable[[DecodedBlocks, tuple[int, ...]], None] | None = None
+    """Places verified blocks itself (a tensor-parallel receiver spreads the heads over its ranks)."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,9 @@ class KvReceiver(Protocol):
 
 def _scatter_verified(buffer: torch.Tensor, manifest: TransferManifest, target: ReceiveTarget) -> None:
     decoded: DecodedBlocks = decode_payload(buffer, target.layout, manifest.codec, len(manifest.block_ids))
+    if target.write is not None:
+        target.write(decoded, tuple(manifest.block_ids))
+        return
     decoded.scatter_into(target.kv_cache, manifest.block_ids)
     if target.kv_cache.is_cuda:  # the blocks must be in place before commit lets decode read them
         torch.cuda.current_stream(target.kv_cache.device).synchronize()

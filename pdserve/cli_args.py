@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from engine.config import DTYPES, QUANTIZATIONS, EngineConfig
 from gateway.config import GatewayConfig
+from gateway.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from decode_worker.config import VERIFY_KV_MODES, DecodeWorkerConfig
 from pdserve.cluster_config import LocalClusterConfig
 from prefill_worker.config import CODECS, TRANSPORTS, PrefillWorkerConfig
@@ -34,11 +35,12 @@ _FLAG_NAMES = {"num_threads": "--threads", "enable_prefix_caching": "--no-prefix
                "drain_timeout_s": "--drain-timeout", "worker_ttl_s": "--worker-ttl", "num_prefill": "--prefill",
                "num_decode": "--decode", "num_cpus": "--cpus", "start_timeout_s": "--start-timeout",
                "stop_timeout_s": "--stop-timeout", "queue_timeout_s": "--queue-timeout",
-               "token_timeout_s": "--token-timeout"}
+               "token_timeout_s": "--token-timeout",
+               "tensor_parallel_timeout_s": "--tensor-parallel-timeout"}
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 GATEWAY_TUNING = ("max_inflight", "max_queued", "queue_timeout_s", "token_timeout_s", "max_request_bytes",
                   "local_prefill_threshold", "lease_ms", "prefill_attempts", "max_prefill_load", "routing",
-                  "drain_timeout_s", "served_model_name")
+                  "drain_timeout_s", "served_model_name", "tool_call_parser")
 """GatewayConfig fields `pdserve up` passes through to its gateway."""
 
 
@@ -118,6 +120,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
         _arg(g, E, "max_waiting", "bound of the waiting queue; beyond it requests are rejected", type=int),
         _arg(g, E, "enable_prefix_caching", "disable reuse of cached prefix blocks", action="store_false"),
         _arg(g, E, "num_threads", "CPU threads of this process (default: torch's)", type=int),
+        _arg(g, E, "tensor_parallel_size", "ranks (processes) the model is split over; rank r of a CUDA worker "
+             "uses device index + r, each rank takes --threads CPU threads", type=int),
+        _arg(g, E, "tensor_parallel_timeout_s", "seconds a collective between the ranks may wait before the "
+             "worker fails instead of hanging", type=float),
         _arg(g, E, "seed", "seed of requests that set none", type=int),
     ]
 
@@ -185,6 +191,8 @@ def _add_gateway_tuning(g: Any, defaults: bool) -> None:
          choices=("prefix", "round-robin"), **kw)
     _arg(g, G, "drain_timeout_s", "seconds in-flight requests get to finish on SIGTERM", type=float, **kw)
     _arg(g, G, "served_model_name", "model name ListModels reports (default: the model file's name)", **kw)
+    _arg(g, G, "tool_call_parser", "how tool calls are read from the model's output: hermes (<tool_call> JSON), "
+         "llama3_json, or auto (from the chat template)", choices=("auto", *TOOL_CALL_PARSERS), **kw)
 
 
 def _add_gateway_security(p: argparse.ArgumentParser) -> None:
@@ -328,6 +336,10 @@ def build_parser(description: str = "", extra_commands: Sequence[AddCommand] = (
          f"{_default(L, 'http_port')}; with --once off)", type=int, default=None)
     _arg(g, L, "prefill_kv_cache_memory", "KV-cache budget of each prefill worker, e.g. 256M (default: "
          "--kv-cache-memory)", type=parse_bytes)
+    _arg(g, L, "prefill_tensor_parallel_size", "ranks of each prefill worker (default: --tensor-parallel-size)",
+         type=int)
+    _arg(g, L, "decode_tensor_parallel_size", "ranks of each decode worker (default: --tensor-parallel-size)",
+         type=int)
     _arg(g, L, "transport", "KV transport between workers", choices=TRANSPORTS)
     _arg(g, L, "codec", "KV wire codec", choices=CODECS)
     _arg(g, L, "redis_url", f"use this Redis instead of starting one (default: ${REDIS_URL_ENV}, else an "

@@ -4,6 +4,8 @@
         for chunk in client.chat([{"role": "user", "content": "Hi!"}], max_tokens=32, temperature=0):
             print(chunk.text, end="", flush=True)
         print(client.complete("The capital of France is", max_tokens=8).text)
+        weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+        done = client.complete_chat(messages, tools=[weather], tool_choice="required")  # done.tool_calls
 
     async with AsyncClient("127.0.0.1:50051") as client:
         async for chunk in client.generate([1, 2, 3], max_tokens=8):
@@ -22,6 +24,7 @@ aborts the request on its workers.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +32,8 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import grpc
 
+from engine.structured import StructuredOutputSpec
+from protos.convert import structured_to_pb
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 if TYPE_CHECKING:
@@ -79,13 +84,23 @@ class GenerateOptions(TypedDict, total=False):
     repetition_penalty: float  # CTRL-style, > 0; 1 = off
     presence_penalty: float  # OpenAI-style, in [-2, 2]
     frequency_penalty: float  # OpenAI-style, in [-2, 2]
+    structured_output: StructuredOutputSpec | None  # constrain the output (engine.structured); None leaves it free
     cache_salt: str  # requests share cached prefix blocks only with requests of the same salt
     request_id: str  # caller-chosen id; empty lets the gateway assign one
     model: str  # served model name from list_models(); empty means the default
 
 
+class ChatOptions(GenerateOptions, total=False):
+    """`chat` / `complete_chat` options: GenerateOptions plus tool calling (OpenAI's shapes)."""
+
+    tools: Sequence[Mapping[str, Any]]  # [{"type": "function", "function": {"name", "description", "parameters"}}]
+    tool_choice: str | Mapping[str, Any]  # "auto", "none", "required" or {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool  # False: at most one call (with "required" or a named function)
+
+
 _REQUEST_OPTIONS = ("cache_salt", "request_id", "model")
 _SAMPLING_OPTIONS = frozenset(GenerateOptions.__annotations__) - set(_REQUEST_OPTIONS)
+_TOOL_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls")
 
 
 # ------------------------------------------------------------------------------------------------ results
@@ -135,8 +150,23 @@ class Timings:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A tool call the model made (chat with tools)."""
+
+    id: str
+    name: str
+    arguments: str
+    """The arguments object as JSON text."""
+
+    @classmethod
+    def from_pb(cls, pb: generation_pb2.ToolCall) -> ToolCall:
+        return cls(pb.id, pb.name, pb.arguments_json)
+
+
+@dataclass(frozen=True)
 class Chunk:
-    """One streamed piece of a completion; the last one has finish_reason, usage and timings set."""
+    """One streamed piece of a completion; the last one has finish_reason, usage and timings set (with
+    sampling n > 1, each choice's last has its finish_reason and only the request's last has usage)."""
 
     request_id: str
     text: str
@@ -146,6 +176,9 @@ class Chunk:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    """Chat with tools, on the last chunk: the calls the model made (`text` is then the content outside them)."""
+    choice_index: int = 0
 
     @classmethod
     def from_pb(cls, pb: generation_pb2.GenerateResponse) -> Chunk:
@@ -153,7 +186,8 @@ class Chunk:
                    logprobs=tuple(TokenLogprob.from_pb(lp) for lp in pb.logprobs),
                    finish_reason=_FINISH_FROM_PB.get(pb.finish_reason),
                    usage=Usage.from_pb(pb.usage) if pb.HasField("usage") else None,
-                   timings=Timings.from_pb(pb.timings) if pb.HasField("timings") else None)
+                   timings=Timings.from_pb(pb.timings) if pb.HasField("timings") else None,
+                   tool_calls=tuple(ToolCall.from_pb(c) for c in pb.tool_calls), choice_index=pb.choice_index)
 
 
 @dataclass(frozen=True)
@@ -168,6 +202,8 @@ class Completion:
     usage: Usage | None
     timings: Timings | None
     logprobs: tuple[TokenLogprob, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
+    """Chat with tools: the calls the model made."""
 
 
 @dataclass(frozen=True)
@@ -203,7 +239,8 @@ class _Collector:
         last = self.last
         return Completion(request_id=self.request_id, text="".join(self.texts), token_ids=tuple(self.token_ids),
                           finish_reason=last.finish_reason if last else None, usage=last.usage if last else None,
-                          timings=last.timings if last else None, logprobs=tuple(self.logprobs))
+                          timings=last.timings if last else None, logprobs=tuple(self.logprobs),
+                          tool_calls=last.tool_calls if last else ())
 
 
 def collect(chunks: Iterable[Chunk]) -> Completion:
@@ -233,7 +270,9 @@ def _sampling_pb(options: Mapping[str, Any]) -> common_pb2.SamplingParams:
         if value is None:
             continue
         try:
-            if name in ("stop", "stop_token_ids"):
+            if name == "structured_output":
+                sampling.structured_output.CopyFrom(structured_to_pb(value))
+            elif name in ("stop", "stop_token_ids"):
                 getattr(sampling, name).extend([value] if isinstance(value, str) else value)
             else:
                 setattr(sampling, name, value)
@@ -256,14 +295,34 @@ def generate_request(prompt: str | Sequence[int], options: Mapping[str, Any]) ->
     return request
 
 
-def chat_request(messages: Iterable[Mapping[str, str]], options: Mapping[str, Any]) -> generation_pb2.ChatRequest:
-    """The ChatRequest for OpenAI-style messages: [{"role": "user", "content": "..."}, ...]."""
+def chat_request(messages: Iterable[Mapping[str, Any]], options: Mapping[str, Any]) -> generation_pb2.ChatRequest:
+    """The ChatRequest for OpenAI-style messages: [{"role": "user", "content": "..."}, ...], assistant messages
+    with "tool_calls" ([{"id", "function": {"name", "arguments"}}], content then may be None) and "tool" messages
+    with "tool_call_id"; `options` may hold ChatOptions' tools."""
     try:
-        pb_messages = [generation_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
-    except (KeyError, TypeError) as exc:
+        pb_messages = [generation_pb2.ChatMessage(
+            role=m["role"], content=m["content"] or "", tool_call_id=m.get("tool_call_id", ""),
+            tool_calls=[generation_pb2.ToolCall(id=c["id"], name=c["function"]["name"],
+                                                arguments_json=c["function"]["arguments"])
+                        for c in m.get("tool_calls") or ()]) for m in messages]
+        tools = [generation_pb2.Tool(name=t["function"]["name"], description=t["function"].get("description", ""),
+                                     parameters_json=json.dumps(t["function"]["parameters"])
+                                     if t["function"].get("parameters") is not None else "")
+                 for t in options.get("tools") or ()]
+    except (KeyError, TypeError, ValueError) as exc:
         raise PdserveError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"messages: each needs a 'role' and a 'content' string ({exc!r})") from None
-    return generation_pb2.ChatRequest(messages=pb_messages, sampling=_sampling_pb(options),
+                           f"messages and tools: each message needs a 'role' and a 'content' string, each tool "
+                           f"call and tool a 'function' with a 'name' ({exc!r})") from None
+    choice = options.get("tool_choice")
+    single = options.get("parallel_tool_calls") is False
+    tool_choice = None
+    if isinstance(choice, Mapping):
+        tool_choice = generation_pb2.ToolChoice(function_name=choice["function"]["name"], single_call=single)
+    elif choice is not None or single:
+        tool_choice = generation_pb2.ToolChoice(mode=choice or "", single_call=single)
+    rest = {k: v for k, v in options.items() if k not in _TOOL_OPTIONS}
+    return generation_pb2.ChatRequest(messages=pb_messages, sampling=_sampling_pb(rest), tools=tools,
+                                      tool_choice=tool_choice,
                                       **{k: options[k] for k in _REQUEST_OPTIONS if k in options})
 
 
@@ -362,8 +421,8 @@ class Client:
         request = generate_request(prompt, options)
         return ChunkStream(self._stub.Generate(request, timeout=self._deadline(timeout), metadata=self._metadata))
 
-    def chat(self, messages: Iterable[Mapping[str, str]], *, timeout: float | None = None,
-             **options: Unpack[GenerateOptions]) -> ChunkStream:
+    def chat(self, messages: Iterable[Mapping[str, Any]], *, timeout: float | None = None,
+             **options: Unpack[ChatOptions]) -> ChunkStream:
         """Stream the reply to a conversation, rendered with the model's chat template."""
         request = chat_request(messages, options)
         return ChunkStream(self._stub.Chat(request, timeout=self._deadline(timeout), metadata=self._metadata))
@@ -374,8 +433,8 @@ class Client:
         with self.generate(prompt, timeout=timeout, **options) as stream:
             return collect(stream)
 
-    def complete_chat(self, messages: Iterable[Mapping[str, str]], *, timeout: float | None = None,
-                      **options: Unpack[GenerateOptions]) -> Completion:
+    def complete_chat(self, messages: Iterable[Mapping[str, Any]], *, timeout: float | None = None,
+                      **options: Unpack[ChatOptions]) -> Completion:
         """`chat`, collected."""
         with self.chat(messages, timeout=timeout, **options) as stream:
             return collect(stream)
@@ -422,8 +481,8 @@ class AsyncClient:
         return AsyncChunkStream(self._stub.Generate(request, timeout=self._deadline(timeout),
                                                     metadata=self._metadata))
 
-    def chat(self, messages: Iterable[Mapping[str, str]], *, timeout: float | None = None,
-             **options: Unpack[GenerateOptions]) -> AsyncChunkStream:
+    def chat(self, messages: Iterable[Mapping[str, Any]], *, timeout: float | None = None,
+             **options: Unpack[ChatOptions]) -> AsyncChunkStream:
         """Stream the reply to a conversation, rendered with the model's chat template."""
         request = chat_request(messages, options)
         return AsyncChunkStream(self._stub.Chat(request, timeout=self._deadline(timeout), metadata=self._metadata))
@@ -434,8 +493,8 @@ class AsyncClient:
         async with self.generate(prompt, timeout=timeout, **options) as stream:
             return await acollect(stream)
 
-    async def complete_chat(self, messages: Iterable[Mapping[str, str]], *, timeout: float | None = None,
-                            **options: Unpack[GenerateOptions]) -> Completion:
+    async def complete_chat(self, messages: Iterable[Mapping[str, Any]], *, timeout: float | None = None,
+                            **options: Unpack[ChatOptions]) -> Completion:
         """`chat`, collected."""
         async with self.chat(messages, timeout=timeout, **options) as stream:
             return await acollect(stream)

@@ -28,6 +28,11 @@ class LocalClusterConfig:
     prefill_kv_cache_memory: int | None = None
     """KV-cache bytes of each prefill worker; None takes engine.kv_cache_memory. A prefill worker holds only the
     prompts it is computing plus the prefixes it keeps for reuse; a decode worker holds every running sequence."""
+    prefill_tensor_parallel_size: int | None = None
+    """Ranks of each prefill worker; None takes engine.tensor_parallel_size."""
+    decode_tensor_parallel_size: int | None = None
+    """Ranks of each decode worker; None takes engine.tensor_parallel_size. The pools may differ: KV moves between
+    them with every head on the wire (engine.parallel)."""
     transport: str = "auto"
     """KV transport of the prefill workers (see PrefillWorkerConfig.transport)."""
     codec: str = "raw"
@@ -69,6 +74,11 @@ class LocalClusterConfig:
     """CA bundle (PEM) the launcher's own calls to the gateway (health, `--once`) verify tls_cert with; None:
     the system's roots."""
 
+    def tensor_parallel_size(self, role: str) -> int:
+        """Ranks of each worker of `role` ("prefill" or "decode")."""
+        own = self.prefill_tensor_parallel_size if role == "prefill" else self.decode_tensor_parallel_size
+        return own if own is not None else self.engine.tensor_parallel_size
+
     def __post_init__(self) -> None:
         if self.num_prefill < 0:
             raise ValueError(f"LocalClusterConfig.num_prefill must be >= 0, got {self.num_prefill}")
@@ -86,6 +96,9 @@ class LocalClusterConfig:
         if self.prefill_kv_cache_memory is not None and self.prefill_kv_cache_memory < 1:
             raise ValueError(f"LocalClusterConfig.prefill_kv_cache_memory must be >= 1 byte, "
                              f"got {self.prefill_kv_cache_memory}")
+        for name in ("prefill_tensor_parallel_size", "decode_tensor_parallel_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"LocalClusterConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_cpus is not None and self.num_cpus < 1:
             raise ValueError(f"LocalClusterConfig.num_cpus must be >= 1, got {self.num_cpus}")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -13,8 +13,8 @@ answers grpc.health.v1 SERVING over mutual TLS to the probe certificate, the gat
 `insecure_internal` starts everything plaintext instead, with a warning. The Redis URL (and its password)
 reaches every process in its environment as PDSERVE_REDIS_URL, never on a command line. A process that exits while
 starting, or a start that outlasts `start_timeout_s`, raises ClusterError with the tail of the culprit's log, after
-stopping everything already started. Children run `python -P -m pdserve.cli` (3.10: the same without the script
-directory on sys.path), so a `pdserve/` folder in the working directory never shadows the installed package.
+stopping everything already started. Children run `python -P -m pdserve.cli`, so a `pdserve/`
+folder in the working directory never shadows the installed package.
 
 While it runs, a supervisor thread keeps the cluster up: a dead embedded redis-server is restarted on the same
 port (workers re-register and re-publish their cached blocks on reconnect; routing is load-only meanwhile); a dead
@@ -89,23 +89,14 @@ if pgid > 0:
 for path in dirs:
     shutil.rmtree(path, ignore_errors=True)
 """
-# Python 3.10 has no -P: drop the script directory ('' for -c, i.e. the working directory) before the import.
-_SAFE_PATH_BOOTSTRAP = ("import runpy, sys\n"
-                        "if sys.path and sys.path[0] in ('', '.'):\n"
-                        "    del sys.path[0]\n"
-                        "runpy.run_module('pdserve.cli', run_name='__main__', alter_sys=True)\n")
-
-
 class ClusterError(RuntimeError):
     """The local cluster could not start (the message names the process and ends with its log's tail)."""
 
 
-def child_command(argv: list[str], version: tuple[int, ...] = tuple(sys.version_info)) -> list[str]:
+def child_command(argv: list[str]) -> list[str]:
     """The command line that runs `pdserve ARGV` with this interpreter and its installed packages, whatever the
-    working directory holds (`python -m` would put it first on sys.path)."""
-    if version >= (3, 11):
-        return [sys.executable, "-P", "-m", "pdserve.cli", *argv]
-    return [sys.executable, "-c", _SAFE_PATH_BOOTSTRAP, *argv]
+    working directory holds (`-P`: plain `python -m` would put it first on sys.path)."""
+    return [sys.executable, "-P", "-m", "pdserve.cli", *argv]
 
 
 def divide_threads(num_cpus: int, num_workers: int) -> list[int]:
@@ -113,6 +104,16 @@ def divide_threads(num_cpus: int, num_workers: int) -> list[int]:
     the first ones (prefill workers come first: prefill is the compute-bound phase), never fewer than 1."""
     base, extra = divmod(num_cpus, num_workers)
     return [max(1, base + (i < extra)) for i in range(num_workers)]
+
+
+def worker_threads(config: LocalClusterConfig, roles: list[str], num_cpus: int) -> list[int]:
+    """Threads of each worker's processes (`roles` in start order): the engine's num_threads when set, else
+    `num_cpus` divided among all processes, a tensor-parallel worker counting one per rank."""
+    if config.engine.num_threads is not None:
+        return [config.engine.num_threads] * len(roles)
+    ranks = [config.tensor_parallel_size(role) for role in roles]
+    per_rank = divide_threads(num_cpus, sum(ranks))
+    return [per_rank[sum(ranks[:i])] for i in range(len(roles))]
 
 
 def available_cpus() -> int:
@@ -324,11 +325,8 @@ class LocalCluster:
         self._start_reaper()
         self._child_env = {**os.environ, REDIS_URL_ENV: self._redis_url}
 
-        if config.engine.num_threads is not None:
-            threads = [config.engine.num_threads] * num_workers
-        else:
-            threads = divide_threads(config.num_cpus or available_cpus(), num_workers)
         roles = ["prefill"] * config.num_prefill + ["decode"] * config.num_decode
+        threads = worker_threads(config, roles, config.num_cpus or available_cpus())
         indexes = list(range(config.num_prefill)) + list(range(config.num_decode))
         worker_ids = [f"{role}-{index}" for role, index in zip(roles, indexes)]
         if config.insecure_internal:
@@ -483,7 +481,8 @@ def worker_argv(role: str, worker_id: str, port: int, config: LocalClusterConfig
                 tls: TlsFiles | None) -> list[str]:
     """`pdserve <role>-worker` arguments for one worker of the local cluster: mutual TLS with `tls`, plaintext
     (--insecure-internal) when None. No Redis URL: the worker reads it from PDSERVE_REDIS_URL."""
-    engine = dataclasses.replace(config.engine, num_threads=num_threads)
+    engine = dataclasses.replace(config.engine, num_threads=num_threads,
+                                 tensor_parallel_size=config.tensor_parallel_size(role))
     if role == "prefill" and config.prefill_kv_cache_memory is not None:
         engine = dataclasses.replace(engine, kv_cache_memory=config.prefill_kv_cache_memory)
     argv = [f"{role}-worker", "--worker-id", worker_id, "--host", "127.0.0.1", "--port", str(port),

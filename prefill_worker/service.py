@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prefill_worker.worker import PrefillWorker
-from protos.convert import WorkerStatsData, logprob_to_pb, request_from_pb, target_from_pb, worker_stats_to_pb
+from protos.convert import (WorkerStatsData, choice_tokens_to_pb, logprob_to_pb, request_from_pb, target_from_pb,
+                            worker_stats_to_pb)
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from protos.service_runtime import status_on_error
 
@@ -28,7 +29,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         response = worker_pb2.PrefillResponse(
             first_token_id=r.first_token_id, cached_tokens=r.cached_tokens, computed_tokens=r.computed_tokens,
             transfer_bytes=r.transfer_bytes, transfer_ms=r.transfer_ms, transport=r.transport,
-            prefill_ms=r.prefill_ms)
+            prefill_ms=r.prefill_ms, choice_first_tokens=choice_tokens_to_pb(r.choice_first_tokens))
         if r.first_logprob is not None:
             response.first_logprob.CopyFrom(logprob_to_pb(r.first_logprob))
         return response

@@ -5,6 +5,7 @@ One request (DESIGN section 3, step 5):
     target.endpoint checked first (prefill_worker.destinations: a live decode worker of this cluster, or
     PERMISSION_DENIED before anything is computed)
     add_request(max_tokens=1, hold_blocks) ─▶ engine batch (chunked, prefix cache) ─▶ first token sampled
+       (n > 1: one first token per choice, from the same logits; the choices fork on the decode worker)
     ─▶ lease HELD ─pin─▶ PUSHING: push blocks [num_cached_blocks:] of the prompt to the decode worker's
        reservation (shm or grpc) ─unpin─▶ HELD
     ─▶ released by the engine (always, exactly once: success, rejected transfer or abort)
@@ -40,6 +41,7 @@ from protos.convert import TransferTargetData, WorkerRequestData
 class PrefillResult:
     first_token_id: int
     first_logprob: TokenLogprob | None
+    choice_first_tokens: list[tuple[int, TokenLogprob | None]]   # choices 1..n-1 (n > 1)
     cached_tokens: int
     computed_tokens: int
     transfer_bytes: int
@@ -54,7 +56,7 @@ class PrefillWorker:
         self.config = config
         self.destinations = destinations
         engine = loop.engine
-        self.layout = KvLayoutSpec.from_cache(engine.runner.kv_cache, engine.fingerprint)
+        self.layout = KvLayoutSpec.from_cache(engine.runner.transfer_cache(), engine.fingerprint)
         self.sender = KvSender(chunk_bytes=config.chunk_bytes, tls=config.tls_files)
         self.host_id = host_id()
         self._lock = threading.Lock()
@@ -91,7 +93,7 @@ class PrefillWorker:
         finally:
             stream.close()  # aborts the finished request: the engine releases its lease here, exactly once
         return PrefillResult(out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None,
-                             seq.num_cached_tokens, seq.num_prompt_tokens - seq.num_cached_tokens,
+                             list(seq.choice_first_tokens), seq.num_cached_tokens, seq.num_prompt_tokens - seq.num_cached_tokens,
                              stats.num_bytes, stats.elapsed_ms, stats.transport, prefill_ms)
 
     def _push(self, rid: str, src_block_ids: list[int], target: TransferTargetData, start: float,
@@ -104,9 +106,11 @@ class PrefillWorker:
             fault = FaultInjection(0) if self._faults_left > 0 and src_block_ids else None
             self._faults_left -= fault is not None
         try:
+            # Every KV head on the wire: a tensor-parallel worker gathers them from its ranks first.
+            kv_cache, src_block_ids = self.loop.engine.runner.blocks_to_send(src_block_ids)
             return self.sender.push(
                 target.endpoint, request_id=rid, handle=target.handle, layout=self.layout,
-                kv_cache=self.loop.engine.runner.kv_cache, src_block_ids=src_block_ids,
+                kv_cache=kv_cache, src_block_ids=src_block_ids,
                 dst_block_ids=target.block_ids, transport=self._transport(target), codec=self.config.codec,
                 timeout_s=max(timeout_s - (time.perf_counter() - start), 0.001), fault=fault)
         except TransferFailed as exc:

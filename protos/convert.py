@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, TokenLogprob
+from engine.structured import StructuredOutputSpec
 from kvstore.transfer_manifest import KvLayoutSpec, TransferManifest
 from protos.pdserve.v1 import common_pb2, kv_transfer_pb2, worker_pb2
 
@@ -39,7 +41,40 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(pb.stop_token_ids),
         ignore_eos=pb.ignore_eos,
         logprobs=pb.logprobs if pb.HasField("logprobs") else None,
+        structured_output=structured_from_pb(pb.structured_output) if pb.HasField("structured_output") else None,
+        n=pb.n if pb.HasField("n") else d.n,
     )
+
+
+def structured_from_pb(pb: common_pb2.StructuredOutput) -> StructuredOutputSpec:
+    """Raises InvalidRequestError naming the field when no kind is set, json_object is false or a schema is
+    not JSON; the rest of the checks are StructuredOutputSpec.validate's and the grammar compiler's."""
+    kind = pb.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("structured_output", "set one of json_schema, json_object, regex, choice, grammar")
+    if kind == "json_schema":
+        return StructuredOutputSpec.json_schema(pb.json_schema)
+    if kind == "json_object":
+        if not pb.json_object:
+            raise InvalidRequestError("structured_output.json_object", "must be true when set")
+        return StructuredOutputSpec.json_object()
+    if kind == "regex":
+        return StructuredOutputSpec.regex(pb.regex)
+    if kind == "choice":
+        return StructuredOutputSpec.choice(list(pb.choice.options))
+    return StructuredOutputSpec.grammar(pb.grammar)
+
+
+def structured_to_pb(spec: StructuredOutputSpec) -> common_pb2.StructuredOutput:
+    if spec.kind == "json_schema":
+        return common_pb2.StructuredOutput(json_schema=spec.schema)
+    if spec.kind == "json_object":
+        return common_pb2.StructuredOutput(json_object=True)
+    if spec.kind == "regex":
+        return common_pb2.StructuredOutput(regex=spec.pattern)
+    if spec.kind == "choice":
+        return common_pb2.StructuredOutput(choice=common_pb2.Choices(options=list(spec.choices)))
+    return common_pb2.StructuredOutput(grammar=spec.grammar_text)
 
 
 def sampling_to_pb(p: SamplingParams, stop: tuple[str, ...] = ()) -> common_pb2.SamplingParams:
@@ -52,6 +87,10 @@ def sampling_to_pb(p: SamplingParams, stop: tuple[str, ...] = ()) -> common_pb2.
         pb.seed = p.seed
     if p.logprobs is not None:
         pb.logprobs = p.logprobs
+    if p.structured_output is not None:
+        pb.structured_output.CopyFrom(structured_to_pb(p.structured_output))
+    if p.n != 1:
+        pb.n = p.n
     return pb
 
 
@@ -62,6 +101,16 @@ def logprob_to_pb(lp: TokenLogprob) -> common_pb2.TokenLogprob:
 
 def logprob_from_pb(pb: common_pb2.TokenLogprob) -> TokenLogprob:
     return TokenLogprob(pb.token_id, pb.logprob, [(t.token_id, t.logprob) for t in pb.top])
+
+
+def choice_tokens_to_pb(tokens: list[tuple[int, TokenLogprob | None]]) -> list[worker_pb2.ChoiceFirstToken]:
+    """First tokens of choices 1..n-1 (PrefillResponse / DecodeRequest choice_first_tokens)."""
+    return [worker_pb2.ChoiceFirstToken(token_id=t, logprob=logprob_to_pb(lp) if lp is not None else None)
+            for t, lp in tokens]
+
+
+def choice_tokens_from_pb(pbs) -> list[tuple[int, TokenLogprob | None]]:
+    return [(pb.token_id, logprob_from_pb(pb.logprob) if pb.HasField("logprob") else None) for pb in pbs]
 
 
 def finish_reason_to_pb(reason: FinishReason | None) -> int:
@@ -113,7 +162,7 @@ def step_to_pb(out: StepOutput) -> worker_pb2.DecodeResponse:
     return worker_pb2.DecodeResponse(
         token_ids=out.new_token_ids, logprobs=[logprob_to_pb(lp) for lp in out.new_logprobs],
         finish_reason=finish_reason_to_pb(out.seq.finish_reason if out.finished else None),
-        cached_tokens=out.seq.num_cached_tokens)
+        cached_tokens=out.seq.num_cached_tokens, choice_index=out.seq.choice_index)
 
 
 @dataclass(frozen=True)
@@ -132,7 +181,8 @@ def worker_stats_to_pb(s: WorkerStatsData) -> worker_pb2.WorkerStats:
     return worker_pb2.WorkerStats(
         worker_id=s.worker_id, role=s.role, epoch=s.epoch, num_blocks=e.num_blocks, free_blocks=e.free_blocks,
         used_blocks=e.used_blocks, running=e.running, waiting=e.waiting, reserved=e.reserved,
-        transfer_errors=s.transfer_errors, preemptions=e.preemptions)
+        transfer_errors=s.transfer_errors, preemptions=e.preemptions, tensor_parallel_size=e.tensor_parallel_size,
+        kv_resharding_bytes=e.kv_resharding_bytes)
 
 
 # --------------------------------------------------------------------------------------------- KV transfer

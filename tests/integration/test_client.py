@@ -15,7 +15,8 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve import cli, health as pd_health
-from pdserve.client import AsyncClient, Chunk, Client, Completion, ModelInfo, PdserveError, Timings, TokenLogprob, Usage
+from pdserve.client import (AsyncClient, Chunk, Client, Completion, ModelInfo, PdserveError, Timings, TokenLogprob,
+                            ToolCall, Usage)
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 SERVICE = "pdserve.v1.Generation"
@@ -41,14 +42,16 @@ class EchoGeneration(generation_pb2_grpc.GenerationServicer):
     def Chat(self, request, context):
         self.requests[request.request_id] = request
         words = [f"{m.role}:{m.content}" for m in request.messages]
-        yield from self._stream(request.request_id, words, request.sampling, context)
+        calls = [generation_pb2.ToolCall(id=f"call_{i}", name=t.name, arguments_json=t.parameters_json)
+                 for i, t in enumerate(request.tools)]         # "calls" each tool with its schema as arguments
+        yield from self._stream(request.request_id, words, request.sampling, context, calls)
 
     def ListModels(self, request, context):
         return generation_pb2.ListModelsResponse(models=[
             generation_pb2.ModelInfo(name="smol", max_model_len=2048, fingerprint="f1"),
             generation_pb2.ModelInfo(name="other", max_model_len=512, fingerprint="f2")])
 
-    def _stream(self, request_id, words, sampling, context):
+    def _stream(self, request_id, words, sampling, context, tool_calls=()):
         if words == ["invalid"]:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p must be in (0, 1], got 2")
         if words == ["slow"]:
@@ -71,7 +74,7 @@ class EchoGeneration(generation_pb2_grpc.GenerationServicer):
             if words[:2] == ["overload", "midway"]:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many requests; retry in 1 s")
         yield generation_pb2.GenerateResponse(
-            request_id=request_id, finish_reason=common_pb2.FINISH_REASON_STOP,
+            request_id=request_id, finish_reason=common_pb2.FINISH_REASON_STOP, tool_calls=tool_calls,
             usage=generation_pb2.Usage(prompt_tokens=len(words), completion_tokens=len(words), cached_tokens=1),
             timings=generation_pb2.Timings(queue_ms=1.0, prefill_ms=2.0, transfer_ms=0.5, ttft_ms=4.0,
                                            transport="shm", transfer_bytes=4096))
@@ -141,6 +144,29 @@ def test_complete_and_chat(target, servicer):
     assert chat.text == "system:terse user:hi "
     assert [(m.role, m.content) for m in servicer.requests["r3"].messages] == [("system", "terse"), ("user", "hi")]
     assert models == [ModelInfo("smol", 2048, "f1"), ModelInfo("other", 512, "f2")]
+
+
+def test_chat_with_tools_sends_them_with_the_history_and_returns_the_calls(target, servicer):
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object"}}}]
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    with Client(target) as client:
+        done = client.complete_chat(history, tools=tools, tool_choice={"type": "function", "function": {
+            "name": "get_weather"}}, parallel_tool_calls=False, request_id="t1", temperature=0)
+        with pytest.raises(TypeError):
+            client.complete("a", tools=tools)                          # tools are for chat only
+    sent = servicer.requests["t1"]
+    assert [(m.role, m.content, m.tool_call_id) for m in sent.messages] == \
+        [("user", "hi", ""), ("assistant", "", ""), ("tool", "sunny", "c1")]
+    assert [(c.id, c.name, c.arguments_json) for c in sent.messages[1].tool_calls] == [("c1", "get_weather", "{}")]
+    assert [(t.name, t.description, t.parameters_json) for t in sent.tools] == \
+        [("get_weather", "Weather of a city", '{"type": "object"}')]
+    assert (sent.tool_choice.function_name, sent.tool_choice.single_call) == ("get_weather", True)
+    assert sent.sampling.temperature == 0.0
+    assert done.tool_calls == (ToolCall("call_0", "get_weather", '{"type": "object"}'),)
 
 
 def test_server_errors_surface_as_pdserve_error_with_their_code(target, closed_port_target):

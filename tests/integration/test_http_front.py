@@ -10,17 +10,24 @@ import asyncio
 import http.client
 import importlib.metadata
 import json
+import re
 import time
 import urllib.error
 import urllib.request
 
 import aiohttp
 import grpc
+import jsonschema
 import openai
+import pydantic
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredOutputSpec
+from gateway.openai_protocol import parse_messages
+from gateway.tools import parse_tools
+from gateway.validation import render_chat
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.integration.cluster import IDLE_TIMEOUT_S, RPC_TIMEOUT_S, Reference, assert_idle, running_cluster
 
@@ -170,11 +177,13 @@ def test_openai_client_retrieves_the_model_and_uses_developer_and_max_completion
 
 
 @pytest.mark.parametrize("endpoint, extra, param", [
-    ("chat", {"extra_body": {"guided_choice": ["yes", "no"]}}, "guided_choice"),
-    ("chat", {"extra_body": {"structured_outputs": {"choice": ["yes", "no"]}}}, "structured_outputs"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ("chat", {"n": 2}, "n"),
+    ("chat", {"extra_body": {"guided_decoding_backend": "outlines"}}, "guided_decoding_backend"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]},
+     "tools[0].function.parameters"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}],
+              "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name"),
+    ("chat", {"extra_body": {"functions": [{"name": "f"}]}}, "functions"),
+    ("chat", {"n": 17}, "n"),
     ("chat", {"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens"),
     ("completions", {"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs"),
     ("completions", {"extra_body": {"priority": 1}}, "priority"),
@@ -255,7 +264,8 @@ def test_streams_concatenate_to_the_non_streamed_text_and_end_with_done(gateway)
 @pytest.mark.parametrize("path, body, status, param", [
     ("/v1/completions", greedy("hello", temperature=-1), 400, "temperature"),
     ("/v1/completions", greedy("hello", max_tokens=0), 400, "max_tokens"),
-    ("/v1/completions", greedy("hello", n=2), 400, "n"),
+    ("/v1/completions", greedy("hello", n=17), 400, "n"),
+    ("/v1/completions", greedy(["hello", ""], n=2), 400, "prompt[1]"),
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
     ("/v1/completions", greedy("hello", model="gpt-4"), 404, "model"),
     ("/v1/completions", b'{"prompt": "hello", ', 400, None),
@@ -463,4 +473,360 @@ def test_drain_finishes_http_streams_and_reports_draining(cluster, reference):
     chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
     assert "".join(c["text"] for c in chunks) == expected
     assert chunks[-1]["finish_reason"] == "length"
+    assert_idle(cluster.wait_idle())
+
+
+# ------------------------------------------------------------------------------------------------ structured output
+PERSON_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+                 "properties": {"name": {"type": "string", "maxLength": 12},
+                                "age": {"type": "integer", "minimum": 0, "maximum": 150}}}
+ASK_PERSON = [{"role": "user", "content": "Describe a fictional person as JSON with a name and an age."}]
+
+
+def openai_client(gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url(gateway, "/v1"), api_key="unused", max_retries=0, timeout=RPC_TIMEOUT_S)
+
+
+def test_openai_parse_with_a_pydantic_model_returns_a_valid_object(gateway, cluster):
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=12)
+        age: int = pydantic.Field(ge=0, le=150)
+
+    completion = openai_client(gateway).chat.completions.parse(
+        model=cluster.model[0].name, messages=ASK_PERSON, response_format=Person, temperature=0, max_tokens=48)
+    message = completion.choices[0].message
+    assert completion.choices[0].finish_reason == "stop"
+    assert isinstance(message.parsed, Person)
+    jsonschema.validate(json.loads(message.content), Person.model_json_schema())
+    assert_idle(cluster.wait_idle())
+
+
+def test_json_schema_and_json_object_outputs_parse_and_validate(gateway, cluster, reference):
+    client = openai_client(gateway)
+    name = cluster.model[0].name
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON_SCHEMA, "strict": True}}
+    answer = client.chat.completions.create(model=name, messages=ASK_PERSON, temperature=0, max_tokens=48,
+                                            response_format=schema_format)
+    assert answer.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.choices[0].message.content), PERSON_SCHEMA)
+    # disaggregated (first token on p0 under the mask, the rest on d0 continuing its matcher) = the offline engine
+    offline = reference.llm.chat(ASK_PERSON, SamplingParams(max_tokens=48, temperature=0.0, structured_output=
+                                 StructuredOutputSpec.json_schema(PERSON_SCHEMA)))[0].outputs[0]
+    assert answer.choices[0].message.content == offline.text
+    streamed = client.chat.completions.create(model=name, messages=ASK_PERSON, temperature=0.7, seed=3,
+                                              max_tokens=48, response_format={"type": "json_object"}, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+    assert isinstance(json.loads(text), dict)
+    assert_idle(cluster.wait_idle())
+
+
+def test_guided_choice_and_regex_constrain_the_text(gateway, cluster):
+    client = openai_client(gateway)
+    name = cluster.model[0].name
+    question = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
+    answer = client.chat.completions.create(model=name, messages=question, temperature=1.0, seed=1, n=3,
+                                            extra_body={"guided_choice": ["yes", "no", "maybe not"]})
+    assert len(answer.choices) == 3                    # forked choices each continue a matcher of their own
+    assert all(c.message.content in ("yes", "no", "maybe not") and c.finish_reason == "stop" for c in answer.choices)
+    phone = client.completions.create(model=name, prompt="Call me at", max_tokens=20, temperature=0,
+                                      extra_body={"structured_outputs": {"regex": r" \d{3}-\d{4}"}})
+    assert re.fullmatch(r" \d{3}-\d{4}", phone.choices[0].text) and phone.choices[0].finish_reason == "stop"
+    cut = client.completions.create(model=name, prompt="Call me at", max_tokens=3, temperature=0,
+                                    extra_body={"guided_regex": r" \d{3}-\d{4}"})
+    assert cut.choices[0].finish_reason == "length" and cut.usage.completion_tokens == 3
+    assert re.fullmatch(r" \d{0,3}-?\d{0,4}", cut.choices[0].text)
+    assert_idle(cluster.wait_idle())
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"guided_regex": "[a-z"}, "guided_regex"),
+    ({"structured_outputs": {"grammar": "root ::= nowhere"}}, "structured_outputs.grammar"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nosuch"}}}},
+     "response_format.json_schema.schema"),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),   # the second in FIELDS order
+])
+def test_a_constraint_that_does_not_compile_or_a_second_one_is_a_400_naming_it(gateway, cluster, extra, param):
+    before = cluster.wait_idle()
+    status, _, body = request(gateway, "POST", "/v1/chat/completions",
+                              {"model": cluster.model[0].name, "messages": USER_HI, **extra})
+    assert status == 400 and body["error"]["param"] == param
+    assert cluster.wait_idle() == before
+
+
+USER_HI = [{"role": "user", "content": "hi"}]
+
+
+def test_grpc_structured_output_with_local_prefill_on_the_decode_worker(cluster, reference):
+    local_gateway = cluster.gateway(local_prefill_threshold=10_000)
+    spec = common_pb2.StructuredOutput(choice=common_pb2.Choices(options=["red", "green", "blue"]))
+    request_pb = generation_pb2.ChatRequest(
+        messages=[generation_pb2.ChatMessage(role="user", content="Name a color.")],
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=8, structured_output=spec))
+    with grpc.insecure_channel(f"127.0.0.1:{local_gateway.port}") as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        call = stub.Chat(request_pb, timeout=RPC_TIMEOUT_S)
+        text = "".join(r.text for r in call)
+        assert dict(call.trailing_metadata())["pdserve-local-prefill"] == "short"
+        bad = generation_pb2.ChatRequest(messages=request_pb.messages, sampling=common_pb2.SamplingParams(
+            structured_output=common_pb2.StructuredOutput(regex="(")))
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Chat(bad, timeout=RPC_TIMEOUT_S))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("sampling.structured_output.regex:")
+    offline = reference.llm.chat([{"role": "user", "content": "Name a color."}], SamplingParams(
+        max_tokens=8, temperature=0.0, structured_output=StructuredOutputSpec.choice(["red", "green", "blue"])))
+    assert text == offline[0].outputs[0].text and text in ("red", "green", "blue")
+    assert_idle(cluster.wait_idle())
+
+
+def test_offline_batch_mixing_constrained_and_free_requests_keeps_the_free_ones_greedy_tokens(reference):
+    llm = reference.llm
+    free = SamplingParams(max_tokens=12, temperature=0.0)
+    outs = llm.generate(PROMPTS, [free, SamplingParams(max_tokens=12, temperature=0.0, structured_output=
+                                                       StructuredOutputSpec.regex(r"[A-Z][a-z]+\.")),
+                                  SamplingParams(max_tokens=12, temperature=0.0, structured_output=
+                                                 StructuredOutputSpec.choice(["100 degrees", "212 F"]))])
+    assert outs[0].outputs[0].token_ids == reference(PROMPTS[0], max_tokens=12)[1]
+    assert re.fullmatch(r"[A-Z][a-z]+\.", outs[1].outputs[0].text)
+    assert outs[2].outputs[0].text in ("100 degrees", "212 F") and outs[2].outputs[0].finish_reason == "stop"
+    broken = llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, structured_output=StructuredOutputSpec.regex("[a-z")))
+    assert broken[0].outputs[0].finish_reason == "error" and "structured_output.regex" in broken[0].outputs[0].error
+    assert llm.engine.kv.pool.get_num_used_blocks() == 0
+
+
+# ------------------------------------------------------------------------------------------------ tool calling
+WEATHER_PARAMETERS = {"type": "object", "additionalProperties": False, "required": ["city"],
+                      "properties": {"city": {"type": "string", "maxLength": 16},
+                                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
+                                           "parameters": WEATHER_PARAMETERS}},
+         {"type": "function", "function": {"name": "get_time", "description": "Local time of a city",
+                                           "parameters": {"type": "object", "required": ["city"],
+                                                          "additionalProperties": False,
+                                                          "properties": {"city": {"type": "string",
+                                                                                  "maxLength": 16}}}}}]
+ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def reassembled(stream) -> tuple[str, list[tuple[str, str]], str, list[dict]]:
+    """(content, [(name, arguments)], finish_reason, tool call deltas) of a streamed chat completion."""
+    content, calls, finish, deltas = "", {}, None, []
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or []:
+            deltas.append(delta.model_dump(exclude_none=True))
+            if delta.id is not None:
+                calls[delta.index] = [delta.function.name, ""]
+            calls[delta.index][1] += delta.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, [tuple(calls[i]) for i in sorted(calls)], finish, deltas
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_openai_client_gets_forced_tool_calls_whole_and_streamed_alike(gateway, cluster, tool_choice):
+    client = openai_client(gateway)
+    kwargs = {"model": cluster.model[0].name, "messages": ASK_WEATHER, "tools": TOOLS, "tool_choice": tool_choice,
+              "parallel_tool_calls": False, "temperature": 0, "max_tokens": 48}
+    answer = client.chat.completions.create(**kwargs)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls                     # parallel_tool_calls false: one call
+    assert call.type == "function" and call.id.startswith("call_")
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    if tool_choice != "required":
+        assert call.function.name == "get_weather"
+
+    content, streamed_calls, finish, deltas = reassembled(client.chat.completions.create(**kwargs, stream=True))
+    assert (content, streamed_calls, finish) == ("", [(call.function.name, call.function.arguments)], "tool_calls")
+    first = deltas[0]                                # OpenAI's shape: the call's id, type and name come first
+    assert set(first) == {"index", "id", "type", "function"} and first["function"]["arguments"] == ""
+    assert all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} for d in deltas[1:])
+    if tool_choice != "required":                 # the gRPC Chat gives the same call, arguments not as text
+        assert grpc_tool_calls(gateway, generation_pb2.ToolChoice(function_name="get_weather", single_call=True)) \
+            == ("", [(call.function.name, call.function.arguments)])
+    assert_idle(cluster.wait_idle())
+
+
+def test_every_choice_of_an_n_2_request_is_a_forced_tool_call(gateway, cluster):
+    # choice 1 forks on the decode worker: its own grammar matcher constrains it as choice 0's does
+    answer = openai_client(gateway).chat.completions.create(
+        model=cluster.model[0].name, messages=ASK_WEATHER, tools=TOOLS, tool_choice="required", n=2, seed=7,
+        parallel_tool_calls=False, temperature=0.8, max_tokens=48)
+    assert [c.index for c in answer.choices] == [0, 1]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for choice in answer.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    assert_idle(cluster.wait_idle())
+
+
+def grpc_tool_calls(gateway, tool_choice: generation_pb2.ToolChoice) -> tuple[str, list[tuple[str, str]]]:
+    """(text, [(name, arguments)]) of a greedy gRPC Chat of ASK_WEATHER with TOOLS; calls come on the last message."""
+    request_pb = generation_pb2.ChatRequest(
+        messages=[generation_pb2.ChatMessage(role="user", content=ASK_WEATHER[0]["content"])],
+        tools=[generation_pb2.Tool(name=t["function"]["name"], description=t["function"]["description"],
+                                   parameters_json=json.dumps(t["function"]["parameters"])) for t in TOOLS],
+        tool_choice=tool_choice, sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=48))
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        responses = list(generation_pb2_grpc.GenerationStub(channel).Chat(request_pb, timeout=RPC_TIMEOUT_S))
+    assert all(not r.tool_calls for r in responses[:-1])
+    return "".join(r.text for r in responses), [(c.name, c.arguments_json) for c in responses[-1].tool_calls]
+
+
+def test_a_tool_result_in_the_history_is_rendered_and_answered(gateway, cluster, reference):
+    history = [*ASK_WEATHER,
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature_c": 21}'}]
+    reply = openai_client(gateway).chat.completions.create(model=cluster.model[0].name, messages=history,
+                                                           tools=TOOLS, temperature=0, max_tokens=8)
+    # the gateway's rendering (default tool prompt, <tool_call> / <tool_response> blocks), done here
+    prompt = render_chat(parse_messages(history), reference.llm.tokenizer, None, parse_tools(TOOLS))
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert '<tool_response>\n{"temperature_c": 21}\n</tool_response>' in prompt
+    assert reply.usage.prompt_tokens == len(reference.llm.tokenizer.encode(prompt))
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls") and reply.usage.completion_tokens > 0
+    assert_idle(cluster.wait_idle())
+
+
+def test_langchain_bind_tools_and_with_structured_output(gateway, cluster):
+    langchain_openai = pytest.importorskip("langchain_openai")
+
+    class Weather(pydantic.BaseModel):
+        """Current weather of a city."""
+
+        city: str = pydantic.Field(max_length=16)
+        unit: str = pydantic.Field(pattern="^(celsius|fahrenheit)$")
+
+    llm = langchain_openai.ChatOpenAI(base_url=url(gateway, "/v1"), api_key="unused", model=cluster.model[0].name,
+                                      temperature=0, max_tokens=48, max_retries=0, timeout=RPC_TIMEOUT_S)
+    message = llm.bind_tools([Weather], tool_choice="Weather").invoke(ASK_WEATHER[0]["content"])
+    [call] = message.tool_calls
+    assert call["name"] == "Weather" and Weather(**call["args"])
+    for method in ("function_calling", "json_schema"):
+        weather = llm.with_structured_output(Weather, method=method).invoke(ASK_WEATHER[0]["content"])
+        assert isinstance(weather, Weather) and weather.unit in ("celsius", "fahrenheit")
+
+
+# ------------------------------------------------------------------------------------------------ n > 1, batches
+SEEDED = {"temperature": 1.0, "seed": 7, "max_tokens": 8}
+
+
+def offline_choices(reference, prompt, n: int, **fields) -> list[str]:
+    params = SamplingParams(n=n, **{**SEEDED, **fields})
+    return [o.text for o in reference.llm.generate(prompt, params)[0].outputs]
+
+
+def streamed_choices(events) -> tuple[dict[int, str], dict[int, str], object]:
+    """(text per index, finish_reason per index, usage) of an openai client stream."""
+    texts, finishes, usage = {}, {}, None
+    for event in events:
+        usage = event.usage or usage
+        for c in event.choices:
+            part = c.text if hasattr(c, "text") else (c.delta.content or "")
+            texts[c.index] = texts.get(c.index, "") + part
+            if c.finish_reason is not None:
+                assert c.index not in finishes
+                finishes[c.index] = c.finish_reason
+    return texts, finishes, usage
+
+
+def test_openai_client_n3_is_one_prefill_with_seeded_reproducible_choices(gateway, reference, cluster):
+    client = openai.OpenAI(base_url=url(gateway, "/v1"), api_key="unused", max_retries=0, timeout=RPC_TIMEOUT_S)
+    name = cluster.model[0].name
+    free_before = cluster.wait_idle()["d0"].free_blocks
+    expected = offline_choices(reference, PROMPTS[0], 3, ignore_eos=True)
+    assert len(set(expected)) == 3
+    answer = client.completions.create(model=name, prompt=PROMPTS[0], n=3, extra_body={"ignore_eos": True}, **SEEDED)
+    assert [(c.index, c.text, c.finish_reason) for c in answer.choices] == \
+        [(i, t, "length") for i, t in enumerate(expected)]
+    assert answer.usage.prompt_tokens == len(cluster.model[1].encode(PROMPTS[0]))
+    assert answer.usage.completion_tokens == 3 * 8                    # summed over the choices, as OpenAI
+    events = client.completions.create(model=name, prompt=PROMPTS[0], n=3, extra_body={"ignore_eos": True},
+                                       stream=True, stream_options={"include_usage": True}, **SEEDED)
+    texts, finishes, usage = streamed_choices(events)
+    assert texts == dict(enumerate(expected)) and finishes == {0: "length", 1: "length", 2: "length"}
+    assert usage.completion_tokens == 24
+    # choice 0 is the n=1 completion with the request's seed
+    one = client.completions.create(model=name, prompt=PROMPTS[0], extra_body={"ignore_eos": True}, **SEEDED)
+    assert one.choices[0].text == expected[0]
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = client.chat.completions.create(model=name, messages=messages, n=3, **SEEDED)
+    again = client.chat.completions.create(model=name, messages=messages, n=3, stream=True, **SEEDED)
+    texts, finishes, _ = streamed_choices(again)
+    assert [c.index for c in chat.choices] == [0, 1, 2] and len(finishes) == 3
+    assert texts == {c.index: c.message.content for c in chat.choices}
+    assert finishes == {c.index: c.finish_reason for c in chat.choices}
+    greedy_n = client.chat.completions.create(model=name, messages=messages, n=2, temperature=0, max_tokens=6)
+    assert greedy_n.choices[0].message.content == greedy_n.choices[1].message.content
+    stats = cluster.wait_idle()
+    assert_idle(stats)
+    assert stats["d0"].free_blocks == free_before
+
+
+def test_batched_prompts_are_indexed_prompt_major(gateway, reference, cluster):
+    ids = reference.llm.tokenizer.encode(PROMPTS[2])
+    answer = post(gateway, "/v1/completions", greedy([PROMPTS[1], ids], 6, n=2))
+    texts = [reference(PROMPTS[1], 6)[0], reference(ids, 6)[0]]
+    assert [(c["index"], c["text"]) for c in answer["choices"]] == \
+        [(0, texts[0]), (1, texts[0]), (2, texts[1]), (3, texts[1])]
+    assert answer["usage"]["prompt_tokens"] == len(cluster.model[1].encode(PROMPTS[1])) + len(ids)
+    events = [json.loads(e) for e in stream(gateway, "/v1/completions", greedy([PROMPTS[1], ids], 6, n=2))[:-1]]
+    streamed = {}
+    for e in events:
+        for c in e["choices"]:
+            streamed[c["index"]] = streamed.get(c["index"], "") + c["text"]
+    assert streamed == {i: texts[i // 2] for i in range(4)}
+    one_token = post(gateway, "/v1/completions", {"prompt": PROMPTS[1], "n": 3, **SEEDED, "max_tokens": 1})
+    assert [c["finish_reason"] for c in one_token["choices"]] == ["length"] * 3     # ended as the choices forked
+    assert one_token["usage"]["completion_tokens"] == 3
+    best = post(gateway, "/v1/completions", {"prompt": PROMPTS[1], "n": 1, "best_of": 3, **SEEDED})
+    assert len(best["choices"]) == 1 and best["choices"][0]["text"] in offline_choices(reference, PROMPTS[1], 3)
+    assert_idle(cluster.wait_idle())
+
+
+def test_local_prefill_forks_the_same_choices(cluster, reference):
+    local = cluster.gateway(local_prefill_threshold=10_000)
+    answer = post(local, "/v1/completions", {"prompt": PROMPTS[0], "n": 3, "ignore_eos": True, **SEEDED})
+    assert [c["text"] for c in answer["choices"]] == offline_choices(reference, PROMPTS[0], 3, ignore_eos=True)
+    assert_idle(cluster.wait_idle())
+
+
+def test_cancel_of_an_n3_stream_returns_the_decode_workers_blocks(gateway, cluster):
+    free_before = cluster.wait_idle()["d0"].free_blocks
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            response = await session.post(url(gateway, "/v1/completions"),
+                                          json=greedy(PROMPTS[0], 400, ignore_eos=True, stream=True, n=3))
+            for _ in range(6):
+                assert (await response.content.readline()).startswith(b"data: ")
+                await response.content.readline()
+            running = (await asyncio.to_thread(cluster.stats, "d0")).running
+            response.close()
+            return running
+
+    assert asyncio.run(scenario()) == 3
+    stats = cluster.wait_idle()
+    assert_idle(stats)
+    assert stats["d0"].free_blocks == free_before
+
+
+def test_grpc_generate_streams_each_choice_with_its_index(gateway, cluster):
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        chunks = list(generation_pb2_grpc.GenerationStub(channel).Generate(generation_pb2.GenerateRequest(
+            text=PROMPTS[2], sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0.0, n=2,
+                                                                ignore_eos=True)), timeout=RPC_TIMEOUT_S))
+    by_choice = {i: [c for c in chunks if c.choice_index == i] for i in (0, 1)}
+    assert {c.choice_index for c in chunks} == {0, 1}
+    assert [sum(len(c.token_ids) for c in cs) for cs in by_choice.values()] == [4, 4]
+    assert [sum(c.finish_reason != 0 for c in cs) for cs in by_choice.values()] == [1, 1]
+    assert chunks[-1].usage.completion_tokens == 8 and sum(c.HasField("usage") for c in chunks) == 1
     assert_idle(cluster.wait_idle())

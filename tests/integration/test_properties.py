@@ -291,6 +291,7 @@ SAMPLING_FIELDS = {
     "model": field(st.one_of(st.just("default"), any_text)), "cache_salt": field(any_text),
     "n": field(st.sampled_from([1, 2])), "best_of": field(st.sampled_from([1, 2])),
     "response_format": field(st.sampled_from([{"type": "text"}, {"type": "json_object"}])),
+    "guided_regex": field(any_text), "guided_choice": field(st.lists(any_text, max_size=3)),
     "echo": json_values, "suffix": json_values, "logit_bias": json_values, "tools": json_values,
     "functions": json_values, "user": json_values, "unknown_field": json_values,
 }

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pdserve.v1 import common_pb2 as protos_dot_pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/pdserve/v1/generation.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xbb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\tB\x08\n\x06prompt\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x9d\x01\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x80\x01\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x02\x12\x12\n\nprefill_ms\x18\x02 \x01(\x02\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x02\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x02\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\x16\n\x0etransfer_bytes\x18\x06 \x01(\x04\"\xec\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x07 \x01(\x0b\x32\x13.pdserve.v1.Timings\"\x13\n\x11ListModelsRequest\"E\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo2\xe3\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12?\n\x04\x43hat\x12\x17.pdserve.v1.ChatRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"protos/pdserve/v1/generation.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xbb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\tB\x08\n\x06prompt\"l\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"T\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x17\n\rfunction_name\x18\x02 \x01(\tH\x00\x12\x13\n\x0bsingle_call\x18\x03 \x01(\x08\x42\x08\n\x06\x63hoice\"\xeb\x01\n\x0b\x43hatRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x1f\n\x05tools\x18\x06 \x03(\x0b\x32\x10.pdserve.v1.Tool\x12+\n\x0btool_choice\x18\x07 \x01(\x0b\x32\x16.pdserve.v1.ToolChoice\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x80\x01\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x02\x12\x12\n\nprefill_ms\x18\x02 \x01(\x02\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x02\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x02\x12\x11\n\ttransport\x18\x05 \x01(\t\x12\x16\n\x0etransfer_bytes\x18\x06 \x01(\x04\"\xac\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x07 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12(\n\ntool_calls\x18\x08 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x0c\x63hoice_index\x18\n \x01(\r\"\x13\n\x11ListModelsRequest\"E\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo2\xe3\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12?\n\x04\x43hat\x12\x17.pdserve.v1.ChatRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,21 +37,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=108
   _globals['_GENERATEREQUEST']._serialized_end=295
   _globals['_CHATMESSAGE']._serialized_start=297
-  _globals['_CHATMESSAGE']._serialized_end=341
-  _globals['_CHATREQUEST']._serialized_start=344
-  _globals['_CHATREQUEST']._serialized_end=501
-  _globals['_USAGE']._serialized_start=503
-  _globals['_USAGE']._serialized_end=583
-  _globals['_TIMINGS']._serialized_start=586
-  _globals['_TIMINGS']._serialized_end=714
-  _globals['_GENERATERESPONSE']._serialized_start=717
-  _globals['_GENERATERESPONSE']._serialized_end=953
-  _globals['_LISTMODELSREQUEST']._serialized_start=955
-  _globals['_LISTMODELSREQUEST']._serialized_end=974
-  _globals['_MODELINFO']._serialized_start=976
-  _globals['_MODELINFO']._serialized_end=1045
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1047
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1106
-  _globals['_GENERATION']._serialized_start=1109
-  _globals['_GENERATION']._serialized_end=1336
+  _globals['_CHATMESSAGE']._serialized_end=405
+  _globals['_TOOL']._serialized_start=407
+  _globals['_TOOL']._serialized_end=473
+  _globals['_TOOLCALL']._serialized_start=475
+  _globals['_TOOLCALL']._serialized_end=535
+  _globals['_TOOLCHOICE']._serialized_start=537
+  _globals['_TOOLCHOICE']._serialized_end=621
+  _globals['_CHATREQUEST']._serialized_start=624
+  _globals['_CHATREQUEST']._serialized_end=859
+  _globals['_USAGE']._serialized_start=861
+  _globals['_USAGE']._serialized_end=941
+  _globals['_TIMINGS']._serialized_start=944
+  _globals['_TIMINGS']._serialized_end=1072
+  _globals['_GENERATERESPONSE']._serialized_start=1075
+  _globals['_GENERATERESPONSE']._serialized_end=1375
+  _globals['_LISTMODELSREQUEST']._serialized_start=1377
+  _globals['_LISTMODELSREQUEST']._serialized_end=1396
+  _globals['_MODELINFO']._serialized_start=1398
+  _globals['_MODELINFO']._serialized_end=1467
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1469
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1528
+  _globals['_GENERATION']._serialized_start=1531
+  _globals['_GENERATION']._serialized_end=1758
 # @@protoc_insertion_point(module_scope)

@@ -60,7 +60,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[WorkerRequest, _Mapping]] = ..., target: _Optional[_Union[TransferTarget, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "cached_tokens", "computed_tokens", "transfer_bytes", "transfer_ms", "transport", "prefill_ms")
+    __slots__ = ("first_token_id", "first_logprob", "cached_tokens", "computed_tokens", "transfer_bytes", "transfer_ms", "transport", "prefill_ms", "choice_first_tokens")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +69,7 @@ class PrefillResponse(_message.Message):
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprob: _common_pb2.TokenLogprob
     cached_tokens: int
@@ -77,33 +78,46 @@ class PrefillResponse(_message.Message):
     transfer_ms: float
     transport: str
     prefill_ms: float
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., transport: _Optional[str] = ..., prefill_ms: _Optional[float] = ...) -> None: ...
+    choice_first_tokens: _containers.RepeatedCompositeFieldContainer[ChoiceFirstToken]
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., transport: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., choice_first_tokens: _Optional[_Iterable[_Union[ChoiceFirstToken, _Mapping]]] = ...) -> None: ...
+
+class ChoiceFirstToken(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: _common_pb2.TokenLogprob
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "handle", "first_token_id", "first_logprob", "prefill_locally")
+    __slots__ = ("request_id", "handle", "first_token_id", "first_logprob", "prefill_locally", "choice_first_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     PREFILL_LOCALLY_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     handle: str
     first_token_id: int
     first_logprob: _common_pb2.TokenLogprob
     prefill_locally: bool
-    def __init__(self, request_id: _Optional[str] = ..., handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., prefill_locally: _Optional[bool] = ...) -> None: ...
+    choice_first_tokens: _containers.RepeatedCompositeFieldContainer[ChoiceFirstToken]
+    def __init__(self, request_id: _Optional[str] = ..., handle: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., prefill_locally: _Optional[bool] = ..., choice_first_tokens: _Optional[_Iterable[_Union[ChoiceFirstToken, _Mapping]]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "cached_tokens")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "cached_tokens", "choice_index")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_INDEX_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     finish_reason: _common_pb2.FinishReason
     cached_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    choice_index: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., cached_tokens: _Optional[int] = ..., choice_index: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -122,7 +136,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "epoch", "num_blocks", "free_blocks", "used_blocks", "running", "waiting", "reserved", "transfer_errors", "preemptions")
+    __slots__ = ("worker_id", "role", "epoch", "num_blocks", "free_blocks", "used_blocks", "running", "waiting", "reserved", "transfer_errors", "preemptions", "tensor_parallel_size", "kv_resharding_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +148,8 @@ class WorkerStats(_message.Message):
     RESERVED_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ERRORS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_RESHARDING_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     epoch: int
@@ -145,4 +161,6 @@ class WorkerStats(_message.Message):
     reserved: int
     transfer_errors: int
     preemptions: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., reserved: _Optional[int] = ..., transfer_errors: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    tensor_parallel_size: int
+    kv_resharding_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., reserved: _Optional[int] = ..., transfer_errors: _Optional[int] = ..., preemptions: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., kv_resharding_bytes: _Optional[int] = ...) -> None: ...

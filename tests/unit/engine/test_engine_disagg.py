@@ -78,8 +78,8 @@ def test_first_token_that_ends_the_request_finishes_at_once():
     engine.reserve("a", [1, 2, 3], SamplingParams(max_tokens=1))
     engine.get_lease("a").pin(LeaseState.RESERVED, LeaseState.RECEIVING)
     engine.get_lease("a").unpin(LeaseState.COMMITTED)
-    out = engine.start_reserved("a", 42)
-    assert out.finished and out.seq.output_token_ids == [42]
+    [out] = engine.start_reserved("a", 42)
+    assert out.finished and out.request_finished and out.seq.output_token_ids == [42]
     assert engine.stats().used_blocks == 0 and not engine.has_unfinished()
 
 

@@ -7,6 +7,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, Sequence, SequenceStatus
+from engine.structured import StructuredOutputSpec
 
 EOS = 2
 
@@ -217,3 +218,30 @@ def test_waiting_queue_bound_raises_overloaded():
     sched.add(seq("b", [1]))
     with pytest.raises(OverloadedError):
         sched.add(seq("c", [1]))
+
+
+def test_a_sequence_awaiting_its_grammar_is_passed_over_without_holding_up_the_queue():
+    sched = make()
+    a, b = seq("a", range(20, 26)), seq("b", range(30, 33))
+    a.awaiting_grammar = True
+    sched.add(a)
+    sched.add(b)
+    out, _ = step(sched)
+    assert [c.seq.request_id for c in out.chunks] == ["b"] and list(sched.waiting) == [a]
+    a.awaiting_grammar = False
+    out, _ = step(sched)
+    assert [(c.seq.request_id, c.num_new_tokens) for c in out.chunks] == [("b", 1), ("a", 6)]
+    b.awaiting_grammar = True                           # a running sequence is skipped too (a reservation adopted)
+    out, _ = step(sched)
+    assert [c.seq.request_id for c in out.chunks] == ["a"]
+
+
+def test_eos_ends_a_constrained_sequence_even_with_ignore_eos():
+    sched = make()
+    free = seq("free", [1, 2, 3], max_tokens=3, ignore_eos=True)
+    constrained = seq("con", [1, 2, 3], max_tokens=3, ignore_eos=True,
+                      structured_output=StructuredOutputSpec.choice(["a"]))
+    for s in (free, constrained):
+        s.output_token_ids.append(EOS)
+    assert sched.stop_reason(free) is None
+    assert sched.stop_reason(constrained) is FinishReason.STOP

@@ -7,6 +7,7 @@ GGUF vocabularies cover the pre-tokenizer families, from_file and the error path
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from tiny_gguf import CHAT_TEMPLATE, tiny_vocab, write_tiny_gguf
@@ -14,6 +15,9 @@ from tiny_gguf import CHAT_TEMPLATE, tiny_vocab, write_tiny_gguf
 from engine.gguf_loader import load_gguf_tokenizer
 from engine.loader import ModelLoadError
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer, UnsupportedTokenizerError
+
+QWEN_TEMPLATE = Path(__file__).parents[2] / "data" / "qwen2_5_tools.jinja"
+"""Qwen2.5-Instruct's chat template: it reads `tools`, assistant `tool_calls` and `tool` messages."""
 
 TEXTS = [
     "Hello, world!",
@@ -68,6 +72,27 @@ def test_chat_template_matches_transformers(tokenizer, reference):
     assert tokenizer.encode(rendered) == expected_ids
     without_prompt = tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=False)
     assert without_prompt == reference.apply_chat_template(CONVERSATION, tokenize=False, add_generation_prompt=False)
+
+
+def test_tools_and_tool_history_render_as_transformers_renders_them(tokenizer, reference):
+    # Qwen2.5-Instruct's template reads `tools`, assistant `tool_calls` (arguments as objects) and `tool` messages.
+    template = QWEN_TEMPLATE.read_text()
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Zürich?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                                  "arguments": {"city": "Zürich"}}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "12 °C"}]
+    ours = Tokenizer(tokenizer.backend, bos_token=None, eos_token="<|im_end|>", chat_template=template)
+    rendered = ours.apply_chat_template(messages, tools=tools)
+    assert ours.supports_tools and not tokenizer.supports_tools
+    assert rendered == reference.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False,
+                                                     add_generation_prompt=True)
+    assert '"arguments": {"city": "Zürich"}' in rendered and "<tool_response>\n12 °C\n</tool_response>" in rendered
+    with pytest.raises(ValueError, match=r"messages\[0\].content must be a string"):
+        ours.apply_chat_template([{"role": "user", "content": None}])       # null content only beside tool_calls
 
 
 def test_digits_are_split_before_the_byte_level_regex(tokenizer):

@@ -34,10 +34,13 @@ def tiny_weights(config: ModelConfig = TINY, seed: int = 0) -> dict[str, torch.T
     return w
 
 
+def tiny_loaded() -> LoadedModel:
+    return LoadedModel(config=TINY, weights=tiny_weights(), tokenizer=None, fingerprint="tiny-random")
+
+
 def tiny_engine(**engine_kwargs) -> LLMEngine:
     kwargs = {"num_kv_blocks": 256, "block_size": 4, "dtype": "float32"} | engine_kwargs
-    loaded = LoadedModel(config=TINY, weights=tiny_weights(), tokenizer=None, fingerprint="tiny-random")
-    return LLMEngine(EngineConfig(model="tiny-random", **kwargs), loaded=loaded)
+    return LLMEngine(EngineConfig(model="tiny-random", **kwargs), loaded=tiny_loaded())
 
 
 def run(engine: LLMEngine, prompts, params_list) -> list[list[int]]:

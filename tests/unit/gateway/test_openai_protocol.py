@@ -94,8 +94,11 @@ def test_chat_renders_the_template_and_defaults_max_tokens_to_the_rest_of_the_co
     (dict(prompt="a", top_k=-2), "top_k"),
     (dict(prompt="a", seed=-1), "seed"),
     (dict(prompt="a", logprobs=21), "logprobs"),
-    (dict(prompt="a", n=2), "n"),
-    (dict(prompt="a", best_of=3), "best_of"),
+    (dict(prompt="a", n=17), "n"),
+    (dict(prompt="a", n=0), "n"),
+    (dict(prompt="a", n=3, best_of=2), "best_of"),
+    (dict(prompt="a", best_of=17), "best_of"),
+    (dict(prompt="a", best_of=2, stream=True), "best_of"),
     (dict(prompt="a", echo=True), "echo"),
     (dict(prompt="a", logit_bias={"7": 1}), "logit_bias"),
     (dict(prompt="a", stop=["ok", ""]), "stop"),
@@ -108,7 +111,11 @@ def test_chat_renders_the_template_and_defaults_max_tokens_to_the_rest_of_the_co
     (dict(), "prompt"),
     (dict(prompt=""), "prompt"),
     (dict(prompt=[]), "prompt"),
-    (dict(prompt=["a", "b"]), "prompt"),
+    (dict(prompt=["a", 5]), "prompt[1]"),
+    (dict(prompt=["a", [1, "x"]]), "prompt[1]"),
+    (dict(prompt=["a", ""]), "prompt[1]"),
+    (dict(prompt=[[8], [1, 99]]), "prompt[1]"),
+    (dict(prompt=["a"] * 65), "prompt"),
     (dict(prompt=[1, True]), "prompt"),
     (dict(prompt=[1, 99]), "prompt"),
     (dict(prompt=[-1]), "prompt"),
@@ -147,8 +154,7 @@ def test_bad_completion_parameters_are_named(tokenizer, body, param):
     ([{"role": "user", "content": "a"}], {"top_logprobs": 2}, "top_logprobs"),
     ([{"role": "user", "content": "a"}], {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ([{"role": "user", "content": "a"}], {"max_completion_tokens": 0}, "max_completion_tokens"),
-    ([{"role": "user", "content": "a"}], {"tools": [{"type": "function"}]}, "tools"),
-    ([{"role": "user", "content": "a"}], {"response_format": {"type": "json_object"}}, "response_format"),
+    ([{"role": "user", "content": "a"}], {"tools": [{"type": "function"}]}, "tools[0].function"),
     ([{"role": "user", "content": "a\ud800"}], {}, "messages[0].content"),
     ([{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}], {}, "messages[0].content"),
     ([{"role": "user", "content": "a"}], {"max_tokens": 2**32}, "max_tokens"),
@@ -180,11 +186,12 @@ def test_completion_response_with_usage_and_cached_tokens(tokenizer):
 def test_completion_stream_chunks_skip_empty_ones_and_end_with_a_usage_chunk(tokenizer):
     parsed = completion(tokenizer, prompt="hello", stream=True, stream_options={"include_usage": True})
     builder = ResponseBuilder(parsed, tokenizer, created=7)
-    objects = [builder.stream_chunk(c) for c in chunks()]
-    assert objects[1] is None
-    assert [o["choices"][0]["text"] for o in (objects[0], objects[2])] == ["hello", " world"]
-    assert [o["choices"][0]["finish_reason"] for o in (objects[0], objects[2])] == [None, "length"]
-    assert all(o["usage"] is None for o in (objects[0], objects[2]))
+    objects = [builder.stream_objects(c) for c in chunks()]
+    assert objects[1] == []
+    objects = [o for c in objects for o in c]
+    assert [o["choices"][0]["text"] for o in (objects[0], objects[1])] == ["hello", " world"]
+    assert [o["choices"][0]["finish_reason"] for o in objects] == [None, "length"]
+    assert all(o["usage"] is None for o in objects)
     usage = builder.usage_chunk(Usage(6, 3, 4))
     assert usage["choices"] == [] and usage["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
 
@@ -199,7 +206,7 @@ def test_completion_logprobs_have_tokens_offsets_and_no_infinity(tokenizer):
 def test_chat_stream_sends_the_role_first_then_deltas(tokenizer):
     parsed = chat(tokenizer, [{"role": "user", "content": "hello"}], stream=True, logprobs=True, top_logprobs=1)
     builder = ResponseBuilder(parsed, tokenizer, created=7)
-    objects = [builder.stream_chunk(c) for c in chunks()]
+    objects = [o for c in chunks() for o in builder.stream_objects(c)]
     assert [o["object"] for o in objects] == ["chat.completion.chunk"] * 3
     assert [o["choices"][0]["delta"] for o in objects] == [{"role": "assistant", "content": "hello"}, {},
                                                            {"content": " world"}]
@@ -236,22 +243,13 @@ USER = [{"role": "user", "content": "hello"}]
 
 
 @pytest.mark.parametrize("body, param", [
-    (dict(guided_json={"type": "object"}), "guided_json"),
-    (dict(guided_choice=["yes", "no"]), "guided_choice"),
-    (dict(guided_regex="a+"), "guided_regex"),
-    (dict(guided_grammar="root ::= 'a'"), "guided_grammar"),
-    (dict(structured_outputs={"choice": ["a"]}), "structured_outputs"),
     (dict(prompt_logprobs=1), "prompt_logprobs"),
     (dict(min_tokens=2), "min_tokens"),
     (dict(priority=0), "priority"),
     (dict(service_tier="flex"), "service_tier"),
-    (dict(response_format={"type": "json_object"}), "response_format"),
-    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), "response_format"),
-    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    (dict(tool_choice="auto"), "tool_choice"),
-    (dict(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
-    (dict(parallel_tool_calls=False), "parallel_tool_calls"),
-    (dict(n=2), "n"),
+    (dict(functions=[{"name": "f"}]), "functions"),
+    (dict(function_call="auto"), "function_call"),
+    (dict(n=17), "n"),
     (dict(logit_bias={"7": 5}), "logit_bias"),
     (dict(best_of=2), "best_of"),
     (dict(echo=True), "echo"),
@@ -267,14 +265,13 @@ def test_chat_fields_pdserve_does_not_implement_are_refused_by_name(tokenizer, b
 
 
 @pytest.mark.parametrize("body, param", [
-    (dict(guided_choice=["yes", "no"]), "guided_choice"),
     (dict(prompt_logprobs=0), "prompt_logprobs"),
     (dict(suffix="b"), "suffix"),
     (dict(echo=True), "echo"),
-    (dict(best_of=2), "best_of"),
     (dict(messages=USER), "messages"),                  # a chat field
     (dict(max_completion_tokens=3), "max_completion_tokens"),
     (dict(chat_template_kwargs={}), "chat_template_kwargs"),
+    (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),     # chat only
 ])
 def test_completion_fields_pdserve_does_not_implement_are_refused_by_name(tokenizer, body, param):
     assert param_of(completion, tokenizer, prompt="hello", **body) == param
@@ -282,7 +279,8 @@ def test_completion_fields_pdserve_does_not_implement_are_refused_by_name(tokeni
 
 @pytest.mark.parametrize("message, param", [
     ({"role": "user", "content": "a", "name": "bob"}, "messages[0].name"),
-    ({"role": "assistant", "content": "a", "tool_calls": [{"id": "1"}]}, "messages[0].tool_calls"),
+    ({"role": "user", "content": "a", "tool_calls": []}, "messages[0].tool_calls"),     # assistant messages only
+    ({"role": "assistant", "content": "a", "tool_call_id": "1"}, "messages[0].tool_call_id"),
 ])
 def test_a_message_field_pdserve_does_not_implement_is_refused_by_name(tokenizer, message, param):
     assert param_of(chat, tokenizer, [message]) == param
@@ -330,3 +328,43 @@ def test_an_unknown_field_with_an_odd_name_is_named_in_a_form_that_encodes(token
     got = param_of(completion, tokenizer, prompt="hello", **{name: 1})
     assert got == param
     got.encode("utf-8")
+
+
+# ------------------------------------------------------------------------------------------------ n > 1, batches
+def test_n_batched_prompts_and_best_of_are_parsed(tokenizer):
+    parsed = completion(tokenizer, prompt=["hello", [8, 9]], n=3, seed=4)
+    assert [r.prompt_token_ids for r in parsed.requests] == [(7,), (8, 9)]
+    assert parsed.n == 3 and all(r.sampling.n == 3 and r.sampling.seed == 4 for r in parsed.requests)
+    assert parsed.more[0].request_id == f"{parsed.request.request_id}-1"
+    best = completion(tokenizer, prompt="hello", n=2, best_of=4)
+    assert (best.n, best.request.sampling.n, best.request.sampling.logprobs, best.logprobs) == (2, 4, 0, False)
+    assert chat(tokenizer, USER, n=3).request.sampling.n == 3
+
+
+def test_choices_of_a_batch_are_indexed_prompt_major_with_one_usage(tokenizer):
+    parsed = completion(tokenizer, prompt=["hello", "world"], n=2)
+    got = [OutputChunk(f"p{i // 2}c{i % 2}", (7,), (), FinishReason.STOP, choice_index=i) for i in (3, 0, 2, 1)]
+    got[-1] = dataclasses.replace(got[-1], usage=Usage(4, 4, 0))
+    body = ResponseBuilder(parsed, tokenizer, created=7).response(got)
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == \
+        [(0, "p0c0", "stop"), (1, "p0c1", "stop"), (2, "p1c0", "stop"), (3, "p1c1", "stop")]
+    assert body["usage"]["completion_tokens"] == 4
+
+
+def test_best_of_returns_the_n_candidates_with_the_highest_cumulative_logprob(tokenizer):
+    parsed = completion(tokenizer, prompt="hello", n=2, best_of=3)
+    lps = {0: -3.0, 1: -0.5, 2: -1.0}
+    got = [OutputChunk(f"c{i}", (7,), (TokenLogprob(7, lps[i], []),), FinishReason.LENGTH, choice_index=i)
+           for i in range(3)]
+    got[-1] = dataclasses.replace(got[-1], usage=Usage(1, 3, 0))
+    body = ResponseBuilder(parsed, tokenizer, created=7).response(got)
+    assert [(c["index"], c["text"], c["logprobs"]) for c in body["choices"]] == [(0, "c1", None), (1, "c2", None)]
+
+
+def test_streamed_choices_each_get_the_role_first_and_their_own_index(tokenizer):
+    parsed = chat(tokenizer, USER, n=2, stream=True)
+    builder = ResponseBuilder(parsed, tokenizer, created=7)
+    objects = [o for i, t in ((0, "a"), (1, "b"), (0, "c"))
+               for o in builder.stream_objects(OutputChunk(t, (7,), (), None, choice_index=i))]
+    assert [(o["choices"][0]["index"], o["choices"][0]["delta"]) for o in objects] == \
+        [(0, {"role": "assistant", "content": "a"}), (1, {"role": "assistant", "content": "b"}), (0, {"content": "c"})]

@@ -4,6 +4,7 @@ cancellation."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 import subprocess
 import sys
@@ -324,6 +325,37 @@ def test_a_client_leaving_mid_stream_aborts_d():
     assert fake.aborts() == [("d0:1", "decode", "r")] and orch.get_inflight("d0") == 0
 
 
+def test_a_cancel_landing_as_a_decode_message_arrives_is_never_lost():
+    # A non-streamed HTTP completion only notices its client left by its task being cancelled, once. Messages
+    # that are always ready make the cancel land, at some step, just as a message arrives: it must still end the
+    # request (asyncio.wait_for on 3.11 returned the message instead and the generation ran on for nobody).
+    async def flood(endpoint, request_id, handle, first, timeout):
+        for _ in range(2000):
+            await asyncio.sleep(0)
+            yield DecodeMessage((9,))
+        yield DecodeMessage((), (), FinishReason.LENGTH)
+
+    async def trial(steps: int) -> list[tuple[str, str, str]]:
+        fake = FakeWorkers()
+        fake.decode = flood
+        orch, _ = make(fake)
+
+        async def collect():
+            return [chunk async for chunk in orch.generate(request(), deadline=None, arrival=time.monotonic())]
+
+        task = asyncio.ensure_future(collect())
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=5.0)
+        assert done and task.cancelled(), f"cancelled after {steps} loop steps, the request ran on"
+        await orch.close()
+        return fake.aborts()
+
+    for steps in range(8, 48):
+        assert asyncio.run(trial(steps)) == [("d0:1", "decode", "r")], steps
+
+
 def test_cancel_during_reserve_aborts_d_only_after_its_answer():
     fake = FakeWorkers()
     fake.reserve_gate = asyncio.Event()
@@ -374,3 +406,39 @@ def test_the_request_path_policy_imports_no_grpc_protobuf_redis_or_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[3])
     assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------------------------------------ n > 1
+class ChoicesWorkers(FakeWorkers):
+    """Prefill samples a first token per choice; decode streams two choices interleaved."""
+
+    async def prefill(self, endpoint, job, target, timeout):
+        result = await super().prefill(endpoint, job, target, timeout)
+        return dataclasses.replace(result, choice_first_tokens=((7, None),))
+
+
+def test_two_choices_stream_with_their_index_each_finish_and_one_summed_usage_at_the_end():
+    fake = ChoicesWorkers()
+    fake.stream = [DecodeMessage((9,), choice_index=1), DecodeMessage((10,)),
+                   DecodeMessage((), (), FinishReason.LENGTH, choice_index=1), DecodeMessage((9,)),
+                   DecodeMessage((), (), FinishReason.STOP)]
+    orch, _ = make(fake)
+    req = dataclasses.replace(request(), sampling=SamplingParams(max_tokens=16, seed=1, n=2))
+    chunks = asyncio.run(run(orch, req))
+    by_choice = {i: [t for c in chunks if c.choice_index == i for t in c.token_ids] for i in (0, 1)}
+    assert by_choice == {0: [8, 10, 9], 1: [7, 9]}
+    assert [(c.choice_index, c.finish_reason) for c in chunks if c.finish_reason is not None] == \
+        [(1, FinishReason.LENGTH), (0, FinishReason.STOP)]
+    assert [c.usage for c in chunks if c.usage is not None] == [chunks[-1].usage]
+    assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].usage.prompt_tokens == len(PROMPT)
+    assert fake.aborts() == []                              # D finished every choice: nothing to abort
+
+
+def test_a_stream_that_ends_before_every_choice_finished_fails_and_aborts_the_decode_worker():
+    fake = ChoicesWorkers()
+    fake.stream = [DecodeMessage((9,)), DecodeMessage((), (), FinishReason.LENGTH)]
+    orch, _ = make(fake)
+    req = dataclasses.replace(request(), sampling=SamplingParams(max_tokens=16, seed=1, n=2))
+    with pytest.raises(WorkerFailed):
+        asyncio.run(run(orch, req))
+    assert [a[1:] for a in fake.aborts()] == [("decode", "r")]

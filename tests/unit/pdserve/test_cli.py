@@ -19,11 +19,12 @@ ENGINE_FLAGS = ["--model", "/models/x.gguf", "--dtype", "bfloat16", "--quantizat
                 "--max-model-len", "4096", "--kv-cache-memory", "256M", "--kv-cache-memory-fraction", "0.5",
                 "--num-kv-blocks", "300", "--block-size", "32", "--max-num-seqs", "8",
                 "--max-num-batched-tokens", "512", "--max-waiting", "10", "--no-prefix-caching", "--threads", "3",
-                "--seed", "7"]
+                "--seed", "7", "--tensor-parallel-size", "2", "--tensor-parallel-timeout", "30"]
 ENGINE = EngineConfig(model="/models/x.gguf", dtype="bfloat16", quantization="int8", device="cuda:1",
                       max_model_len=4096, kv_cache_memory=256 * 2**20, kv_cache_memory_fraction=0.5, num_kv_blocks=300,
                       block_size=32, max_num_seqs=8, max_num_batched_tokens=512, max_waiting=10,
-                      enable_prefix_caching=False, num_threads=3, seed=7)
+                      enable_prefix_caching=False, num_threads=3, seed=7, tensor_parallel_size=2,
+                      tensor_parallel_timeout_s=30.0)
 
 
 TLS_FLAGS = ["--cluster-ca", "/pki/ca.pem", "--cluster-cert", "/pki/w.pem", "--cluster-key", "/pki/w-key.pem"]
@@ -49,7 +50,7 @@ def test_gateway_flags_map_onto_every_field():
                  "--quantization", "int8", "--max-queued", "7", "--queue-timeout", "1.5", "--token-timeout", "9",
                  "--max-request-bytes", "1M", "--health-port", "8081", "--metrics-port", "9090",
                  "--api-key-file", "/keys", "--allow-unauthenticated", "--tls-cert", "/pub.pem", "--tls-key",
-                 "/pub-key.pem", *TLS_FLAGS)
+                 "/pub-key.pem", "--tool-call-parser", "llama3_json", *TLS_FLAGS)
     config = cli_args.gateway_config(args)
     expected = GatewayConfig(model="/m.gguf", redis_url="redis://r:1/2", host="0.0.0.0", port=6000, http_port=0,
                              health_port=8081, metrics_port=9090,
@@ -58,7 +59,8 @@ def test_gateway_flags_map_onto_every_field():
                              routing="round-robin", quantization="int8", max_queued=7, queue_timeout_s=1.5,
                              token_timeout_s=9.0, max_request_bytes=2**20, api_key_file="/keys",
                              allow_unauthenticated=True, tls_cert="/pub.pem", tls_key="/pub-key.pem",
-                             cluster_ca="/pki/ca.pem", cluster_cert="/pki/w.pem", cluster_key="/pki/w-key.pem")
+                             cluster_ca="/pki/ca.pem", cluster_cert="/pki/w.pem", cluster_key="/pki/w-key.pem",
+                             tool_call_parser="llama3_json")
     assert config == expected
     assert_every_field_differs_from_default(dataclasses.replace(config, model="x", redis_url="y"),
                                             exclusive=["insecure_internal"])

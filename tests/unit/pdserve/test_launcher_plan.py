@@ -10,7 +10,7 @@ from engine.config import EngineConfig
 from gateway.config import GatewayConfig
 from pdserve import cli_args
 from pdserve.launcher import (LocalClusterConfig, child_command, connect_host, divide_threads, gateway_argv,
-                              worker_argv)
+                              worker_argv, worker_threads)
 from decode_worker.config import DecodeWorkerConfig
 from prefill_worker.config import PrefillWorkerConfig
 from protos.tls import TlsFiles
@@ -53,6 +53,21 @@ def test_prefill_workers_take_their_own_kv_cache_budget_when_given():
         return cli_args.engine_config(cli_args.parse_args(
             worker_argv(role, f"{role}-0", 4100, config, num_threads=1, tls=TLS))).kv_cache_memory
     assert (budget("prefill"), budget("decode")) == (2**27, 2**30)
+
+
+def test_tensor_parallel_size_per_pool_and_threads_per_rank():
+    config = LocalClusterConfig(engine=EngineConfig(model="default", tensor_parallel_timeout_s=5.0),
+                                num_prefill=1, num_decode=2, prefill_tensor_parallel_size=2)
+    def engine(role):
+        return cli_args.engine_config(cli_args.parse_args(worker_argv(role, f"{role}-0", 4100, config, 1, TLS)))
+    assert (engine("prefill").tensor_parallel_size, engine("decode").tensor_parallel_size) == (2, 1)
+    assert engine("decode").tensor_parallel_timeout_s == 5.0
+    # 8 CPUs over 4 processes: the prefill worker's 2 ranks and 2 decode workers, 2 threads each
+    assert worker_threads(config, ["prefill", "decode", "decode"], 8) == [2, 2, 2]
+    with pytest.raises(ValueError, match="decode_tensor_parallel_size must be >= 1"):
+        LocalClusterConfig(decode_tensor_parallel_size=0)
+    up = cli_args.parse_args(["up", "--decode-tensor-parallel-size", "3", "--tensor-parallel-size", "2"])
+    assert (up.decode_tensor_parallel_size, up.tensor_parallel_size) == (3, 2)
 
 
 def test_gateway_command_line_uses_the_workers_model_block_size_and_context_plus_extra_flags():
@@ -104,10 +119,7 @@ def test_cluster_config_rejects_bad_values_naming_the_field(kwargs, field):
 
 def test_children_never_run_with_the_working_directory_first_on_sys_path():
     argv = ["decode-worker", "--port", "1"]
-    assert child_command(argv, version=(3, 12, 0))[1:] == ["-P", "-m", "pdserve.cli", *argv]
-    old = child_command(argv, version=(3, 10, 14))
-    assert old[1] == "-c" and "-m" not in old and old[3:] == argv
-    assert "del sys.path[0]" in old[2] and "run_module('pdserve.cli'" in old[2]
+    assert child_command(argv)[1:] == ["-P", "-m", "pdserve.cli", *argv]
 
 
 def test_up_security_flags_map_onto_the_cluster_config():

@@ -1,0 +1,53 @@
+"""The flat batch one model step runs, as plain lists: what `ModelRunner` builds from a `SchedulerOutput`, and
+what rank 0 of a tensor-parallel worker sends its other ranks (engine.parallel.ranks) so that every rank runs
+the same step over its own slice of the model and of the paged KV cache (block ids are the same on every rank);
+`copy_blocks` likewise runs on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.model import AttentionMetadata, DecoderModel
+from kernels.dispatch import gather_blocks, scatter_blocks
+
+
+@dataclass
+class StepBatch:
+    input_ids: list[int]             # [num_tokens]
+    positions: list[int]             # [num_tokens]
+    slot_mapping: list[int]          # [num_tokens]: cache slot of each token's K/V
+    block_tables: list[list[int]]    # [batch][max_blocks_per_seq], padded with block 0
+    seq_lens: list[int]              # [batch]
+    query_start_loc: list[int]       # [batch + 1]
+    sample_positions: list[int]      # rows of the flat batch whose logits are sampled
+
+
+def run_step(model: DecoderModel, kv_cache: torch.Tensor, batch: StepBatch,
+             device: torch.device) -> torch.Tensor | None:
+    """Run `batch` through `model`, writing its K/V into kv_cache [L, 2, blocks, block_size, kv_heads, D].
+
+    Returns the sampled rows' logits [num_sampling, vocab] on CPU (an inference tensor), or None when no row
+    samples. On a tensor-parallel rank other than 0 the logits are that rank's vocabulary slice."""
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64, device=device),
+        block_tables=torch.tensor(batch.block_tables, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(batch.query_start_loc, dtype=torch.int32, device=device),
+    )
+    hidden = model.forward(torch.tensor(batch.input_ids, dtype=torch.int64, device=device),
+                           torch.tensor(batch.positions, dtype=torch.int64, device=device), kv_cache, meta)
+    if not batch.sample_positions:
+        return None
+    return model.compute_logits(hidden[batch.sample_positions]).cpu()
+
+
+def copy_blocks(kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    """Copy whole KV blocks of kv_cache, every layer, source -> destination (block ids)."""
+    device = kv_cache.device
+    src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=device)
+    dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=device)
+    # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]; staging: [n, L, 2, block_size, Hkv, D]
+    scatter_blocks(gather_blocks(kv_cache, src), kv_cache, dst)

@@ -1,0 +1,109 @@
+"""A real cluster whose pools run at different tensor-parallel degrees: a prefill worker at TP=2 pushes the
+prompt's KV (every head on the wire, gathered from its ranks) to a decode worker at TP=3 (each rank takes its
+heads), over the default shm transport. Greedy tokens equal the offline TP=1 engine's, each worker's Stats report
+the bytes its ranks exchanged for the transfer (kv_resharding_bytes), a repeated prompt hits the
+decode worker's prefix cache (delta transfer: nothing sent), and a rank that dies takes its worker down
+(exit status EXIT_RANK_FAILED, the request fails UNAVAILABLE) instead of hanging.
+
+The model is the tiny random GGUF of the unit tests (4 query / 2 KV heads): at TP=3 KV head 0 is replicated.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from engine.engine_loop import EXIT_RANK_FAILED
+from kvstore.embedded_redis import EmbeddedRedis
+from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.integration.cluster import RPC_TIMEOUT_S, Cluster, Reference
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "engine"))
+from tiny_gguf import write_tiny_gguf
+
+PROMPT = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59]  # 20 tokens: 1 full block
+NUM_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp-cluster") / "tiny.gguf"
+    write_tiny_gguf(path)
+    with EmbeddedRedis() as redis:
+        cluster = Cluster(path, redis)
+        try:
+            cluster.start_worker("prefill", "p0", engine_kwargs={"tensor_parallel_size": 2})
+            cluster.start_worker("decode", "d0", engine_kwargs={"tensor_parallel_size": 3,
+                                                                "tensor_parallel_timeout_s": 10.0})
+            cluster.reference = Reference(path)
+            cluster.wait_registered("p0", "d0")
+            yield cluster
+        finally:
+            cluster.close()
+
+
+def generate(port: int):
+    request = generation_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(
+        max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True))
+    request.token_ids.ids[:] = PROMPT
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=RPC_TIMEOUT_S)
+        chunks = list(call)
+        metadata = {m.key: m.value for m in call.trailing_metadata()}
+    return [t for c in chunks for t in c.token_ids], chunks[-1], metadata
+
+
+def rank_pids(pid: int) -> list[int]:
+    """The tensor-parallel rank processes (multiprocessing spawn children) of process `pid`."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
+            pids.append(int(entry))
+    return pids
+
+
+def test_prefill_tp2_to_decode_tp3_answers_like_tp1(cluster):
+    gateway = cluster.gateway()
+    expected = cluster.reference(PROMPT, max_tokens=NUM_TOKENS, ignore_eos=True)[1]
+    token_ids, last, metadata = generate(gateway.port)
+    assert metadata["pdserve-prefill-workers"] == "p0" and metadata["pdserve-decode-worker"] == "d0"
+    assert last.timings.transfer_bytes > 0  # the prompt's KV moved between the differently sharded pools
+    assert token_ids == expected
+    # Raw float32 on the wire, every head: p0's rank 1 holds 1 of the 2 KV heads (half the bytes gathered to rank
+    # 0); d0's ranks 1 and 2 hold KV heads 0 and 1 (rank 0 hands them as many bytes as arrived).
+    p0, d0 = cluster.stats("p0"), cluster.stats("d0")
+    assert (p0.tensor_parallel_size, d0.tensor_parallel_size) == (2, 3)
+    assert p0.kv_resharding_bytes == last.timings.transfer_bytes // 2
+    assert d0.kv_resharding_bytes == last.timings.transfer_bytes
+    again, last, _ = generate(gateway.port)  # d0 holds the prompt's full block now: only the rest moves
+    assert again == expected
+    assert last.usage.cached_tokens >= 16
+
+
+def test_a_dead_rank_takes_its_worker_down(cluster):
+    gateway = cluster.gateway()
+    worker = cluster.procs["d0"]
+    ranks = rank_pids(worker.pid)
+    assert len(ranks) == 2  # ranks 1 and 2 of d0; rank 0 is the worker itself
+    os.kill(ranks[0], signal.SIGKILL)
+    with pytest.raises(grpc.RpcError) as info:
+        generate(gateway.port)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert worker.wait(timeout=60) == EXIT_RANK_FAILED
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() for pid in ranks[1:]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{pid}/cmdline").exists() and Path(f"/proc/{pid}/cmdline").read_bytes()
+                   for pid in ranks[1:])  # the other rank exited too
