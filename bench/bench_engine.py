@@ -87,7 +87,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     model_path = fetch_default_model()
-    loaded = load_model(model_path, torch.float32, progress=False)
+    loaded = load_model(model_path, torch.float32, progress=False, keep_quantized=False)  # the float32 row is float
     quantizations = {"float32": None, "int8": "int8", "int4": "int4"}
     engines = {name: LLM(model=str(model_path), dtype="float32", quantization=quantization,
                          kv_cache_memory=512 * 2**20, progress=False, loaded=loaded)

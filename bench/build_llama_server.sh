@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server (benchmark peer only, never a pdserve dependency) from the llama.cpp sources
-# vendored in the llama-cpp-python sdist, into a git-ignored directory.
+# Build llama.cpp's llama-server and llama-perplexity (benchmark peers only, never pdserve dependencies) from the
+# llama.cpp sources vendored in the llama-cpp-python sdist, into a git-ignored directory.
 #
 #   bash bench/build_llama_server.sh [DEST]        # DEST defaults to bench/peers
 #   -> DEST/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server
+#   -> DEST/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-perplexity   (bench/bench_quality.py)
 #
 # Needs cmake, a C/C++ compiler and pip (PyPI). No other network access: the web UI is not built and curl/SSL
 # model downloading is off. About 10 minutes on 2 cores. JOBS=N overrides the parallel build jobs.
@@ -16,9 +17,10 @@ mkdir -p "$DEST"
 DEST=$(cd "$DEST" && pwd)
 SRC="$DEST/llama_cpp_python-$VERSION/vendor/llama.cpp"
 BIN="$SRC/build/bin/llama-server"
+PPL="$SRC/build/bin/llama-perplexity"
 
-if [[ -x "$BIN" ]]; then
-    echo "already built: $BIN"
+if [[ -x "$BIN" && -x "$PPL" ]]; then
+    echo "already built: $BIN $PPL"
     exit 0
 fi
 if [[ ! -d "$SRC" ]]; then
@@ -28,6 +30,6 @@ fi
 cmake -S "$SRC" -B "$SRC/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DGGML_NATIVE=ON \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
-cmake --build "$SRC/build" --target llama-server -j "$JOBS"
-echo "built: $BIN"
+cmake --build "$SRC/build" --target llama-server llama-perplexity -j "$JOBS"
+echo "built: $BIN $PPL"
 "$BIN" --version 2>&1 | tail -n 2 || true

@@ -7,6 +7,9 @@ Weights come from `model.safetensors`, from the shards listed in `model.safetens
 projections split, engine.arch), so the result has the same structure as the GGUF loader's.
 RoPE settings are read from `rope_scaling` (keyed "type" or "rope_type") or transformers 5's `rope_parameters`
 (for Gemma 3, one entry per layer type).
+A GPTQ checkpoint (config.json `quantization_config` with quant_method gptq) keeps each quantized linear's
+qweight / qzeros / scales / g_idx as stored, gathered into one `engine.gptq_format.GPTQWeight` under the linear's
+`<prefix>.weight` name (its `shape` is the logical [out, in]); every other tensor is converted to `dtype` as usual.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from safetensors import safe_open
 
 from engine.arch import check_weights, split_fused_phi3
 from engine.config import ModelConfig, RopeScaling
+from engine.gptq_format import TENSOR_SUFFIXES, GPTQConfig, GPTQWeight
 from engine.loaded_model import LoadedModel, ModelLoadError
 from engine.tokenizer import Tokenizer
 
@@ -49,10 +53,11 @@ def load_hf_directory(path: str | Path, dtype: torch.dtype = torch.float32, prog
         config = config_from_hf(config_json, eos_token_ids=eos_ids)
     except ValueError as exc:
         raise ModelLoadError(f"{path / 'config.json'}: {exc}") from exc
+    gptq = gptq_config(config_json, path)
     files = safetensors_files(path)
     weights = {}
     if with_weights:
-        weights = _read_weights(files, config, dtype, progress)
+        weights = _read_weights(files, config, dtype, progress, gptq)
         if config.architecture == "phi3":
             split_fused_phi3(weights, config)
         check_weights(weights, config, path)
@@ -271,11 +276,25 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def _read_weights(files: list[Path], config: ModelConfig, dtype: torch.dtype, progress: bool
-                  ) -> dict[str, torch.Tensor]:
+def gptq_config(config_json: Mapping[str, Any], path: Path) -> GPTQConfig | None:
+    """The directory's GPTQ quantization_config, None for a float checkpoint; ModelLoadError naming the key."""
+    q = config_json.get("quantization_config")
+    if q is None:
+        return None
+    try:
+        if not isinstance(q, Mapping):
+            raise ValueError("quantization_config must be an object")
+        return GPTQConfig.from_json(q)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path / 'config.json'}: {exc}") from exc
+
+
+def _read_weights(files: list[Path], config: ModelConfig, dtype: torch.dtype, progress: bool,
+                  gptq: GPTQConfig | None = None) -> dict[str, torch.Tensor | GPTQWeight]:
     from tqdm import tqdm
 
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | GPTQWeight] = {}
+    packed: dict[str, dict[str, torch.Tensor]] = {}  # GPTQ linear prefix -> {suffix: tensor as stored}
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
@@ -286,12 +305,35 @@ def _read_weights(files: list[Path], config: ModelConfig, dtype: torch.dtype, pr
                         continue  # a tied checkpoint may store the shared matrix twice
                     if name in weights:
                         raise ModelLoadError(f"{file}: tensor {name} appears in more than one file")
+                    prefix, _, suffix = name.rpartition(".")
+                    if gptq is not None and suffix in TENSOR_SUFFIXES:
+                        packed.setdefault(prefix, {})[suffix] = f.get_tensor(name)
+                        continue
                     weights[name] = f.get_tensor(name).to(dtype)
         except ModelLoadError:
             raise
         except Exception as exc:  # safetensors raises its own error types for corrupt files
             raise ModelLoadError(f"{file}: cannot be read as safetensors: {exc}") from exc
+    for prefix, tensors in packed.items():
+        weights[prefix + ".weight"] = _gptq_weight(prefix, tensors, gptq, files[0].parent)
     return weights
+
+
+def _gptq_weight(prefix: str, tensors: dict[str, torch.Tensor], gptq: GPTQConfig, path: Path) -> GPTQWeight:
+    """One linear's GPTQ tensors, checked against the format; g_idx defaults to i // group_size when absent."""
+    missing = [s for s in ("qweight", "qzeros", "scales") if s not in tensors]
+    if missing:
+        raise ModelLoadError(f"{path}: GPTQ linear {prefix} has no {prefix}.{missing[0]}")
+    if "g_idx" not in tensors:
+        in_features = tensors["qweight"].shape[0] * gptq.pack_factor
+        size = in_features if gptq.group_size == -1 else gptq.group_size
+        tensors["g_idx"] = (torch.arange(in_features) // size).to(torch.int32)
+    weight = GPTQWeight(config=gptq, **tensors)
+    try:
+        weight.validate(prefix)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+    return weight
 
 
 def hf_fingerprint(path: Path, files: list[Path]) -> str:

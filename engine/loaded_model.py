@@ -6,12 +6,16 @@ and check the weights they read with `engine.arch.check_weights` (its docstring 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.config import ModelConfig
 from engine.quant import PackedWeight
 from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from engine.gptq_format import GPTQWeight
 
 
 class ModelLoadError(ValueError):
@@ -24,10 +28,10 @@ class LoadedModel:
 
     config: ModelConfig
     """Hyperparameters read from the checkpoint."""
-    weights: dict[str, torch.Tensor | PackedWeight]
+    weights: dict[str, torch.Tensor | PackedWeight | GPTQWeight]
     """Hugging Face parameter name -> tensor on CPU in the requested dtype, or a matrix kept in its file's
-    encoding (engine.quant.GroupedWeight / HalfWeight: a GGUF loaded with keep_quantized) (names and shapes:
-    engine.arch)."""
+    encoding (engine.quant.GroupedWeight / HalfWeight: a GGUF loaded with keep_quantized), or a GPTQ checkpoint's
+    quantized linear as stored (engine.gptq_format.GPTQWeight, packed) (names and shapes: engine.arch)."""
     tokenizer: Tokenizer
     """The checkpoint's tokenizer and chat template."""
     fingerprint: str

@@ -9,8 +9,9 @@ Weights use Hugging Face names (engine.arch lists them) and the HF "rotate_half"
 un-permutes q/k). q/k/v and gate/up are fused into single matrices at load time: one GEMM each instead of three
 and two. Every matmul goes through an `engine.quant` linear: the checkpoint's weights as loaded (float, or kept in
 the file's encoding: PackedLinear over a GGUF tensor's codes), int8 (`quantization="int8"`: every linear and the
-LM head) or int4 (`quantization="int4"`: every layer's linears, the LM head int8). A tied embedding shares the
-LM head's table; norms and biases stay float, the MoE router as loaded.
+LM head) or int4 (`quantization="int4"`: every layer's linears, the LM head int8); a GPTQ checkpoint's linears are
+`engine.gptq_linear.GPTQLinear` over its packed codes. A tied embedding shares the LM head's table; norms and biases
+stay float, the MoE router as loaded.
 
 What the other families add, in the order a layer runs it:
     embedding * embedding_multiplier                         (Gemma: sqrt(hidden))
@@ -33,6 +34,8 @@ import torch.nn.functional as F
 
 import kernels
 from engine.config import ModelConfig
+from engine.gptq_format import GPTQWeight
+from engine.gptq_linear import GPTQLinear
 from engine.moe import SparseMoE
 from engine.quant import DequantWorkspace, Linear, cat_rows, held_bytes, lm_head_quantization, make_linear
 from engine.rope import rope_cos_sin_cache
@@ -122,9 +125,12 @@ class DecoderModel:
 
         def linear(*names: str, bias: tuple[str, ...] = (), quant: str | None = quantization) -> Linear:
             # Fused from the checkpoint's tensors as loaded, so that quantization sees the original weights.
-            weight = cat_rows([get(n) for n in names])
+            parts = [get(n) for n in names]
             b = torch.cat([get(n) for n in bias]) if bias else None
-            return make_linear(weight, b, quant, dtype, device, workspace)
+            if isinstance(parts[0], GPTQWeight):  # a GPTQ checkpoint's linear stays as its codes
+                weight = GPTQWeight.cat(parts, names[0]) if len(parts) > 1 else parts[0]
+                return GPTQLinear(weight, None if b is None else b.to(device, dtype), device, workspace)
+            return make_linear(cat_rows(parts), b, quant, dtype, device, workspace)
 
         tied = c.tie_word_embeddings or "lm_head.weight" not in weights
         self.lm_head = linear("model.embed_tokens.weight" if tied else "lm_head.weight",

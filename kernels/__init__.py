@@ -19,15 +19,16 @@ head h // (num_heads // num_kv_heads). Sequences with q_len 0 are skipped.
 Numerics: storage in bf16, fp16 or fp32; every reduction (QK^T, softmax, PV accumulation, RMS, rotary products,
 int8 absmax) is done in fp32 and only the result is rounded to the storage dtype. rms_norm with a residual rounds
 x + residual to x.dtype first (that is the returned residual) and normalizes that rounded sum, as HF does.
+gptq_gemm: x @ W.T over a GPTQ checkpoint's packed int32 qweight/qzeros, scales and g_idx (engine.gptq_format).
 int8 quantization: scale = absmax / 127, q = round_half_to_even(x * (1 / scale)), all-zero heads get scale 0.
 """
 
 from kernels.dispatch import (dequantize_blocks_int8, gather_blocks, gather_blocks_int8, get_backend,
-                              paged_attention, quantize_blocks_int8, rms_norm, rotary_embedding, scatter_blocks,
-                              scatter_blocks_int8, set_backend, triton_available, write_kv)
+                              gptq_gemm, paged_attention, quantize_blocks_int8, rms_norm, rotary_embedding,
+                              scatter_blocks, scatter_blocks_int8, set_backend, triton_available, write_kv)
 
 __all__ = [
     "write_kv", "paged_attention", "rms_norm", "rotary_embedding", "gather_blocks", "scatter_blocks",
     "quantize_blocks_int8", "dequantize_blocks_int8", "gather_blocks_int8", "scatter_blocks_int8",
-    "set_backend", "get_backend", "triton_available",
+    "gptq_gemm", "set_backend", "get_backend", "triton_available",
 ]

@@ -34,8 +34,8 @@ def triton_available() -> bool:
     try:
         import triton  # noqa: F401
 
-        from kernels import (triton_block_copy, triton_decode_attention, triton_kv_write,  # noqa: F401
-                             triton_norm_rope, triton_prefill_attention)
+        from kernels import (triton_block_copy, triton_decode_attention, triton_gptq_gemm,  # noqa: F401
+                             triton_kv_write, triton_norm_rope, triton_prefill_attention)
     except Exception:  # ImportError, or a triton without a usable backend
         return False
     return True
@@ -155,3 +155,12 @@ def scatter_blocks_int8(data: torch.Tensor, scales: torch.Tensor, kv_cache: torc
         scatter_blocks_int8_triton(data, scales, kv_cache, block_ids)
     else:
         ref.scatter_blocks_int8_ref(data, scales, kv_cache, block_ids)
+
+
+def gptq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+              g_idx: torch.Tensor, bits: int, zero_offset: int) -> torch.Tensor:
+    # x: [M, K]; qweight: int32 [K // p, N]; qzeros: int32 [G, N // p]; scales: [G, N]; g_idx: [K] -> [M, N]
+    if _use_triton(x):
+        from kernels.triton_gptq_gemm import gptq_gemm_triton
+        return gptq_gemm_triton(x.contiguous(), qweight, qzeros, scales, g_idx, bits, zero_offset)
+    return ref.gptq_gemm_ref(x, qweight, qzeros, scales, g_idx, bits, zero_offset)

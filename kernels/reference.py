@@ -270,3 +270,18 @@ def scatter_blocks_int8_ref(data: torch.Tensor, scales: torch.Tensor, kv_cache: 
     """dequantize_blocks_int8 then scatter_blocks, in kv_cache's dtype."""
     # data: [n, L, 2, block_size, Hkv, D] int8; scales: [n, L, 2, Hkv]
     scatter_blocks_ref(dequantize_blocks_int8_ref(data, scales, kv_cache.dtype), kv_cache, block_ids)
+
+
+def gptq_gemm_ref(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                  g_idx: torch.Tensor, bits: int, zero_offset: int) -> torch.Tensor:
+    """x @ W.T over a GPTQ-packed W (engine.gptq_format): W[j, i] = (q[i, j] - z[g_idx[i], j]) * scales[g_idx[i], j]
+    with z the qzeros field + zero_offset (1 for checkpoint_format gptq, 0 for gptq_v2). fp32 accumulation, the
+    result in x.dtype; W is rounded to x.dtype before the product, as the Triton kernel feeds tl.dot."""
+    # x: [M, K]; qweight: int32 [K // p, N]; qzeros: int32 [G, N // p]; scales: [G, N]; g_idx: [K] -> [M, N]
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=qweight.device)
+    mask = (1 << bits) - 1
+    q = ((qweight[:, None, :] >> shifts[None, :, None]) & mask).reshape(-1, qweight.shape[1])        # [K, N]
+    z = ((qzeros[:, :, None] >> shifts[None, None, :]) & mask).reshape(qzeros.shape[0], -1) + zero_offset  # [G, N]
+    g = g_idx.long()
+    w = ((q - z[g]).float() * scales[g].float()).to(x.dtype)                                         # [K, N]
+    return (x.float() @ w.float()).to(x.dtype)

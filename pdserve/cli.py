@@ -9,6 +9,7 @@
     pdserve health HOST:PORT [--service NAME] [--cluster-*]    exit 0 when SERVING, 1 otherwise
     pdserve certs --out DIR | --k8s DIR | --compose DIR        a cluster CA, certificates and secrets
     pdserve fetch-model                                        download and verify the default model
+    pdserve quantize --method gptq|rtn --out DIR MODEL [...]   a GPTQ checkpoint from a float one
 
 Exit codes: 0 success, 1 a server or the local cluster failed, 2 bad flags or a failed request,
 130 interrupted (Ctrl-C). Environment: PDSERVE_HOME, the model cache (default ~/.cache/pdserve);
@@ -37,7 +38,7 @@ from decode_worker.config import DecodeWorkerConfig
 from engine.model_fetch import ModelFetchError, fetch_default_model
 from gateway.auth import ApiKeyFileError
 from kvstore.index import redacted_url
-from pdserve import cli_args, health, pki
+from pdserve import cli_args, health, pki, quantize_cli
 from pdserve.bench import cli as bench_cli
 from pdserve.cli_args import UsageError
 from pdserve.client import Chunk, Client, Completion, PdserveError, collect
@@ -236,6 +237,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_cli.run(args)
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    return quantize_cli.run(args)
+
+
 def cmd_certs(args: argparse.Namespace) -> int:
     if (args.names or args.ca_cert or args.ca_key) and not args.out:
         raise UsageError("--name, --ca-cert and --ca-key go with --out")
@@ -274,7 +279,7 @@ def cmd_fetch_model(args: argparse.Namespace) -> int:
 
 COMMANDS = {"up": cmd_up, "gateway": cmd_gateway, "prefill-worker": cmd_prefill_worker,
             "decode-worker": cmd_decode_worker, "generate": cmd_generate, "chat": cmd_chat, "health": cmd_health,
-            "fetch-model": cmd_fetch_model, "bench": cmd_bench, "certs": cmd_certs}
+            "fetch-model": cmd_fetch_model, "bench": cmd_bench, "certs": cmd_certs, "quantize": cmd_quantize}
 
 
 def _err(text: str) -> None:
@@ -283,7 +288,8 @@ def _err(text: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Every `pdserve` subcommand's flags, `bench` included."""
-    return cli_args.parse_args(argv, description=__doc__, extra_commands=(bench_cli.add_parser,))
+    return cli_args.parse_args(argv, description=__doc__,
+                               extra_commands=(bench_cli.add_parser, quantize_cli.add_parser))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,6 +78,9 @@ def shard_weights(config: ModelConfig, weights: dict[str, torch.Tensor], shard: 
     cols = {"o_proj": q_rows, "down_proj": ff, "w2": ff}
     out = {}
     for name, tensor in weights.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"tensor parallelism does not shard GPTQ checkpoints (weight {name} is packed); "
+                             "run them with one rank")
         module = name.rsplit(".", 2)[-2]
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             tensor = tensor[vocab]

@@ -55,7 +55,7 @@ MODELS = {
     "mqa8": ModelShape(num_heads=8, num_kv_heads=1, head_dim=128, hidden=1024, num_layers=16),
 }
 PAGED_OPS = ("decode", "prefill", "write_kv", "block_copy", "block_int8")  # take the paged cache: one per block size
-ROW_OPS = ("rms_norm", "rotary")
+ROW_OPS = ("rms_norm", "rotary", "gptq_gemm")
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,10 @@ class CompileConfig:
 def _build_configs() -> tuple[CompileConfig, ...]:
     configs = []
     for op in PAGED_OPS + ROW_OPS:
+        if op == "gptq_gemm":  # one kernel whose tiles do not depend on heads: two shapes, each dtype once
+            configs += [CompileConfig(op, "smollm2", "bf16"), CompileConfig(op, "llama3-8b", "fp16"),
+                        CompileConfig(op, "smollm2", "fp32")]
+            continue
         block_sizes = (16, 32) if op in PAGED_OPS else (None,)
         configs += [CompileConfig(op, model, dtype, bs)
                     for model in MODELS for dtype in ("bf16", "fp16") for bs in block_sizes]
@@ -243,7 +247,23 @@ def _block_int8_launches(m: ModelShape, dtype, block_size: int):
     yield "dequantize+scatter n=64", partial(scatter_blocks_int8_triton, data, scales, kv_cache, block_ids)
 
 
-_LAUNCHES = {"decode": _decode_launches, "prefill": _prefill_launches, "write_kv": _write_kv_launches,
+def _gptq_gemm_launches(m: ModelShape, dtype, block_size: None):
+    import torch
+
+    from kernels.triton_gptq_gemm import gptq_gemm_triton
+    k, n = m.hidden, 3 * m.hidden  # the fused qkv / gate_up shape class: [hidden] -> [3 hidden]
+    # decode batch 1 and a prefill chunk at 4 bits, a decode batch at 8 bits
+    for bits, num_rows in ((4, 1), (4, 512), (8, 32)):
+        pack = 32 // bits
+        qweight, qzeros = _meta((k // pack, n), torch.int32), _meta((k // 128, n // pack), torch.int32)
+        scales, g_idx = _meta((k // 128, n), torch.float16), _meta((k,), torch.int32)
+        x = _meta((num_rows, k), dtype)
+        yield (f"{bits}-bit M={num_rows} K={k} N={n}",
+               partial(gptq_gemm_triton, x, qweight, qzeros, scales, g_idx, bits, 1))
+
+
+_LAUNCHES = {"gptq_gemm": _gptq_gemm_launches, "decode": _decode_launches, "prefill": _prefill_launches,
+             "write_kv": _write_kv_launches,
              "rms_norm": _rms_norm_launches, "rotary": _rotary_launches, "block_copy": _block_copy_launches,
              "block_int8": _block_int8_launches}
 

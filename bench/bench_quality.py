@@ -1,0 +1,191 @@
+"""Quality table of the default model in every weight mode: weight memory, perplexity, decode speed.
+
+    python bench/bench_quality.py [--threads 2] [--out-dir bench/results/quality] [--skip-speed]
+                                  [--llama-perplexity PATH] [--ctx 512]
+
+Modes: float32 (the Q4_1 GGUF dequantized), int8, int4 (the GGUF's Q4_1 codes), and GPTQ checkpoints written by
+`pdserve quantize` from the dequantized GGUF: RTN 4-bit g128, GPTQ 4-bit g128, GPTQ 4-bit g128 act-order
+(symmetric, calibrated on bench/data/shakespeare_calibration.txt; their LM head runs int8, as in the int4 mode).
+Per mode:
+- weight memory: bytes one decode step reads (every layer, final norm, LM head; model.decode_weight_bytes);
+- perplexity on bench/data/shakespeare_eval.txt the way llama.cpp's llama-perplexity computes it: the token
+  stream cut into chunks of --ctx tokens, the first token of a chunk replaced by BOS when the model adds one,
+  each chunk evaluated alone and only its second half scored (positions ctx/2 .. ctx-1);
+- decode tokens/s at batch 1 and with 32 sequences (--speed-tokens new tokens each), and 512-token prefill
+  (bench/bench_engine.bench_pdserve).
+llama-perplexity (bench/build_llama_server.sh builds it) runs on the same GGUF, text and --ctx as the
+independent check of the Q4_1 row. Figures go to OUT_DIR/quality.json and quality.md; checkpoints are kept in
+OUT_DIR and reused (delete them to requantize).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import bench_engine  # noqa: E402
+from bench_engine import BATCH, bench_pdserve  # noqa: E402
+
+from engine.llm import LLM  # noqa: E402
+from engine.loader import load_model  # noqa: E402
+from engine.model import AttentionMetadata  # noqa: E402
+from engine.model_fetch import fetch_default_model  # noqa: E402
+from engine.quantize import QuantizeOptions, quantize_checkpoint  # noqa: E402
+
+EVAL_TEXT = ROOT / "bench/data/shakespeare_eval.txt"
+CALIBRATION_TEXT = ROOT / "bench/data/shakespeare_calibration.txt"
+LLAMA_PERPLEXITY = ROOT / "bench/peers/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-perplexity"
+GPTQ_MODES = {
+    "rtn4-g128": QuantizeOptions(method="rtn", bits=4, group_size=128),
+    "gptq4-g128": QuantizeOptions(method="gptq", bits=4, group_size=128),
+    "gptq4-g128-act-order": QuantizeOptions(method="gptq", bits=4, group_size=128, act_order=True),
+}
+LABELS = {"float32": "float32 (Q4_1 dequantized)", "int8": "int8 (per-row, from float32)",
+          "int4": "int4 (the GGUF's Q4_1 codes)", "rtn4-g128": "RTN 4-bit g128", "gptq4-g128": "GPTQ 4-bit g128",
+          "gptq4-g128-act-order": "GPTQ 4-bit g128 act-order"}
+
+
+def perplexity(llm: LLM, token_ids: list[int], ctx: int, bos_id: int | None) -> tuple[float, int]:
+    """(perplexity, tokens scored), llama-perplexity's method (module docstring)."""
+    runner = llm.engine.runner
+    blocks = -(-ctx // runner.block_size)
+    block_ids = torch.arange(runner.num_blocks - blocks, runner.num_blocks, dtype=torch.int32)  # scratch blocks
+    slots = (block_ids.long()[:, None] * runner.block_size + torch.arange(runner.block_size)).flatten()[:ctx]
+    meta = AttentionMetadata(slot_mapping=slots, block_tables=block_ids[None],
+                             seq_lens=torch.tensor([ctx], dtype=torch.int32),
+                             query_start_loc=torch.tensor([0, ctx], dtype=torch.int32))
+    first, nll, count = ctx // 2, 0.0, 0
+    for start in range(0, len(token_ids) - ctx + 1, ctx):
+        chunk = list(token_ids[start:start + ctx])
+        if bos_id is not None:
+            chunk[0] = bos_id
+        ids = torch.tensor(chunk)
+        hidden = runner.model.forward(ids, torch.arange(ctx), runner.kv_cache, meta)
+        logits = runner.model.compute_logits(hidden[first:ctx - 1])                 # [ctx - 1 - first, vocab]
+        nll += F.cross_entropy(logits.float(), ids[first + 1:], reduction="sum").item()
+        count += ctx - 1 - first
+    llm.engine.kv.pool.clear_cache()
+    return math.exp(nll / count), count
+
+
+def llama_cpp_perplexity(binary: Path, model: Path, ctx: int, threads: int) -> dict:
+    proc = subprocess.run([str(binary), "-m", str(model), "-f", str(EVAL_TEXT), "-c", str(ctx), "-b", str(ctx),
+                           "-t", str(threads)], capture_output=True, text=True, timeout=3600)
+    match = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", proc.stdout + proc.stderr)
+    chunks = re.search(r"calculating perplexity over (\d+) chunks", proc.stdout + proc.stderr)
+    if match is None:
+        raise RuntimeError(f"llama-perplexity failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return {"ppl": float(match.group(1)), "stderr": float(match.group(2)),
+            "chunks": int(chunks.group(1)) if chunks else None}
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return re.search(r"Model name:\s*(.+)", out).group(1).strip()
+    except (OSError, AttributeError):
+        return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--out-dir", default=str(ROOT / "bench/results/quality"))
+    parser.add_argument("--ctx", type=int, default=512, help="perplexity chunk length (llama-perplexity -c)")
+    parser.add_argument("--llama-perplexity", default=str(LLAMA_PERPLEXITY), help="binary; '' skips it")
+    parser.add_argument("--skip-speed", action="store_true", help="only memory and perplexity")
+    parser.add_argument("--speed-tokens", type=int, default=bench_engine.NEW_TOKENS,
+                        help="new tokens per sequence in the decode speed runs")
+    args = parser.parse_args()
+    bench_engine.NEW_TOKENS = args.speed_tokens
+    torch.set_num_threads(args.threads)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    model_path = fetch_default_model()
+    text = EVAL_TEXT.read_text(encoding="utf-8")
+    quantize_s = {}
+    for name, options in GPTQ_MODES.items():
+        if not (out_dir / name / "config.json").is_file():
+            t = time.perf_counter()
+            quantize_checkpoint(model_path, out_dir / name, options, CALIBRATION_TEXT.read_text(encoding="utf-8"),
+                                progress=False, log=lambda line, name=name: print(f"{name}: {line}", flush=True))
+            quantize_s[name] = time.perf_counter() - t
+
+    loaded = load_model(model_path, torch.float32, progress=False, keep_quantized=False)  # the float32 row is float
+    results: dict[str, dict] = {}
+    for name in LABELS:
+        if name in GPTQ_MODES:  # the LM head (kept float16 in the checkpoint) runs int8, as in the int4 mode
+            llm = LLM(model=str(out_dir / name), dtype="float32", quantization="int8",
+                      kv_cache_memory=512 * 2**20, progress=False)
+        else:
+            llm = LLM(model=str(model_path), dtype="float32", quantization=None if name == "float32" else name,
+                      kv_cache_memory=512 * 2**20, progress=False, loaded=loaded)
+        tokenizer = llm.tokenizer
+        ids = tokenizer.encode(text)
+        adds_bos = tokenizer.bos_token_id is not None and ids[:1] == [tokenizer.bos_token_id]
+        t = time.perf_counter()
+        ppl, scored = perplexity(llm, ids, args.ctx, tokenizer.bos_token_id if adds_bos else None)
+        row = {"label": LABELS[name], "weight_mib": llm.engine.runner.model.decode_weight_bytes() / 2**20,
+               "ppl": ppl, "tokens_scored": scored, "ppl_s": time.perf_counter() - t}
+        if not args.skip_speed:
+            row |= bench_pdserve(llm)
+        results[name] = row
+        print(name, json.dumps(row), flush=True)
+        del llm
+    del loaded
+
+    peer = None
+    if args.llama_perplexity and Path(args.llama_perplexity).is_file():
+        peer = llama_cpp_perplexity(Path(args.llama_perplexity), model_path, args.ctx, args.threads)
+        print("llama-perplexity", json.dumps(peer), flush=True)
+
+    meta = {"date": str(datetime.date.today()), "cpu": cpu_model(), "threads": args.threads,
+            "torch": torch.__version__, "ctx": args.ctx, "eval_text": str(EVAL_TEXT.relative_to(ROOT)),
+            "calibration_text": str(CALIBRATION_TEXT.relative_to(ROOT)), "quantize_s": quantize_s,
+            "speed_tokens": args.speed_tokens}
+    save(out_dir, meta, results, peer, with_speed=not args.skip_speed)
+
+
+def save(out_dir: Path, meta: dict, results: dict[str, dict], peer: dict | None, with_speed: bool) -> None:
+    """Write quality.json and quality.md (the BENCHMARKS.md table) into out_dir, and print the table."""
+    (out_dir / "quality.json").write_text(json.dumps({"meta": meta, "modes": results, "llama_perplexity": peer},
+                                                     indent=2))
+    base = results["float32"]["ppl"]
+    speed = f" decode tok/s b1 | decode tok/s b{BATCH} | prefill tok/s (512) |" if with_speed else ""
+    lines = [f"Measured {meta['date']} on {meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}; "
+             f"perplexity over {results['float32']['tokens_scored']} tokens of {meta['eval_text']} "
+             f"(chunks of {meta['ctx']}, second halves scored).", "",
+             "| mode | weight MiB read per decode step | perplexity | vs float32 |" + speed,
+             "|---|---:|---:|---:|" + ("---:|---:|---:|" if speed else "")]
+    for r in results.values():
+        line = f"| {r['label']} | {r['weight_mib']:.1f} | {r['ppl']:.3f} | {r['ppl'] / base - 1:+.2%} |"
+        if speed:
+            line += f" {r['decode_b1']:.1f} | {r[f'decode_b{BATCH}']:.1f} | {r['prefill_512']:.1f} |"
+        lines.append(line)
+    if peer:
+        lines += ["", f"llama.cpp llama-perplexity on the same GGUF (Q4_1), text and -c {meta['ctx']}: "
+                  f"PPL = {peer['ppl']:.4f} +/- {peer['stderr']:.4f} over {peer['chunks']} chunks; "
+                  f"pdserve float32 (exactly those weights): {base:.4f} ({base / peer['ppl'] - 1:+.2%}), "
+                  f"int4 (the same codes): {results['int4']['ppl']:.4f} "
+                  f"({results['int4']['ppl'] / peer['ppl'] - 1:+.2%})."]
+    (out_dir / "quality.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
