@@ -13,25 +13,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
+import sys
 import time
 from pathlib import Path
 
-from engine.llm import LLM
-from engine.model_fetch import resolve_model_path
-from engine.sampling_params import SamplingParams
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.llm import LLM  # noqa: E402
+from engine.model_fetch import resolve_model_path  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.bench.roofline import cpu_model  # noqa: E402
 
 MODES = {"kept codes (default)": {}, "dequantize_weights (float32)": {"dequantize_weights": True},
          "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"}}
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 def main() -> None:

@@ -21,9 +21,7 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +33,7 @@ import torch  # noqa: E402
 from engine.gguf_loader import load_gguf_tokenizer  # noqa: E402
 from engine.grammar import apply_token_bitmask  # noqa: E402
 from engine.model_fetch import fetch_default_model  # noqa: E402
+from pdserve.bench.roofline import cpu_model  # noqa: E402
 
 SCHEMAS = {
     "flat": {
@@ -63,17 +62,6 @@ DOCUMENTS = {
                "owner": {"name": "Grace Hopper", "email": "grace@example.com"},
                "scores": [0.5, 12.25, -3.0, 7.125, 99.0]},
 }
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or "unknown"
 
 
 def timed_ms(fn) -> float:

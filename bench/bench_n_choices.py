@@ -21,9 +21,7 @@ import argparse
 import asyncio
 import datetime
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,20 +36,10 @@ from engine.loader import load_model  # noqa: E402
 from engine.model_fetch import fetch_default_model  # noqa: E402
 from engine.sampler import choice_seed  # noqa: E402
 from pdserve.launcher import LocalCluster, LocalClusterConfig  # noqa: E402
+from pdserve.bench.roofline import cpu_model  # noqa: E402
 
 N = 4
 SEED = 1234
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def make_prompt(tokenizer, trial: int, length: int) -> list[int]:

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,17 +27,10 @@ import torch  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.prompt_logprobs import CHUNK_POSITIONS, compute_prompt_logprobs  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.bench.roofline import cpu_model  # noqa: E402
 
 TEXT = ("Once upon a time, in a small village by the sea, there lived an old fisherman who went out every morning "
         "before the sun rose, and came back with stories nobody in the village quite believed. ")
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 def median_s(fn, reps: int) -> float:

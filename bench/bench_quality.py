@@ -24,7 +24,6 @@ import argparse
 import datetime
 import json
 import math
-import platform
 import re
 import subprocess
 import sys
@@ -45,6 +44,7 @@ from engine.loader import load_model  # noqa: E402
 from engine.model import AttentionMetadata  # noqa: E402
 from engine.model_fetch import fetch_default_model  # noqa: E402
 from engine.quantize import QuantizeOptions, quantize_checkpoint  # noqa: E402
+from pdserve.bench.roofline import cpu_model  # noqa: E402
 
 EVAL_TEXT = ROOT / "bench/data/shakespeare_eval.txt"
 CALIBRATION_TEXT = ROOT / "bench/data/shakespeare_calibration.txt"
@@ -91,14 +91,6 @@ def llama_cpp_perplexity(binary: Path, model: Path, ctx: int, threads: int) -> d
         raise RuntimeError(f"llama-perplexity failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return {"ppl": float(match.group(1)), "stderr": float(match.group(2)),
             "chunks": int(chunks.group(1)) if chunks else None}
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return re.search(r"Model name:\s*(.+)", out).group(1).strip()
-    except (OSError, AttributeError):
-        return platform.processor() or platform.machine()
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_grammar import cpu_model  # noqa: E402
+from pdserve.bench.roofline import cpu_model  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.structured import StructuredOutputSpec  # noqa: E402

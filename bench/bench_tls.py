@@ -25,7 +25,6 @@ import datetime
 import json
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -38,20 +37,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench_kv_transfer import CACHE_BLOCKS, LAYOUT, cache_shape, median_ms, serve_receiver  # noqa: E402
 from protos import tls  # noqa: E402
+from pdserve.bench.roofline import cpu_model  # noqa: E402
 
 API_KEY = "bench-key-0123456789abcdef"
 START_TIMEOUT_S = 300.0
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 # ------------------------------------------------------------------------------------------------ KV transfer

@@ -85,7 +85,8 @@ def roofline_tokens_per_s(bandwidth: float, bytes_per_token: int) -> float:
     return bandwidth / bytes_per_token
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), as every benchmark table states it."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -122,6 +123,6 @@ class MachineInfo:
 def machine_info() -> MachineInfo:
     import torch
 
-    return MachineInfo(cpu=_cpu_model(), logical_cpus=os.cpu_count() or 1, memory_gib=_memory_gib(),
+    return MachineInfo(cpu=cpu_model(), logical_cpus=os.cpu_count() or 1, memory_gib=_memory_gib(),
                        os=f"{platform.system()} {platform.release()}", python=platform.python_version(),
                        torch=torch.__version__, load_average=os.getloadavg())
