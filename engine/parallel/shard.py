@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ModelConfig
+from engine.gptq_format import GPTQWeight
 from engine.model import DecoderModel
 from engine.parallel.partition import RankHeads, partition_heads, split_range
 from engine.quant import INT4_GROUP_SIZE, Int8Linear
@@ -78,7 +79,7 @@ def shard_weights(config: ModelConfig, weights: dict[str, torch.Tensor], shard: 
     cols = {"o_proj": q_rows, "down_proj": ff, "w2": ff}
     out = {}
     for name, tensor in weights.items():
-        if not isinstance(tensor, torch.Tensor):
+        if isinstance(tensor, GPTQWeight):
             raise ValueError(f"tensor parallelism does not shard GPTQ checkpoints (weight {name} is packed); "
                              "run them with one rank")
         module = name.rsplit(".", 2)[-2]

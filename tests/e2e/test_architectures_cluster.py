@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import json
 
-import grpc
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from tests.integration.cluster import RPC_TIMEOUT_S, assert_idle, running_cluster
+from tests.integration.cluster import assert_idle, generate_greedy, running_cluster
 
 transformers = pytest.importorskip("transformers", reason="the dev extra provides transformers")
 
@@ -75,17 +73,9 @@ def test_gemma2_greedy_tokens_through_prefill_and_decode_workers(gemma2):
     model, path = gemma2
     expected = _hf_greedy(model, PROMPT, NUM_TOKENS)
     with running_cluster(path, [("prefill", "p0"), ("decode", "d0")]) as cluster:
-        gateway = cluster.gateway()
-        request = generation_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(
-            max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True))
-        request.token_ids.ids[:] = PROMPT
-        with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
-            call = generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=RPC_TIMEOUT_S)
-            chunks = list(call)
-            metadata = {m.key: m.value for m in call.trailing_metadata()}
-        token_ids = [t for c in chunks for t in c.token_ids]
+        token_ids, last, metadata = generate_greedy(cluster.gateway().port, PROMPT, NUM_TOKENS)
         assert metadata["pdserve-prefill-workers"] == "p0" and metadata["pdserve-decode-worker"] == "d0"
-        assert chunks[-1].timings.transfer_bytes > 0  # the prompt's KV really moved from p0 to d0
+        assert last.timings.transfer_bytes > 0  # the prompt's KV really moved from p0 to d0
         assert token_ids == expected
         assert cluster.reference(PROMPT, max_tokens=NUM_TOKENS, ignore_eos=True)[1] == expected
         assert_idle(cluster.wait_idle())

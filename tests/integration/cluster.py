@@ -36,7 +36,7 @@ from gateway.server import load_model_spec, start_server
 from kvstore.embedded_redis import EmbeddedRedis
 from kvstore.index import PrefixIndex
 from protos import tls
-from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[2]
 KV_CACHE_MEMORY = 128 << 20
@@ -170,6 +170,19 @@ class Cluster:
                     proc.wait()
                 proc.stdin.close()
             self.index.close()
+
+
+def generate_greedy(port: int, prompt: Sequence[int], max_tokens: int):
+    """Greedy `prompt` (token ids, EOS ignored) through the gateway's gRPC on `port`: (token ids, last message,
+    trailing metadata)."""
+    request = generation_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    request.token_ids.ids[:] = prompt
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=RPC_TIMEOUT_S)
+        chunks = list(call)
+        metadata = {m.key: m.value for m in call.trailing_metadata()}
+    return [t for c in chunks for t in c.token_ids], chunks[-1], metadata
 
 
 def assert_idle(stats: dict[str, worker_pb2.WorkerStats]) -> None:

@@ -20,8 +20,7 @@ import pytest
 
 from engine.engine_loop import EXIT_RANK_FAILED
 from kvstore.embedded_redis import EmbeddedRedis
-from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-from tests.integration.cluster import RPC_TIMEOUT_S, Cluster, Reference
+from tests.integration.cluster import Cluster, Reference, generate_greedy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "engine"))
 from tiny_gguf import write_tiny_gguf
@@ -47,17 +46,6 @@ def cluster(tmp_path_factory):
             cluster.close()
 
 
-def generate(port: int):
-    request = generation_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(
-        max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True))
-    request.token_ids.ids[:] = PROMPT
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        call = generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=RPC_TIMEOUT_S)
-        chunks = list(call)
-        metadata = {m.key: m.value for m in call.trailing_metadata()}
-    return [t for c in chunks for t in c.token_ids], chunks[-1], metadata
-
-
 def rank_pids(pid: int) -> list[int]:
     """The tensor-parallel rank processes (multiprocessing spawn children) of process `pid`."""
     pids = []
@@ -77,7 +65,7 @@ def rank_pids(pid: int) -> list[int]:
 def test_prefill_tp2_to_decode_tp3_answers_like_tp1(cluster):
     gateway = cluster.gateway()
     expected = cluster.reference(PROMPT, max_tokens=NUM_TOKENS, ignore_eos=True)[1]
-    token_ids, last, metadata = generate(gateway.port)
+    token_ids, last, metadata = generate_greedy(gateway.port, PROMPT, NUM_TOKENS)
     assert metadata["pdserve-prefill-workers"] == "p0" and metadata["pdserve-decode-worker"] == "d0"
     assert last.timings.transfer_bytes > 0  # the prompt's KV moved between the differently sharded pools
     assert token_ids == expected
@@ -87,7 +75,7 @@ def test_prefill_tp2_to_decode_tp3_answers_like_tp1(cluster):
     assert (p0.tensor_parallel_size, d0.tensor_parallel_size) == (2, 3)
     assert p0.kv_resharding_bytes == last.timings.transfer_bytes // 2
     assert d0.kv_resharding_bytes == last.timings.transfer_bytes
-    again, last, _ = generate(gateway.port)  # d0 holds the prompt's full block now: only the rest moves
+    again, last, _ = generate_greedy(gateway.port, PROMPT, NUM_TOKENS)  # d0 holds the prompt's full block now: only the rest moves
     assert again == expected
     assert last.usage.cached_tokens >= 16
 
@@ -99,7 +87,7 @@ def test_a_dead_rank_takes_its_worker_down(cluster):
     assert len(ranks) == 2  # ranks 1 and 2 of d0; rank 0 is the worker itself
     os.kill(ranks[0], signal.SIGKILL)
     with pytest.raises(grpc.RpcError) as info:
-        generate(gateway.port)
+        generate_greedy(gateway.port, PROMPT, NUM_TOKENS)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert worker.wait(timeout=60) == EXIT_RANK_FAILED
     deadline = time.monotonic() + 30
