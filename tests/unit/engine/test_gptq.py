@@ -193,6 +193,20 @@ def test_bad_quantization_config_is_refused_naming_the_key(checkpoints, tmp_path
         load_model(path, progress=False)
 
 
+def test_tensor_parallelism_refuses_a_gptq_checkpoint_and_shards_the_float_one(checkpoints):
+    from engine.parallel.shard import rank_shards, shard_weights
+
+    for name, refused in (("gptq4-g32", True), ("float", False)):
+        loaded = load_model(checkpoints[name], progress=False)
+        shard = rank_shards(loaded.config, 2, None)[1]
+        if refused:
+            with pytest.raises(ValueError, match="does not shard GPTQ checkpoints"):
+                shard_weights(loaded.config, loaded.weights, shard)
+        else:
+            sliced = shard_weights(loaded.config, loaded.weights, shard)
+            assert sliced["model.layers.0.mlp.up_proj.weight"].shape[0] == len(shard.intermediate)
+
+
 def test_quantize_flags_are_checked(checkpoints, tmp_path, capsys):
     source = str(checkpoints["float"])
     assert main(["quantize", "--method", "rtn", "--act-order", "--out", str(tmp_path / "x"), source]) == 2
