@@ -2,7 +2,7 @@
 
     python bench/bench_gguf_memory.py [--model default] [--tokens 32] [--out bench/figures/gguf_memory.json]
 
-Modes: the default (the file's codes kept, engine.gguf_blocks), `dequantize_weights=True` (float32 weights),
+Modes: `keep_quantized_weights=True` (the file's codes kept, engine.gguf_blocks), the default (float32 weights),
 `quantization="int8"` and `"int4"` (requantized from the dequantized weights). For each: the loaded model's
 weight bytes (DecoderModel.weight_memory_bytes: every tensor its linears, embedding and norms hold), the load
 time, and greedy batch-1 decode tokens/s over `--tokens` tokens after a short prompt (one run: a sanity
@@ -25,7 +25,7 @@ from engine.model_fetch import resolve_model_path  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from pdserve.bench.roofline import cpu_model  # noqa: E402
 
-MODES = {"kept codes (default)": {}, "dequantize_weights (float32)": {"dequantize_weights": True},
+MODES = {"keep_quantized_weights (file's codes)": {"keep_quantized_weights": True}, "default (float32)": {},
          "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"}}
 
 

@@ -187,20 +187,21 @@ class EngineConfig:
     """Compute and KV-cache dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16."""
     quantization: str | None = None
     """Weight quantization, lossy and part of the model fingerprint (caches never mix encodings); see engine.quant.
-    None keeps the checkpoint's weights as loaded: in `dtype`, or a GGUF's matrices in the file's encoding (see
-    dequantize_weights). "int8": every linear weight and the LM head as int8, one scale
+    None keeps the checkpoint's weights as loaded: in `dtype`, or a GGUF's matrices in the file's encoding with
+    keep_quantized_weights. "int8": every linear weight and the LM head as int8, one scale
     per output channel (W8A16), a quarter of float32's bytes per decode step. "int4": every layer's linear weights
     as 4-bit codes with a bfloat16 scale and offset per 32 inputs (W4A16, llama.cpp's Q4_1 scheme: a Q4_1 GGUF
     keeps its own codes) and the LM head as int8, about a sixth of float32's bytes. On CPU both speed up small
     decode batches (batch 1 on SmolLM2-135M: int8 ~1.4x, int4 ~1.7x float32's tokens/s) and cost time in prefill
     and large batches (from ~16 sequences for int8, ~64 for int4, they dequantize into a float GEMM); their
     matmuls round differently for small and large steps, so greedy tokens may depend on the batch."""
-    dequantize_weights: bool = False
-    """Dequantize a GGUF's quantized and 16-bit matrices to `dtype` at load (float matmuls over float weights)
-    instead of keeping them in the file's encoding (the default: engine.gguf_blocks; the model's weights then
-    take about the file's tensor bytes, the default model ~96 MiB instead of ~513 MiB in float32). Both hold
-    the same weights, so the fingerprint does not change; kept codes are dequantized a chunk at a time for
-    every matmul, which costs time at small batches. Hugging Face checkpoints are float either way."""
+    keep_quantized_weights: bool = False
+    """Keep a GGUF's quantized and 16-bit matrices in the file's encoding (engine.gguf_blocks) instead of
+    dequantizing them to `dtype` at load: the model's weights then take about the file's tensor bytes (the
+    default model 92 MiB instead of 513 MiB in float32). Both hold the same weights, so the fingerprint does not
+    change. Off by default for now: kept codes are dequantized a chunk at a time for every matmul, which on CPU
+    makes the default model's batch-1 decode ~3.5x and prefill ~4x slower than float32 weights (one thread).
+    Hugging Face checkpoints are float either way."""
     device: str = "cpu"
     """Torch device the model runs on ("cpu", "cuda", "cuda:1")."""
     max_model_len: int | None = None

@@ -99,7 +99,7 @@ class LLMEngine:
         self.config = config
         if loaded is None:
             loaded = load_model(resolve_model_path(config.model), torch.float32, progress=progress,
-                                keep_quantized=not config.dequantize_weights)
+                                keep_quantized=config.keep_quantized_weights)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.fingerprint = quantized_fingerprint(loaded.fingerprint, config.quantization)

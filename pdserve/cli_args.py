@@ -107,8 +107,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
         _arg(g, E, "dtype", "compute and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)", choices=DTYPES),
         _arg(g, E, "quantization", "weight-only quantization: int8 (linear layers and LM head) or int4 (linear "
              "layers, 32-input groups; LM head int8) (default: none, weights in --dtype)", choices=QUANTIZATIONS),
-        _arg(g, E, "dequantize_weights", "dequantize a GGUF's quantized matrices to --dtype at load instead of "
-             "keeping the file's codes in memory (about 5x the memory for a Q4 file)", action="store_true"),
+        _arg(g, E, "keep_quantized_weights", "keep a GGUF's quantized matrices in the file's encoding in memory "
+             "instead of dequantizing them to --dtype at load (about 1/5 the memory of float32 for a Q4 file, "
+             "slower on CPU)", action="store_true"),
         _arg(g, E, "device", "torch device: cpu, cuda, cuda:1"),
         _arg(g, E, "max_model_len", "longest prompt + completion in tokens (default: the model's)", type=int),
         _arg(g, E, "kv_cache_memory", "KV-cache budget in bytes, e.g. 512M or 2G "

@@ -9,17 +9,15 @@ from engine.loader import LoadedModel, load_model
 
 @pytest.fixture(scope="session")
 def default_model(default_model_path) -> LoadedModel:
-    """The checkpoint read once (its GGUF codes kept packed, norms float32), shared by the engines below."""
-    return load_model(default_model_path, torch.float32, progress=False)
+    """The checkpoint read once (float32 weights, as engines load a GGUF by default), shared by the engines
+    below."""
+    return load_model(default_model_path, torch.float32, progress=False, keep_quantized=False)
 
 
 @pytest.fixture(scope="session")
 def llm(default_model_path, default_model) -> LLM:
-    # One torch thread for the session (set_num_threads is process-wide): on an oversubscribed host every parallel
-    # elementwise op of the dequantizing path waits for a descheduled second thread; measured at load 8 on 2
-    # cores, 8 prompts' prefill took 20.6 s with 2 threads and 0.74 s with 1.
     return LLM(model=str(default_model_path), dtype="float32", kv_cache_memory=256 * 2**20, progress=False,
-               loaded=default_model, num_threads=1)
+               loaded=default_model)
 
 
 @pytest.fixture(scope="session")

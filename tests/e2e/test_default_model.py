@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequestError
+from engine.llm import LLM
 from engine.model import AttentionMetadata
 from engine.sampling_params import SamplingParams
 
@@ -130,15 +131,18 @@ def test_bad_input_names_the_field(llm, prompt, params, field):
     assert not llm.engine.has_unfinished()
 
 
-def test_weights_stay_in_the_files_encoding(llm, default_model_path):
-    """The Q4_1 layers and the Q8_0 embedding / LM head keep their codes: loaded weight memory is within 1.3x of
-    the file's tensor bytes (measured: 92.1 MiB of 92.1 MiB) and far below float32's (~513 MiB)."""
+def test_kept_codes_hold_the_files_bytes_and_still_answer_paris(default_model_path):
+    """keep_quantized_weights: the Q4_1 layers and the Q8_0 embedding / LM head keep their codes, so loaded
+    weight memory is within 1.3x of the file's tensor bytes (measured: 92.1 MiB of 92.1 MiB) and far below
+    float32's (~513 MiB); the same weights give the same answer."""
     from gguf import GGUFReader
 
     from engine.quant import PackedLinear
 
+    kept = LLM(model=str(default_model_path), dtype="float32", kv_cache_memory=64 * 2**20, progress=False,
+               keep_quantized_weights=True)
     tensors = GGUFReader(str(default_model_path)).tensors
-    engine, model = llm.engine, llm.engine.runner.model
+    engine, model = kept.engine, kept.engine.runner.model
     assert engine.file_tensor_bytes == sum(int(t.n_bytes) for t in tensors)
     float32_bytes = 4 * sum(int(t.n_elements) for t in tensors)
     assert engine.weight_memory_bytes <= 1.3 * engine.file_tensor_bytes
@@ -146,6 +150,9 @@ def test_weights_stay_in_the_files_encoding(llm, default_model_path):
     assert isinstance(model.lm_head, PackedLinear) and model.embed is model.lm_head
     assert all(isinstance(lin, PackedLinear) for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up,
                                                                                       layer.down))
+    out = kept.chat([{"role": "user", "content": "What is the capital of France?"}],
+                    SamplingParams(max_tokens=12, temperature=0.0))[0]
+    assert "Paris" in out.outputs[0].text
 
 
 # --- weight-only quantization ----------------------------------------------------------------------------------

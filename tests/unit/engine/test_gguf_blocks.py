@@ -102,7 +102,7 @@ def test_rows_not_a_whole_number_of_blocks_are_named():
 
 def test_engine_over_kept_codes_equals_the_dequantized_engine(tmp_path):
     """A tiny GGUF mixing Q8_0, Q4_1, Q4_0, F16, BF16 and F32 matrices (untied head): the default engine keeps
-    them packed and generates the float engine's (dequantize_weights=True) greedy tokens in less memory."""
+    them packed (keep_quantized_weights) and generates the float engine's greedy tokens in less memory."""
     from tiny_gguf import write_tiny_gguf
 
     from engine.llm import LLM
@@ -111,7 +111,7 @@ def test_engine_over_kept_codes_equals_the_dequantized_engine(tmp_path):
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, tied=False)
     engines = [LLM(model=str(path), dtype="float32", num_kv_blocks=32, block_size=4, progress=False,
-                   dequantize_weights=dequantize) for dequantize in (False, True)]
+                   keep_quantized_weights=keep) for keep in (True, False)]
     packed, floats = (llm.engine for llm in engines)
     model = packed.runner.model
     assert isinstance(model.embed, PackedLinear) and isinstance(model.lm_head, PackedLinear)
