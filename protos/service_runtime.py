@@ -259,12 +259,20 @@ def log_internal_security(log: logging.Logger, what: str, tls: TlsFiles | None, 
                     "is kept out of the prefix cache (--insecure-internal trusts it)", what)
 
 
+SIGNAL_POLL_S = 0.2
+"""How often the main thread wakes to run signal handlers (wait_for_termination)."""
+
+
 def wait_for_termination(on_stop: Callable[[], None]) -> None:
     """Block until SIGTERM or SIGINT, then run `on_stop` (main thread only)."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    # Never an untimed wait: the kernel may deliver the signal to any thread (engine, gRPC, torch), and CPython
+    # runs the handler only when the main thread next executes bytecode; a main thread asleep in an untimed
+    # wait would never do so and the worker would ignore SIGTERM, heartbeating on.
+    while not stop.wait(SIGNAL_POLL_S):
+        pass
     on_stop()
 
 
