@@ -128,6 +128,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
         _arg(g, E, "block_size", "tokens per KV block (a power of two)", type=int),
         _arg(g, E, "max_num_seqs", "most sequences running in one step", type=int),
         _arg(g, E, "max_num_batched_tokens", "token budget of one step", type=int),
+        _arg(g, E, "long_prefill_token_threshold", "most prompt tokens one sequence computes in one step, so that "
+             "a long prompt's chunks leave room to short prompts and decodes (0: off)", type=int),
         _arg(g, E, "max_waiting", "bound of the waiting queue; beyond it requests are rejected", type=int),
         _arg(g, E, "enable_prefix_caching", "disable reuse of cached prefix blocks", action="store_false"),
         _arg(g, E, "num_threads", "CPU threads of this process (default: torch's)", type=int),
