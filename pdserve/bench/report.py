@@ -421,7 +421,30 @@ def _goodput(results: SuiteResults) -> list[str]:
         cells = [_max_rate_cell(by_rate[system], goodput_slos(results))]
         cells += [_max_rate_cell(by_rate[system], goodput_slos(results, k, k)) for k in SLO_SCALES]
         lines.append(f"| {system} | " + " | ".join(cells) + " |")
-    return lines + [""]
+    return lines + [""] + _ttft_breakdown(results, by_rate)
+
+
+def _ttft_breakdown(results: SuiteResults, by_rate: Mapping[str, Mapping[float, RunResult]]) -> list[str]:
+    """Where the long prompts' TTFT went on pdserve (the gateway's Timings), median per system and rate."""
+    rows = []
+    for system, runs in by_rate.items():
+        for rate, run in sorted(runs.items()):
+            timed = [r.server_timings for r in run.records if r.server_timings and r.success
+                     and prompt_class(r.request_id) == LONG]
+            if not timed:
+                continue
+            med = {key: percentile([float(t[key]) for t in timed], 50)
+                   for key in ("queue_ms", "prefill_ms", "transfer_ms", "ttft_ms")}
+            transports = "/".join(sorted({str(t["transport"]) for t in timed}))
+            rows.append(f"| {system} | {rate:g} | {len(timed)} | {_f(med['queue_ms'], 0)} | {_f(med['prefill_ms'], 0)} "
+                        f"| {_f(med['transfer_ms'], 0)} ({transports}) | {_f(med['ttft_ms'], 0)} |")
+    if not rows:
+        return []
+    return ["Where the long prompts' TTFT went on pdserve (the gateway's timings, medians over the long requests; "
+            "queue: arrival until a worker started on it, prefill: computing it, transfer: moving its KV to the "
+            "decode worker):", "",
+            "| system | rate (req/s) | long requests | queue (ms) | prefill (ms) | transfer (ms) | TTFT (ms) |",
+            "|---|---:|---:|---:|---:|---:|---:|", *rows, ""]
 
 
 def _max_rate_cell(runs: Mapping[float, RunResult], slos: goodput.GoodputSlos | None) -> str:

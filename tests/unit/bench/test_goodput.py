@@ -128,3 +128,12 @@ def test_the_goodput_plot_is_written(tmp_path: Path):
     path = plot_goodput_vs_rate({"a": [(0.1, 0.1, 1.0), (0.2, 0.1, 0.5)], "b": [(0.1, 0.05, 0.5)]},
                                 tmp_path / "g.png", title="t")
     assert path.stat().st_size > 1000 and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_ttft_breakdown_takes_the_servers_timings_of_long_requests(tmp_path: Path):
+    timed = rec("long-0", 2.0, 0.05)
+    timed.server_timings = {"queue_ms": 500.0, "prefill_ms": 1200.0, "transfer_ms": 40.0, "ttft_ms": 1900.0,
+                            "transport": "shm", "transfer_bytes": 1 << 20}
+    run = _run("d", 0.1, [timed, rec("short-0", 0.1, 0.05)])
+    lines = report._ttft_breakdown(SuiteResults(SuiteConfig(out_dir=tmp_path), {}), {ONE_P_ONE_D_PINNED: {0.1: run}})
+    assert f"| {ONE_P_ONE_D_PINNED} | 0.1 | 1 | 500 | 1,200 | 40 (shm) | 1,900 |" in lines
