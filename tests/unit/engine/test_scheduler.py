@@ -267,3 +267,15 @@ def test_eos_ends_a_constrained_sequence_even_with_ignore_eos():
         s.output_token_ids.append(EOS)
     assert sched.stop_reason(free) is None
     assert sched.stop_reason(constrained) is FinishReason.STOP
+
+
+def test_a_sequence_holding_its_whole_prompts_blocks_prefills_in_capped_chunks():
+    """A decode worker's own prefill: the reservation gave the sequence every prompt block up front."""
+    sched = make(num_blocks=32, max_tokens_per_step=16, max_model_len=128, long_prefill_token_threshold=6)
+    held = seq("held", range(100, 120), max_tokens=2)
+    assert sched.kv.can_allocate(held, 20)
+    sched.kv.allocate(held, 20)
+    blocks = list(held.block_ids)
+    assert sched.kv.can_allocate(held, 6)  # needs no block it does not hold already
+    sched.kv.allocate(held, 6)
+    assert held.block_ids == blocks
