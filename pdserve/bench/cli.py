@@ -141,6 +141,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="pdserve-colocated's chunked-prefill budget per step (default: the engine's)")
     g.add_argument("--goodput-long-prefill-token-threshold", type=_positive, default=None, metavar="N",
                    help="pdserve-colocated-capped's per-step cap on one prompt's prefill tokens (256)")
+    g.add_argument("--goodput-slos-from", type=Path, default=None, metavar="RESULTS_JSON",
+                   help="judge by the SLOs of an earlier run's results.json (same machine and flags) instead of "
+                   "running pdserve-colocated's idle probe again, e.g. to add llama-server to a comparison")
     g.add_argument("--goodput-local-prefill-threshold", type=int, default=None, metavar="N",
                    help="pdserve-1p1d-pinned's gateway --local-prefill-threshold (256: short turns prefill on the "
                    "decode worker)")
@@ -184,6 +187,9 @@ def _run_suite(args: argparse.Namespace) -> int:
             ("goodput_tpot_scale", args.goodput_tpot_scale), ("goodput_batched_tokens", args.goodput_batched_tokens),
             ("goodput_local_prefill_threshold", args.goodput_local_prefill_threshold),
             ("goodput_long_prefill_token_threshold", args.goodput_long_prefill_token_threshold)) if value is not None}
+        if args.goodput_slos_from is not None:
+            goodput.update(goodput_reference_idle=_reference_idle(args.goodput_slos_from),
+                           goodput_reference_source=str(args.goodput_slos_from))
         config = suite.SuiteConfig(out_dir=args.out or suite.default_out_dir(), llama_server=llama_server,
                                    model=args.model, threads=args.threads, systems=systems, seed=args.seed,
                                    progress=not args.no_progress, only=tuple(args.only), **goodput)
@@ -198,6 +204,17 @@ def _run_suite(args: argparse.Namespace) -> int:
     _err(f"pdserve bench: wrote {config.out_dir}/results.json, report.md and plots "
          f"({results.meta['suite_wall_s'] / 60:.1f} min)")
     return 1 if results.errors else 0
+
+
+def _reference_idle(path: Path):
+    """The reference idle figures of an earlier suite run (ValueError saying what is missing)."""
+    from pdserve.bench.goodput import IdleFigures
+
+    try:
+        idle = json.loads(path.read_text())["meta"]["goodput"]["reference_idle"]
+        return IdleFigures(dict(idle["ttft_ms"]), float(idle["tpot_ms"]))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--goodput-slos-from {path}: no goodput reference figures there ({exc!r})") from None
 
 
 def _workload(args: argparse.Namespace):

@@ -331,17 +331,27 @@ def goodput_rates(results: SuiteResults) -> dict[str, dict[float, RunResult]]:
     return rows
 
 
-def goodput_slos(results: SuiteResults, ttft_scale: float | None = None,
-                 tpot_scale: float | None = None) -> goodput.GoodputSlos | None:
-    """The SLOs from the reference system's idle probe (at the configured scales unless given); None without
-    that probe."""
+def reference_idle(results: SuiteResults) -> goodput.IdleFigures | None:
+    """The idle figures the SLOs come from: those an earlier run's SLOs were set from (goodput_reference_idle),
+    else the reference system's idle probe in this run; None without either."""
     cfg = results.config
+    if cfg.goodput_reference_idle is not None:
+        return cfg.goodput_reference_idle
     run = results.runs.get(("goodput-idle", cfg.goodput_slo_reference))
     if run is None:
         return None
     try:
-        idle = goodput.idle_figures(run.records)
+        return goodput.idle_figures(run.records)
     except ValueError:
+        return None
+
+
+def goodput_slos(results: SuiteResults, ttft_scale: float | None = None,
+                 tpot_scale: float | None = None) -> goodput.GoodputSlos | None:
+    """The SLOs from the reference idle figures (at the configured scales unless given); None without them."""
+    cfg = results.config
+    idle = reference_idle(results)
+    if idle is None:
         return None
     return goodput.slos_from_idle(idle, cfg.goodput_ttft_scale if ttft_scale is None else ttft_scale,
                                   cfg.goodput_tpot_scale if tpot_scale is None else tpot_scale)
@@ -368,8 +378,11 @@ def goodput_summary(results: SuiteResults) -> dict | None:
                            "failed": run.summary.failed, "others_cores": run.meta.get("others_cores")})
         systems[system] = {"points": points, "max_rate_at_90": goodput.max_rate_at(
             {p["rate"]: p["attainment"] for p in points})}
-    return {"reference": results.config.goodput_slo_reference, "slos": dataclasses.asdict(slos), "idle": idle,
-            "systems": systems}
+    cfg = results.config
+    reference = cfg.goodput_slo_reference + (f" (in {cfg.goodput_reference_source})"
+                                             if cfg.goodput_reference_idle is not None else "")
+    return {"reference": reference, "reference_idle": dataclasses.asdict(reference_idle(results)),
+            "slos": dataclasses.asdict(slos), "idle": idle, "systems": systems}
 
 
 def _class_p90(records: Sequence[RequestRecord], kind: str) -> float | None:
@@ -385,7 +398,7 @@ def _goodput(results: SuiteResults) -> list[str]:
     cfg = results.config
     slos = summary["slos"]
     low, high = cfg.goodput_long_len
-    ref = summary["idle"][summary["reference"]]
+    ref = summary["reference_idle"]
     k_ttft, k_tpot = cfg.goodput_ttft_scale, cfg.goodput_tpot_scale
     lines = [f"#### Goodput: disaggregated vs colocated ({cfg.goodput_requests} requests per rate, "
              f"{100 * cfg.goodput_long_fraction:.0f}% long prompts of {low}-{high} tokens "

@@ -63,6 +63,7 @@ from engine.model_fetch import resolve_model_path
 from gateway.config import GatewayConfig
 from pdserve.bench import cpumeter, plots, report, roofline
 from pdserve.bench.backends import Backend, OpenAIBackend, PdserveBackend
+from pdserve.bench.goodput import IdleFigures
 from pdserve.bench.inprocess import EngineBackend, load_transformers_model, run_transformers
 from pdserve.bench.metrics import summarize
 from pdserve.bench.peers import LlamaServer, LlamaServerConfig
@@ -171,6 +172,12 @@ class SuiteConfig:
     goodput_local_prefill_threshold: int = 256
     """pdserve-1p1d-pinned's gateway --local-prefill-threshold: prompts with fewer uncached tokens (the short
     chat turns) are prefilled on the decode worker, only long ones go to the prefill worker."""
+    goodput_reference_idle: IdleFigures | None = None
+    """Judge by the SLOs of an earlier run instead of this run's reference probe: that run's reference idle
+    figures (results.json meta.goodput.reference_idle; `--goodput-slos-from`), to add a system to a comparison
+    without running the reference again. Same machine and workload flags, or the comparison means nothing."""
+    goodput_reference_source: str = ""
+    """Where goodput_reference_idle came from (named in the report)."""
     only: tuple[str, ...] = ()
     """Scenario families to run (FAMILIES); empty runs every one."""
     quiet_wait_s: float = 20.0

@@ -137,3 +137,23 @@ def test_the_ttft_breakdown_takes_the_servers_timings_of_long_requests(tmp_path:
     run = _run("d", 0.1, [timed, rec("short-0", 0.1, 0.05)])
     lines = report._ttft_breakdown(SuiteResults(SuiteConfig(out_dir=tmp_path), {}), {ONE_P_ONE_D_PINNED: {0.1: run}})
     assert f"| {ONE_P_ONE_D_PINNED} | 0.1 | 1 | 500 | 1,200 | 40 (shm) | 1,900 |" in lines
+
+
+def test_slos_can_come_from_an_earlier_runs_results(tmp_path: Path):
+    from pdserve.bench.cli import _reference_idle
+
+    earlier = tmp_path / "results.json"
+    earlier.write_text('{"meta": {"goodput": {"reference_idle": {"ttft_ms": {"long": 1000.0, "short": 100.0}, '
+                       '"tpot_ms": 50.0}}}, "runs": []}')
+    idle = _reference_idle(earlier)
+    cfg = SuiteConfig(out_dir=tmp_path, systems=(LLAMA_SERVER,), only=("goodput",), goodput_rates=(0.1,),
+                      goodput_reference_idle=idle, goodput_reference_source=str(earlier))
+    results = SuiteResults(cfg, build_scenarios(cfg, RAW, (1000, 30000)))
+    results.runs[("goodput@0.1", LLAMA_SERVER)] = _run("l", 0.1, [rec("long-0", 2.5, 0.1), rec("short-0", 0.2, 0.1)])
+    summary = report.goodput_summary(results)
+    assert summary["slos"]["ttft_ms"] == pytest.approx({"long": 3000.0, "short": 300.0})
+    assert summary["systems"][LLAMA_SERVER]["points"][0]["attainment"] == 1.0
+    assert str(earlier) in summary["reference"]
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="--goodput-slos-from"):
+        _reference_idle(tmp_path / "bad.json")
