@@ -105,7 +105,9 @@ ROUTING = {TWO_P_PREFIX: "prefix", TWO_P_RR: "round-robin"}
 
 @dataclass(frozen=True)
 class SuiteConfig:
-    """What `pdserve bench --suite cpu` runs. The defaults fit in about 20 minutes on 2 cores."""
+    """What `pdserve bench --suite cpu` runs. Without the goodput scenarios the defaults fit in about 20 minutes
+    on 2 quiet cores; the goodput scenarios add about 10 minutes per goodput system at their defaults (`only`
+    runs some families alone)."""
 
     out_dir: Path
     """Results directory (bench/results/<date> by default)."""

@@ -106,7 +106,7 @@ def test_the_suite_builds_goodput_scenarios_that_share_nothing_across_rates_and_
     assert [p["attainment"] for p in coloc["points"]] == [1.0, 0.5]
     assert coloc["max_rate_at_90"] == pytest.approx(0.1 + 0.1 * 0.1 / 0.5)
     assert disagg["max_rate_at_90"] == 0.2 and disagg["points"][1]["goodput"] == pytest.approx(0.2)
-    assert report.goodput_goal(results) == pytest.approx(0.2 / 0.12)
+    assert report.goodput_goal(results) == (pytest.approx(0.2 / 0.12), "highest rate at 90% SLO attainment")
     lines = report._goodput(results)
     text = "\n".join(lines)
     assert "TTFT SLO = 2 x idle TTFT" in text and f"| {LLAMA_SERVER} |" not in text
