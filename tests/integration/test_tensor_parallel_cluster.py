@@ -75,6 +75,9 @@ def test_prefill_tp2_to_decode_tp3_answers_like_tp1(cluster):
     assert (p0.tensor_parallel_size, d0.tensor_parallel_size) == (2, 3)
     assert p0.kv_resharding_bytes == last.timings.transfer_bytes // 2
     assert d0.kv_resharding_bytes == last.timings.transfer_bytes
+    # The plan 2 -> 3 over 2 KV heads: kv 0 from p0's rank 0 to d0's ranks 0 and 1, kv 1 from rank 1 to rank 2
+    assert last.timings.kv_reshard_slices == 3
+    assert last.timings.kv_reshard_bytes == last.timings.transfer_bytes * 3 // 2
     again, last, _ = generate_greedy(gateway.port, PROMPT, NUM_TOKENS)  # d0 holds the prompt's full block now: only the rest moves
     assert again == expected
     assert last.usage.cached_tokens >= 16
