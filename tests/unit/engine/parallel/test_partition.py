@@ -111,6 +111,6 @@ def test_plan_rejects_partitions_of_different_heads():
     with pytest.raises(ValueError, match=r"rank 1 holds heads \[2, 3\), not a non-empty range inside \[0, 2\)"):
         plan_reshard(kv_head_ranges(2, 2), kv_head_ranges(3, 2))
     with pytest.raises(ValueError, match="no rank holds KV heads"):
-        plan_reshard((range(0, 1), range(2, 3)), kv_head_ranges(3, 1))
+        plan_reshard((range(1), range(2, 3)), kv_head_ranges(3, 1))
     with pytest.raises(ValueError, match="not a non-empty range"):
-        plan_reshard((range(0, 3), range(2, 2)), kv_head_ranges(3, 1))
+        plan_reshard((range(3), range(2, 2)), kv_head_ranges(3, 1))

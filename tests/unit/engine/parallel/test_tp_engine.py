@@ -54,10 +54,10 @@ def test_rank_kv_cache_holds_its_heads_and_moves_by_the_plan(engines):
     tp1, tp2 = engines("tp1"), engines("tp2", tensor_parallel_size=2)
     assert tp2.runner.kv_cache.shape[4] == 1 and tp1.runner.kv_cache.shape[4] == 2  # one of 2 KV heads each
     assert tp2.runner.num_blocks == tp1.runner.num_blocks
-    assert tp2.runner.rank_kv_heads() == (range(0, 1), range(1, 2))
+    assert tp2.runner.rank_kv_heads() == (range(1), range(1, 2))
     ids = [0, 1, 2, 5]
     sent = tp2.runner.tp.gather_kv(tp2.runner.kv_cache, ids)   # one payload slice per rank: [L, 2, n, bs, 1, D]
-    assert sent.sender_kv_heads == (range(0, 1), range(1, 2)) and [c.shape[4] for c in sent.caches] == [1, 1]
+    assert sent.sender_kv_heads == (range(1), range(1, 2)) and [c.shape[4] for c in sent.caches] == [1, 1]
     full = tp1.runner.kv_cache[:, :, ids]  # [L, 2, n, bs, 2, D]
     assert full.abs().sum() > 0  # the tests above wrote these blocks (same allocation on both engines)
     torch.testing.assert_close(torch.cat(sent.caches, dim=4), full, atol=1e-5, rtol=1e-5)
