@@ -311,6 +311,9 @@ class TensorParallelGroup:
         rank holding it; rank 0's slice from its own cache, the others sent by their ranks."""
         block_ids = list(block_ids)
         c = kv_cache.shape  # [L, 2, num_blocks, block_size, rank 0's kv heads, D]
+        if not block_ids:  # nothing to send (the receiver has every block): no rank is involved
+            return KvSlices(self.rank_kv_heads, tuple(
+                kv_cache.new_empty(c[0], 2, 0, c[3], len(w.kv_heads), c[5]) for w in payload_slices(self.rank_kv_heads)))
         caches = []
         with self.operation("gather_kv", block_ids), torch.inference_mode():
             for wire in payload_slices(self.rank_kv_heads):
@@ -331,6 +334,8 @@ class TensorParallelGroup:
         if plan.dst_kv_heads != self.rank_kv_heads:
             raise ValueError(f"plan for receiving ranks {plan.dst_kv_heads}, these hold {self.rank_kv_heads}")
         block_ids = list(block_ids)
+        if not block_ids:
+            return
         c = kv_cache.shape
         parts = []
         for rank, heads in enumerate(self.rank_kv_heads):

@@ -62,6 +62,8 @@ def test_rank_kv_cache_holds_its_heads_and_moves_by_the_plan(engines):
     assert full.abs().sum() > 0  # the tests above wrote these blocks (same allocation on both engines)
     torch.testing.assert_close(torch.cat(sent.caches, dim=4), full, atol=1e-5, rtol=1e-5)
     moved = tp2.runner.tp.num_kv_bytes_moved
+    empty = tp2.runner.tp.gather_kv(tp2.runner.kv_cache, [])  # a delta transfer with nothing left to send
+    assert [c.shape[2] for c in empty.caches] == [0, 0] and tp2.runner.tp.num_kv_bytes_moved == moved
     assert moved == full[:, :, :, :, 1:].numel() * 4  # rank 1 sent its one head, float32
     # A TP=1 payload (one slice of both heads) into free blocks, each rank its head by the plan; then back.
     plan = plan_reshard((range(2),), tp2.runner.rank_kv_heads())
