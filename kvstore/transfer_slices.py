@@ -20,8 +20,8 @@ from kvstore.reshard_plan import payload_slices
 from kvstore.transfer import DecodedBlocks, block_digest, decode_payload, encode_stream
 from kvstore.transfer_manifest import KvLayoutSpec, TransferManifest, TransferRejected
 
-__all__ = ["KvSlices", "SlicedAssembler", "SlicedStream", "decode_slices", "merge_slices", "record_bounds", "take_heads",
-           "verify_payload"]
+__all__ = ["KvSlices", "SlicedAssembler", "SlicedStream", "decode_slices", "merge_slices", "record_bounds",
+           "take_heads", "verify_payload"]
 
 
 @dataclass

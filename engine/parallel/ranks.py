@@ -312,8 +312,8 @@ class TensorParallelGroup:
         block_ids = list(block_ids)
         c = kv_cache.shape  # [L, 2, num_blocks, block_size, rank 0's kv heads, D]
         if not block_ids:  # nothing to send (the receiver has every block): no rank is involved
-            return KvSlices(self.rank_kv_heads, tuple(
-                kv_cache.new_empty(c[0], 2, 0, c[3], len(w.kv_heads), c[5]) for w in payload_slices(self.rank_kv_heads)))
+            return KvSlices(self.rank_kv_heads, tuple(kv_cache.new_empty(c[0], 2, 0, c[3], len(w.kv_heads), c[5])
+                                                      for w in payload_slices(self.rank_kv_heads)))
         caches = []
         with self.operation("gather_kv", block_ids), torch.inference_mode():
             for wire in payload_slices(self.rank_kv_heads):
