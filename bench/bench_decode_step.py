@@ -10,7 +10,10 @@ seconds are reported); then, per batch size, a decode step of that many sequence
 KV cache. Reported: the fastest and the median step of each in ms per token (thread CPU time, which a loaded
 machine disturbs less than wall time; wall time for the fastest step too) and as a % of the roofline: the weight
 bytes one step reads (`DecoderModel.decode_weight_bytes`) at the copy bandwidth (pdserve.bench.roofline),
-shared by the step's tokens. The logits of both paths are compared (greedy tokens must agree).
+shared by the step's tokens. The logits of both paths are compared (greedy tokens must agree). With
+--llama-server PATH (the binary or its build directory), llama-server decodes --tokens tokens of the same prompt
+token ids on the same GGUF with --threads threads, best of --repeats // 5 + 1 requests (its own
+predicted_per_token_ms, wall time: compare with the wall column).
 
 Breakdown table:
 
@@ -32,6 +35,7 @@ import platform
 import statistics
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -39,8 +43,10 @@ import torch
 import engine.quant as quant
 import kernels
 from engine.llm import LLM
+from engine.model_fetch import fetch_default_model
 from engine.sampling_params import SamplingParams
 from engine.step_batch import StepBatch, run_step
+from pdserve.bench.peers import LlamaServer, LlamaServerConfig, find_llama_server
 from pdserve.bench.roofline import copy_bandwidth, cpu_model
 from pdserve.cli_args import parse_int_list
 
@@ -74,7 +80,7 @@ class Timers:
 
 def measure(quantization: str | None, num_tokens: int, timers: Timers) -> dict[str, float]:
     llm = LLM(progress=False, quantization=quantization)
-    ids = llm.tokenizer.encode("The history of science is the study of the development of science")
+    ids = llm.tokenizer.encode(PROMPT)
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
     llm.generate([ids], params)  # warm-up
     llm.engine.kv.pool.clear_cache()
@@ -89,6 +95,7 @@ def measure(quantization: str | None, num_tokens: int, timers: Timers) -> dict[s
 
 
 CONTEXT_TOKENS = 128
+PROMPT = "The history of science is the study of the development of science"
 
 
 def decode_batch(num_seqs: int, block_size: int, context: int = CONTEXT_TOKENS) -> StepBatch:
@@ -139,7 +146,27 @@ def compare_compiled(quantization: str | None, batch_sizes: tuple[int, ...], rep
     return rows
 
 
-def compiled_table(rows: list[dict], args, bandwidth: float) -> str:
+def llama_server_ms_per_token(binary: str, threads: int, token_ids: list[int], num_tokens: int,
+                              requests: int) -> float:
+    """llama-server's best predicted_per_token_ms over `requests` greedy completions of `token_ids`."""
+    path = Path(binary)
+    if path.is_dir():
+        path = path / "llama-server" if (path / "llama-server").is_file() else find_llama_server(None, path)
+    config = LlamaServerConfig(binary=find_llama_server(str(path)),
+                               model=fetch_default_model(progress=False), threads=threads, parallel=1)
+    best = float("inf")
+    with LlamaServer(config, Path("bench/results/llama_server_decode_step.log")) as server:
+        for _ in range(requests):
+            body = json.dumps({"prompt": token_ids, "n_predict": num_tokens, "temperature": 0.0, "ignore_eos": True,
+                               **LlamaServer.extra_body, "cache_prompt": False}).encode()
+            request = urllib.request.Request(server.base_url + "/completion", data=body,
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=600) as response:
+                best = min(best, json.load(response)["timings"]["predicted_per_token_ms"])
+    return best
+
+
+def compiled_table(rows: list[dict], args, bandwidth: float, llama_ms: float | None) -> str:
     lines = [(f"### Compiled vs eager decode step, ms per token ({datetime.date.today()}, {cpu_model()}, "
               f"{args.threads} threads, torch {torch.__version__}, SmolLM2-135M, {CONTEXT_TOKENS}-token context, "
               f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, load average {os.getloadavg()[0]:.1f})"), "",
@@ -156,6 +183,12 @@ def compiled_table(rows: list[dict], args, bandwidth: float) -> str:
                      f"| {c['ms_per_token_best'] / e['ms_per_token_best']:.2f} | {e['roofline_pct']:.0f}% "
                      f"| {c['roofline_pct']:.0f}% | {r['roofline_ms_per_token']:.2f} | {r['compile_s']:.0f} "
                      f"| {'yes' if r['same_greedy'] else 'NO'} |")
+    lines += ["", "Wall time, fastest step, ms per token: " + ", ".join(
+        f"{r['weights']} batch {r['batch']} eager {r['eager']['wall_ms_per_token_best']:.2f} / compiled "
+        f"{r['compiled']['wall_ms_per_token_best']:.2f}" for r in rows) + "."]
+    if llama_ms is not None:
+        lines.append(f"llama-server (same GGUF, {args.threads} threads, batch 1, {args.tokens} tokens): "
+                     f"{llama_ms:.2f} ms per token.")
     return "\n".join(lines) + "\n"
 
 
@@ -169,6 +202,7 @@ def main() -> None:
     parser.add_argument("--quantizations", type=lambda t: t.split(","), default=list(QUANTIZATIONS),
                         help="weight encodings of the compiled table, e.g. int4 or float32,int8,int4")
     parser.add_argument("--repeats", type=int, default=30, help="interleaved steps per row of the compiled table")
+    parser.add_argument("--llama-server", help="llama-server binary or build directory: a batch-1 peer row")
     parser.add_argument("--no-breakdown", dest="breakdown", action="store_false",
                         help="skip the per-op breakdown table")
     args = parser.parse_args()
@@ -185,7 +219,12 @@ def main() -> None:
         for name in args.quantizations:
             compiled_rows.extend(compare_compiled(QUANTIZATIONS[name], args.compiled_batch_sizes, args.repeats,
                                                   bandwidth))
-        texts.append(compiled_table(compiled_rows, args, bandwidth))
+        llama_ms = None
+        if args.llama_server:
+            ids = LLM(progress=False, num_kv_blocks=8).tokenizer.encode(PROMPT)
+            llama_ms = llama_server_ms_per_token(args.llama_server, args.threads, ids, args.tokens,
+                                                 args.repeats // 5 + 1)
+        texts.append(compiled_table(compiled_rows, args, bandwidth, llama_ms))
         print(texts[-1], flush=True)
 
     thread = threading.Thread(target=run_compiled)
