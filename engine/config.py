@@ -239,7 +239,8 @@ class EngineConfig:
     """Run pure decode steps through a torch.compile'd graph (engine.compiled_step: Inductor fuses the per-layer
     small ops into generated C++; static shapes per batch size in `compile_batch_sizes`, each compiled at
     start-up, the seconds logged and reported in the worker's stats). Off by default: on a 2-core CPU the
-    compile takes minutes per batch size for SmolLM2-135M (BENCHMARKS.md, "Compiled decode step"). Ignored, with
+    compile takes minutes per batch size for SmolLM2-135M and saves 2-5% of a decode step (BENCHMARKS.md,
+    "Compiled decode step"; the paged attention stays eager inside the graph). Ignored, with
     a warning, under tensor parallelism and for mixture-of-experts models: they stay eager."""
     compile_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     """Batch sizes the compiled decode step is compiled for, as CUDA-graph capture sizes: a decode batch of n
