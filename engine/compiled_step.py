@@ -208,6 +208,9 @@ class CompiledDecodeStep:
             query_start_loc=torch.arange(padded + 1, dtype=torch.int32, device=device))
         input_ids = torch.tensor(batch.input_ids + [0] * pad, dtype=torch.int64, device=device)
         positions = torch.tensor(batch.positions + [0] * pad, dtype=torch.int64, device=device)
+        # After warm-up only the guards that tell this process's graphs apart are checked (batch shape, linear
+        # types, opaque handles): every weight stays a graph input, so the full set (a shape and dtype check per
+        # weight tensor, ~400 of them) would cost a few percent of a batch-1 step for nothing.
         with torch.inference_mode(), torch.compiler.set_stance(skip_guard_eval_unsafe=self._warm):
             logits = self._compiled(self.model, input_ids, positions, self.kv_cache, meta)
         return logits[:n].cpu()
