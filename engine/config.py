@@ -219,6 +219,10 @@ class EngineConfig:
     """Most sequences running in one step."""
     max_num_batched_tokens: int = 2048
     """Token budget of one step: decode tokens plus prefill chunk tokens."""
+    long_prefill_token_threshold: int = 0
+    """Most prompt tokens one sequence computes in one step (0: up to the whole budget). A cap below the budget
+    lets short prompts and decodes share every step with a long prompt's prefill instead of waiting behind it
+    (engine.scheduler); it costs the long prompt more, smaller steps."""
     max_waiting: int = 1024
     """Bound of the waiting queue; beyond it `add_request` raises an overload error."""
     enable_prefix_caching: bool = True
@@ -254,6 +258,9 @@ class EngineConfig:
                              f"got {self.quantization!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"EngineConfig.block_size must be a power of two >= 1, got {self.block_size}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("EngineConfig.long_prefill_token_threshold must be >= 0 (0: off), "
+                             f"got {self.long_prefill_token_threshold}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")

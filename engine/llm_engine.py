@@ -127,7 +127,7 @@ class LLMEngine:
                                  config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting,
-                            self.max_model_len),
+                            self.max_model_len, config.long_prefill_token_threshold),
             self.kv, self.model_config.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
         """Compiles and caches the structured-output grammars of this engine's requests."""
