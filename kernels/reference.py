@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels._checks import check_gather_out
+
 INT8_MAX = 127.0
 
 
@@ -230,11 +232,17 @@ def rotary_embedding_ref(positions: torch.Tensor, query: torch.Tensor, key: torc
 
 
 # --------------------------------------------------------------------------------------------------- blocks
-def gather_blocks_ref(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Copy the given blocks of every layer into one contiguous staging buffer (the wire format)."""
+def gather_blocks_ref(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy the given blocks of every layer into one contiguous staging buffer (the wire format). With `out`
+    (a contiguous [n, L, 2, block_size, Hkv, D] tensor of the cache dtype, e.g. a view of a pooled shared-memory
+    segment) the blocks land there and `out` is returned: no allocation, no first-touch page faults."""
     # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]; block_ids: [n] int64
-    # Indexing the block axis moved to the front copies once, straight into the staging layout.
-    return kv_cache.permute(2, 0, 1, 3, 4, 5)[block_ids.long()]  # [n, L, 2, block_size, Hkv, D]
+    # Selecting along the block axis moved to the front copies once, straight into the staging layout.
+    by_block = kv_cache.permute(2, 0, 1, 3, 4, 5)  # [num_blocks, L, 2, block_size, Hkv, D], a view
+    if out is None:
+        return by_block[block_ids.long()]  # [n, L, 2, block_size, Hkv, D]
+    check_gather_out(out, kv_cache, block_ids.shape[0])
+    return torch.index_select(by_block, 0, block_ids.long(), out=out)
 
 
 def scatter_blocks_ref(staging: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
