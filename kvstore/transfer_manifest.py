@@ -99,6 +99,8 @@ class TransferManifest:
     transport: str
     shm_name: str
     payload_bytes: int
+    # --- streamed transfers (issue 16) ---
+    digests_in_trailer: bool = False  # block_digests empty here: they follow the data in the trailer (grpc only)
 
 
 def validate_manifest(manifest: TransferManifest, expected_layout: KvLayoutSpec, block_ids: Sequence[int],
@@ -126,17 +128,38 @@ def validate_manifest(manifest: TransferManifest, expected_layout: KvLayoutSpec,
         raise TransferRejected(f"{len(manifest.block_ids)} ids {list(manifest.block_ids[:8])}... are not the "
                                f"reservation's {len(block_ids)} ids {list(block_ids[:8])}...",
                                "block_ids", INVALID_ARGUMENT)
-    if len(manifest.block_digests) != len(manifest.block_ids):
-        raise TransferRejected(f"{len(manifest.block_digests)} digests for {len(manifest.block_ids)} blocks",
-                               "block_digests")
-    bad = [i for i, d in enumerate(manifest.block_digests) if len(d) != DIGEST_BYTES]
-    if bad:
-        raise TransferRejected(f"digest {bad[0]} has {len(manifest.block_digests[bad[0]])} bytes, expected "
-                               f"{DIGEST_BYTES}", "block_digests")
+    if manifest.digests_in_trailer:
+        _check_streamed(manifest)
+    else:
+        _check_digests(manifest.block_digests, len(manifest.block_ids))
     expected_bytes = len(manifest.block_ids) * expected_layout.block_bytes(manifest.codec)
     if manifest.payload_bytes != expected_bytes:
         raise TransferRejected(f"{manifest.payload_bytes} bytes announced, {len(manifest.block_ids)} {manifest.codec} "
                                f"blocks of this layout are {expected_bytes}", "payload_bytes")
+
+
+def _check_digests(digests: Sequence[bytes], num_blocks: int) -> None:
+    if len(digests) != num_blocks:
+        raise TransferRejected(f"{len(digests)} digests for {num_blocks} blocks", "block_digests")
+    bad = [i for i, d in enumerate(digests) if len(d) != DIGEST_BYTES]
+    if bad:
+        raise TransferRejected(f"digest {bad[0]} has {len(digests[bad[0]])} bytes, expected {DIGEST_BYTES}",
+                               "block_digests")
+
+
+# --- streamed transfers (issue 16): the digests follow the data, in a trailer ---
+def _check_streamed(manifest: TransferManifest) -> None:
+    if manifest.transport != "grpc":
+        raise TransferRejected(f"digests_in_trailer with transport {manifest.transport!r}: only grpc streams a "
+                               "trailer", "digests_in_trailer", INVALID_ARGUMENT)
+    if manifest.block_digests:
+        raise TransferRejected(f"{len(manifest.block_digests)} digests in a manifest that announces them in the "
+                               "trailer", "block_digests", INVALID_ARGUMENT)
+
+
+def check_trailer_digests(manifest: TransferManifest, digests: Sequence[bytes]) -> None:
+    """TransferRejected unless the trailer holds one well-formed digest per block of `manifest`."""
+    _check_digests(digests, len(manifest.block_ids))
 
 
 def check_chunk_bytes(chunk_bytes: int) -> None:

@@ -4,20 +4,27 @@ Receiving (``KvTransferServicer``, thin; the flow is ``receive_transfer``):
 
     manifest ─▶ receiver.check(manifest) ─▶ ReceiveTarget(layout, reserved block ids, kv_cache)   (or refuses)
              ─▶ validate_manifest (codec, transport, layout field by field, bounds, reservation ids, digests, size)
-    grpc:    data chunks ─▶ receive staging buffer, each block's digest checked once its last byte is in
-    shm:     take the named segment (kvstore.shm.take_segment: one this host's sender made for this
-             reservation, else rejected naming shm_name), check every digest on the mapped bytes
-             ─▶ decode + scatter into kv_cache (only after every digest passed) ─▶ receiver.commit
-    any failure after check ─▶ receiver.reject(request_id, handle, reason); the RPC fails with the rejection's code
-                   (FAILED_PRECONDITION: layout/fingerprint, digest, size, shm segment; INVALID_ARGUMENT: bounds,
-                   reservation ids, codec/transport, malformed stream; INTERNAL: anything else) and a message
-                   "<field>: <what mismatched>".
+    grpc:    data chunks ─▶ a reused receive staging buffer (BufferPool), each block's digest checked (or, with
+             digests_in_trailer, hashed) once its last byte is in; a streamed transfer ends with its trailer, whose
+             digests must all match before anything is scattered
+    shm:     one-shot segment: take it (kvstore.shm.take_segment: one this host's sender made for this
+             reservation, else rejected naming shm_name); pooled segment: map it once and keep the mapping
+             (kvstore.shm_pool.PooledSegmentReader: the header must name this reservation); check every digest
+             on the mapped bytes
+             ─▶ decode + scatter into kv_cache straight from the buffer or the mapping (only after every digest
+                passed) ─▶ receiver.commit
+    any failure after check ─▶ receiver.reject(request_id, handle, reason), once; the RPC fails with the
+                   rejection's code (FAILED_PRECONDITION: layout/fingerprint, digest, size, shm segment;
+                   INVALID_ARGUMENT: bounds, reservation ids, codec/transport, malformed stream; INTERNAL:
+                   anything else) and a message "<field>: <what mismatched>".
 
 Sending (``KvSender.push``): the transport is the caller's explicit choice and is reported in TransferStats;
-there is no fallback. grpc: the request iterator (consumed by a grpc thread) yields the manifest, then 2 MiB
-chunks, while a helper thread gathers the next group of blocks (see encode_stream for when gathering is lazy).
-shm: the payload goes into a fresh segment, the stream carries only the manifest, and the segment is unlinked
-when the RPC returns or fails.
+there is no fallback. Blocks are encoded a group (``group_bytes``) at a time straight into the memory that
+carries them (kvstore.transfer.write_records) and hashed there. grpc: manifest (digests_in_trailer), then 2 MiB
+chunks cut from a reused staging buffer as each group is gathered, then the trailer with the digests. shm: the
+groups land in a segment (from the sender's SegmentPool when it has one: pre-faulted and reused; else a fresh
+one-shot segment), then the manifest with the digests names it; the segment goes back to the pool only after a
+committed Push, and is unlinked on every other outcome.
 
 Servers hosting the servicer should be created with ``GRPC_OPTIONS`` (4 MiB chunks exceed grpc's default
 4 MiB message limit once framed); the default 2 MiB chunks work without.
@@ -25,18 +32,19 @@ Servers hosting the servicer should be created with ``GRPC_OPTIONS`` (4 MiB chun
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import grpc
 import torch
 
 from kvstore.shm import OutgoingSegment, SegmentRefused, take_segment
-from kvstore.transfer import DecodedBlocks, PayloadAssembler, decode_payload, encode_stream, iter_chunks, verify_digests
+from kvstore.shm_pool import PooledSegmentReader, SegmentPool, is_pooled_name
+from kvstore.transfer import (BufferPool, DecodedBlocks, PayloadAssembler, decode_payload, iter_chunks,
+                              verify_digests, write_records)
 from kvstore.transfer_manifest import (CODECS, DEFAULT_CHUNK_BYTES, INVALID_ARGUMENT, TRANSPORTS, KvLayoutSpec,
                                        TransferManifest, TransferRejected, check_chunk_bytes, num_chunks,
                                        validate_manifest)
@@ -50,8 +58,7 @@ GRPC_MAX_MESSAGE_BYTES = 8 << 20
 GRPC_OPTIONS = [("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES)]
 DEFAULT_GROUP_BYTES = 4 << 20
-
-T = TypeVar("T")
+"""Blocks encoded (gathered and hashed) at a time: small enough to stay in cache between gather and hash."""
 
 
 # ----------------------------------------------------------------------------------------------- receiving
@@ -107,18 +114,23 @@ def _scatter_verified(buffer: torch.Tensor, manifest: TransferManifest, target: 
         torch.cuda.current_stream(target.kv_cache.device).synchronize()
 
 
-def _receive_shm(manifest: TransferManifest, target: ReceiveTarget, block_bytes: int) -> None:
-    try:  # only a segment this host's sender made for this reservation (kvstore.shm), unlinked once taken
-        segment = take_segment(manifest.shm_name, request_id=manifest.request_id, handle=manifest.handle)
+def _receive_shm(manifest: TransferManifest, target: ReceiveTarget, block_bytes: int,
+                 segments: PooledSegmentReader) -> None:
+    try:  # only a segment this host's sender made for this reservation (kvstore.shm, kvstore.shm_pool)
+        if is_pooled_name(manifest.shm_name):
+            segment = segments.open(manifest.shm_name, request_id=manifest.request_id, handle=manifest.handle,
+                                    payload_bytes=manifest.payload_bytes)
+        else:
+            segment = take_segment(manifest.shm_name, request_id=manifest.request_id, handle=manifest.handle)
     except SegmentRefused as exc:
         raise TransferRejected(str(exc), "shm_name") from None
     except FileNotFoundError:
         raise TransferRejected(f"no shared-memory segment {manifest.shm_name!r} on this host (sender on another "
                                "host, or already unlinked)", "shm_name") from None
     with segment:
-        if segment.size < manifest.payload_bytes:
-            raise TransferRejected(f"segment holds {segment.size} bytes, manifest announces {manifest.payload_bytes}",
-                                   "payload_bytes")
+        if len(segment.buf) < manifest.payload_bytes:
+            raise TransferRejected(f"segment holds {len(segment.buf)} bytes, manifest announces "
+                                   f"{manifest.payload_bytes}", "payload_bytes")
         with segment.buf[:manifest.payload_bytes] as view:
             verify_digests(view, block_bytes, manifest, 0, len(manifest.block_ids))
         if manifest.payload_bytes:
@@ -128,26 +140,50 @@ def _receive_shm(manifest: TransferManifest, target: ReceiveTarget, block_bytes:
             del buffer  # release the mapping's export before the segment closes
 
 
-def receive_transfer(manifest: TransferManifest, data_chunks: Iterator[bytes], receiver: KvReceiver,
-                     sender_role: str | None = None) -> ReceivedBlocks:
+def _receive_grpc(manifest: TransferManifest, data_chunks: Iterator[bytes | TrailerDigests],
+                  target: ReceiveTarget, block_bytes: int, buffers: BufferPool) -> None:
+    staging = buffers.take(manifest.payload_bytes)
+    try:
+        assembler = PayloadAssembler(manifest, block_bytes, staging)
+        trailer = None
+        for item in data_chunks:
+            if trailer is not None:
+                raise TransferRejected("a message after the trailer", "trailer", INVALID_ARGUMENT)
+            if isinstance(item, TrailerDigests):
+                trailer = item.digests
+            else:
+                assembler.add(item)
+        _scatter_verified(assembler.finish(trailer), manifest, target)
+        del assembler
+    finally:
+        buffers.give_back(staging)
+
+
+@dataclass(frozen=True)
+class TrailerDigests:
+    """The trailer of a streamed transfer, as the servicer hands it on after the data chunks."""
+    digests: tuple[bytes, ...]
+
+
+def receive_transfer(manifest: TransferManifest, data_chunks: Iterator[bytes | TrailerDigests],
+                     receiver: KvReceiver, sender_role: str | None = None, *, buffers: BufferPool | None = None,
+                     segments: PooledSegmentReader | None = None) -> ReceivedBlocks:
     """One whole transfer after its manifest: check, receive, verify, scatter, commit; reject on any failure
     after check handed out the reservation (a refused check is the receiver's own decision: nothing to release,
     and a busy reservation must stay with the transfer that holds it). `sender_role`: the pusher's
-    authenticated role (None over plaintext), handed to commit with the blocks."""
+    authenticated role (None over plaintext), handed to commit with the blocks. `buffers` / `segments`: the
+    servicer's reused receive buffers and pooled-segment mappings (fresh ones when not given)."""
     target = receiver.check(manifest)
     try:
         validate_manifest(manifest, target.layout, target.block_ids, target.kv_cache.shape[2])
         target.layout.check_cache(target.kv_cache)
         block_bytes = target.layout.block_bytes(manifest.codec)
         if manifest.transport == "grpc":
-            assembler = PayloadAssembler(manifest, block_bytes)
-            for data in data_chunks:
-                assembler.add(data)
-            _scatter_verified(assembler.finish(), manifest, target)
+            _receive_grpc(manifest, data_chunks, target, block_bytes, buffers or BufferPool(0))
         else:
             if next(data_chunks, None) is not None:
                 raise TransferRejected("data chunks on an shm transfer", "data", INVALID_ARGUMENT)
-            _receive_shm(manifest, target, block_bytes)
+            _receive_shm(manifest, target, block_bytes, segments or PooledSegmentReader(0))
         received = ReceivedBlocks(tuple(manifest.block_ids), manifest.payload_bytes, manifest.codec,
                                   manifest.transport, sender_role)
         receiver.commit(manifest.request_id, manifest.handle, received)
@@ -167,25 +203,33 @@ def _read_manifest(request_iterator: Iterator[kv_transfer_pb2.KvChunk]) -> Trans
     return manifest_from_pb(first.manifest)
 
 
-def _data_of(request_iterator: Iterator[kv_transfer_pb2.KvChunk]) -> Iterator[bytes]:
+def _data_of(request_iterator: Iterator[kv_transfer_pb2.KvChunk]) -> Iterator[bytes | TrailerDigests]:
     for message in request_iterator:
-        if message.WhichOneof("body") != "data":
+        body = message.WhichOneof("body")
+        if body == "data":
+            yield message.data
+        elif body == "trailer":
+            yield TrailerDigests(tuple(message.trailer.block_digests))
+        else:
             raise TransferRejected("a second manifest inside one Push", "manifest", INVALID_ARGUMENT)
-        yield message.data
 
 
 class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
-    """Thin: unpack the stream, run receive_transfer, map TransferRejected to its status."""
+    """Thin: unpack the stream, run receive_transfer, map TransferRejected to its status. Owns the receive
+    buffers and pooled-segment mappings its transfers reuse."""
 
-    def __init__(self, receiver: KvReceiver) -> None:
+    def __init__(self, receiver: KvReceiver, *, max_idle_buffer_bytes: int = 1 << 30) -> None:
         self._receiver = receiver
+        self.buffers = BufferPool(max_idle_buffer_bytes)
+        self.segments = PooledSegmentReader()
 
     def Push(self, request_iterator, context):
         try:
             manifest = _read_manifest(request_iterator)
             sender = peer_identity(context.auth_context())
             received = receive_transfer(manifest, _data_of(request_iterator), self._receiver,
-                                        sender.role if sender is not None else None)
+                                        sender.role if sender is not None else None, buffers=self.buffers,
+                                        segments=self.segments)
         except TransferRejected as exc:
             context.abort(grpc.StatusCode[exc.code], str(exc))
         except Exception as exc:
@@ -198,8 +242,10 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
 @dataclass(frozen=True)
 class FaultInjection:
     """Test hook, passed explicitly to push: invert the first byte of payload chunk `corrupt_chunk_index`
-    (the k-th `chunk_bytes` piece) after the digests were computed, on either transport."""
+    (the k-th `chunk_bytes` piece) after the digests were computed, on either transport; or the first byte of
+    the trailer's digest of block `corrupt_trailer_digest` (grpc)."""
     corrupt_chunk_index: int | None = None
+    corrupt_trailer_digest: int | None = None
 
 
 @dataclass(frozen=True)
@@ -220,54 +266,19 @@ class TransferFailed(Exception):
         self.details = details
 
 
-def _prefetch(items: Iterator[T], depth: int = 1) -> Iterator[T]:
-    """Produce `items` in a helper thread, at most `depth` ahead of the consumer (torch ops drop the GIL)."""
-    slots: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    end = object()
-
-    def produce() -> None:
-        torch.set_num_threads(1)  # memory-bound copies; no OpenMP team beside the engine loop's
-        try:
-            for item in items:
-                slots.put((item, None))
-                if stop.is_set():
-                    return
-            slots.put((end, None))
-        except BaseException as exc:  # handed to the consumer
-            slots.put((end, exc))
-
-    producer = threading.Thread(target=produce, name="kv-transfer-gather", daemon=True)
-    producer.start()
-    try:
-        while True:
-            item, exc = slots.get()
-            if item is end:
-                if exc is not None:
-                    raise exc
-                return
-            yield item
-    finally:
-        # Free the slots so a pending put completes; the producer returns after its next put.
-        stop.set()
-        while True:
-            try:
-                slots.get_nowait()
-            except queue.Empty:
-                break
-        producer.join()
-
-
 class KvSender:
     """Pushes blocks of a local cache to decode workers' KvTransfer services. One cached channel per endpoint;
     thread-safe. With `tls` (the prefill worker's cluster files, read once) every channel is mutual TLS and
-    accepts only a server certificate of role decode."""
+    accepts only a server certificate of role decode. `shm_pool_bytes` > 0: shm transfers use a SegmentPool of
+    that many bytes (pre-faulted, reused; closed with the sender); 0: a fresh segment per transfer."""
 
     def __init__(self, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, group_bytes: int = DEFAULT_GROUP_BYTES,
-                 tls: TlsFiles | None = None) -> None:
+                 tls: TlsFiles | None = None, shm_pool_bytes: int = 0) -> None:
         check_chunk_bytes(chunk_bytes)
         self.chunk_bytes = chunk_bytes
         self.group_bytes = group_bytes
+        self.segment_pool = SegmentPool(shm_pool_bytes) if shm_pool_bytes else None
+        self.staging = BufferPool(4 * group_bytes)
         self._credentials = channel_credentials(tls) if tls is not None else None
         self._stubs: dict[str, tuple[grpc.Channel, kv_transfer_pb2_grpc.KvTransferStub]] = {}
         self._lock = threading.Lock()
@@ -288,8 +299,8 @@ class KvSender:
              timeout_s: float = 30.0, fault: FaultInjection | None = None) -> TransferStats:
         """Send blocks `src_block_ids` of `kv_cache` to land in `dst_block_ids` of the receiver reservation
         `handle`, over `transport` exactly (no fallback). The source blocks must not change until push returns
-        (with lazy gathering a change shows up as a digest rejection). Raises TransferFailed (the receiver's
-        status and message) or ValueError (bad arguments)."""
+        (blocks are gathered as they are sent; a change shows up as a digest rejection). Raises TransferFailed
+        (the receiver's status and message) or ValueError (bad arguments)."""
         # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]
         start = time.perf_counter()
         deadline = start + timeout_s
@@ -302,48 +313,84 @@ class KvSender:
             raise ValueError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} destination blocks")
         if any(not 0 <= b < kv_cache.shape[2] for b in src_block_ids):
             raise ValueError(f"src_block_ids outside the cache of {kv_cache.shape[2]} blocks")
-        blocks_per_group = max(1, self.group_bytes // layout.block_bytes(codec))
-        stream = encode_stream(kv_cache, src_block_ids, codec, blocks_per_group)
-        corrupt = fault.corrupt_chunk_index if fault is not None else None
-        if corrupt is not None and not 0 <= corrupt < num_chunks(stream.payload_bytes, self.chunk_bytes):
-            raise ValueError(f"corrupt_chunk_index {corrupt} outside the payload's "
-                             f"{num_chunks(stream.payload_bytes, self.chunk_bytes)} chunks")
+        block_bytes = layout.block_bytes(codec)
+        payload_bytes = len(src_block_ids) * block_bytes
+        blocks_per_group = max(1, self.group_bytes // block_bytes)
+        groups = [src_block_ids[i:i + blocks_per_group] for i in range(0, len(src_block_ids), blocks_per_group)]
+        fault = fault or FaultInjection()
+        if fault.corrupt_chunk_index is not None and not (
+                0 <= fault.corrupt_chunk_index < num_chunks(payload_bytes, self.chunk_bytes)):
+            raise ValueError(f"corrupt_chunk_index {fault.corrupt_chunk_index} outside the payload's "
+                             f"{num_chunks(payload_bytes, self.chunk_bytes)} chunks")
 
-        def manifest(shm_name: str = "") -> kv_transfer_pb2.KvChunk:
+        def manifest(shm_name: str = "", digests: tuple[bytes, ...] = ()) -> kv_transfer_pb2.KvChunk:
             return kv_transfer_pb2.KvChunk(manifest=manifest_to_pb(TransferManifest(
-                request_id, handle, layout, tuple(dst_block_ids), stream.digests, codec, transport, shm_name,
-                stream.payload_bytes)))
+                request_id, handle, layout, tuple(dst_block_ids), digests, codec, transport, shm_name,
+                payload_bytes, digests_in_trailer=transport == "grpc")))
 
         stub = self._stub(endpoint)
         if transport == "grpc":
             errors: list[BaseException] = []
-            result = self._call(stub, self._grpc_messages(manifest(), stream, corrupt, errors), deadline, errors)
+            messages = self._grpc_messages(manifest(), kv_cache, groups, codec, block_bytes, fault, errors)
+            result = self._call(stub, messages, deadline, errors)
         else:
-            with OutgoingSegment(stream.payload_bytes, request_id=request_id,
-                                 handle=handle) as segment:  # unlinked on every path out
-                offset = 0
-                for group in stream.groups:
-                    segment.write(offset, group)
-                    offset += group.numel()
-                if corrupt is not None:
-                    segment.flip_byte(corrupt * self.chunk_bytes)
-                result = self._call(stub, iter([manifest(segment.name)]), deadline, [])
-        if result.num_blocks != len(dst_block_ids) or result.bytes != stream.payload_bytes:
+            result = self._push_shm(stub, manifest, kv_cache, groups, codec, block_bytes, payload_bytes, fault,
+                                    request_id, handle, deadline)
+        if result.num_blocks != len(dst_block_ids) or result.bytes != payload_bytes:
             raise TransferFailed(grpc.StatusCode.INTERNAL, f"receiver reports {result.num_blocks} blocks / "
-                                 f"{result.bytes} bytes, sent {len(dst_block_ids)} / {stream.payload_bytes}")
-        return TransferStats(stream.payload_bytes, (time.perf_counter() - start) * 1e3, transport, codec,
+                                 f"{result.bytes} bytes, sent {len(dst_block_ids)} / {payload_bytes}")
+        return TransferStats(payload_bytes, (time.perf_counter() - start) * 1e3, transport, codec,
                              len(dst_block_ids))
 
-    def _grpc_messages(self, manifest: kv_transfer_pb2.KvChunk, stream, corrupt: int | None,
+    def _push_shm(self, stub, manifest, kv_cache, groups, codec, block_bytes, payload_bytes, fault, request_id,
+                  handle, deadline) -> kv_transfer_pb2.PushResult:
+        if self.segment_pool is not None:
+            segment = self.segment_pool.acquire(payload_bytes, request_id=request_id, handle=handle,
+                                                timeout_s=max(0.0, deadline - time.perf_counter()))
+        else:
+            segment = OutgoingSegment(payload_bytes, request_id=request_id, handle=handle)
+        committed = False
+        try:  # released on every path out: back to the pool only once the receiver committed
+            payload = segment.payload(payload_bytes)  # [payload_bytes] uint8 viewing the segment
+            digests, offset = [], 0
+            for ids in groups:
+                digests.extend(write_records(kv_cache, ids, codec, payload[offset:offset + len(ids) * block_bytes]))
+                offset += len(ids) * block_bytes
+            del payload
+            if fault.corrupt_chunk_index is not None:
+                segment.flip_byte(fault.corrupt_chunk_index * self.chunk_bytes)
+            result = self._call(stub, iter([manifest(segment.name, tuple(digests))]), deadline, [])
+            committed = True
+            return result
+        finally:
+            segment.release(reusable=committed)
+
+    def _grpc_messages(self, manifest: kv_transfer_pb2.KvChunk, kv_cache: torch.Tensor, groups: list[list[int]],
+                       codec: str, block_bytes: int, fault: FaultInjection,
                        errors: list[BaseException]) -> Iterator[kv_transfer_pb2.KvChunk]:
-        # Runs in grpc's request-consumer thread; _prefetch gathers group k+1 meanwhile.
+        # Runs in grpc's request-consumer thread: gather a group into the reused staging buffer, hash it, cut it
+        # into chunks (copies: the buffer is reused for the next group), and after the last one, the trailer.
         try:
             yield manifest
-            groups = _prefetch(stream.groups) if stream.lazy else stream.groups
-            for index, data in enumerate(iter_chunks(groups, self.chunk_bytes)):
-                if index == corrupt:
-                    data = bytes([data[0] ^ 0xFF]) + data[1:]
-                yield kv_transfer_pb2.KvChunk(data=data)
+            digests: list[bytes] = []
+            staging = self.staging.take(max((len(ids) for ids in groups), default=0) * block_bytes)
+            try:
+                def encoded_groups() -> Iterator[torch.Tensor]:
+                    for ids in groups:
+                        out = staging[:len(ids) * block_bytes]  # [k * block_bytes] uint8
+                        digests.extend(write_records(kv_cache, ids, codec, out))
+                        yield out
+
+                for index, data in enumerate(iter_chunks(encoded_groups(), self.chunk_bytes)):
+                    if index == fault.corrupt_chunk_index:
+                        data = bytes([data[0] ^ 0xFF]) + data[1:]
+                    yield kv_transfer_pb2.KvChunk(data=data)
+            finally:
+                self.staging.give_back(staging)
+            if fault.corrupt_trailer_digest is not None:
+                i = fault.corrupt_trailer_digest
+                digests[i] = bytes([digests[i][0] ^ 0xFF]) + digests[i][1:]
+            yield kv_transfer_pb2.KvChunk(trailer=kv_transfer_pb2.KvTrailer(block_digests=digests))
         except Exception as exc:  # grpc would only report "Exception iterating requests"
             errors.append(exc)
             raise
@@ -362,6 +409,8 @@ class KvSender:
             for channel, _ in self._stubs.values():
                 channel.close()
             self._stubs.clear()
+        if self.segment_pool is not None:
+            self.segment_pool.close()
 
     def __enter__(self) -> KvSender:
         return self
