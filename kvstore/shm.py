@@ -191,7 +191,7 @@ def _refuse_unless(ok: bool, name: str, why: str) -> None:
         raise SegmentRefused(f"segment {name!r} refused: {why}")
 
 
-def _open_checked(name: str) -> tuple[int, os.stat_result]:
+def open_checked(name: str) -> tuple[int, os.stat_result]:
     """A read-only descriptor of segment `name`, after the file checks of the module doc; FileNotFoundError
     (plain) when there is no such segment."""
     if os.name != "posix":
@@ -225,7 +225,7 @@ class AttachedSegment:
 
     def __init__(self, name: str, *, take: bool = False) -> None:
         self.name = name
-        fd, st = _open_checked(name)
+        fd, st = open_checked(name)
         try:
             mapping = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY)
         finally:

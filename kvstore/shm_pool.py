@@ -34,6 +34,7 @@ unlinked, kept per (name, inode) in a small LRU; one whose name is gone or now n
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
@@ -46,7 +47,7 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
-from kvstore.shm import SEGMENT_PREFIX, SHM_DIR, SegmentRefused, _open_checked, reservation_token
+from kvstore.shm import SEGMENT_PREFIX, SHM_DIR, SegmentRefused, open_checked, reservation_token
 
 POOLED_NAME_PATTERN = re.compile(r"pdkv_[0-9a-f]{1,8}_pool_[0-9a-f]{8}")
 HEADER_BYTES = 4096
@@ -199,6 +200,12 @@ class SegmentPool:
         return segment
 
     def _create(self, capacity: int) -> PooledSegment:
+        if SHM_DIR.is_dir():  # touching a page past the tmpfs size would kill us with SIGBUS: refuse first
+            fs = os.statvfs(SHM_DIR)
+            if capacity > fs.f_bavail * fs.f_frsize:
+                raise OSError(errno.ENOSPC, f"{SHM_DIR} has {fs.f_bavail * fs.f_frsize} bytes free, a {capacity}-byte "
+                              "KV segment does not fit (give the container more shared memory, or lower "
+                              "--shm-pool-bytes)")
         while True:
             name = f"{SEGMENT_PREFIX}{os.getpid():x}_pool_{secrets.token_hex(4)}"
             try:
@@ -294,7 +301,7 @@ class PooledSegmentReader:
         the module doc. SegmentRefused with the reason; FileNotFoundError when there is no such segment."""
         if not is_pooled_name(name):
             raise SegmentRefused(f"invalid pooled segment name {name!r}: expected {POOLED_NAME_PATTERN.pattern}")
-        fd, st = _open_checked(name)
+        fd, st = open_checked(name)
         try:
             with self._lock:
                 self._prune()
