@@ -88,9 +88,8 @@ def serve_receiver(port_queue, stop_event, threads: int, files=None, socket_queu
         threading.Thread(target=serve_raw_socket, args=(listener,), daemon=True).start()
         socket_queue.put(listener.getsockname()[1])
 
-    from kvstore.transfer_service import GRPC_OPTIONS, KvTransferServicer, ReceiveTarget
+    from kvstore.transfer_service import GRPC_OPTIONS, KvTransferServicer, ReceiveTarget, add_kv_transfer_servicer
     from protos import tls
-    from protos.pdserve.v1 import kv_transfer_pb2_grpc
 
     torch.set_num_threads(threads)
     kv_cache = torch.zeros(cache_shape(CACHE_BLOCKS))  # [L, 2, num_blocks, block_size, Hkv, D]
@@ -107,7 +106,7 @@ def serve_receiver(port_queue, stop_event, threads: int, files=None, socket_queu
 
     interceptors = [tls.RoleInterceptor(tls.cluster_role_table())] if files is not None else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS, interceptors=interceptors)
-    kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(KvTransferServicer(AnyReservation()), server)
+    add_kv_transfer_servicer(KvTransferServicer(AnyReservation()), server)
     address = "127.0.0.1:0"
     port_queue.put(server.add_secure_port(address, tls.server_credentials(files)) if files is not None
                    else server.add_insecure_port(address))

@@ -107,9 +107,11 @@ def write_records(kv_cache: torch.Tensor, block_ids: Sequence[int], codec: str, 
     return _digest_records(memoryview(out.numpy()), block_bytes, n)
 
 
-def iter_chunks(buffers: Iterable, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
+def iter_chunks(buffers: Iterable, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes | memoryview]:
     """Cut the concatenation of `buffers` (bytes-like objects or 1-D uint8 CPU tensors) into pieces of exactly
-    `chunk_bytes`, the last one possibly shorter. Pieces span buffer boundaries."""
+    `chunk_bytes`, the last one possibly shorter. Pieces span buffer boundaries. A piece inside one buffer is a
+    view of it (valid while that buffer is unchanged: the sender encodes each piece before it asks for the next);
+    one that spans buffers is a copy."""
     check_chunk_bytes(chunk_bytes)
     pending = bytearray()
     for buffer in buffers:
@@ -122,7 +124,7 @@ def iter_chunks(buffers: Iterable, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> It
                 yield bytes(pending)
                 pending = bytearray()
         while len(view) - pos >= chunk_bytes:
-            yield bytes(view[pos:pos + chunk_bytes])
+            yield view[pos:pos + chunk_bytes]
             pos += chunk_bytes
         pending += view[pos:]
     if pending:

@@ -196,15 +196,70 @@ def receive_transfer(manifest: TransferManifest, data_chunks: Iterator[bytes | T
         raise
 
 
-def _read_manifest(request_iterator: Iterator[kv_transfer_pb2.KvChunk]) -> TransferManifest:
+def _read_manifest(request_iterator: Iterator[kv_transfer_pb2.KvChunk | memoryview]) -> TransferManifest:
     first = next(request_iterator, None)
-    if first is None or first.WhichOneof("body") != "manifest":
+    if first is None or isinstance(first, memoryview) or first.WhichOneof("body") != "manifest":
         raise TransferRejected("the first message of a Push must be the manifest", "manifest", INVALID_ARGUMENT)
     return manifest_from_pb(first.manifest)
 
 
-def _data_of(request_iterator: Iterator[kv_transfer_pb2.KvChunk]) -> Iterator[bytes | TrailerDigests]:
+# --- the data chunks' wire form, without a protobuf object per chunk ---
+# A KvChunk holding only `data` is, on the wire, the tag byte of field 2 (length-delimited), a varint length and
+# the bytes. The sender writes that form itself (one copy out of its staging buffer, instead of bytes(), the
+# message and its serialization) and the servicer's deserializer hands the bytes on as a view of the received
+# message (no parse, no copy); anything else goes through KvChunk as before. Same bytes on the wire either way.
+_DATA_TAG = b"\x12"
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def encode_data_chunk(data) -> bytes:
+    """The serialized KvChunk(data=data), built in one copy."""
+    view = memoryview(data).cast("B")
+    return b"".join((_DATA_TAG, _varint(len(view)), view))
+
+
+def _serialize_chunk(message: kv_transfer_pb2.KvChunk | bytes) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def _deserialize_chunk(raw: bytes) -> kv_transfer_pb2.KvChunk | memoryview:
+    """A data chunk as a view of its payload bytes; any other message (or a data chunk in another valid form)
+    as a KvChunk."""
+    if raw[:1] == _DATA_TAG:
+        length, shift, pos = 0, 0, 1
+        while pos < len(raw) and pos <= 10:
+            byte = raw[pos]
+            length |= (byte & 0x7F) << shift
+            pos += 1
+            shift += 7
+            if not byte & 0x80:
+                if pos + length == len(raw):
+                    return memoryview(raw)[pos:]
+                break
+    return kv_transfer_pb2.KvChunk.FromString(raw)
+
+
+def add_kv_transfer_servicer(servicer: KvTransferServicer, server: grpc.Server) -> None:
+    """kv_transfer_pb2_grpc.add_KvTransferServicer_to_server with the data chunks' fast deserializer."""
+    handler = grpc.stream_unary_rpc_method_handler(servicer.Push, request_deserializer=_deserialize_chunk,
+                                                   response_serializer=kv_transfer_pb2.PushResult.SerializeToString)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("pdserve.v1.KvTransfer",
+                                                                          {"Push": handler})])
+
+
+def _data_of(request_iterator: Iterator[kv_transfer_pb2.KvChunk | memoryview]) -> Iterator[bytes | TrailerDigests]:
     for message in request_iterator:
+        if isinstance(message, memoryview):
+            yield message
+            continue
         body = message.WhichOneof("body")
         if body == "data":
             yield message.data
@@ -280,10 +335,11 @@ class KvSender:
         self.segment_pool = SegmentPool(shm_pool_bytes) if shm_pool_bytes else None
         self.staging = BufferPool(4 * group_bytes)
         self._credentials = channel_credentials(tls) if tls is not None else None
-        self._stubs: dict[str, tuple[grpc.Channel, kv_transfer_pb2_grpc.KvTransferStub]] = {}
+        self._stubs: dict[str, tuple[grpc.Channel, grpc.StreamUnaryMultiCallable]] = {}
         self._lock = threading.Lock()
 
-    def _stub(self, endpoint: str) -> kv_transfer_pb2_grpc.KvTransferStub:
+    def _stub(self, endpoint: str) -> grpc.StreamUnaryMultiCallable:
+        """KvTransfer.Push on `endpoint`, sending pre-encoded data chunks as they are (encode_data_chunk)."""
         with self._lock:
             if endpoint not in self._stubs:
                 if self._credentials is None:
@@ -291,7 +347,9 @@ class KvSender:
                 else:  # the server must hold a decode certificate of our CA: nothing else gets a connection
                     channel = grpc.secure_channel(endpoint, self._credentials,
                                                   options=[*GRPC_OPTIONS, *channel_options("decode")])
-                self._stubs[endpoint] = (channel, kv_transfer_pb2_grpc.KvTransferStub(channel))
+                self._stubs[endpoint] = (channel, channel.stream_unary(
+                    "/pdserve.v1.KvTransfer/Push", request_serializer=_serialize_chunk,
+                    response_deserializer=kv_transfer_pb2.PushResult.FromString))
             return self._stubs[endpoint][1]
 
     def push(self, endpoint: str, *, request_id: str, handle: str, layout: KvLayoutSpec, kv_cache: torch.Tensor,
@@ -384,7 +442,7 @@ class KvSender:
                 for index, data in enumerate(iter_chunks(encoded_groups(), self.chunk_bytes)):
                     if index == fault.corrupt_chunk_index:
                         data = bytes([data[0] ^ 0xFF]) + data[1:]
-                    yield kv_transfer_pb2.KvChunk(data=data)
+                    yield encode_data_chunk(data)
             finally:
                 self.staging.give_back(staging)
             if fault.corrupt_trailer_digest is not None:
@@ -396,9 +454,9 @@ class KvSender:
             raise
 
     @staticmethod
-    def _call(stub, messages, deadline: float, errors: list[BaseException]) -> kv_transfer_pb2.PushResult:
+    def _call(push, messages, deadline: float, errors: list[BaseException]) -> kv_transfer_pb2.PushResult:
         try:
-            return stub.Push(messages, timeout=max(0.0, deadline - time.perf_counter()))
+            return push(messages, timeout=max(0.0, deadline - time.perf_counter()))
         except grpc.RpcError as exc:
             if errors:
                 raise errors[0] from exc

@@ -22,7 +22,8 @@ from kvstore.shm import SHM_DIR, SegmentRefused
 from kvstore.shm_pool import PooledSegmentReader, is_pooled_name
 from kvstore.transfer import block_digest, encode_records, iter_chunks
 from kvstore.transfer_manifest import TransferManifest
-from kvstore.transfer_service import GRPC_OPTIONS, FaultInjection, KvSender, KvTransferServicer, TransferFailed
+from kvstore.transfer_service import (GRPC_OPTIONS, FaultInjection, KvSender, KvTransferServicer, TransferFailed,
+                                      add_kv_transfer_servicer)
 from protos.convert import manifest_to_pb
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from tests.integration.test_kv_transfer import TIMEOUT_S, CacheReceiver, layout_of, source_cache
@@ -51,7 +52,7 @@ def served():
     def start(receiver):
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
         servicer = KvTransferServicer(receiver)
-        kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(servicer, server)
+        add_kv_transfer_servicer(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
         servers.append(server)
@@ -110,7 +111,7 @@ def test_a_sender_with_the_digests_in_the_manifest_still_lands_and_a_missing_tra
                                     "raw", "grpc", "", payload.numel(), digests_in_trailer=in_trailer)
         yield kv_transfer_pb2.KvChunk(manifest=manifest_to_pb(manifest))
         for data in iter_chunks([payload]):
-            yield kv_transfer_pb2.KvChunk(data=data)
+            yield kv_transfer_pb2.KvChunk(data=bytes(data))
 
     with grpc.insecure_channel(endpoint, options=GRPC_OPTIONS) as channel:
         stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
@@ -252,3 +253,19 @@ def _push_catching(sender, endpoint, layout, src):
     except TransferFailed as exc:
         return exc
     return None
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 16383, 16384, 2 << 20])
+def test_pre_encoded_data_chunks_are_the_protobuf_bytes_and_parse_back_as_views(size):
+    from kvstore.transfer_service import _deserialize_chunk, encode_data_chunk
+
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    wire = encode_data_chunk(data)
+    assert wire == kv_transfer_pb2.KvChunk(data=data).SerializeToString()
+    parsed = _deserialize_chunk(wire)
+    assert isinstance(parsed, memoryview) and parsed == data
+    manifest = kv_transfer_pb2.KvChunk(manifest=kv_transfer_pb2.KvManifest(request_id="r")).SerializeToString()
+    assert _deserialize_chunk(manifest).manifest.request_id == "r"
+    # a data chunk followed by another field is still a valid KvChunk: parsed as one, not cut short
+    longer = wire + kv_transfer_pb2.KvChunk(data=b"x").SerializeToString()
+    assert _deserialize_chunk(longer).data == b"x"
