@@ -390,7 +390,13 @@ class KvSender:
         if transport == "grpc":
             errors: list[BaseException] = []
             messages = self._grpc_messages(manifest(), kv_cache, groups, codec, block_bytes, fault, errors)
-            result = self._call(stub, messages, deadline, errors)
+            try:
+                result = self._call(stub, messages, deadline, errors)
+            except TransferFailed as exc:
+                if exc.code == grpc.StatusCode.FAILED_PRECONDITION and exc.details.startswith("block_digests: 0 "):
+                    raise TransferFailed(exc.code, f"{exc.details} (the receiver predates digests in a trailer, "
+                                         "KvManifest.digests_in_trailer: upgrade the decode worker)") from exc
+                raise
         else:
             result = self._push_shm(stub, manifest, kv_cache, groups, codec, block_bytes, payload_bytes, fault,
                                     request_id, handle, deadline)

@@ -269,3 +269,31 @@ def test_pre_encoded_data_chunks_are_the_protobuf_bytes_and_parse_back_as_views(
     # a data chunk followed by another field is still a valid KvChunk: parsed as one, not cut short
     longer = wire + kv_transfer_pb2.KvChunk(data=b"x").SerializeToString()
     assert _deserialize_chunk(longer).data == b"x"
+
+
+def test_a_receiver_that_predates_the_trailer_fails_the_push_with_a_clear_error(layout, src):
+    # A decode worker before issue 16 parses KvManifest without field 10 (digests_in_trailer): the real servicer,
+    # fed manifests with that field dropped, as such a parser sees them.
+    def parse_as_before(raw: bytes) -> kv_transfer_pb2.KvChunk:
+        message = kv_transfer_pb2.KvChunk.FromString(raw)
+        if message.WhichOneof("body") == "manifest":
+            message.manifest.ClearField("digests_in_trailer")
+        return message
+
+    receiver = CacheReceiver(layout, 100)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("pdserve.v1.KvTransfer", {
+        "Push": grpc.stream_unary_rpc_method_handler(
+            KvTransferServicer(receiver).Push, request_deserializer=parse_as_before,
+            response_serializer=kv_transfer_pb2.PushResult.SerializeToString)})])
+    endpoint = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    try:
+        with KvSender() as sender, pytest.raises(TransferFailed) as info:
+            push(sender, endpoint, receiver, src, layout, "r", "grpc")
+    finally:
+        server.stop(None)
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert info.value.details.startswith("block_digests: 0 digests for 40 blocks")
+    assert "predates digests in a trailer" in info.value.details
+    assert [r[0] for r in receiver.rejected] == ["r"] and receiver.committed == []
