@@ -376,7 +376,10 @@ class PooledPayload:
         self.buf = entry.buf[HEADER_BYTES:HEADER_BYTES + payload_bytes]  # [payload_bytes] of the mapping
 
     def close(self) -> None:
-        self.buf.release()
+        try:
+            self.buf.release()
+        except BufferError:  # a tensor still views it (an exception's traceback): the mapping stays cached
+            pass
         self._reader._done(self._entry)
 
     def __enter__(self) -> PooledPayload:
