@@ -42,7 +42,7 @@ import grpc
 import torch
 
 from kvstore.shm import OutgoingSegment, SegmentRefused, take_segment
-from kvstore.shm_pool import PooledSegmentReader, SegmentPool, is_pooled_name
+from kvstore.shm_pool import PooledSegmentReader, SegmentPool, SegmentPoolExhausted, is_pooled_name
 from kvstore.transfer import (BufferPool, DecodedBlocks, PayloadAssembler, decode_payload, iter_chunks,
                               verify_digests, write_records)
 from kvstore.transfer_manifest import (CODECS, DEFAULT_CHUNK_BYTES, INVALID_ARGUMENT, TRANSPORTS, KvLayoutSpec,
@@ -409,8 +409,11 @@ class KvSender:
     def _push_shm(self, stub, manifest, kv_cache, groups, codec, block_bytes, payload_bytes, fault, request_id,
                   handle, deadline) -> kv_transfer_pb2.PushResult:
         if self.segment_pool is not None:
-            segment = self.segment_pool.acquire(payload_bytes, request_id=request_id, handle=handle,
-                                                timeout_s=max(0.0, deadline - time.perf_counter()))
+            try:
+                segment = self.segment_pool.acquire(payload_bytes, request_id=request_id, handle=handle,
+                                                    timeout_s=max(0.0, deadline - time.perf_counter()))
+            except (SegmentPoolExhausted, OSError, ValueError) as exc:  # full, no room in /dev/shm, too big
+                raise TransferFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"shared-memory pool: {exc}") from exc
         else:
             segment = OutgoingSegment(payload_bytes, request_id=request_id, handle=handle)
         committed = False

@@ -172,6 +172,16 @@ def test_shm_pool_unlinks_the_segment_of_a_rejected_or_timed_out_push(served, la
     assert not any(SHM_DIR.glob(f"pdkv_{os.getpid():x}_*"))
 
 
+def test_a_payload_the_pool_cannot_hold_fails_the_push_as_resource_exhausted(served):
+    layout = layout_of(head_dim=128)   # 128 KiB blocks: 40 of them need an 8 MiB segment
+    receiver = CacheReceiver(layout, 100)
+    endpoint, _ = served(receiver)
+    with KvSender(shm_pool_bytes=(4 << 20) + 4096) as sender, pytest.raises(TransferFailed) as info:
+        push(sender, endpoint, receiver, source_cache(layout, 64), layout, "big", "shm")
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_bytes" in info.value.details
+    assert receiver.checked == []      # refused before anything was sent
+
+
 def _python(code: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, stdout=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
