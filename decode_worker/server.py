@@ -45,8 +45,10 @@ def start_server(config: DecodeWorkerConfig, engine_config: EngineConfig,
     server.add(worker_pb2_grpc.add_DecodeWorkerServicer_to_server,
                DecodeWorkerServicer(worker, config.worker_id, endpoint, epoch),
                worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name, refused_when_draining=["Reserve"])
-    server.add(add_kv_transfer_servicer,
-               KvTransferServicer(metrics.metered_receiver(worker)),
+    kv_transfer = KvTransferServicer(metrics.metered_receiver(worker))
+    # unmap pooled segments a prefill worker has let go of, even when no shm transfer comes to do it
+    loop.add_housekeeping(lambda _engine: kv_transfer.segments.prune())
+    server.add(add_kv_transfer_servicer, kv_transfer,
                kv_transfer_pb2.DESCRIPTOR.services_by_name["KvTransfer"].full_name)
     loop.start()
     server.start()

@@ -330,9 +330,14 @@ class PooledSegmentReader:
             raise
         return PooledPayload(self, entry, payload_bytes)
 
-    def _prune(self) -> None:
+    def prune(self) -> None:
+        """Unmap the mappings of segments that are gone (their pages stay allocated while mapped)."""
+        with self._lock:
+            self._prune(room_for_one=False)
+
+    def _prune(self, room_for_one: bool = True) -> None:
         """Under the lock: unmap entries whose name is gone or names another file, then the least recently used
-        beyond max_mappings; entries being read stay."""
+        beyond max_mappings (one fewer when one is about to be added); entries being read stay."""
         for name, entry in list(self._mappings.items()):
             try:
                 st = os.stat(SHM_DIR / name, follow_symlinks=False)
@@ -342,7 +347,7 @@ class PooledSegmentReader:
             if stale and entry.readers == 0:
                 self._drop(self._mappings.pop(name))
         idle = [n for n, e in self._mappings.items() if e.readers == 0]
-        for name in idle[:max(0, len(self._mappings) - self.max_mappings + 1)]:
+        for name in idle[:max(0, len(self._mappings) - self.max_mappings + room_for_one)]:
             self._drop(self._mappings.pop(name))
 
     @staticmethod

@@ -144,6 +144,9 @@ def test_shm_pool_reuses_one_prefaulted_segment_and_the_receiver_one_mapping(ser
                                        payload_bytes=last.payload_bytes)
         [name] = sender.segment_pool.segment_names()
     assert not (SHM_DIR / name).exists()           # the sender's close unlinks the pool
+    assert servicer.segments.num_mappings() == 1
+    servicer.segments.prune()                      # (the decode worker's housekeeping) and the receiver unmaps it
+    assert servicer.segments.num_mappings() == 0
 
 
 def test_shm_pool_unlinks_the_segment_of_a_rejected_or_timed_out_push(served, layout, src):
