@@ -131,28 +131,27 @@ def iter_chunks(buffers: Iterable, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> It
         yield bytes(pending)
 
 
-def verify_digests(view: memoryview, block_bytes: int, manifest: TransferManifest, start: int, stop: int) -> None:
-    """Check blocks [start, stop) of a received payload against the manifest's digests."""
-    for i in range(start, stop):
-        if block_digest(view[i * block_bytes:(i + 1) * block_bytes]) != manifest.block_digests[i]:
-            _reject_block(manifest, i)
-
-
-def _reject_block(manifest: TransferManifest, i: int) -> None:
-    raise TransferRejected(f"block {i} (destination block {manifest.block_ids[i]}) does not match its digest",
-                           f"block_digests[{i}]")
+def _reject_block(manifest: TransferManifest, k: int) -> None:
+    n = len(manifest.block_ids)
+    where = f"block {k % n} of payload slice {k // n}" if manifest.sender_kv_heads else f"block {k}"
+    raise TransferRejected(f"{where} (destination block {manifest.block_ids[k % n]}) does not match its digest",
+                           f"block_digests[{k}]")
 
 
 class PayloadAssembler:
     """Reassembles grpc data chunks into one receive staging buffer (`buffer`, e.g. a reused one, at least
-    payload_bytes long; else a fresh one). Digests in the manifest: each block is checked as soon as its last
-    byte arrives. Digests in the trailer: each block is hashed as soon as its last byte arrives and the hashes are
-    compared with the trailer's in finish(), before anything is scattered. The manifest must have passed
-    validate_manifest."""
+    payload_bytes long; else a fresh one). `records`: the block records' [start, stop) in the payload, in digest
+    order (kvstore.transfer_slices.record_bounds), or the record size of an unsliced payload. Digests in the
+    manifest: each record is checked as soon as its last byte arrives. Digests in the trailer: each record is
+    hashed as soon as its last byte arrives and the hashes are compared with the trailer's in finish(), before
+    anything is scattered. The manifest must have passed validate_manifest."""
 
-    def __init__(self, manifest: TransferManifest, block_bytes: int, buffer: torch.Tensor | None = None) -> None:
+    def __init__(self, manifest: TransferManifest, records: int | Sequence[tuple[int, int]],
+                 buffer: torch.Tensor | None = None) -> None:
         self._manifest = manifest
-        self._block_bytes = block_bytes
+        if isinstance(records, int):
+            records = [(i * records, (i + 1) * records) for i in range(len(manifest.block_ids))]
+        self._bounds = list(records)
         if buffer is None:
             buffer = torch.empty(manifest.payload_bytes, dtype=torch.uint8)
         if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < manifest.payload_bytes:
@@ -160,8 +159,8 @@ class PayloadAssembler:
         self.buffer = buffer[:manifest.payload_bytes]  # [payload_bytes]
         self._view = memoryview(self.buffer.numpy())
         self._received = 0
-        self._verified_blocks = 0
-        self._hashed: list[bytes] = []  # digests_in_trailer: digests of the blocks complete so far
+        self._done = 0  # records complete so far
+        self._hashed: list[bytes] = []  # digests_in_trailer: digests of the records complete so far
 
     def add(self, data) -> None:
         end = self._received + len(data)
@@ -170,14 +169,14 @@ class PayloadAssembler:
                                    "payload_bytes")
         self._view[self._received:end] = data
         self._received = end
-        complete = end // self._block_bytes if self._block_bytes else 0
-        if self._manifest.digests_in_trailer:
-            bb = self._block_bytes
-            self._hashed.extend(block_digest(self._view[i * bb:(i + 1) * bb])
-                                for i in range(self._verified_blocks, complete))
-        else:
-            verify_digests(self._view, self._block_bytes, self._manifest, self._verified_blocks, complete)
-        self._verified_blocks = complete
+        while self._done < len(self._bounds) and self._bounds[self._done][1] <= end:
+            lo, hi = self._bounds[self._done]
+            digest = block_digest(self._view[lo:hi])
+            if self._manifest.digests_in_trailer:
+                self._hashed.append(digest)
+            elif digest != self._manifest.block_digests[self._done]:
+                _reject_block(self._manifest, self._done)
+            self._done += 1
 
     def finish(self, trailer_digests: Sequence[bytes] | None = None) -> torch.Tensor:
         """The whole payload, every digest verified: [payload_bytes] uint8. `trailer_digests`: the trailer's
@@ -185,15 +184,15 @@ class PayloadAssembler:
         if self._received != self._manifest.payload_bytes:
             raise TransferRejected(f"stream ended after {self._received} of {self._manifest.payload_bytes} bytes",
                                    "payload_bytes")
-        assert self._verified_blocks == len(self._manifest.block_ids)
+        assert self._done == len(self._bounds)
         if self._manifest.digests_in_trailer:
             if trailer_digests is None:
                 raise TransferRejected("the stream ended without the trailer its manifest announced", "trailer",
                                        INVALID_ARGUMENT)
             check_trailer_digests(self._manifest, trailer_digests)
-            for i, (got, sent) in enumerate(zip(self._hashed, trailer_digests)):
+            for k, (got, sent) in enumerate(zip(self._hashed, trailer_digests)):
                 if got != sent:
-                    _reject_block(self._manifest, i)
+                    _reject_block(self._manifest, k)
         elif trailer_digests is not None:
             raise TransferRejected("a trailer on a transfer whose manifest carries the digests", "trailer",
                                    INVALID_ARGUMENT)

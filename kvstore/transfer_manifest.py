@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
+from kvstore.reshard_plan import check_rank_heads, payload_slices
+
 CODECS = ("raw", "int8")
 TRANSPORTS = ("grpc", "shm")
 
@@ -99,8 +101,18 @@ class TransferManifest:
     transport: str
     shm_name: str
     payload_bytes: int
+    sender_kv_heads: tuple[range, ...] = ()
+    """A tensor-parallel sender's KV heads per rank; () for one rank holding every head (see payload_slices)."""
     # --- streamed transfers (issue 16) ---
-    digests_in_trailer: bool = False  # block_digests empty here: they follow the data in the trailer (grpc only)
+    digests_in_trailer: bool = False
+    """block_digests is empty: the digests follow the data in the trailer (grpc only)."""
+
+    def payload_slices(self) -> tuple[range, ...]:
+        """The KV heads of each payload slice, in payload order (one slice of every head without sender ranks).
+        The manifest must have passed validate_manifest."""
+        if not self.sender_kv_heads:
+            return (range(self.layout.num_kv_heads),)
+        return tuple(w.kv_heads for w in payload_slices(self.sender_kv_heads))
 
 
 def validate_manifest(manifest: TransferManifest, expected_layout: KvLayoutSpec, block_ids: Sequence[int],
@@ -128,19 +140,28 @@ def validate_manifest(manifest: TransferManifest, expected_layout: KvLayoutSpec,
         raise TransferRejected(f"{len(manifest.block_ids)} ids {list(manifest.block_ids[:8])}... are not the "
                                f"reservation's {len(block_ids)} ids {list(block_ids[:8])}...",
                                "block_ids", INVALID_ARGUMENT)
+    if manifest.sender_kv_heads:
+        try:
+            check_rank_heads(manifest.sender_kv_heads, expected_layout.num_kv_heads)
+            payload_slices(manifest.sender_kv_heads)
+        except ValueError as exc:
+            raise TransferRejected(str(exc), "sender_kv_heads", INVALID_ARGUMENT) from None
     if manifest.digests_in_trailer:
         _check_streamed(manifest)
     else:
-        _check_digests(manifest.block_digests, len(manifest.block_ids))
+        _check_digests(manifest, manifest.block_digests)
     expected_bytes = len(manifest.block_ids) * expected_layout.block_bytes(manifest.codec)
     if manifest.payload_bytes != expected_bytes:
         raise TransferRejected(f"{manifest.payload_bytes} bytes announced, {len(manifest.block_ids)} {manifest.codec} "
                                f"blocks of this layout are {expected_bytes}", "payload_bytes")
 
 
-def _check_digests(digests: Sequence[bytes], num_blocks: int) -> None:
-    if len(digests) != num_blocks:
-        raise TransferRejected(f"{len(digests)} digests for {num_blocks} blocks", "block_digests")
+def _check_digests(manifest: TransferManifest, digests: Sequence[bytes]) -> None:
+    """One well-formed digest per block of each payload slice (slice by slice)."""
+    num_blocks, num_slices = len(manifest.block_ids), len(manifest.payload_slices())
+    if len(digests) != num_slices * num_blocks:
+        sliced = f" in {num_slices} payload slices" if manifest.sender_kv_heads else ""
+        raise TransferRejected(f"{len(digests)} digests for {num_blocks} blocks{sliced}", "block_digests")
     bad = [i for i, d in enumerate(digests) if len(d) != DIGEST_BYTES]
     if bad:
         raise TransferRejected(f"digest {bad[0]} has {len(digests[bad[0]])} bytes, expected {DIGEST_BYTES}",
@@ -158,8 +179,8 @@ def _check_streamed(manifest: TransferManifest) -> None:
 
 
 def check_trailer_digests(manifest: TransferManifest, digests: Sequence[bytes]) -> None:
-    """TransferRejected unless the trailer holds one well-formed digest per block of `manifest`."""
-    _check_digests(digests, len(manifest.block_ids))
+    """TransferRejected unless the trailer holds one well-formed digest per block (and payload slice)."""
+    _check_digests(manifest, digests)
 
 
 def check_chunk_bytes(chunk_bytes: int) -> None:

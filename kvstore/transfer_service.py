@@ -41,13 +41,14 @@ from typing import Protocol
 import grpc
 import torch
 
+from kvstore.reshard_plan import KvReshardPlan, plan_reshard
 from kvstore.shm import OutgoingSegment, SegmentRefused, take_segment
 from kvstore.shm_pool import PooledSegmentReader, SegmentPool, SegmentPoolExhausted, is_pooled_name
-from kvstore.transfer import (BufferPool, DecodedBlocks, PayloadAssembler, decode_payload, iter_chunks,
-                              verify_digests, write_records)
+from kvstore.transfer import BufferPool, DecodedBlocks, PayloadAssembler, iter_chunks, write_records
 from kvstore.transfer_manifest import (CODECS, DEFAULT_CHUNK_BYTES, INVALID_ARGUMENT, TRANSPORTS, KvLayoutSpec,
                                        TransferManifest, TransferRejected, check_chunk_bytes, num_chunks,
                                        validate_manifest)
+from kvstore.transfer_slices import KvSlices, decode_slices, merge_slices, record_bounds, verify_payload
 from protos.convert import manifest_from_pb, manifest_to_pb
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from protos.tls import TlsFiles, channel_credentials, channel_options, peer_identity
@@ -68,8 +69,11 @@ class ReceiveTarget:
     layout: KvLayoutSpec
     block_ids: tuple[int, ...]
     kv_cache: torch.Tensor  # [L, 2, num_blocks, block_size, Hkv, D]; a meta tensor of that shape when `write` is set
-    write: Callable[[DecodedBlocks, tuple[int, ...]], None] | None = None
-    """Places verified blocks itself (a tensor-parallel receiver spreads the heads over its ranks)."""
+    write: Callable[[KvReshardPlan, tuple[tuple[range, DecodedBlocks], ...], tuple[int, ...]], None] | None = None
+    """Places verified blocks itself, following the plan: a tensor-parallel receiver hands each rank its heads
+    from the payload slices (kvstore.transfer_slices.decode_slices) that carry them."""
+    rank_kv_heads: tuple[range, ...] = ()
+    """The receiver's ranks' KV heads; () for one rank holding every head."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,8 @@ class ReceivedBlocks:
     codec: str
     transport: str
     sender_role: str | None = None  # the pusher's role as its mutual-TLS certificate proves it; None: plaintext
+    reshard_bytes: int = 0  # what the re-sharding plan handed the receiver's ranks (kvstore.reshard_plan)
+    reshard_slices: int = 0
 
 
 class KvReceiver(Protocol):
@@ -104,17 +110,18 @@ class KvReceiver(Protocol):
         ...
 
 
-def _scatter_verified(buffer: torch.Tensor, manifest: TransferManifest, target: ReceiveTarget) -> None:
-    decoded: DecodedBlocks = decode_payload(buffer, target.layout, manifest.codec, len(manifest.block_ids))
+def _scatter_verified(buffer: torch.Tensor, manifest: TransferManifest, target: ReceiveTarget,
+                      plan: KvReshardPlan) -> None:
+    slices = decode_slices(buffer, target.layout, manifest)
     if target.write is not None:
-        target.write(decoded, tuple(manifest.block_ids))
+        target.write(plan, slices, tuple(manifest.block_ids))
         return
-    decoded.scatter_into(target.kv_cache, manifest.block_ids)
+    merge_slices(slices).scatter_into(target.kv_cache, manifest.block_ids)
     if target.kv_cache.is_cuda:  # the blocks must be in place before commit lets decode read them
         torch.cuda.current_stream(target.kv_cache.device).synchronize()
 
 
-def _receive_shm(manifest: TransferManifest, target: ReceiveTarget, block_bytes: int,
+def _receive_shm(manifest: TransferManifest, target: ReceiveTarget, plan: KvReshardPlan,
                  segments: PooledSegmentReader) -> None:
     try:  # only a segment this host's sender made for this reservation (kvstore.shm, kvstore.shm_pool)
         if is_pooled_name(manifest.shm_name):
@@ -132,19 +139,21 @@ def _receive_shm(manifest: TransferManifest, target: ReceiveTarget, block_bytes:
             raise TransferRejected(f"segment holds {len(segment.buf)} bytes, manifest announces "
                                    f"{manifest.payload_bytes}", "payload_bytes")
         with segment.buf[:manifest.payload_bytes] as view:
-            verify_digests(view, block_bytes, manifest, 0, len(manifest.block_ids))
+            verify_payload(view, manifest, target.layout)
         if manifest.payload_bytes:
             # Zero copy: the kernels read the mapped pages. The sender does not write after sending the manifest.
             buffer = torch.frombuffer(segment.buf, dtype=torch.uint8, count=manifest.payload_bytes)
-            _scatter_verified(buffer, manifest, target)
+            _scatter_verified(buffer, manifest, target, plan)
             del buffer  # release the mapping's export before the segment closes
 
 
 def _receive_grpc(manifest: TransferManifest, data_chunks: Iterator[bytes | TrailerDigests],
-                  target: ReceiveTarget, block_bytes: int, buffers: BufferPool) -> None:
+                  target: ReceiveTarget, plan: KvReshardPlan, buffers: BufferPool) -> None:
     staging = buffers.take(manifest.payload_bytes)
     try:
-        assembler = PayloadAssembler(manifest, block_bytes, staging)
+        # the records' [start, stop) in the payload: slice by slice for a tensor-parallel sender
+        bounds = record_bounds(manifest, target.layout)
+        assembler = PayloadAssembler(manifest, bounds, staging)
         trailer = None
         for item in data_chunks:
             if trailer is not None:
@@ -153,7 +162,7 @@ def _receive_grpc(manifest: TransferManifest, data_chunks: Iterator[bytes | Trai
                 trailer = item.digests
             else:
                 assembler.add(item)
-        _scatter_verified(assembler.finish(trailer), manifest, target)
+        _scatter_verified(assembler.finish(trailer), manifest, target, plan)
         del assembler
     finally:
         buffers.give_back(staging)
@@ -177,15 +186,17 @@ def receive_transfer(manifest: TransferManifest, data_chunks: Iterator[bytes | T
     try:
         validate_manifest(manifest, target.layout, target.block_ids, target.kv_cache.shape[2])
         target.layout.check_cache(target.kv_cache)
-        block_bytes = target.layout.block_bytes(manifest.codec)
+        every_head = (range(target.layout.num_kv_heads),)
+        plan = plan_reshard(manifest.sender_kv_heads or every_head, target.rank_kv_heads or every_head)
         if manifest.transport == "grpc":
-            _receive_grpc(manifest, data_chunks, target, block_bytes, buffers or BufferPool(0))
+            _receive_grpc(manifest, data_chunks, target, plan, buffers or BufferPool(0))
         else:
             if next(data_chunks, None) is not None:
                 raise TransferRejected("data chunks on an shm transfer", "data", INVALID_ARGUMENT)
-            _receive_shm(manifest, target, block_bytes, segments or PooledSegmentReader(0))
+            _receive_shm(manifest, target, plan, segments or PooledSegmentReader(0))
         received = ReceivedBlocks(tuple(manifest.block_ids), manifest.payload_bytes, manifest.codec,
-                                  manifest.transport, sender_role)
+                                  manifest.transport, sender_role, plan.delivered_bytes(manifest.payload_bytes),
+                                  len(plan.slices))
         receiver.commit(manifest.request_id, manifest.handle, received)
         return received
     except Exception as exc:
@@ -290,7 +301,9 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         except Exception as exc:
             log.exception("KV transfer failed")
             context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-        return kv_transfer_pb2.PushResult(bytes=received.num_bytes, num_blocks=len(received.block_ids))
+        return kv_transfer_pb2.PushResult(bytes=received.num_bytes, num_blocks=len(received.block_ids),
+                                          reshard_bytes=received.reshard_bytes,
+                                          reshard_slices=received.reshard_slices)
 
 
 # ----------------------------------------------------------------------------------------------- sending
@@ -310,6 +323,8 @@ class TransferStats:
     transport: str
     codec: str
     num_blocks: int
+    reshard_bytes: int = 0  # the receiver's report (PushResult.reshard_bytes); 0 from a receiver without it
+    reshard_slices: int = 0
 
 
 class TransferFailed(Exception):
@@ -352,29 +367,41 @@ class KvSender:
                     response_deserializer=kv_transfer_pb2.PushResult.FromString))
             return self._stubs[endpoint][1]
 
-    def push(self, endpoint: str, *, request_id: str, handle: str, layout: KvLayoutSpec, kv_cache: torch.Tensor,
+    def push(self, endpoint: str, *, request_id: str, handle: str, layout: KvLayoutSpec,
+             kv_cache: torch.Tensor | KvSlices,
              src_block_ids: Sequence[int], dst_block_ids: Sequence[int], transport: str, codec: str = "raw",
              timeout_s: float = 30.0, fault: FaultInjection | None = None) -> TransferStats:
         """Send blocks `src_block_ids` of `kv_cache` to land in `dst_block_ids` of the receiver reservation
         `handle`, over `transport` exactly (no fallback). The source blocks must not change until push returns
-        (blocks are gathered as they are sent; a change shows up as a digest rejection). Raises TransferFailed
-        (the receiver's status and message) or ValueError (bad arguments)."""
+        (blocks are gathered as they are sent; a change shows up as a digest rejection). `kv_cache` as KvSlices:
+        a tensor-parallel sender's payload slices (kvstore.transfer_slices), sent slice by slice. Raises
+        TransferFailed (the receiver's status and message) or ValueError (bad arguments)."""
         # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]
         start = time.perf_counter()
         deadline = start + timeout_s
-        layout.check_cache(kv_cache)
+        sliced = isinstance(kv_cache, KvSlices)
+        if sliced:
+            kv_cache.check_layout(layout)
+        else:
+            layout.check_cache(kv_cache)
         if codec not in CODECS or transport not in TRANSPORTS:
             raise ValueError(f"codec must be one of {CODECS} and transport one of {TRANSPORTS}, got {codec!r}, "
                              f"{transport!r}")
         src_block_ids, dst_block_ids = [int(b) for b in src_block_ids], [int(b) for b in dst_block_ids]
         if len(src_block_ids) != len(dst_block_ids):
             raise ValueError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} destination blocks")
-        if any(not 0 <= b < kv_cache.shape[2] for b in src_block_ids):
-            raise ValueError(f"src_block_ids outside the cache of {kv_cache.shape[2]} blocks")
-        block_bytes = layout.block_bytes(codec)
-        payload_bytes = len(src_block_ids) * block_bytes
-        blocks_per_group = max(1, self.group_bytes // block_bytes)
-        groups = [src_block_ids[i:i + blocks_per_group] for i in range(0, len(src_block_ids), blocks_per_group)]
+        num_cache_blocks = kv_cache.num_blocks if sliced else kv_cache.shape[2]
+        if any(not 0 <= b < num_cache_blocks for b in src_block_ids):
+            raise ValueError(f"src_block_ids outside the cache of {num_cache_blocks} blocks")
+        # What goes on the wire, in order: each payload slice's blocks, a group at a time.
+        units: list[tuple[torch.Tensor, list[int], int]] = []  # (cache, block ids, their records' bytes)
+        for cache in (kv_cache.caches if sliced else (kv_cache,)):
+            record_bytes = KvLayoutSpec.from_cache(cache, "").block_bytes(codec)
+            per_group = max(1, self.group_bytes // record_bytes)
+            units += [(cache, src_block_ids[i:i + per_group], len(src_block_ids[i:i + per_group]) * record_bytes)
+                      for i in range(0, len(src_block_ids), per_group)]
+        payload_bytes = sum(nbytes for _, _, nbytes in units)
+        sender_kv_heads = kv_cache.sender_kv_heads if sliced else ()
         fault = fault or FaultInjection()
         if fault.corrupt_chunk_index is not None and not (
                 0 <= fault.corrupt_chunk_index < num_chunks(payload_bytes, self.chunk_bytes)):
@@ -384,12 +411,12 @@ class KvSender:
         def manifest(shm_name: str = "", digests: tuple[bytes, ...] = ()) -> kv_transfer_pb2.KvChunk:
             return kv_transfer_pb2.KvChunk(manifest=manifest_to_pb(TransferManifest(
                 request_id, handle, layout, tuple(dst_block_ids), digests, codec, transport, shm_name,
-                payload_bytes, digests_in_trailer=transport == "grpc")))
+                payload_bytes, sender_kv_heads, digests_in_trailer=transport == "grpc")))
 
         stub = self._stub(endpoint)
         if transport == "grpc":
             errors: list[BaseException] = []
-            messages = self._grpc_messages(manifest(), kv_cache, groups, codec, block_bytes, fault, errors)
+            messages = self._grpc_messages(manifest(), units, codec, fault, errors)
             try:
                 result = self._call(stub, messages, deadline, errors)
             except TransferFailed as exc:
@@ -398,16 +425,16 @@ class KvSender:
                                          "KvManifest.digests_in_trailer: upgrade the decode worker)") from exc
                 raise
         else:
-            result = self._push_shm(stub, manifest, kv_cache, groups, codec, block_bytes, payload_bytes, fault,
-                                    request_id, handle, deadline)
+            result = self._push_shm(stub, manifest, units, codec, payload_bytes, fault, request_id, handle,
+                                    deadline)
         if result.num_blocks != len(dst_block_ids) or result.bytes != payload_bytes:
             raise TransferFailed(grpc.StatusCode.INTERNAL, f"receiver reports {result.num_blocks} blocks / "
                                  f"{result.bytes} bytes, sent {len(dst_block_ids)} / {payload_bytes}")
         return TransferStats(payload_bytes, (time.perf_counter() - start) * 1e3, transport, codec,
-                             len(dst_block_ids))
+                             len(dst_block_ids), result.reshard_bytes, result.reshard_slices)
 
-    def _push_shm(self, stub, manifest, kv_cache, groups, codec, block_bytes, payload_bytes, fault, request_id,
-                  handle, deadline) -> kv_transfer_pb2.PushResult:
+    def _push_shm(self, stub, manifest, units, codec, payload_bytes, fault, request_id, handle,
+                  deadline) -> kv_transfer_pb2.PushResult:
         if self.segment_pool is not None:
             try:
                 segment = self.segment_pool.acquire(payload_bytes, request_id=request_id, handle=handle,
@@ -420,9 +447,9 @@ class KvSender:
         try:  # released on every path out: back to the pool only once the receiver committed
             payload = segment.payload(payload_bytes)  # [payload_bytes] uint8 viewing the segment
             digests, offset = [], 0
-            for ids in groups:
-                digests.extend(write_records(kv_cache, ids, codec, payload[offset:offset + len(ids) * block_bytes]))
-                offset += len(ids) * block_bytes
+            for cache, ids, nbytes in units:
+                digests.extend(write_records(cache, ids, codec, payload[offset:offset + nbytes]))
+                offset += nbytes
             del payload
             if fault.corrupt_chunk_index is not None:
                 segment.flip_byte(fault.corrupt_chunk_index * self.chunk_bytes)
@@ -432,20 +459,20 @@ class KvSender:
         finally:
             segment.release(reusable=committed)
 
-    def _grpc_messages(self, manifest: kv_transfer_pb2.KvChunk, kv_cache: torch.Tensor, groups: list[list[int]],
-                       codec: str, block_bytes: int, fault: FaultInjection,
-                       errors: list[BaseException]) -> Iterator[kv_transfer_pb2.KvChunk]:
+    def _grpc_messages(self, manifest: kv_transfer_pb2.KvChunk, units: list[tuple[torch.Tensor, list[int], int]],
+                       codec: str, fault: FaultInjection,
+                       errors: list[BaseException]) -> Iterator[kv_transfer_pb2.KvChunk | bytes]:
         # Runs in grpc's request-consumer thread: gather a group into the reused staging buffer, hash it, cut it
-        # into chunks (copies: the buffer is reused for the next group), and after the last one, the trailer.
+        # into chunks (each encoded, i.e. copied, before the next is cut), and after the last one, the trailer.
         try:
             yield manifest
             digests: list[bytes] = []
-            staging = self.staging.take(max((len(ids) for ids in groups), default=0) * block_bytes)
+            staging = self.staging.take(max((nbytes for _, _, nbytes in units), default=0))
             try:
                 def encoded_groups() -> Iterator[torch.Tensor]:
-                    for ids in groups:
-                        out = staging[:len(ids) * block_bytes]  # [k * block_bytes] uint8
-                        digests.extend(write_records(kv_cache, ids, codec, out))
+                    for cache, ids, nbytes in units:
+                        out = staging[:nbytes]  # [nbytes] uint8
+                        digests.extend(write_records(cache, ids, codec, out))
                         yield out
 
                 for index, data in enumerate(iter_chunks(encoded_groups(), self.chunk_bytes)):
