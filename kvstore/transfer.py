@@ -190,7 +190,7 @@ class PayloadAssembler:
                 raise TransferRejected("the stream ended without the trailer its manifest announced", "trailer",
                                        INVALID_ARGUMENT)
             check_trailer_digests(self._manifest, trailer_digests)
-            for k, (got, sent) in enumerate(zip(self._hashed, trailer_digests)):
+            for k, (got, sent) in enumerate(zip(self._hashed, trailer_digests, strict=True)):
                 if got != sent:
                     _reject_block(self._manifest, k)
         elif trailer_digests is not None:
