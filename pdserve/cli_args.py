@@ -61,6 +61,13 @@ def parse_bytes(text: str) -> int:
     return int(float(match[1]) * _UNITS[match[2].lower()])
 
 
+def parse_int_list(text: str) -> tuple[int, ...]:
+    """Comma-separated integers: "1,2,4,8" -> (1, 2, 4, 8)."""
+    if not re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", text):
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r} (e.g. 1,2,4,8)")
+    return tuple(int(part) for part in text.split(","))
+
+
 def _default(cls: type, name: str) -> Any:
     field = {f.name: f for f in dataclasses.fields(cls)}[name]
     if field.default is not dataclasses.MISSING:
@@ -128,6 +135,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
         _arg(g, E, "tensor_parallel_timeout_s", "seconds a collective between the ranks may wait before the "
              "worker fails instead of hanging", type=float),
         _arg(g, E, "seed", "seed of requests that set none", type=int),
+        _arg(g, E, "compile_decode", "run decode steps through a torch.compile'd graph (Inductor fuses the "
+             "per-layer small ops); compiled at start-up, minutes per batch size on a small CPU",
+             action="store_true"),
+        _arg(g, E, "compile_batch_sizes", "with --compile-decode: the decode batch sizes compiled, e.g. 1,2,4,8 "
+             "(a batch runs padded to the next; larger ones run eager)", type=parse_int_list,
+             metavar="N[,N...]"),
     ]
 
 
@@ -138,7 +151,8 @@ def engine_flags(config: EngineConfig) -> list[str]:
         value = getattr(config, action.dest)
         if value == action.default:
             continue
-        flags += [action.option_strings[0]] if action.nargs == 0 else [action.option_strings[0], str(value)]
+        text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+        flags += [action.option_strings[0]] if action.nargs == 0 else [action.option_strings[0], text]
     return flags
 
 

@@ -485,6 +485,8 @@ def worker_argv(role: str, worker_id: str, port: int, config: LocalClusterConfig
                                  tensor_parallel_size=config.tensor_parallel_size(role))
     if role == "prefill" and config.prefill_kv_cache_memory is not None:
         engine = dataclasses.replace(engine, kv_cache_memory=config.prefill_kv_cache_memory)
+    if role == "prefill":  # it runs no decode steps: a compiled one would only delay its start
+        engine = dataclasses.replace(engine, compile_decode=False)
     argv = [f"{role}-worker", "--worker-id", worker_id, "--host", "127.0.0.1", "--port", str(port),
             *_cluster_flags(tls), *engine_flags(engine)]
     if role == "prefill":

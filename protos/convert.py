@@ -195,7 +195,7 @@ def worker_stats_to_pb(s: WorkerStatsData) -> worker_pb2.WorkerStats:
         worker_id=s.worker_id, role=s.role, epoch=s.epoch, num_blocks=e.num_blocks, free_blocks=e.free_blocks,
         used_blocks=e.used_blocks, running=e.running, waiting=e.waiting, reserved=e.reserved,
         transfer_errors=s.transfer_errors, preemptions=e.preemptions, tensor_parallel_size=e.tensor_parallel_size,
-        kv_resharding_bytes=e.kv_resharding_bytes)
+        kv_resharding_bytes=e.kv_resharding_bytes, decode_compile_seconds=e.decode_compile_seconds)
 
 
 # --------------------------------------------------------------------------------------------- KV transfer

@@ -20,13 +20,14 @@ ENGINE_FLAGS = ["--model", "/models/x.gguf", "--dtype", "bfloat16", "--quantizat
                 "--max-model-len", "4096", "--kv-cache-memory", "256M", "--kv-cache-memory-fraction", "0.5",
                 "--num-kv-blocks", "300", "--block-size", "32", "--max-num-seqs", "8",
                 "--max-num-batched-tokens", "512", "--max-waiting", "10", "--no-prefix-caching", "--threads", "3",
-                "--seed", "7", "--tensor-parallel-size", "2", "--tensor-parallel-timeout", "30"]
+                "--seed", "7", "--tensor-parallel-size", "2", "--tensor-parallel-timeout", "30", "--compile-decode",
+                "--compile-batch-sizes", "1,4"]
 ENGINE = EngineConfig(model="/models/x.gguf", dtype="bfloat16", quantization="int8", keep_quantized_weights=True,
                       device="cuda:1",
                       max_model_len=4096, kv_cache_memory=256 * 2**20, kv_cache_memory_fraction=0.5, num_kv_blocks=300,
                       block_size=32, max_num_seqs=8, max_num_batched_tokens=512, max_waiting=10,
                       enable_prefix_caching=False, num_threads=3, seed=7, tensor_parallel_size=2,
-                      tensor_parallel_timeout_s=30.0)
+                      tensor_parallel_timeout_s=30.0, compile_decode=True, compile_batch_sizes=(1, 4))
 
 
 TLS_FLAGS = ["--cluster-ca", "/pki/ca.pem", "--cluster-cert", "/pki/w.pem", "--cluster-key", "/pki/w-key.pem"]
