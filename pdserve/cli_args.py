@@ -449,6 +449,8 @@ def build_parser(description: str = "", extra_commands: Sequence[AddCommand] = (
     _arg(g, PrefillWorkerConfig, "transport", "KV data path to decode workers", choices=TRANSPORTS)
     _arg(g, PrefillWorkerConfig, "codec", "KV wire format (int8 is lossy)", choices=CODECS)
     _arg(g, PrefillWorkerConfig, "chunk_bytes", "payload bytes per gRPC message, 1M..4M", type=parse_bytes)
+    _arg(g, PrefillWorkerConfig, "shm_pool_bytes", "bound of the reused, pre-faulted shared-memory segments of "
+         "the shm transport; 0: a fresh segment per transfer", type=parse_bytes)
     g.add_argument("--decode-endpoint", dest="decode_endpoints", action="append", default=[], metavar="HOST:PORT",
                    help="a decode worker this worker may push KV to when it runs without --redis-url "
                         "(repeatable; with --redis-url only the index's live decode workers)")

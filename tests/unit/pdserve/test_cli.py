@@ -78,13 +78,15 @@ def test_gateway_defaults_are_the_dataclass_defaults():
 def test_prefill_worker_flags_map_onto_worker_and_engine_configs():
     args = parse("prefill-worker", "--worker-id", "p7", "--host", "0.0.0.0", "--port", "7001", "--advertise-host",
                  "p7.svc", "--redis-url", "redis://r:1/0", "--worker-ttl", "4", "--transport", "grpc", "--codec",
-                 "int8", "--chunk-bytes", "1M", "--fault-corrupt-transfers", "2", *TLS_FLAGS, "--decode-endpoint",
+                 "int8", "--chunk-bytes", "1M", "--shm-pool-bytes", "256M", "--fault-corrupt-transfers", "2", *TLS_FLAGS,
+                 "--decode-endpoint",
                  "d:1", "--decode-endpoint", "d:2", "--health-port", "8081", "--metrics-port", "9090",
                  "--drain-timeout", "7", *ENGINE_FLAGS)
     config = cli_args.worker_config(PrefillWorkerConfig, "prefill", args)
     assert config == PrefillWorkerConfig(worker_id="p7", redis_url="redis://r:1/0", host="0.0.0.0", port=7001,
                                          advertise_host="p7.svc", transport="grpc", codec="int8",
-                                         chunk_bytes=2**20, worker_ttl_s=4.0, fault_corrupt_transfers=2,
+                                         chunk_bytes=2**20, shm_pool_bytes=256 * 2**20, worker_ttl_s=4.0,
+                                         fault_corrupt_transfers=2,
                                          cluster_ca="/pki/ca.pem", cluster_cert="/pki/w.pem",
                                          cluster_key="/pki/w-key.pem", decode_endpoints=("d:1", "d:2"),
                                          health_port=8081, metrics_port=9090, drain_timeout_s=7.0)
