@@ -68,11 +68,8 @@ for role, worker_kwargs, engine_kwargs in json.loads(sys.argv[1]):
     config = Config(**worker_kwargs)
     started.append((start_server(config, EngineConfig(**engine_kwargs)), config.drain_timeout_s))
 def stop_all():
-    stopping = [threading.Thread(target=handle.stop, args=(grace_s,)) for handle, grace_s in started]
-    for thread in stopping:
-        thread.start()
-    for thread in stopping:
-        thread.join()
+    for handle, grace_s in started:
+        handle.stop(grace_s=grace_s)
 wait_for_termination(stop_all)
 """
 
