@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_hf import PROMPT, architectures, hf_greedy, max_model_len, write_tiny_model
+from tiny_hf import PROMPT, architectures, assert_greedy, hf_next_token_logits, max_model_len, write_tiny_model
 
 from engine.llm import LLM
 from engine.model import AttentionMetadata
@@ -62,14 +62,14 @@ def test_prompt_logits_match_transformers(arch_pair):
 def test_greedy_tokens_and_logprobs_match_transformers(arch_pair):
     """Through LLM.generate: prefill, then decode steps one token at a time through the paged cache."""
     name, hf, llm = arch_pair
-    expected = hf_greedy(hf, PROMPT, NUM_GENERATED)
     out = llm.generate([PROMPT], SamplingParams(max_tokens=NUM_GENERATED, temperature=0.0, ignore_eos=True,
                                                 logprobs=0))[0].outputs[0]
-    assert out.token_ids == expected
-    with torch.inference_mode():
-        hf_logprobs = torch.log_softmax(hf(torch.tensor([PROMPT + expected])).logits[0].float(), dim=-1)
+    assert len(out.token_ids) == NUM_GENERATED
+    hf_logits = hf_next_token_logits(hf, PROMPT, out.token_ids)
+    assert hf_logits.argmax(-1).tolist() == out.token_ids
+    hf_logprobs = torch.log_softmax(hf_logits, dim=-1)
     for i, lp in enumerate(out.logprobs):
-        assert lp.logprob == pytest.approx(hf_logprobs[len(PROMPT) - 1 + i, expected[i]].item(), abs=LOGIT_ATOL)
+        assert lp.logprob == pytest.approx(hf_logprobs[i, out.token_ids[i]].item(), abs=LOGIT_ATOL)
 
 
 def test_batched_decode_matches_single(arch_pair):
@@ -77,8 +77,9 @@ def test_batched_decode_matches_single(arch_pair):
     name, hf, llm = arch_pair
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = [PROMPT, PROMPT[3:10]]
-    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert together == [hf_greedy(hf, p, 6) for p in prompts]
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        assert len(out.outputs[0].token_ids) == 6
+        assert_greedy(hf, prompt, out.outputs[0].token_ids)
 
 
 def test_int8_quantization_covers_every_expert(tmp_path_factory):

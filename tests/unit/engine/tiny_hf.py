@@ -2,7 +2,7 @@
 tokenizer.json), one per architecture pdserve supports: what the architecture, GPTQ and cluster tests load.
 
     model = write_tiny_model(path, "gemma2")     # the transformers model, its directory written at `path`
-    hf_greedy(model, PROMPT, 12)                 # the reference greedy tokens
+    assert_greedy(model, PROMPT, token_ids)      # pdserve's greedy tokens are transformers'
 
 Weights are random at unit activation scale, norms perturbed around their init: transformers' 0.02 init gives
 logits of ~0.5, where soft-caps and near-ties hide mistakes, and an all-ones or all-zeros norm would hide a missing
@@ -123,13 +123,19 @@ def write_tiny_llama(path: Path):
     return write_tiny_model(path, "llama", **GPTQ_LLAMA)
 
 
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    """transformers' `n` greedy tokens after `ids`, one full forward per token."""
-    out = list(ids)
+def hf_next_token_logits(model, prompt: list[int], token_ids: list[int]) -> torch.Tensor:
+    """transformers' logits [len(token_ids), vocab] for each of `token_ids` given `prompt` and the tokens before
+    it, in one forward (causal: each row is what a step-by-step run computes). The tokens are transformers'
+    greedy continuation exactly when each equals its row's argmax."""
+    assert token_ids, "no tokens to check"
     with torch.inference_mode():
-        for _ in range(n):
-            out.append(int(torch.argmax(model(torch.tensor([out])).logits[0, -1])))
-    return out[len(ids):]
+        logits = model(torch.tensor([list(prompt) + list(token_ids)])).logits[0].float()
+    return logits[len(prompt) - 1:-1]
+
+
+def assert_greedy(model, prompt: list[int], token_ids: list[int]) -> None:
+    """`token_ids` are transformers' greedy continuation of `prompt` (hf_next_token_logits)."""
+    assert hf_next_token_logits(model, prompt, token_ids).argmax(-1).tolist() == list(token_ids)
 
 
 def calibration_text(num_words: int = 512, seed: int = 2, vocab_size: int = GPTQ_LLAMA["vocab_size"]) -> str:
