@@ -67,9 +67,13 @@ for role, worker_kwargs, engine_kwargs in json.loads(sys.argv[1]):
         from decode_worker.server import start_server
     config = Config(**worker_kwargs)
     started.append((start_server(config, EngineConfig(**engine_kwargs)), config.drain_timeout_s))
-def stop_all():
-    for handle, grace_s in started:
-        handle.stop(grace_s=grace_s)
+def stop_all():  # each drains on its own, together; the last one on this thread, as serve() stops its worker
+    others = [threading.Thread(target=handle.stop, args=(grace_s,)) for handle, grace_s in started[:-1]]
+    for thread in others:
+        thread.start()
+    started[-1][0].stop(grace_s=started[-1][1])
+    for thread in others:
+        thread.join()
 wait_for_termination(stop_all)
 """
 
