@@ -305,7 +305,9 @@ def chunk_to_pb(request_id: str, chunk: OutputChunk, tool_calls: Sequence[ToolCa
         t = chunk.timings
         pb.timings.CopyFrom(generation_pb2.Timings(queue_ms=t.queue_ms, prefill_ms=t.prefill_ms,
                                                    transfer_ms=t.transfer_ms, ttft_ms=t.ttft_ms,
-                                                   transport=t.transport, transfer_bytes=t.transfer_bytes))
+                                                   transport=t.transport, transfer_bytes=t.transfer_bytes,
+                                                   kv_reshard_bytes=t.kv_reshard_bytes,
+                                                   kv_reshard_slices=t.kv_reshard_slices))
     return pb
 
 
