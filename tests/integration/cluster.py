@@ -152,17 +152,20 @@ class Cluster:
 
     def gateway(self, model_path: Path | None = None, **overrides):
         """A gateway for the cluster's model, or for `model_path` (workers started with that engine "model")."""
-        config = GatewayConfig(model=str(model_path or self.model_path), redis_url=self.redis.url, port=0,
-                               max_model_len=MAX_MODEL_LEN,
-                               lease_ms=60_000,       # outlives every bounded wait here: a leaked reservation shows
-                               **{"block_size": BLOCK_SIZE, "local_prefill_threshold": 0, "http_port": 0,
-                                  "drain_timeout_s": 5.0,
-                                  **(tls_kwargs(self.pki["gateway"]) if self.pki is not None else {}), **overrides})
+        config = GatewayConfig(**self.gateway_kwargs(model_path, **overrides))
         if config.model not in self.model_specs:
             self.model_specs[config.model] = load_model_spec(config)
         handle = start_server(config, self.model_specs[config.model])
         self.gateways.append(handle)
         return handle
+
+    def gateway_kwargs(self, model_path: Path | None = None, **overrides) -> dict:
+        """The GatewayConfig fields of gateway(model_path, **overrides) (plain JSON values)."""
+        return {"model": str(model_path or self.model_path), "redis_url": self.redis.url, "port": 0,
+                "max_model_len": MAX_MODEL_LEN,
+                "lease_ms": 60_000,  # outlives every bounded wait here: a leaked reservation shows
+                "block_size": BLOCK_SIZE, "local_prefill_threshold": 0, "http_port": 0, "drain_timeout_s": 5.0,
+                **(tls_kwargs(self.pki["gateway"]) if self.pki is not None else {}), **overrides}
 
     def endpoint(self, worker_id: str) -> str:
         return next(w.grpc_endpoint for w in self.index.list_workers() if w.worker_id == worker_id)
