@@ -1,6 +1,7 @@
 """Quality table of the default model in every weight mode: weight memory, perplexity, decode speed.
 
     python bench/bench_quality.py [--threads 2] [--out-dir bench/results/quality] [--skip-speed]
+                                  [--skip-perplexity] [--speed-rounds 3] [--speed-tokens 64]
                                   [--llama-perplexity PATH] [--ctx 512]
 
 Modes: float32 (the Q4_1 GGUF dequantized), int8, int4 (the GGUF's Q4_1 codes), and GPTQ checkpoints written by
@@ -11,8 +12,11 @@ Per mode:
 - perplexity on bench/data/shakespeare_eval.txt the way llama.cpp's llama-perplexity computes it: the token
   stream cut into chunks of --ctx tokens, the first token of a chunk replaced by BOS when the model adds one,
   each chunk evaluated alone and only its second half scored (positions ctx/2 .. ctx-1);
-- decode tokens/s at batch 1 and with 32 sequences (--speed-tokens new tokens each), and 512-token prefill
-  (bench/bench_engine.bench_pdserve).
+- decode tokens/s at batch 1 and with 32 sequences (--speed-tokens new tokens each after a 16-token prompt):
+  the decode steps only, timed once every sequence has its first token (its prefill is not counted); and
+  512-token prefill tokens/s (time to the first token). All modes are loaded together and measured in
+  --speed-rounds interleaved rounds (the order rotates each round); the best round per mode and figure is kept,
+  so that a busy machine slows every mode alike and the ratios to float32 stay meaningful.
 llama-perplexity (bench/build_llama_server.sh builds it) runs on the same GGUF, text and --ctx as the
 independent check of the Q4_1 row. Figures go to OUT_DIR/quality.json and quality.md; checkpoints are kept in
 OUT_DIR and reused (delete them to requantize).
@@ -36,14 +40,14 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import bench_engine  # noqa: E402
-from bench_engine import BATCH, bench_pdserve  # noqa: E402
+from bench_engine import BATCH, NEW_TOKENS, PREFILL_LEN, prompts_ids  # noqa: E402
 
 from engine.llm import LLM  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from engine.model import AttentionMetadata  # noqa: E402
 from engine.model_fetch import fetch_default_model  # noqa: E402
 from engine.quantize import QuantizeOptions, quantize_checkpoint  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
 from pdserve.bench.roofline import cpu_model  # noqa: E402
 
 EVAL_TEXT = ROOT / "bench/data/shakespeare_eval.txt"
@@ -57,6 +61,8 @@ GPTQ_MODES = {
 LABELS = {"float32": "float32 (Q4_1 dequantized)", "int8": "int8 (per-row, from float32)",
           "int4": "int4 (the GGUF's Q4_1 codes)", "rtn4-g128": "RTN 4-bit g128", "gptq4-g128": "GPTQ 4-bit g128",
           "gptq4-g128-act-order": "GPTQ 4-bit g128 act-order"}
+SPEED_PROMPT_LEN = 16
+SPEED_KEYS = ("decode_b1", f"decode_b{BATCH}", "prefill_512")
 
 
 def perplexity(llm: LLM, token_ids: list[int], ctx: int, bos_id: int | None) -> tuple[float, int]:
@@ -82,6 +88,59 @@ def perplexity(llm: LLM, token_ids: list[int], ctx: int, bos_id: int | None) -> 
     return math.exp(nll / count), count
 
 
+def decode_speed(llm: LLM, batch: int, new_tokens: int) -> float:
+    """Decode tokens/s of `batch` greedy sequences: the steps after every sequence has its first token."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    seqs = [engine.add_request(f"speed-{batch}-{i}", ids, params)
+            for i, ids in enumerate(prompts_ids(llm.tokenizer, batch, SPEED_PROMPT_LEN))]
+    while not all(seq.output_token_ids for seq in seqs):
+        engine.step()
+    t = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    elapsed = time.perf_counter() - t
+    assert all(len(seq.output_token_ids) == new_tokens for seq in seqs)
+    engine.kv.pool.clear_cache()
+    return batch * (new_tokens - 1) / elapsed
+
+
+def prefill_speed(llm: LLM) -> float:
+    """Tokens/s of one PREFILL_LEN-token prompt to its first token (nothing of it cached)."""
+    llm.engine.kv.pool.clear_cache()
+    t = time.perf_counter()
+    llm.generate(prompts_ids(llm.tokenizer, 1, PREFILL_LEN), SamplingParams(max_tokens=1, temperature=0.0))
+    elapsed = time.perf_counter() - t
+    llm.engine.kv.pool.clear_cache()
+    return PREFILL_LEN / elapsed
+
+
+def speed_rounds(engines: dict[str, LLM], rounds: int, new_tokens: int) -> dict[str, dict]:
+    """Mode -> {figure: best tok/s over the rounds, figure + "_rounds": every round's}; interleaved (doc)."""
+    for llm in engines.values():  # warm up
+        llm.generate(prompts_ids(llm.tokenizer, 1, SPEED_PROMPT_LEN), SamplingParams(max_tokens=4, temperature=0.0))
+    samples = {name: {key: [] for key in SPEED_KEYS} for name in engines}
+    names = list(engines)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            llm = engines[name]
+            figures = {"decode_b1": decode_speed(llm, 1, new_tokens),
+                       f"decode_b{BATCH}": decode_speed(llm, BATCH, new_tokens), "prefill_512": prefill_speed(llm)}
+            for key, value in figures.items():
+                samples[name][key].append(value)
+            print(f"round {r + 1}/{rounds} {name}", json.dumps(figures), flush=True)
+    return {name: {**{key: max(v) for key, v in s.items()}, **{f"{key}_rounds": v for key, v in s.items()}}
+            for name, s in samples.items()}
+
+
+def load_mode(name: str, model_path: Path, out_dir: Path, loaded, kv_cache_memory: int) -> LLM:
+    if name in GPTQ_MODES:  # the LM head (kept float16 in the checkpoint) runs int8, as in the int4 mode
+        return LLM(model=str(out_dir / name), dtype="float32", quantization="int8",
+                   kv_cache_memory=kv_cache_memory, progress=False)
+    return LLM(model=str(model_path), dtype="float32", quantization=None if name == "float32" else name,
+               kv_cache_memory=kv_cache_memory, progress=False, loaded=loaded)
+
+
 def llama_cpp_perplexity(binary: Path, model: Path, ctx: int, threads: int) -> dict:
     proc = subprocess.run([str(binary), "-m", str(model), "-f", str(EVAL_TEXT), "-c", str(ctx), "-b", str(ctx),
                            "-t", str(threads)], capture_output=True, text=True, timeout=3600)
@@ -100,10 +159,11 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=512, help="perplexity chunk length (llama-perplexity -c)")
     parser.add_argument("--llama-perplexity", default=str(LLAMA_PERPLEXITY), help="binary; '' skips it")
     parser.add_argument("--skip-speed", action="store_true", help="only memory and perplexity")
-    parser.add_argument("--speed-tokens", type=int, default=bench_engine.NEW_TOKENS,
+    parser.add_argument("--skip-perplexity", action="store_true", help="only memory and speed")
+    parser.add_argument("--speed-tokens", type=int, default=NEW_TOKENS,
                         help="new tokens per sequence in the decode speed runs")
+    parser.add_argument("--speed-rounds", type=int, default=3, help="interleaved speed rounds (best one kept)")
     args = parser.parse_args()
-    bench_engine.NEW_TOKENS = args.speed_tokens
     torch.set_num_threads(args.threads)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -119,61 +179,75 @@ def main() -> None:
             quantize_s[name] = time.perf_counter() - t
 
     loaded = load_model(model_path, torch.float32, progress=False, keep_quantized=False)  # the float32 row is float
-    results: dict[str, dict] = {}
-    for name in LABELS:
-        if name in GPTQ_MODES:  # the LM head (kept float16 in the checkpoint) runs int8, as in the int4 mode
-            llm = LLM(model=str(out_dir / name), dtype="float32", quantization="int8",
-                      kv_cache_memory=512 * 2**20, progress=False)
-        else:
-            llm = LLM(model=str(model_path), dtype="float32", quantization=None if name == "float32" else name,
-                      kv_cache_memory=512 * 2**20, progress=False, loaded=loaded)
-        tokenizer = llm.tokenizer
-        ids = tokenizer.encode(text)
-        adds_bos = tokenizer.bos_token_id is not None and ids[:1] == [tokenizer.bos_token_id]
-        t = time.perf_counter()
-        ppl, scored = perplexity(llm, ids, args.ctx, tokenizer.bos_token_id if adds_bos else None)
-        row = {"label": LABELS[name], "weight_mib": llm.engine.runner.model.decode_weight_bytes() / 2**20,
-               "ppl": ppl, "tokens_scored": scored, "ppl_s": time.perf_counter() - t}
-        if not args.skip_speed:
-            row |= bench_pdserve(llm)
-        results[name] = row
-        print(name, json.dumps(row), flush=True)
-        del llm
+    results: dict[str, dict] = {name: {"label": label} for name, label in LABELS.items()}
+    if not args.skip_perplexity:
+        for name in LABELS:
+            llm = load_mode(name, model_path, out_dir, loaded, 512 * 2**20)
+            tokenizer = llm.tokenizer
+            ids = tokenizer.encode(text)
+            adds_bos = tokenizer.bos_token_id is not None and ids[:1] == [tokenizer.bos_token_id]
+            t = time.perf_counter()
+            ppl, scored = perplexity(llm, ids, args.ctx, tokenizer.bos_token_id if adds_bos else None)
+            results[name] |= {"weight_mib": llm.engine.runner.model.decode_weight_bytes() / 2**20, "ppl": ppl,
+                              "tokens_scored": scored, "ppl_s": time.perf_counter() - t}
+            print(name, json.dumps(results[name]), flush=True)
+            del llm
+    if not args.skip_speed:
+        engines = {name: load_mode(name, model_path, out_dir, loaded, 256 * 2**20) for name in LABELS}
+        for name, figures in speed_rounds(engines, args.speed_rounds, args.speed_tokens).items():
+            results[name] |= {"weight_mib": engines[name].engine.runner.model.decode_weight_bytes() / 2**20,
+                              **figures}
+        del engines
     del loaded
 
     peer = None
-    if args.llama_perplexity and Path(args.llama_perplexity).is_file():
+    if not args.skip_perplexity and args.llama_perplexity and Path(args.llama_perplexity).is_file():
         peer = llama_cpp_perplexity(Path(args.llama_perplexity), model_path, args.ctx, args.threads)
         print("llama-perplexity", json.dumps(peer), flush=True)
 
     meta = {"date": str(datetime.date.today()), "cpu": cpu_model(), "threads": args.threads,
             "torch": torch.__version__, "ctx": args.ctx, "eval_text": str(EVAL_TEXT.relative_to(ROOT)),
             "calibration_text": str(CALIBRATION_TEXT.relative_to(ROOT)), "quantize_s": quantize_s,
-            "speed_tokens": args.speed_tokens}
-    save(out_dir, meta, results, peer, with_speed=not args.skip_speed)
+            "speed_tokens": args.speed_tokens, "speed_rounds": args.speed_rounds,
+            "speed_prompt_len": SPEED_PROMPT_LEN}
+    save(out_dir, meta, results, peer)
 
 
-def save(out_dir: Path, meta: dict, results: dict[str, dict], peer: dict | None, with_speed: bool) -> None:
+def save(out_dir: Path, meta: dict, results: dict[str, dict], peer: dict | None) -> None:
     """Write quality.json and quality.md (the BENCHMARKS.md table) into out_dir, and print the table."""
     (out_dir / "quality.json").write_text(json.dumps({"meta": meta, "modes": results, "llama_perplexity": peer},
                                                      indent=2))
-    base = results["float32"]["ppl"]
-    speed = f" decode tok/s b1 | decode tok/s b{BATCH} | prefill tok/s (512) |" if with_speed else ""
-    lines = [f"Measured {meta['date']} on {meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}; "
-             f"perplexity over {results['float32']['tokens_scored']} tokens of {meta['eval_text']} "
-             f"(chunks of {meta['ctx']}, second halves scored).", "",
-             "| mode | weight MiB read per decode step | perplexity | vs float32 |" + speed,
-             "|---|---:|---:|---:|" + ("---:|---:|---:|" if speed else "")]
+    base = results["float32"]
+    with_ppl, with_speed = "ppl" in base, "decode_b1" in base
+    header, rule = "| mode | weight MiB read per decode step |", "|---|---:|"
+    if with_ppl:
+        header, rule = header + " perplexity | vs float32 |", rule + "---:|---:|"
+    if with_speed:
+        header += (f" decode tok/s b1 | b1 vs float32 | decode tok/s b{BATCH} | b{BATCH} vs float32 |"
+                   f" prefill tok/s ({PREFILL_LEN}) |")
+        rule += "---:|---:|---:|---:|---:|"
+    lines = [f"Measured {meta['date']} on {meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}."]
+    if with_ppl:
+        lines.append(f"Perplexity over {base['tokens_scored']} tokens of {meta['eval_text']} (chunks of "
+                     f"{meta['ctx']}, second halves scored).")
+    if with_speed:
+        lines.append(f"Speed: best of {meta['speed_rounds']} interleaved rounds; decode steps only, "
+                     f"{meta['speed_tokens']} new tokens after a {meta['speed_prompt_len']}-token prompt.")
+    lines += ["", header, rule]
     for r in results.values():
-        line = f"| {r['label']} | {r['weight_mib']:.1f} | {r['ppl']:.3f} | {r['ppl'] / base - 1:+.2%} |"
-        if speed:
-            line += f" {r['decode_b1']:.1f} | {r[f'decode_b{BATCH}']:.1f} | {r['prefill_512']:.1f} |"
+        line = f"| {r['label']} | {r['weight_mib']:.1f} |"
+        if with_ppl:
+            line += f" {r['ppl']:.3f} | {r['ppl'] / base['ppl'] - 1:+.2%} |"
+        if with_speed:
+            b32 = f"decode_b{BATCH}"
+            line += (f" {r['decode_b1']:.1f} | {r['decode_b1'] / base['decode_b1']:.2f}x | {r[b32]:.1f} |"
+                     f" {r[b32] / base[b32]:.2f}x | {r['prefill_512']:.1f} |")
         lines.append(line)
-    if peer:
+    if peer and with_ppl:
         lines += ["", f"llama.cpp llama-perplexity on the same GGUF (Q4_1), text and -c {meta['ctx']}: "
                   f"PPL = {peer['ppl']:.4f} +/- {peer['stderr']:.4f} over {peer['chunks']} chunks; "
-                  f"pdserve float32 (exactly those weights): {base:.4f} ({base / peer['ppl'] - 1:+.2%}), "
-                  f"int4 (the same codes): {results['int4']['ppl']:.4f} "
+                  f"pdserve float32 (exactly those weights): {base['ppl']:.4f} "
+                  f"({base['ppl'] / peer['ppl'] - 1:+.2%}), int4 (the same codes): {results['int4']['ppl']:.4f} "
                   f"({results['int4']['ppl'] / peer['ppl'] - 1:+.2%})."]
     (out_dir / "quality.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -84,19 +85,21 @@ def _call_of(obj: Any, tool_names: Collection[str], arguments_key: Sequence[str]
     return obj["name"], "{}"
 
 
-class ToolCallParser:
-    """Base: collects the calls it emits; subclasses implement `feed` and `finish`."""
+class ToolCallParser(ABC):
+    """Base: numbers the calls it emits; subclasses implement `feed` and `finish`."""
 
     def __init__(self, tool_names: Collection[str], new_id: Callable[[], str] = new_call_id) -> None:
         self._tool_names = frozenset(tool_names)
         self._new_id = new_id
         self.num_calls = 0
 
+    @abstractmethod
     def feed(self, text: str) -> list[Event]:
-        raise NotImplementedError
+        """Events of the next piece of streamed text."""
 
+    @abstractmethod
     def finish(self) -> list[Event]:
-        raise NotImplementedError
+        """Events of what the stream's end settles (held-back text, an unclosed call)."""
 
     def _call(self, name: str, arguments: str) -> list[Event]:
         index, self.num_calls = self.num_calls, self.num_calls + 1

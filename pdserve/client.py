@@ -433,31 +433,53 @@ def _call_metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {api_key}"),) if api_key else None
 
 
-class Client:
-    """Blocking client. `timeout` (seconds) is the default deadline of every call; None waits forever.
-    `api_key`, `tls` and `ca_cert`: see the module doc."""
+class _ClientBase:
+    """What Client and AsyncClient share: the channel (`_grpc`: grpc or grpc.aio), the calls' metadata and
+    default deadline, and how each RPC's request is built."""
+
+    _grpc: Any
 
     def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None, *, api_key: str | None = None,
                  tls: bool = False, ca_cert: str | None = None) -> None:
         self.target = target
         self.timeout = timeout
         credentials = _credentials(tls, ca_cert)
-        self._channel = grpc.insecure_channel(target) if credentials is None else \
-            grpc.secure_channel(target, credentials)
+        self._channel = self._grpc.insecure_channel(target) if credentials is None else \
+            self._grpc.secure_channel(target, credentials)
         self._metadata = _call_metadata(api_key)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+
+    def _generate_call(self, prompt: str | Sequence[int], timeout: float | None, options: Mapping[str, Any]):
+        return self._stub.Generate(generate_request(prompt, options), timeout=self._deadline(timeout),
+                                   metadata=self._metadata)
+
+    def _chat_call(self, messages: Iterable[Mapping[str, Any]], timeout: float | None, options: Mapping[str, Any]):
+        return self._stub.Chat(chat_request(messages, options), timeout=self._deadline(timeout),
+                               metadata=self._metadata)
+
+    def _list_models_call(self, timeout: float | None):
+        return self._stub.ListModels(generation_pb2.ListModelsRequest(), timeout=self._deadline(timeout),
+                                     metadata=self._metadata)
+
+    def _deadline(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+
+class Client(_ClientBase):
+    """Blocking client. `timeout` (seconds) is the default deadline of every call; None waits forever.
+    `api_key`, `tls` and `ca_cert`: see the module doc."""
+
+    _grpc = grpc
 
     def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
                  **options: Unpack[GenerateOptions]) -> ChunkStream:
         """Stream the completion of a text prompt (no chat template) or of token ids."""
-        request = generate_request(prompt, options)
-        return ChunkStream(self._stub.Generate(request, timeout=self._deadline(timeout), metadata=self._metadata))
+        return ChunkStream(self._generate_call(prompt, timeout, options))
 
     def chat(self, messages: Iterable[Mapping[str, Any]], *, timeout: float | None = None,
              **options: Unpack[ChatOptions]) -> ChunkStream:
         """Stream the reply to a conversation, rendered with the model's chat template."""
-        request = chat_request(messages, options)
-        return ChunkStream(self._stub.Chat(request, timeout=self._deadline(timeout), metadata=self._metadata))
+        return ChunkStream(self._chat_call(messages, timeout, options))
 
     def complete(self, prompt: str | Sequence[int], *, timeout: float | None = None,
                  **options: Unpack[GenerateOptions]) -> Completion:
@@ -474,8 +496,7 @@ class Client:
     def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         """The served models; the first is the default."""
         try:
-            response = self._stub.ListModels(generation_pb2.ListModelsRequest(), timeout=self._deadline(timeout),
-                                             metadata=self._metadata)
+            response = self._list_models_call(timeout)
         except grpc.RpcError as exc:
             raise PdserveError.from_rpc_error(exc) from None
         return [ModelInfo.from_pb(m) for m in response.models]
@@ -489,35 +510,21 @@ class Client:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _deadline(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout
 
-
-class AsyncClient:
+class AsyncClient(_ClientBase):
     """asyncio client (grpc.aio); create it inside the event loop that uses it. Options as `Client`'s."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, timeout: float | None = None, *, api_key: str | None = None,
-                 tls: bool = False, ca_cert: str | None = None) -> None:
-        self.target = target
-        self.timeout = timeout
-        credentials = _credentials(tls, ca_cert)
-        self._channel = grpc.aio.insecure_channel(target) if credentials is None else \
-            grpc.aio.secure_channel(target, credentials)
-        self._metadata = _call_metadata(api_key)
-        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+    _grpc = grpc.aio
 
     def generate(self, prompt: str | Sequence[int], *, timeout: float | None = None,
                  **options: Unpack[GenerateOptions]) -> AsyncChunkStream:
         """Stream the completion of a text prompt (no chat template) or of token ids."""
-        request = generate_request(prompt, options)
-        return AsyncChunkStream(self._stub.Generate(request, timeout=self._deadline(timeout),
-                                                    metadata=self._metadata))
+        return AsyncChunkStream(self._generate_call(prompt, timeout, options))
 
     def chat(self, messages: Iterable[Mapping[str, Any]], *, timeout: float | None = None,
              **options: Unpack[ChatOptions]) -> AsyncChunkStream:
         """Stream the reply to a conversation, rendered with the model's chat template."""
-        request = chat_request(messages, options)
-        return AsyncChunkStream(self._stub.Chat(request, timeout=self._deadline(timeout), metadata=self._metadata))
+        return AsyncChunkStream(self._chat_call(messages, timeout, options))
 
     async def complete(self, prompt: str | Sequence[int], *, timeout: float | None = None,
                        **options: Unpack[GenerateOptions]) -> Completion:
@@ -534,8 +541,7 @@ class AsyncClient:
     async def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         """The served models; the first is the default."""
         try:
-            response = await self._stub.ListModels(generation_pb2.ListModelsRequest(),
-                                                   timeout=self._deadline(timeout), metadata=self._metadata)
+            response = await self._list_models_call(timeout)
         except grpc.RpcError as exc:
             raise PdserveError.from_rpc_error(exc) from None
         return [ModelInfo.from_pb(m) for m in response.models]
@@ -548,6 +554,3 @@ class AsyncClient:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
-
-    def _deadline(self, timeout: float | None) -> float | None:
-        return self.timeout if timeout is None else timeout

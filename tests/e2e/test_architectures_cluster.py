@@ -1,81 +1,80 @@
-"""A Gemma 2 model (sliding-window layers, soft-capped attention and logits) through a real 1P+1D cluster: the
-prefill worker computes the prompt's KV, ships it to the decode worker, which decodes past the window. Greedy
-tokens must equal transformers' on the same weights, and the offline engine's.
+"""Every architecture (tiny_hf: each family and RoPE scaling) through a real 1P+1D cluster: the prefill worker
+computes the prompt's KV, ships it to the decode worker, which decodes past the sliding window. Greedy tokens must
+equal transformers' on the same weights (the offline engine is held to the same in tests/unit/engine/
+test_arch_models.py), checked in one transformers forward over prompt + tokens (tiny_hf.assert_greedy).
+
+One cluster serves them all: a redis-server, one process hosting every model's prefill worker and one hosting
+every decode worker (Cluster.start_worker_host), and a gateway per model; a gateway routes only to the workers of
+its model's fingerprint. Blocks of 4 tokens, so a window of 5 leaves whole blocks behind. The gateways run in a
+process of their own that exits without stopping them: with this many grpc.aio servers in one process, grpc's
+core has crashed (a segfault) in Server.stop, which would take the test run with it.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
-import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
 
-from tests.integration.cluster import assert_idle, generate_greedy, running_cluster
+from kvstore.embedded_redis import EmbeddedRedis
+from tests.integration.cluster import REPO, Cluster, assert_idle, generate_greedy
+from tests.unit.engine.tiny_hf import PROMPT, architectures, assert_greedy, max_model_len, write_tiny_model
 
-transformers = pytest.importorskip("transformers", reason="the dev extra provides transformers")
+pytest.importorskip("transformers", reason="the dev extra provides transformers")
 
-VOCAB = 160
-WINDOW = 5
-PROMPT = [5, 17, 99, 3, 150, 42, 7, 100, 11, 64, 128, 9, 33]  # 13 tokens > WINDOW
+NAMES = list(architectures())
 NUM_TOKENS = 12
-
-
-def _randomize(model, seed: int) -> None:
-    """Unit-scale weights (transformers' 0.02 init gives near-ties), norms perturbed."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.3)
-            elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * 1.5 / p.shape[-1] ** 0.5)
-
-
-def _write_tokenizer(path) -> None:
-    """A word-level tokenizer.json over the model's ids (the request sends ids; the gateway detokenizes)."""
-    vocab = {"<eos>": 0, "<bos>": 1, **{f"w{i}": i for i in range(2, VOCAB)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<eos>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>"}))
-
-
-def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    out = list(ids)
-    with torch.inference_mode():
-        for _ in range(n):
-            out.append(int(torch.argmax(model(torch.tensor([out])).logits[0, -1])))
-    return out[len(ids):]
+BLOCK_SIZE = 4
+KV_CACHE_MEMORY = 4 << 20  # ~8k tokens of these models per worker
+# name -> GatewayConfig fields in argv; prints name -> gRPC port, serves until stdin closes, exits unstopped
+GATEWAY_HOST = r"""
+import json, os, sys
+from gateway.config import GatewayConfig
+from gateway.server import start_server
+gateways = {name: start_server(GatewayConfig(**kwargs)) for name, kwargs in json.loads(sys.argv[1]).items()}
+print(json.dumps({name: handle.port for name, handle in gateways.items()}), flush=True)
+sys.stdin.read()
+os._exit(0)
+"""
 
 
 @pytest.fixture(scope="module")
-def gemma2(tmp_path_factory):
-    """(transformers model, its saved directory)."""
-    config = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                                       bos_token_id=1, eos_token_id=0, pad_token_id=0, head_dim=16,
-                                       sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
-                                       final_logit_softcapping=10.0, layer_types=["sliding_attention",
-                                                                                  "full_attention"])
-    torch.manual_seed(0)
-    model = transformers.Gemma2ForCausalLM(config).eval()
-    _randomize(model, seed=3)
-    path = tmp_path_factory.mktemp("gemma2-cluster") / "model"
-    model.save_pretrained(path, safe_serialization=True)
-    _write_tokenizer(path)
-    return model, path
+def arch_cluster(tmp_path_factory):
+    """(cluster, name -> gateway gRPC port, name -> transformers model)."""
+    root = tmp_path_factory.mktemp("arch-cluster")
+    models = {name: write_tiny_model(root / name, name) for name in NAMES}
+
+    def engine(name: str) -> dict:
+        return {"model": str(root / name), "block_size": BLOCK_SIZE, "kv_cache_memory": KV_CACHE_MEMORY,
+                "max_model_len": max_model_len(name)}
+
+    with EmbeddedRedis() as redis:
+        cluster = Cluster(root / NAMES[0], redis)
+        try:
+            cluster.start_worker_host("prefill-host", [("prefill", f"p-{name}", engine(name)) for name in NAMES])
+            cluster.start_worker_host("decode-host", [("decode", f"d-{name}", engine(name)) for name in NAMES])
+            configs = {name: cluster.gateway_kwargs(root / name, block_size=BLOCK_SIZE) for name in NAMES}
+            gateway_host = subprocess.Popen([sys.executable, "-c", GATEWAY_HOST, json.dumps(configs)], cwd=REPO,
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            try:
+                cluster.wait_registered(*cluster.process_of)
+                ports = json.loads(gateway_host.stdout.readline())
+                yield cluster, ports, models
+            finally:
+                gateway_host.stdin.close()
+                gateway_host.wait(30)
+        finally:
+            cluster.close()
 
 
-def test_gemma2_greedy_tokens_through_prefill_and_decode_workers(gemma2):
-    model, path = gemma2
-    expected = _hf_greedy(model, PROMPT, NUM_TOKENS)
-    with running_cluster(path, [("prefill", "p0"), ("decode", "d0")]) as cluster:
-        token_ids, last, metadata = generate_greedy(cluster.gateway().port, PROMPT, NUM_TOKENS)
-        assert metadata["pdserve-prefill-workers"] == "p0" and metadata["pdserve-decode-worker"] == "d0"
-        assert last.timings.transfer_bytes > 0  # the prompt's KV really moved from p0 to d0
-        assert token_ids == expected
-        assert cluster.reference(PROMPT, max_tokens=NUM_TOKENS, ignore_eos=True)[1] == expected
-        assert_idle(cluster.wait_idle())
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_tokens_through_prefill_and_decode_workers(arch_cluster, name):
+    cluster, ports, models = arch_cluster
+    token_ids, last, metadata = generate_greedy(ports[name], PROMPT, NUM_TOKENS)
+    assert metadata["pdserve-prefill-workers"] == f"p-{name}" and metadata["pdserve-decode-worker"] == f"d-{name}"
+    assert last.timings.transfer_bytes > 0  # the prompt's KV really moved from the prefill to the decode worker
+    assert len(token_ids) == NUM_TOKENS
+    assert_greedy(models[name], PROMPT, token_ids)
+    assert_idle(cluster.wait_idle(f"p-{name}", f"d-{name}"))

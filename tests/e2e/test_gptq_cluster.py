@@ -8,7 +8,8 @@ import pytest
 
 from engine.quantize import QuantizeOptions, quantize_checkpoint
 from tests.integration.cluster import assert_idle, generate_greedy, running_cluster
-from tests.unit.engine.tiny_gptq import PROMPT, calibration_text, write_tiny_llama
+from tests.unit.engine.tiny_hf import GPTQ_PROMPT as PROMPT
+from tests.unit.engine.tiny_hf import calibration_text, write_tiny_llama
 
 pytest.importorskip("transformers", reason="the dev extra provides transformers")
 

@@ -10,6 +10,8 @@ engine as the reference for greedy outputs.
     cluster.close()
 
 or, for a module fixture, `with running_cluster(model_path, [("prefill", "p0"), ("decode", "d0")]) as cluster:`.
+Many small models share one cluster: `cluster.start_worker_host("decode-host", [("decode", "d-a", {"model": a}),
+...])` serves several workers from one process, and `cluster.gateway(a)` fronts model a's workers.
 
 With a cluster PKI (`Cluster(model_path, redis, pki=...)`, or `running_cluster(..., tls=True)`, which writes one
 into a temporary directory with a certificate per worker plus "gateway" and "probe"), every worker serves mutual
@@ -50,21 +52,33 @@ START_TIMEOUT_S = 180.0
 IDLE_TIMEOUT_S = 30.0
 RPC_TIMEOUT_S = 120.0
 
-# A worker process: serve() until SIGTERM, configured from JSON (no CLI flags involved). It kills itself when
-# its stdin closes, so no worker outlives a test process that died without cleaning up.
+# A worker process: one or several workers (each its own engine, gRPC server and registration, as serve() runs
+# one) until SIGTERM, then each drains and stops; configured from JSON (no CLI flags involved). It kills itself
+# when its stdin closes, so no worker outlives a test process that died without cleaning up.
 WORKER_MAIN = r"""
 import json, logging, os, signal, sys, threading
 threading.Thread(target=lambda: (sys.stdin.read(), os.kill(os.getpid(), signal.SIGKILL)), daemon=True).start()
 logging.basicConfig(level=logging.WARNING, format="%(asctime)s {} %(name)s %(levelname)s %(message)s")
-role, worker_kwargs, engine_kwargs = json.loads(sys.argv[1])
 from engine.config import EngineConfig
-if role == "prefill":
-    from prefill_worker.config import PrefillWorkerConfig as Config
-    from prefill_worker.server import serve
-else:
-    from decode_worker.config import DecodeWorkerConfig as Config
-    from decode_worker.server import serve
-serve(Config(**worker_kwargs), EngineConfig(**engine_kwargs))
+from protos.service_runtime import wait_for_termination
+started = []
+for role, worker_kwargs, engine_kwargs in json.loads(sys.argv[1]):
+    if role == "prefill":
+        from prefill_worker.config import PrefillWorkerConfig as Config
+        from prefill_worker.server import start_server
+    else:
+        from decode_worker.config import DecodeWorkerConfig as Config
+        from decode_worker.server import start_server
+    config = Config(**worker_kwargs)
+    started.append((start_server(config, EngineConfig(**engine_kwargs)), config.drain_timeout_s))
+def stop_all():  # each drains on its own, together; the last one on this thread, as serve() stops its worker
+    others = [threading.Thread(target=handle.stop, args=(grace_s,)) for handle, grace_s in started[:-1]]
+    for thread in others:
+        thread.start()
+    started[-1][0].stop(grace_s=started[-1][1])
+    for thread in others:
+        thread.join()
+wait_for_termination(stop_all)
 """
 
 
@@ -83,21 +97,41 @@ class Cluster:
         self.redis = redis
         self.pki = pki
         self.index = PrefixIndex(redis.url, lookup_timeout_s=1.0)
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen] = {}  # worker id, or host id (start_worker_host) -> process
+        self.process_of: dict[str, str] = {}  # worker id -> its key in procs
         self.gateways = []
-        self.model = None
+        self.model_specs = {}  # model path -> gateway.server.ModelSpec
+
+    @property
+    def model(self):
+        """The cluster's model as the gateways read it (None before the first gateway())."""
+        return self.model_specs.get(str(self.model_path))
 
     def start_worker(self, role: str, worker_id: str, engine_kwargs: dict | None = None, **worker_kwargs) -> None:
         """`engine_kwargs`: EngineConfig fields over the cluster's defaults (e.g. tensor_parallel_size)."""
-        engine = {**dict(model=str(self.model_path), kv_cache_memory=KV_CACHE_MEMORY, num_threads=1,
-                         block_size=BLOCK_SIZE), **(engine_kwargs or {})}
+        self._spawn(worker_id, [self._worker_spec(role, worker_id, engine_kwargs, worker_kwargs)])
+
+    def start_worker_host(self, host_id: str, workers: Sequence[tuple[str, str, dict]]) -> None:
+        """One process serving several workers, (role, worker id, engine_kwargs) each: many small models (an
+        `engine_kwargs` "model" other than the cluster's, each with its gateway(model_path)) for the price of one
+        interpreter start. stop_worker(host_id) stops them all."""
+        self._spawn(host_id, [self._worker_spec(role, worker_id, engine_kwargs, {})
+                              for role, worker_id, engine_kwargs in workers])
+
+    def _worker_spec(self, role: str, worker_id: str, engine_kwargs: dict | None, worker_kwargs: dict) -> list:
+        engine = {"model": str(self.model_path), "kv_cache_memory": KV_CACHE_MEMORY, "num_threads": 1,
+                  "block_size": BLOCK_SIZE, **(engine_kwargs or {})}
         if self.pki is not None and "cluster_ca" not in worker_kwargs and "insecure_internal" not in worker_kwargs:
             worker_kwargs = {**tls_kwargs(self.pki[worker_id]), **worker_kwargs}
         if "cluster_cert" not in worker_kwargs:  # plaintext on purpose: decode workers cache the KV they receive
-            worker_kwargs.setdefault("insecure_internal", True)
-        args = json.dumps([role, dict(worker_id=worker_id, redis_url=self.redis.url, **worker_kwargs), engine])
-        self.procs[worker_id] = subprocess.Popen([sys.executable, "-c", WORKER_MAIN.replace("{}", worker_id), args],
-                                                 cwd=REPO, stdin=subprocess.PIPE)
+            worker_kwargs = {"insecure_internal": True, **worker_kwargs}
+        return [role, dict(worker_id=worker_id, redis_url=self.redis.url, **worker_kwargs), engine]
+
+    def _spawn(self, process_id: str, specs: list[list]) -> None:
+        self.procs[process_id] = subprocess.Popen(
+            [sys.executable, "-c", WORKER_MAIN.replace("{}", process_id), json.dumps(specs)], cwd=REPO,
+            stdin=subprocess.PIPE)
+        self.process_of.update({worker_kwargs["worker_id"]: process_id for _, worker_kwargs, _ in specs})
 
     def wait_registered(self, *worker_ids: str) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -106,29 +140,36 @@ class Cluster:
             if set(worker_ids) <= live:
                 return
             for worker_id in worker_ids:
-                assert self.procs[worker_id].poll() is None, f"worker {worker_id} exited"
+                assert self.procs[self.process_of[worker_id]].poll() is None, f"worker {worker_id} exited"
             assert time.monotonic() < deadline, f"workers {set(worker_ids) - live} did not register"
             time.sleep(0.2)
 
     def stop_worker(self, worker_id: str, kill: bool = False) -> None:
+        """Stop the process of `worker_id` (a host id: all its workers)."""
         proc = self.procs.pop(worker_id)
+        self.process_of = {w: p for w, p in self.process_of.items() if p != worker_id}
         proc.kill() if kill else proc.terminate()
         try:
             proc.wait(60)
         finally:
             proc.stdin.close()
 
-    def gateway(self, **overrides):
-        config = GatewayConfig(model=str(self.model_path), redis_url=self.redis.url, port=0,
-                               block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
-                               lease_ms=60_000,       # outlives every bounded wait here: a leaked reservation shows
-                               **{"local_prefill_threshold": 0, "http_port": 0, "drain_timeout_s": 5.0,
-                                  **(tls_kwargs(self.pki["gateway"]) if self.pki is not None else {}), **overrides})
-        if self.model is None:
-            self.model = load_model_spec(config)
-        handle = start_server(config, self.model)
+    def gateway(self, model_path: Path | None = None, **overrides):
+        """A gateway for the cluster's model, or for `model_path` (workers started with that engine "model")."""
+        config = GatewayConfig(**self.gateway_kwargs(model_path, **overrides))
+        if config.model not in self.model_specs:
+            self.model_specs[config.model] = load_model_spec(config)
+        handle = start_server(config, self.model_specs[config.model])
         self.gateways.append(handle)
         return handle
+
+    def gateway_kwargs(self, model_path: Path | None = None, **overrides) -> dict:
+        """The GatewayConfig fields of gateway(model_path, **overrides) (plain JSON values)."""
+        return {"model": str(model_path or self.model_path), "redis_url": self.redis.url, "port": 0,
+                "max_model_len": MAX_MODEL_LEN,
+                "lease_ms": 60_000,  # outlives every bounded wait here: a leaked reservation shows
+                "block_size": BLOCK_SIZE, "local_prefill_threshold": 0, "http_port": 0, "drain_timeout_s": 5.0,
+                **(tls_kwargs(self.pki["gateway"]) if self.pki is not None else {}), **overrides}
 
     def endpoint(self, worker_id: str) -> str:
         return next(w.grpc_endpoint for w in self.index.list_workers() if w.worker_id == worker_id)
@@ -148,7 +189,7 @@ class Cluster:
 
     def wait_idle(self, *worker_ids: str) -> dict[str, worker_pb2.WorkerStats]:
         """Poll Stats until no worker holds a block, a sequence or a reservation (bounded); the last Stats."""
-        worker_ids = worker_ids or tuple(self.procs)
+        worker_ids = worker_ids or tuple(self.process_of)
         deadline = time.monotonic() + IDLE_TIMEOUT_S
         while True:
             stats = {w: self.stats(w) for w in worker_ids}

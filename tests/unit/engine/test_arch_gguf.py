@@ -16,8 +16,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file
-from test_arch_models import COMMON, LOGIT_ATOL, PROMPT, WINDOW, _engine_logits, _hf_greedy, _randomize, max_model_len
+from test_arch_models import LOGIT_ATOL, _engine_logits
 from tiny_gguf import CHAT_TEMPLATE, as_float, llama_cpp_permute, tiny_vocab
+from tiny_hf import COMMON, PROMPT, WINDOW, assert_greedy, max_model_len, randomize
 
 from engine.gguf_blocks import KEPT_TYPES
 from engine.gguf_loader import load_gguf, supported_types
@@ -143,7 +144,7 @@ def gguf_case(request, tmp_path_factory):
     arch, config_cls, model_cls, extra, hf_cannot_read = _configs()[request.param]
     torch.manual_seed(0)
     hf = model_cls(config_cls(**{**COMMON, **extra})).eval()
-    _randomize(hf, seed=2)
+    randomize(hf, seed=2)
     directory = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(directory / "hf", safe_serialization=True)
     tensors = load_file(str(directory / "hf" / "model.safetensors"))
@@ -180,7 +181,8 @@ def test_gguf_logits_and_greedy_tokens_match_transformers(gguf_case):
     print(f"{name} (GGUF): max |logit diff| vs transformers {diff:.2e}")
     assert diff < LOGIT_ATOL
     out = llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0]
-    assert out.outputs[0].token_ids == _hf_greedy(hf, PROMPT, 10)
+    assert len(out.outputs[0].token_ids) == 10
+    assert_greedy(hf, PROMPT, out.outputs[0].token_ids)
 
 
 # --- every dequantizable GGML type ------------------------------------------------------------------------------

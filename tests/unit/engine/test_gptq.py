@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file
-from tiny_gptq import CONFIG, PROMPT, calibration_text, write_tiny_llama
+from tiny_hf import COMMON, calibration_text, write_tiny_llama
+from tiny_hf import GPTQ_PROMPT as PROMPT
 
 import engine.quant as quant
 from engine.config import EngineConfig
@@ -131,7 +132,7 @@ def test_int4pack_path_stays_close_to_the_exact_path(checkpoints):
     lin = LLM(model=str(checkpoints["gptq4-g32-act-order-asym"]), dtype="float32", num_kv_blocks=16, block_size=4,
               progress=False).engine.runner.model.layers[0].mlp.gate_up
     assert lin.int4 is not None and lin.perm is not None
-    x = torch.randn(3, CONFIG["hidden_size"])
+    x = torch.randn(3, COMMON["hidden_size"])
     exact = x @ lin.dequantize().t()
     assert ((lin.forward(x) - exact).norm() / exact.norm()).item() < 0.01  # measured ~0.3%
 
@@ -227,7 +228,7 @@ def test_transformers_gptq_loader_reads_the_same_weights(checkpoints):
     path = checkpoints["gptq4-g32-act-order-asym"]
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device_map="cpu")
     ours = load_model(path, progress=False).weights
-    for i in range(CONFIG["num_hidden_layers"]):
+    for i in range(COMMON["num_hidden_layers"]):
         for linear in LINEARS:
             module = hf.get_submodule(f"model.layers.{i}.{linear}")
             expected = GPTQLinear(ours[f"model.layers.{i}.{linear}.weight"], None, torch.device("cpu")).dequantize()
