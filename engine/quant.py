@@ -1,10 +1,16 @@
 """The model's linear layers: float weights, a checkpoint's own quantized encoding, or int8 (W8A16) or int4
 (W4A16) weight-only quantization.
 
-`FloatLinear` is `F.linear` over the checkpoint's weight. `PackedLinear` runs a weight kept in its GGUF
-file's encoding (`GroupedWeight`: 4-bit or int8 codes with a scale, and optionally an offset, per group of
-inputs; `HalfWeight`: float16/bfloat16), dequantizing it chunk by chunk into the `DequantWorkspace` below for
-every batch size; in float32 its weights are bit for bit the `gguf` package's dequantization. `Int8Linear.quantize(weight)` keeps a [out, in] weight
+`FloatLinear` is `F.linear` over the checkpoint's weight. A weight kept in its GGUF file's encoding
+(`GroupedWeight`: 4-bit or int8 codes with a scale, and optionally an offset, per group of inputs;
+`HalfWeight`: float16/bfloat16) becomes, in `make_linear`:
+- 4-bit groups of 32 (Q4_0, Q4_1, Q4_K): an `Int4Linear` over the file's own codes (`Int4Linear.from_grouped`;
+  the scale and zero rounded to bfloat16, the one lossy step);
+- 8-bit groups (Q8_0; Q5_*, Q6_K held as int8): an `Int8Linear` requantized to one scale per row (lossy);
+- anything else (16-bit weights, shapes int4pack cannot tile): a `PackedLinear`, dequantizing it chunk by
+  chunk into the `DequantWorkspace` below for every batch size; in float32 its weights are bit for bit the
+  `gguf` package's dequantization.
+`Int8Linear.quantize(weight)` keeps a [out, in] weight
 as int8 with one symmetric scale per output channel: scale = absmax(row) / 127 rounded to a bfloat16 value,
 q = round_half_to_even(w / scale) clamped to [-127, 127]; an all-zero row gets scale 0. Scales are
 bfloat16-representable so that both matmul paths below multiply by exactly the same weights q * scale.
@@ -25,7 +31,8 @@ recomputed in float32, so that sampling and logprobs see the GEMM path's values 
 an offset per group (asymmetric, the scheme of llama.cpp's Q4_1): w = (q - 8) * scale + zero with q in [0, 15],
 scale = (max - min) / 15 and zero = min + 8 * scale of the group, both rounded to bfloat16 before q is chosen.
 A weight that came from a Q4_1 GGUF tensor keeps its codes (all of the default model's do); its scale and
-offset change only by that rounding to bfloat16.
+offset change only by that rounding to bfloat16. The codes are held once, in int4pack_mm's own tiled layout on
+CPU, which the GEMM path reads too: half a byte per weight plus 4 bytes per 32, a Q4_1 file's size.
 `forward` mirrors int8: on CPU, up to INT4PACK_MAX_ROWS rows go through `torch._weight_int4pack_mm_for_cpu` on
 bfloat16 activations (half a byte per weight read); larger steps and CUDA dequantize chunks and run the float
 GEMM. With `quantization="int4"` the LM head (and a tied embedding) stays int8, as llama.cpp's Q4 files keep the

@@ -174,7 +174,7 @@ def test_untied_model_with_qkv_bias_is_the_float_model_over_dequantized_weights(
 
 # --- int4 ----------------------------------------------------------------------------------------------------------
 def int4_codes(lin: Int4Linear) -> torch.Tensor:
-    return torch.stack([lin.nibbles & 15, lin.nibbles >> 4], dim=-1).view(lin.shape).long()
+    return lin.codes().long()
 
 
 def test_int4_weight_is_within_half_a_step_of_the_float_weight_per_group():
