@@ -307,7 +307,7 @@ def lin_in(lin) -> int:
 def cpu_matmuls_report(result: dict) -> str:
     return (f"### Batch-1 matmuls on CPU ({datetime.datetime.now(datetime.UTC):%Y-%m-%d}, {result['cpu']}, "
             f"{result['threads']} threads, torch {result['torch']}, {result['capability']})\n\n"
-            f"Command: `python bench/bench_kernels.py --cpu-matmuls`. Copy {result['copy_gbs']:.1f} GB/s (read + "
+            f"Command: `python bench/bench_kernels.py --cpu-matmuls --threads {result['threads']}`. Copy {result['copy_gbs']:.1f} GB/s (read + "
             f"write), read-only sweep {result['read_gbs']:.1f} GB/s; median of {result['repeats']} passes.\n\n"
             + _table(["matmuls (M = 1)", "weight MiB", "ms", "GB/s", "% of copy", "% of read"],
                      [[r["matmuls"], _fmt(r["weight_mib"]), _fmt(r["ms"], 2), _fmt(r["gbs"]), _fmt(r["pct_of_copy"], 0),
@@ -322,10 +322,14 @@ def main(argv: list[str] | None = None) -> int:
                                                                "bench/results/kernels.md; smoke: no file)")
     parser.add_argument("--cpu-matmuls", action="store_true", help="batch-1 float32/int8/int4 linears on CPU instead")
     parser.add_argument("--repeats", type=int, default=20, help="--cpu-matmuls: timed passes per row")
+    parser.add_argument("--threads", type=int, default=None, help="--cpu-matmuls: torch threads (default: torch's)")
     args = parser.parse_args(argv)
 
     if args.cpu_matmuls:
         import json
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
 
         result = bench_cpu_matmuls(args.repeats)
         report = cpu_matmuls_report(result)
