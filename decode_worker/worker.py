@@ -141,8 +141,9 @@ class DecodeWorker:
         runner = self.loop.engine.runner
         if runner.tp is None:
             return ReceiveTarget(self.layout, tuple(res.missing_block_ids), runner.kv_cache)
-        # Every KV head arrives; rank 0 hands each rank its own (ModelRunner.write_received).
-        return ReceiveTarget(self.layout, tuple(res.missing_block_ids), runner.transfer_cache(), runner.write_received)
+        # Every KV head arrives once; rank 0 hands each rank its own as the plan says (ModelRunner.write_received).
+        return ReceiveTarget(self.layout, tuple(res.missing_block_ids), runner.transfer_cache(), runner.write_received,
+                             runner.rank_kv_heads())
 
     def commit(self, request_id: str, handle: str, blocks: ReceivedBlocks) -> None:
         """Verify the received KV when verify_kv asks (TransferRejected on a mismatch: never decode on bad KV),

@@ -155,7 +155,7 @@ class ModelRunner:
                 result.rows.setdefault(row.request_id, []).append(r)
         return result
 
-    # --- KV transfer: always every KV head on the wire, whatever this worker's tensor-parallel degree ------------
+    # --- KV transfer: every KV head on the wire once, whatever this worker's tensor-parallel degree -------------
     def transfer_cache(self) -> torch.Tensor:
         """The cache a KV transfer sees: [L, 2, blocks, block_size, num_kv_heads (all), D]. Without tensor
         parallelism the cache itself; with it a meta tensor of that shape (no memory): the blocks are gathered
@@ -166,20 +166,21 @@ class ModelRunner:
         shape = (*self.kv_cache.shape[:4], c.kv_heads.stop, self.kv_cache.shape[5])
         return torch.empty(shape, dtype=self.kv_cache.dtype, device="meta")
 
-    def blocks_to_send(self, block_ids: list[int]) -> tuple[torch.Tensor, list[int]]:
-        """(cache, ids) holding `block_ids` with every KV head: the cache itself, or the blocks gathered from
-        the ranks (then ids 0..n-1 of that staging tensor)."""
+    def blocks_to_send(self, block_ids: list[int]):
+        """(source, ids) holding `block_ids` for kvstore.transfer_service.KvSender.push: the cache itself, or
+        the payload's slices gathered from the ranks (kvstore.transfer_slices.KvSlices; then ids 0..n-1)."""
         if self.tp is None:
             return self.kv_cache, block_ids
         return self.tp.gather_kv(self.kv_cache, block_ids), list(range(len(block_ids)))
 
-    def write_received(self, decoded, block_ids) -> None:
-        """Write received blocks (kvstore.transfer.DecodedBlocks, every KV head) into `block_ids` of every
-        rank's cache, each rank its own heads."""
-        shape = self.transfer_cache().shape  # [L, 2, num_blocks, block_size, all kv heads, D]
-        staging = torch.empty(*shape[:2], len(block_ids), *shape[3:], dtype=self.kv_cache.dtype, device=self.device)
-        decoded.scatter_into(staging, range(len(block_ids)))
-        self.tp.scatter_kv(self.kv_cache, list(block_ids), staging)
+    def rank_kv_heads(self) -> tuple[range, ...]:
+        """Each rank's KV heads; () without tensor parallelism (one cache of every head)."""
+        return () if self.tp is None else self.tp.rank_kv_heads
+
+    def write_received(self, plan, slices, block_ids) -> None:
+        """Write a received payload's slices into `block_ids` of every rank's cache as the re-sharding plan
+        (kvstore.reshard_plan.KvReshardPlan) says: each rank its own heads."""
+        self.tp.scatter_kv(self.kv_cache, list(block_ids), plan, slices)
 
     def close(self) -> None:
         """End the tensor-parallel ranks (nothing to do without them); the runner cannot step after."""

@@ -547,7 +547,8 @@ class _Run:
             worker_queue_ms = max(wall_ms - response.prefill_ms - response.transfer_ms, 0.0)
             timings = Timings(queue_ms=self._ms(reserved_at) + worker_queue_ms, prefill_ms=response.prefill_ms,
                               transfer_ms=response.transfer_ms, ttft_ms=self._ms(first_token_at),
-                              transport=response.transport, transfer_bytes=response.transfer_bytes)
+                              transport=response.transport, transfer_bytes=response.transfer_bytes,
+                              kv_reshard_bytes=response.reshard_bytes, kv_reshard_slices=response.reshard_slices)
         usage = Usage(self.req.num_prompt_tokens, num_completion_tokens, cached)
         return OutputChunk(chunk.text, chunk.token_ids, chunk.logprobs, reason, usage, timings, chunk.choice_index,
                            chunk.prompt_logprobs)

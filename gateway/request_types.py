@@ -85,6 +85,8 @@ class Timings:
     prefill_ms   P's reported prefill time; local: Decode sent -> first token back (includes D's queueing)
     transfer_ms  P's reported push time (0 when local)
     ttft_ms      arrival -> the first token handed to the client stream
+    kv_reshard_bytes / kv_reshard_slices   P's report of the push's re-sharding plan between the workers'
+                 tensor-parallel ranks (0 when local)
     """
 
     queue_ms: float
@@ -93,6 +95,8 @@ class Timings:
     ttft_ms: float
     transport: str
     transfer_bytes: int
+    kv_reshard_bytes: int = 0
+    kv_reshard_slices: int = 0
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ Optional plaintext health-only and /metrics ports (gateway.ops_ports) share its 
     serve(config)          blocking; SIGTERM/SIGINT drains: gRPC health NOT_SERVING and HTTP /health 503, new
                            RPCs and connections refused, in-flight requests of both APIs get up to drain_timeout_s
                            to finish (then they are cancelled and their workers aborted)
-    start_server(config)   the same servers on a background thread, for tests and embedding -> GatewayHandle
+    start_server(config)   the same servers on a background event loop (one per process, shared by every
+                           gateway started so), for tests and embedding -> GatewayHandle
 
 Both APIs share one request path (gateway.frontend: admission, orchestrator, metrics). gRPC status codes are
 decided in one place, `status_of` (from request_types.error_code; applied to every Generation RPC by
@@ -304,7 +305,9 @@ def chunk_to_pb(request_id: str, chunk: OutputChunk, tool_calls: Sequence[ToolCa
         t = chunk.timings
         pb.timings.CopyFrom(generation_pb2.Timings(queue_ms=t.queue_ms, prefill_ms=t.prefill_ms,
                                                    transfer_ms=t.transfer_ms, ttft_ms=t.ttft_ms,
-                                                   transport=t.transport, transfer_bytes=t.transfer_bytes))
+                                                   transport=t.transport, transfer_bytes=t.transfer_bytes,
+                                                   kv_reshard_bytes=t.kv_reshard_bytes,
+                                                   kv_reshard_slices=t.kv_reshard_slices))
     return pb
 
 
@@ -537,13 +540,13 @@ def serve(config: GatewayConfig) -> None:
 
 
 class GatewayHandle:
-    """A gateway running on its own thread and event loop (`start_server`)."""
+    """A gateway running on the process's background gateway loop (`start_server`)."""
 
-    def __init__(self, parts: _Parts, loop: asyncio.AbstractEventLoop, thread: threading.Thread,
-                 drain_timeout_s: float) -> None:
+    def __init__(self, parts: _Parts, loop: asyncio.AbstractEventLoop, drain_timeout_s: float) -> None:
         self._parts = parts
         self._loop = loop
-        self._thread = thread
+        self._stopped = False
+        self._stop_lock = threading.Lock()
         self._drain_timeout_s = drain_timeout_s
         self.port = parts.port
         self.http_port = parts.http_port
@@ -565,13 +568,13 @@ class GatewayHandle:
         return self._parts.orchestrator.get_inflight(worker_id)
 
     def stop(self, grace_s: float | None = None) -> None:
-        """Drain (as on SIGTERM) for up to grace_s (default: drain_timeout_s), then stop the loop. Idempotent."""
-        if not self._thread.is_alive():
-            return
+        """Drain (as on SIGTERM) for up to grace_s (default: drain_timeout_s) and release everything. Idempotent."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
         grace = self._drain_timeout_s if grace_s is None else grace_s
         asyncio.run_coroutine_threadsafe(_drain(self._parts, grace), self._loop).result()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
 
 
 def start_server(config: GatewayConfig, model: tuple[ModelSpec, Tokenizer] | None = None) -> GatewayHandle:
@@ -579,20 +582,23 @@ def start_server(config: GatewayConfig, model: tuple[ModelSpec, Tokenizer] | Non
 
     `model` skips reading the checkpoint again when the caller already has (ModelSpec, Tokenizer)."""
     model_spec, tokenizer = model or load_model_spec(config)
-    loop = asyncio.new_event_loop()
+    loop = _background_loop()
+    parts = asyncio.run_coroutine_threadsafe(_start(config, model_spec, tokenizer), loop).result()
+    return GatewayHandle(parts, loop, config.drain_timeout_s)
 
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_forever()
-        loop.run_until_complete(loop.shutdown_asyncgens())
-        loop.close()
 
-    thread = threading.Thread(target=run, name="gateway", daemon=True)
-    thread.start()
-    try:
-        parts = asyncio.run_coroutine_threadsafe(_start(config, model_spec, tokenizer), loop).result()
-    except BaseException:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join()
-        raise
-    return GatewayHandle(parts, loop, thread, config.drain_timeout_s)
+_background_lock = threading.Lock()
+_background: asyncio.AbstractEventLoop | None = None
+
+
+def _background_loop() -> asyncio.AbstractEventLoop:
+    """The one event loop, on a daemon thread started on first use, that every `start_server` gateway of this
+    process runs on. grpc.aio binds each server and channel to the loop that made it, and aio servers on several
+    loops of one process have crashed grpc's core at shutdown (a segfault in Server.stop), so gateways share one."""
+    global _background
+    with _background_lock:
+        if _background is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="gateway-loop", daemon=True).start()
+            _background = loop
+        return _background

@@ -135,7 +135,8 @@ class ChannelPool:
         return PrefillResult(r.first_token_id, first_logprob, r.cached_tokens, r.computed_tokens, r.transfer_bytes,
                              r.transfer_ms, r.transport, r.prefill_ms,
                              tuple(choice_tokens_from_pb(r.choice_first_tokens)),
-                             tuple(prompt_logprob_from_pb(lp) for lp in r.prompt_logprobs))
+                             tuple(prompt_logprob_from_pb(lp) for lp in r.prompt_logprobs), r.reshard_bytes,
+                             r.reshard_slices)
 
     async def decode(self, endpoint: str, request_id: str, handle: str, first: PrefillResult | None,
                      timeout: float | None) -> AsyncIterator[DecodeMessage]:

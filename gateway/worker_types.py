@@ -75,6 +75,10 @@ class PrefillResult:
     """First tokens of choices 1..n-1 (n > 1), from the same prompt logits."""
     prompt_logprobs: tuple[PromptLogprob, ...] = ()
     """Prompt tokens 1..n-1, when the request asked for prompt logprobs."""
+    reshard_bytes: int = 0
+    """KV bytes the push's re-sharding plan handed the decode worker's ranks (kvstore.reshard_plan)."""
+    reshard_slices: int = 0
+    """The plan's (prefill rank, decode rank) slices."""
 
 
 @dataclass(frozen=True)

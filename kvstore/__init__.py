@@ -7,6 +7,8 @@ index           prefix index on Redis (key schema and worker record format in it
 index_publisher the worker-side IndexPublisher: events, heartbeats, re-publish on reconnect
 embedded_redis  a real redis-server child process for the embedded default and tests
 transfer        KV transfer codec: manifest, per-block digests, raw/int8 payloads, validation (no grpc)
+reshard_plan    which KV heads a transfer carries from which sending rank to which receiving rank (pure)
+transfer_slices a tensor-parallel sender's payload in slices of KV heads, with a digest per slice and block
 shm             same-host shared-memory data path and the host identity that decides when it applies
 transfer_service  KvTransfer servicer (decode side) and KvSender (prefill side) over gRPC
 

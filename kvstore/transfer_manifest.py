@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
+from kvstore.reshard_plan import check_rank_heads, payload_slices
+
 CODECS = ("raw", "int8")
 TRANSPORTS = ("grpc", "shm")
 
@@ -99,6 +101,15 @@ class TransferManifest:
     transport: str
     shm_name: str
     payload_bytes: int
+    sender_kv_heads: tuple[range, ...] = ()
+    """A tensor-parallel sender's KV heads per rank; () for one rank holding every head (see payload_slices)."""
+
+    def payload_slices(self) -> tuple[range, ...]:
+        """The KV heads of each payload slice, in payload order (one slice of every head without sender ranks).
+        The manifest must have passed validate_manifest."""
+        if not self.sender_kv_heads:
+            return (range(self.layout.num_kv_heads),)
+        return tuple(w.kv_heads for w in payload_slices(self.sender_kv_heads))
 
 
 def validate_manifest(manifest: TransferManifest, expected_layout: KvLayoutSpec, block_ids: Sequence[int],
@@ -126,9 +137,16 @@ def validate_manifest(manifest: TransferManifest, expected_layout: KvLayoutSpec,
         raise TransferRejected(f"{len(manifest.block_ids)} ids {list(manifest.block_ids[:8])}... are not the "
                                f"reservation's {len(block_ids)} ids {list(block_ids[:8])}...",
                                "block_ids", INVALID_ARGUMENT)
-    if len(manifest.block_digests) != len(manifest.block_ids):
-        raise TransferRejected(f"{len(manifest.block_digests)} digests for {len(manifest.block_ids)} blocks",
-                               "block_digests")
+    if manifest.sender_kv_heads:
+        try:
+            check_rank_heads(manifest.sender_kv_heads, expected_layout.num_kv_heads)
+            payload_slices(manifest.sender_kv_heads)
+        except ValueError as exc:
+            raise TransferRejected(str(exc), "sender_kv_heads", INVALID_ARGUMENT) from None
+    num_slices = len(manifest.payload_slices())
+    if len(manifest.block_digests) != num_slices * len(manifest.block_ids):
+        raise TransferRejected(f"{len(manifest.block_digests)} digests for {len(manifest.block_ids)} blocks in "
+                               f"{num_slices} payload slices", "block_digests")
     bad = [i for i, d in enumerate(manifest.block_digests) if len(d) != DIGEST_BYTES]
     if bad:
         raise TransferRejected(f"digest {bad[0]} has {len(manifest.block_digests[bad[0]])} bytes, expected "

@@ -35,11 +35,13 @@ from typing import Protocol, TypeVar
 import grpc
 import torch
 
+from kvstore.reshard_plan import KvReshardPlan, plan_reshard
 from kvstore.shm import OutgoingSegment, SegmentRefused, take_segment
-from kvstore.transfer import DecodedBlocks, PayloadAssembler, decode_payload, encode_stream, iter_chunks, verify_digests
+from kvstore.transfer import DecodedBlocks, PayloadAssembler, encode_stream, iter_chunks
 from kvstore.transfer_manifest import (CODECS, DEFAULT_CHUNK_BYTES, INVALID_ARGUMENT, TRANSPORTS, KvLayoutSpec,
                                        TransferManifest, TransferRejected, check_chunk_bytes, num_chunks,
                                        validate_manifest)
+from kvstore.transfer_slices import KvSlices, SlicedAssembler, decode_slices, merge_slices, verify_payload
 from protos.convert import manifest_from_pb, manifest_to_pb
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from protos.tls import TlsFiles, channel_credentials, channel_options, peer_identity
@@ -61,8 +63,11 @@ class ReceiveTarget:
     layout: KvLayoutSpec
     block_ids: tuple[int, ...]
     kv_cache: torch.Tensor  # [L, 2, num_blocks, block_size, Hkv, D]; a meta tensor of that shape when `write` is set
-    write: Callable[[DecodedBlocks, tuple[int, ...]], None] | None = None
-    """Places verified blocks itself (a tensor-parallel receiver spreads the heads over its ranks)."""
+    write: Callable[[KvReshardPlan, tuple[tuple[range, DecodedBlocks], ...], tuple[int, ...]], None] | None = None
+    """Places verified blocks itself, following the plan: a tensor-parallel receiver hands each rank its heads
+    from the payload slices (kvstore.transfer_slices.decode_slices) that carry them."""
+    rank_kv_heads: tuple[range, ...] = ()
+    """The receiver's ranks' KV heads; () for one rank holding every head."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,8 @@ class ReceivedBlocks:
     codec: str
     transport: str
     sender_role: str | None = None  # the pusher's role as its mutual-TLS certificate proves it; None: plaintext
+    reshard_bytes: int = 0  # what the re-sharding plan handed the receiver's ranks (kvstore.reshard_plan)
+    reshard_slices: int = 0
 
 
 class KvReceiver(Protocol):
@@ -97,17 +104,18 @@ class KvReceiver(Protocol):
         ...
 
 
-def _scatter_verified(buffer: torch.Tensor, manifest: TransferManifest, target: ReceiveTarget) -> None:
-    decoded: DecodedBlocks = decode_payload(buffer, target.layout, manifest.codec, len(manifest.block_ids))
+def _scatter_verified(buffer: torch.Tensor, manifest: TransferManifest, target: ReceiveTarget,
+                      plan: KvReshardPlan) -> None:
+    slices = decode_slices(buffer, target.layout, manifest)
     if target.write is not None:
-        target.write(decoded, tuple(manifest.block_ids))
+        target.write(plan, slices, tuple(manifest.block_ids))
         return
-    decoded.scatter_into(target.kv_cache, manifest.block_ids)
+    merge_slices(slices).scatter_into(target.kv_cache, manifest.block_ids)
     if target.kv_cache.is_cuda:  # the blocks must be in place before commit lets decode read them
         torch.cuda.current_stream(target.kv_cache.device).synchronize()
 
 
-def _receive_shm(manifest: TransferManifest, target: ReceiveTarget, block_bytes: int) -> None:
+def _receive_shm(manifest: TransferManifest, target: ReceiveTarget, plan: KvReshardPlan) -> None:
     try:  # only a segment this host's sender made for this reservation (kvstore.shm), unlinked once taken
         segment = take_segment(manifest.shm_name, request_id=manifest.request_id, handle=manifest.handle)
     except SegmentRefused as exc:
@@ -120,11 +128,11 @@ def _receive_shm(manifest: TransferManifest, target: ReceiveTarget, block_bytes:
             raise TransferRejected(f"segment holds {segment.size} bytes, manifest announces {manifest.payload_bytes}",
                                    "payload_bytes")
         with segment.buf[:manifest.payload_bytes] as view:
-            verify_digests(view, block_bytes, manifest, 0, len(manifest.block_ids))
+            verify_payload(view, manifest, target.layout)
         if manifest.payload_bytes:
             # Zero copy: the kernels read the mapped pages. The sender does not write after sending the manifest.
             buffer = torch.frombuffer(segment.buf, dtype=torch.uint8, count=manifest.payload_bytes)
-            _scatter_verified(buffer, manifest, target)
+            _scatter_verified(buffer, manifest, target, plan)
             del buffer  # release the mapping's export before the segment closes
 
 
@@ -139,17 +147,21 @@ def receive_transfer(manifest: TransferManifest, data_chunks: Iterator[bytes], r
         validate_manifest(manifest, target.layout, target.block_ids, target.kv_cache.shape[2])
         target.layout.check_cache(target.kv_cache)
         block_bytes = target.layout.block_bytes(manifest.codec)
+        every_head = (range(target.layout.num_kv_heads),)
+        plan = plan_reshard(manifest.sender_kv_heads or every_head, target.rank_kv_heads or every_head)
         if manifest.transport == "grpc":
-            assembler = PayloadAssembler(manifest, block_bytes)
+            assembler = (SlicedAssembler(manifest, target.layout) if manifest.sender_kv_heads
+                         else PayloadAssembler(manifest, block_bytes))
             for data in data_chunks:
                 assembler.add(data)
-            _scatter_verified(assembler.finish(), manifest, target)
+            _scatter_verified(assembler.finish(), manifest, target, plan)
         else:
             if next(data_chunks, None) is not None:
                 raise TransferRejected("data chunks on an shm transfer", "data", INVALID_ARGUMENT)
-            _receive_shm(manifest, target, block_bytes)
+            _receive_shm(manifest, target, plan)
         received = ReceivedBlocks(tuple(manifest.block_ids), manifest.payload_bytes, manifest.codec,
-                                  manifest.transport, sender_role)
+                                  manifest.transport, sender_role, plan.delivered_bytes(manifest.payload_bytes),
+                                  len(plan.slices))
         receiver.commit(manifest.request_id, manifest.handle, received)
         return received
     except Exception as exc:
@@ -191,7 +203,9 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         except Exception as exc:
             log.exception("KV transfer failed")
             context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-        return kv_transfer_pb2.PushResult(bytes=received.num_bytes, num_blocks=len(received.block_ids))
+        return kv_transfer_pb2.PushResult(bytes=received.num_bytes, num_blocks=len(received.block_ids),
+                                          reshard_bytes=received.reshard_bytes,
+                                          reshard_slices=received.reshard_slices)
 
 
 # ----------------------------------------------------------------------------------------------- sending
@@ -209,6 +223,8 @@ class TransferStats:
     transport: str
     codec: str
     num_blocks: int
+    reshard_bytes: int = 0  # the receiver's report (PushResult.reshard_bytes); 0 from a receiver without it
+    reshard_slices: int = 0
 
 
 class TransferFailed(Exception):
@@ -283,27 +299,36 @@ class KvSender:
                 self._stubs[endpoint] = (channel, kv_transfer_pb2_grpc.KvTransferStub(channel))
             return self._stubs[endpoint][1]
 
-    def push(self, endpoint: str, *, request_id: str, handle: str, layout: KvLayoutSpec, kv_cache: torch.Tensor,
+    def push(self, endpoint: str, *, request_id: str, handle: str, layout: KvLayoutSpec,
+             kv_cache: torch.Tensor | KvSlices,
              src_block_ids: Sequence[int], dst_block_ids: Sequence[int], transport: str, codec: str = "raw",
              timeout_s: float = 30.0, fault: FaultInjection | None = None) -> TransferStats:
         """Send blocks `src_block_ids` of `kv_cache` to land in `dst_block_ids` of the receiver reservation
         `handle`, over `transport` exactly (no fallback). The source blocks must not change until push returns
-        (with lazy gathering a change shows up as a digest rejection). Raises TransferFailed (the receiver's
-        status and message) or ValueError (bad arguments)."""
+        (with lazy gathering a change shows up as a digest rejection). `kv_cache` as KvSlices: a tensor-parallel
+        sender's payload slices (kvstore.transfer_slices). Raises TransferFailed (the receiver's status and
+        message) or ValueError (bad arguments)."""
         # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]
         start = time.perf_counter()
         deadline = start + timeout_s
-        layout.check_cache(kv_cache)
+        sliced = isinstance(kv_cache, KvSlices)
+        if sliced:
+            kv_cache.check_layout(layout)
+        else:
+            layout.check_cache(kv_cache)
         if codec not in CODECS or transport not in TRANSPORTS:
             raise ValueError(f"codec must be one of {CODECS} and transport one of {TRANSPORTS}, got {codec!r}, "
                              f"{transport!r}")
         src_block_ids, dst_block_ids = [int(b) for b in src_block_ids], [int(b) for b in dst_block_ids]
         if len(src_block_ids) != len(dst_block_ids):
             raise ValueError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} destination blocks")
-        if any(not 0 <= b < kv_cache.shape[2] for b in src_block_ids):
-            raise ValueError(f"src_block_ids outside the cache of {kv_cache.shape[2]} blocks")
+        num_cache_blocks = kv_cache.num_blocks if sliced else kv_cache.shape[2]
+        if any(not 0 <= b < num_cache_blocks for b in src_block_ids):
+            raise ValueError(f"src_block_ids outside the cache of {num_cache_blocks} blocks")
         blocks_per_group = max(1, self.group_bytes // layout.block_bytes(codec))
-        stream = encode_stream(kv_cache, src_block_ids, codec, blocks_per_group)
+        stream = (kv_cache.encode(src_block_ids, codec, blocks_per_group) if sliced
+                  else encode_stream(kv_cache, src_block_ids, codec, blocks_per_group))
+        sender_kv_heads = kv_cache.sender_kv_heads if sliced else ()
         corrupt = fault.corrupt_chunk_index if fault is not None else None
         if corrupt is not None and not 0 <= corrupt < num_chunks(stream.payload_bytes, self.chunk_bytes):
             raise ValueError(f"corrupt_chunk_index {corrupt} outside the payload's "
@@ -312,7 +337,7 @@ class KvSender:
         def manifest(shm_name: str = "") -> kv_transfer_pb2.KvChunk:
             return kv_transfer_pb2.KvChunk(manifest=manifest_to_pb(TransferManifest(
                 request_id, handle, layout, tuple(dst_block_ids), stream.digests, codec, transport, shm_name,
-                stream.payload_bytes)))
+                stream.payload_bytes, sender_kv_heads)))
 
         stub = self._stub(endpoint)
         if transport == "grpc":
@@ -332,7 +357,7 @@ class KvSender:
             raise TransferFailed(grpc.StatusCode.INTERNAL, f"receiver reports {result.num_blocks} blocks / "
                                  f"{result.bytes} bytes, sent {len(dst_block_ids)} / {stream.payload_bytes}")
         return TransferStats(stream.payload_bytes, (time.perf_counter() - start) * 1e3, transport, codec,
-                             len(dst_block_ids))
+                             len(dst_block_ids), result.reshard_bytes, result.reshard_slices)
 
     def _grpc_messages(self, manifest: kv_transfer_pb2.KvChunk, stream, corrupt: int | None,
                        errors: list[BaseException]) -> Iterator[kv_transfer_pb2.KvChunk]:

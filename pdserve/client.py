@@ -162,10 +162,15 @@ class Timings:
     transport: str
     """KV transport used: "shm", "grpc", or "local" (the decode worker prefilled)."""
     transfer_bytes: int
+    kv_reshard_bytes: int = 0
+    """KV bytes the transfer's re-sharding plan handed the decode worker's tensor-parallel ranks (0 when local)."""
+    kv_reshard_slices: int = 0
+    """The plan's (prefill rank, decode rank) slices: 1 when neither worker is tensor parallel, 0 when local."""
 
     @classmethod
     def from_pb(cls, pb: generation_pb2.Timings) -> Timings:
-        return cls(pb.queue_ms, pb.prefill_ms, pb.transfer_ms, pb.ttft_ms, pb.transport, pb.transfer_bytes)
+        return cls(pb.queue_ms, pb.prefill_ms, pb.transfer_ms, pb.ttft_ms, pb.transport, pb.transfer_bytes,
+                   pb.kv_reshard_bytes, pb.kv_reshard_slices)
 
 
 @dataclass(frozen=True)

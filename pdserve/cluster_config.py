@@ -32,7 +32,7 @@ class LocalClusterConfig:
     """Ranks of each prefill worker; None takes engine.tensor_parallel_size."""
     decode_tensor_parallel_size: int | None = None
     """Ranks of each decode worker; None takes engine.tensor_parallel_size. The pools may differ: KV moves between
-    them with every head on the wire (engine.parallel)."""
+    them with every head once on the wire (kvstore.reshard_plan)."""
     transport: str = "auto"
     """KV transport of the prefill workers (see PrefillWorkerConfig.transport)."""
     codec: str = "raw"

@@ -30,7 +30,8 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             first_token_id=r.first_token_id, cached_tokens=r.cached_tokens, computed_tokens=r.computed_tokens,
             transfer_bytes=r.transfer_bytes, transfer_ms=r.transfer_ms, transport=r.transport,
             prefill_ms=r.prefill_ms, choice_first_tokens=choice_tokens_to_pb(r.choice_first_tokens),
-            prompt_logprobs=[prompt_logprob_to_pb(lp) for lp in r.prompt_logprobs or ()])
+            prompt_logprobs=[prompt_logprob_to_pb(lp) for lp in r.prompt_logprobs or ()],
+            reshard_bytes=r.reshard_bytes, reshard_slices=r.reshard_slices)
         if r.first_logprob is not None:
             response.first_logprob.CopyFrom(logprob_to_pb(r.first_logprob))
         return response

@@ -50,6 +50,9 @@ class PrefillResult:
     prefill_ms: float
     prompt_logprobs: list[PromptLogprob] | None = None
     """With params.prompt_logprobs: prompt tokens 1..n-1 (engine Sequence.prompt_logprobs)."""
+    reshard_bytes: int = 0
+    """What the push's re-sharding plan handed the decode worker's ranks (kvstore.reshard_plan)."""
+    reshard_slices: int = 0
 
 
 class PrefillWorker:
@@ -97,7 +100,8 @@ class PrefillWorker:
         return PrefillResult(out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None,
                              list(seq.choice_first_tokens), seq.num_cached_tokens,
                              seq.num_prompt_tokens - seq.num_cached_tokens, stats.num_bytes, stats.elapsed_ms,
-                             stats.transport, prefill_ms, out.prompt_logprobs)
+                             stats.transport, prefill_ms, out.prompt_logprobs, stats.reshard_bytes,
+                             stats.reshard_slices)
 
     def _push(self, rid: str, src_block_ids: list[int], target: TransferTargetData, start: float,
               timeout_s: float):
@@ -109,7 +113,7 @@ class PrefillWorker:
             fault = FaultInjection(0) if self._faults_left > 0 and src_block_ids else None
             self._faults_left -= fault is not None
         try:
-            # Every KV head on the wire: a tensor-parallel worker gathers them from its ranks first.
+            # Every KV head on the wire once: a tensor-parallel worker gathers the payload's slices from its ranks.
             kv_cache, src_block_ids = self.loop.engine.runner.blocks_to_send(src_block_ids)
             return self.sender.push(
                 target.endpoint, request_id=rid, handle=target.handle, layout=self.layout,

@@ -211,10 +211,13 @@ def layout_to_pb(layout: KvLayoutSpec) -> kv_transfer_pb2.KvLayout:
 
 def manifest_from_pb(pb: kv_transfer_pb2.KvManifest) -> TransferManifest:
     return TransferManifest(pb.request_id, pb.handle, layout_from_pb(pb.layout), tuple(pb.block_ids),
-                            tuple(pb.block_digests), pb.codec, pb.transport, pb.shm_name, pb.payload_bytes)
+                            tuple(pb.block_digests), pb.codec, pb.transport, pb.shm_name, pb.payload_bytes,
+                            tuple(range(h.start, h.stop) for h in pb.sender_kv_heads))
 
 
 def manifest_to_pb(m: TransferManifest) -> kv_transfer_pb2.KvManifest:
     return kv_transfer_pb2.KvManifest(request_id=m.request_id, handle=m.handle, layout=layout_to_pb(m.layout),
                                       block_ids=m.block_ids, block_digests=m.block_digests, codec=m.codec,
-                                      transport=m.transport, shm_name=m.shm_name, payload_bytes=m.payload_bytes)
+                                      transport=m.transport, shm_name=m.shm_name, payload_bytes=m.payload_bytes,
+                                      sender_kv_heads=[kv_transfer_pb2.KvRankHeads(start=h.start, stop=h.stop)
+                                                       for h in m.sender_kv_heads])

@@ -24,20 +24,27 @@ paged-attention kernel's GQA rule holds per rank unchanged.
 Dimensions split evenly (`split_range`) in units of `align` (int4 needs multiples of its 32-input groups on a
 row-parallel weight's inputs and of 16 outputs on a column-parallel weight), the remainder to the first parts.
 
-KV re-sharding (`plan_kv_resharding`). A prefill worker at TP=p sends its blocks to a decode worker at TP=d.
-Every receiving rank must get every KV head it owns exactly once, from one sending rank that holds it. Where a
-head is replicated on several sending ranks, receiving rank r takes it from the owner number r mod (number of
-owners), so that replicas share the sending. A `KvSlice` is one contiguous run of KV heads from one sending
-rank to one receiving rank; its bytes for n blocks are n x heads x 2 (K, V) x layers x block_size x head_dim x
-dtype size (`KvReshardPlan.bytes_per_pair`). p == d with equal partitions is the identity plan: rank r to r.
+KV re-sharding (`plan_kv_resharding(p, d, num_kv_heads)`, a function of the two degrees and the KV heads only,
+since a rank's KV heads do not depend on the query heads: `kv_head_ranges`). A prefill worker at TP=p sends its
+blocks to a decode worker at TP=d (kvstore.reshard_plan holds the plan's rules, the manifest carries the sender's
+`kv_head_ranges`):
+    wire       every KV head once, from the first sending rank that holds it (a rank holding only replicas
+               sends nothing), as one payload slice per sending rank, in rank order, with its own digests
+    receiving  receiving rank r takes each head it owns from the slice that carries it, so every owned head is
+               covered exactly once; a head replicated on several receiving ranks crosses the wire once and is
+               copied to each of them on the receiving host
+    3 KV heads, 2 -> 3: rank 0 sends kv 0-1, rank 1 kv 2; receiving rank 0 takes kv 0 from 0, 1 kv 1 from 0,
+               2 kv 2 from 1.   4 -> 1: ranks 0 and 1 both hold kv 0, only rank 0 sends it.
+The plan's bytes (what the receiving ranks take) are reported per transfer (Timings.kv_reshard_bytes).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["HeadPartition", "KvReshardPlan", "KvSlice", "RankHeads", "partition_heads", "plan_kv_resharding",
-           "split_range"]
+from kvstore.reshard_plan import KvReshardPlan, plan_reshard
+
+__all__ = ["HeadPartition", "RankHeads", "kv_head_ranges", "partition_heads", "plan_kv_resharding", "split_range"]
 
 
 def split_range(n: int, parts: int, align: int = 1) -> tuple[range, ...]:
@@ -116,55 +123,16 @@ def partition_heads(num_heads: int, num_kv_heads: int, tp_size: int) -> HeadPart
     return HeadPartition(num_heads, num_kv_heads, tuple(ranks))
 
 
-@dataclass(frozen=True)
-class KvSlice:
-    """KV heads `kv_heads` (global ids, contiguous) go from sending rank `src_rank` to receiving rank `dst_rank`."""
-
-    src_rank: int
-    dst_rank: int
-    kv_heads: range
-
-
-@dataclass(frozen=True)
-class KvReshardPlan:
-    """Every (sending rank, receiving rank, heads) move of a p -> d KV transfer (module docstring)."""
-
-    src: HeadPartition
-    dst: HeadPartition
-    slices: tuple[KvSlice, ...]
-
-    def slices_to(self, dst_rank: int) -> tuple[KvSlice, ...]:
-        """What receiving rank `dst_rank` gathers, in KV-head order."""
-        return tuple(s for s in self.slices if s.dst_rank == dst_rank)
-
-    def bytes_per_pair(self, num_blocks: int, num_layers: int, block_size: int, head_dim: int,
-                       dtype_size: int) -> dict[tuple[int, int], int]:
-        """Bytes each (src_rank, dst_rank) pair moves for `num_blocks` blocks (pairs that move nothing absent)."""
-        per_head = num_blocks * 2 * num_layers * block_size * head_dim * dtype_size
-        pairs: dict[tuple[int, int], int] = {}
-        for s in self.slices:
-            pairs[s.src_rank, s.dst_rank] = pairs.get((s.src_rank, s.dst_rank), 0) + len(s.kv_heads) * per_head
-        return pairs
-
-    def total_bytes(self, num_blocks: int, num_layers: int, block_size: int, head_dim: int, dtype_size: int) -> int:
-        """Bytes the whole plan moves (more than one copy of the cache when the receiver replicates heads)."""
-        return sum(self.bytes_per_pair(num_blocks, num_layers, block_size, head_dim, dtype_size).values())
+def kv_head_ranges(num_kv_heads: int, tp_size: int) -> tuple[range, ...]:
+    """The KV heads of each rank of `partition_heads(..., num_kv_heads, tp_size)`, whatever the query heads."""
+    if num_kv_heads < 1 or tp_size < 1:
+        raise ValueError(f"num_kv_heads and tp_size must be >= 1, got {num_kv_heads}, {tp_size}")
+    if tp_size <= num_kv_heads:
+        return split_range(num_kv_heads, tp_size)
+    return tuple(range(g, g + 1) for g, group_ranks in enumerate(split_range(tp_size, num_kv_heads))
+                 for _ in group_ranks)
 
 
-def plan_kv_resharding(src: HeadPartition, dst: HeadPartition) -> KvReshardPlan:
-    """The rank-to-rank moves that give every receiving rank each KV head it owns exactly once."""
-    if (src.num_heads, src.num_kv_heads) != (dst.num_heads, dst.num_kv_heads):
-        raise ValueError(f"sender has {src.num_heads} query / {src.num_kv_heads} KV heads, receiver "
-                         f"{dst.num_heads} / {dst.num_kv_heads}: not the same model")
-    slices: list[KvSlice] = []
-    for dst_rank, heads in enumerate(dst.ranks):
-        for kv_head in heads.kv_heads:
-            owners = src.kv_owners(kv_head)
-            src_rank = owners[dst_rank % len(owners)]
-            last = slices[-1] if slices else None
-            if last is not None and (last.src_rank, last.dst_rank) == (src_rank, dst_rank) \
-                    and last.kv_heads.stop == kv_head:
-                slices[-1] = KvSlice(src_rank, dst_rank, range(last.kv_heads.start, kv_head + 1))
-            else:
-                slices.append(KvSlice(src_rank, dst_rank, range(kv_head, kv_head + 1)))
-    return KvReshardPlan(src, dst, tuple(slices))
+def plan_kv_resharding(src_tp_size: int, dst_tp_size: int, num_kv_heads: int) -> KvReshardPlan:
+    """The KV transfer plan from a worker at TP=`src_tp_size` to one at TP=`dst_tp_size` (module docstring)."""
+    return plan_reshard(kv_head_ranges(num_kv_heads, src_tp_size), kv_head_ranges(num_kv_heads, dst_tp_size))

@@ -8,9 +8,16 @@ on CUDA, rank r on cuda:(index + r)) over a FileStore in a private temporary dir
 
 Control plane: one pipe per rank. For every step rank 0 sends the `StepBatch` (plain lists) to each rank, then
 all ranks run it; the model's all-reduces and the logits gather are the only collectives of a step. Block copies
-(an n > 1 request's forked prompt block) run on every rank the same way, without a collective. KV moves
-between the ranks' caches and rank 0 for KV transfer (`gather_kv`, `scatter_kv`) the same way. The ranks idle
+(an n > 1 request's forked prompt block) run on every rank the same way, without a collective. The ranks idle
 in a blocking read of their pipe, never inside a collective, so an idle worker never times out.
+
+KV transfer follows the re-sharding plan (kvstore.reshard_plan), point to point over the group:
+    sending    `gather_kv`: each rank whose heads are first held by it sends exactly those heads of the blocks to
+               rank 0 (a rank holding only replicas sends nothing); rank 0 pushes them as the payload's slices
+    receiving  `scatter_kv`: rank 0 cuts each rank's own heads out of the payload slices, as the plan's slices to
+               that rank say (a head replicated on several ranks, received once, goes to each), and sends them
+Rank 0 is the one end of the KV transfer service: the payload passes through it (the rank-to-rank route
+without it, each rank reading and writing its own slice, is not built).
 
 Failure (never a hang):
 - every collective has the group's timeout (EngineConfig.tensor_parallel_timeout_s): a rank that stops
@@ -46,6 +53,9 @@ import torch.multiprocessing as mp
 from engine.config import EngineConfig, ModelConfig
 from engine.parallel.shard import RankShard, build_rank_model
 from engine.step_batch import StepBatch, copy_blocks, run_step
+from kvstore.reshard_plan import KvReshardPlan, payload_slices
+from kvstore.transfer import DecodedBlocks
+from kvstore.transfer_slices import KvSlices, merge_slices, take_heads
 
 log = logging.getLogger(__name__)
 
@@ -104,24 +114,20 @@ def _new_kv_cache(spec: _RankSpec, rank: int, device: torch.device) -> torch.Ten
                        len(spec.shards[rank].heads.kv_heads), c.head_dim, dtype=spec.dtype, device=device)
 
 
-def _gather_options() -> dist.GatherOptions:
-    options = dist.GatherOptions()
-    options.rootRank = 0
-    return options
+_KV_TAG = 0
+"""Tag of the KV transfer's point-to-point messages (the only ones)."""
 
 
-def _scatter_options() -> dist.ScatterOptions:
-    options = dist.ScatterOptions()
-    options.rootRank = 0
-    return options
+def _rank_kv_heads(shards: tuple[RankShard, ...]) -> tuple[range, ...]:
+    return tuple(s.heads.kv_heads for s in shards)
 
 
-def _padded_heads(kv_cache: torch.Tensor, block_ids: list[int], width: int) -> torch.Tensor:
-    """kv_cache's blocks `block_ids` with the heads axis zero-padded to `width`: [L, 2, n, bs, width, D]."""
+def _blocks_of_heads(kv_cache: torch.Tensor, block_ids: list[int], own: range, heads: range) -> torch.Tensor:
+    """Blocks `block_ids` of global KV heads `heads` from a rank cache holding heads `own`:
+    [L, 2, n, block_size, len(heads), D], contiguous."""
     ids = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
-    blocks = kv_cache.index_select(2, ids)
-    pad = width - blocks.shape[4]
-    return blocks if pad == 0 else torch.nn.functional.pad(blocks, (0, 0, 0, pad))
+    # kv_cache: [L, 2, num_blocks, block_size, this rank's kv heads, D]
+    return kv_cache.index_select(2, ids)[:, :, :, :, heads.start - own.start:heads.stop - own.start].contiguous()
 
 
 def _rank_main(rank: int, spec: _RankSpec, weights: dict[str, torch.Tensor],
@@ -141,7 +147,8 @@ def _rank_main(rank: int, spec: _RankSpec, weights: dict[str, torch.Tensor],
                                  config.quantization, spec.shards, rank, group)
         del weights
         kv_cache = _new_kv_cache(spec, rank, device)
-        width = max(len(s.heads.kv_heads) for s in spec.shards)
+        own = spec.shards[rank].heads.kv_heads
+        sent = next((w.kv_heads for w in payload_slices(_rank_kv_heads(spec.shards)) if w.src_rank == rank), None)
         conn.send("ready")
         while True:
             try:
@@ -158,15 +165,15 @@ def _rank_main(rank: int, spec: _RankSpec, weights: dict[str, torch.Tensor],
                 elif op == "copy_blocks":
                     copy_blocks(kv_cache, payload)
                 elif op == "gather_kv":
-                    group.gather([], [_padded_heads(kv_cache, payload, width)], _gather_options()).wait()
+                    if sent is not None:
+                        group.send([_blocks_of_heads(kv_cache, payload, own, sent)], 0, _KV_TAG).wait()
                 elif op == "scatter_kv":
-                    n, heads = len(payload), len(spec.shards[rank].heads.kv_heads)
                     c = spec.model_config
-                    part = torch.empty(c.num_layers, 2, n, config.block_size, width, c.head_dim,
+                    # part: [L, 2, n, block_size, this rank's kv heads, D]
+                    part = torch.empty(c.num_layers, 2, len(payload), config.block_size, len(own), c.head_dim,
                                        dtype=spec.dtype, device=device)
-                    group.scatter([part], [], _scatter_options()).wait()
-                    ids = torch.tensor(payload, dtype=torch.int64, device=device)
-                    kv_cache.index_copy_(2, ids, part[:, :, :, :, :heads])
+                    group.recv([part], 0, _KV_TAG).wait()
+                    kv_cache.index_copy_(2, torch.tensor(payload, dtype=torch.int64, device=device), part)
                 else:
                     raise ValueError(f"unknown tensor-parallel operation {op!r}")
     except Exception:
@@ -211,7 +218,7 @@ class TensorParallelGroup:
         self._lock = threading.Lock()
         self._failed: str | None = None
         self.num_kv_bytes_moved = 0
-        """KV bytes gather_kv brought from ranks 1..N-1 and scatter_kv handed to them (their own heads only)."""
+        """KV bytes gather_kv brought from ranks 1..N-1 and scatter_kv sent them (the plan's slices)."""
 
     @property
     def size(self) -> int:
@@ -294,39 +301,54 @@ class TensorParallelGroup:
         with self.operation("copy_blocks", list(pairs)):
             copy_blocks(kv_cache, pairs)
 
-    def gather_kv(self, kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
-        """Blocks `block_ids` with every KV head, from the ranks that hold them (a replicated head from its
-        first owner): [L, 2, n, block_size, num_kv_heads, D] on rank 0's device."""
-        width = max(len(s.heads.kv_heads) for s in self.shards)
-        with self.operation("gather_kv", list(block_ids)), torch.inference_mode():
-            mine = _padded_heads(kv_cache, list(block_ids), width)
-            parts = [torch.empty_like(mine) for _ in self.shards]
-            self.group.gather([parts], [mine], _gather_options()).wait()
-        head_bytes = mine[:, :, :, :, 0].numel() * mine.element_size()
-        self.num_kv_bytes_moved += head_bytes * sum(len(s.heads.kv_heads) for s in self.shards[1:])
-        num_kv_heads = self.shards[-1].heads.kv_heads.stop
-        pieces = {}
-        for shard, part in zip(self.shards, parts):
-            for j, head in enumerate(shard.heads.kv_heads):
-                pieces.setdefault(head, part[:, :, :, :, j])
-        return torch.stack([pieces[h] for h in range(num_kv_heads)], dim=4)
+    @property
+    def rank_kv_heads(self) -> tuple[range, ...]:
+        """Each rank's KV heads (global ids), rank by rank."""
+        return _rank_kv_heads(self.shards)
 
-    def scatter_kv(self, kv_cache: torch.Tensor, block_ids: list[int], blocks: torch.Tensor) -> None:
-        """Write `blocks` [L, 2, n, block_size, num_kv_heads, D] (every head) into blocks `block_ids` of every
-        rank's cache, each rank taking its own heads."""
-        width = max(len(s.heads.kv_heads) for s in self.shards)
+    def gather_kv(self, kv_cache: torch.Tensor, block_ids: list[int]) -> KvSlices:
+        """Blocks `block_ids` as the KV payload's slices (kvstore.reshard_plan): each head once, from the first
+        rank holding it; rank 0's slice from its own cache, the others sent by their ranks."""
+        block_ids = list(block_ids)
+        c = kv_cache.shape  # [L, 2, num_blocks, block_size, rank 0's kv heads, D]
+        if not block_ids:  # nothing to send (the receiver has every block): no rank is involved
+            return KvSlices(self.rank_kv_heads, tuple(kv_cache.new_empty(c[0], 2, 0, c[3], len(w.kv_heads), c[5])
+                                                      for w in payload_slices(self.rank_kv_heads)))
+        caches = []
+        with self.operation("gather_kv", block_ids), torch.inference_mode():
+            for wire in payload_slices(self.rank_kv_heads):
+                if wire.src_rank == 0:
+                    caches.append(_blocks_of_heads(kv_cache, block_ids, self.rank_kv_heads[0], wire.kv_heads))
+                    continue
+                part = torch.empty(c[0], 2, len(block_ids), c[3], len(wire.kv_heads), c[5], dtype=kv_cache.dtype,
+                                   device=kv_cache.device)  # [L, 2, n, block_size, the slice's heads, D]
+                self.group.recv([part], wire.src_rank, _KV_TAG).wait()
+                self.num_kv_bytes_moved += part.numel() * part.element_size()
+                caches.append(part)
+        return KvSlices(self.rank_kv_heads, tuple(caches))
+
+    def scatter_kv(self, kv_cache: torch.Tensor, block_ids: list[int], plan: KvReshardPlan,
+                   slices: tuple[tuple[range, DecodedBlocks], ...]) -> None:
+        """Write the received payload `slices` into blocks `block_ids` of every rank's cache, each rank taking
+        its own heads as the plan's slices to it say."""
+        if plan.dst_kv_heads != self.rank_kv_heads:
+            raise ValueError(f"plan for receiving ranks {plan.dst_kv_heads}, these hold {self.rank_kv_heads}")
+        block_ids = list(block_ids)
+        if not block_ids:
+            return
+        c = kv_cache.shape
         parts = []
-        for shard in self.shards:
-            part = blocks[:, :, :, :, shard.heads.kv_heads.start:shard.heads.kv_heads.stop]
-            pad = width - part.shape[4]
-            parts.append((part if pad == 0 else torch.nn.functional.pad(part, (0, 0, 0, pad))).contiguous())
-        with self.operation("scatter_kv", list(block_ids)), torch.inference_mode():
-            mine = torch.empty_like(parts[0])
-            self.group.scatter([mine], [parts], _scatter_options()).wait()
-            ids = torch.tensor(list(block_ids), dtype=torch.int64, device=kv_cache.device)
-            kv_cache.index_copy_(2, ids, mine[:, :, :, :, :len(self.shards[0].heads.kv_heads)])
-        head_bytes = blocks[:, :, :, :, 0].numel() * blocks.element_size()
-        self.num_kv_bytes_moved += head_bytes * sum(len(s.heads.kv_heads) for s in self.shards[1:])
+        for rank, heads in enumerate(self.rank_kv_heads):
+            mine = merge_slices([(s.kv_heads, take_heads(slices, s.kv_heads)) for s in plan.slices_to(rank)])
+            part = torch.empty(c[0], 2, len(block_ids), c[3], len(heads), c[5], dtype=kv_cache.dtype,
+                               device=kv_cache.device)  # [L, 2, n, block_size, the rank's kv heads, D]
+            mine.scatter_into(part, range(len(block_ids)))
+            parts.append(part)
+        with self.operation("scatter_kv", block_ids), torch.inference_mode():
+            kv_cache.index_copy_(2, torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device), parts[0])
+            for rank, part in enumerate(parts[1:], start=1):
+                self.group.send([part], rank, _KV_TAG).wait()
+                self.num_kv_bytes_moved += part.numel() * part.element_size()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Tell the ranks to exit, terminate (then kill) those that do not within `timeout_s` (1 s after a

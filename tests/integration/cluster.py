@@ -85,8 +85,8 @@ class Cluster:
 
     def start_worker(self, role: str, worker_id: str, engine_kwargs: dict | None = None, **worker_kwargs) -> None:
         """`engine_kwargs`: EngineConfig fields over the cluster's defaults (e.g. tensor_parallel_size)."""
-        engine = dict(model=str(self.model_path), kv_cache_memory=KV_CACHE_MEMORY, num_threads=1,
-                      block_size=BLOCK_SIZE, **(engine_kwargs or {}))
+        engine = {**dict(model=str(self.model_path), kv_cache_memory=KV_CACHE_MEMORY, num_threads=1,
+                         block_size=BLOCK_SIZE), **(engine_kwargs or {})}
         if self.pki is not None and "cluster_ca" not in worker_kwargs and "insecure_internal" not in worker_kwargs:
             worker_kwargs = {**tls_kwargs(self.pki[worker_id]), **worker_kwargs}
         if "cluster_cert" not in worker_kwargs:  # plaintext on purpose: decode workers cache the KV they receive

@@ -77,7 +77,8 @@ class EchoGeneration(generation_pb2_grpc.GenerationServicer):
             request_id=request_id, finish_reason=common_pb2.FINISH_REASON_STOP, tool_calls=tool_calls,
             usage=generation_pb2.Usage(prompt_tokens=len(words), completion_tokens=len(words), cached_tokens=1),
             timings=generation_pb2.Timings(queue_ms=1.0, prefill_ms=2.0, transfer_ms=0.5, ttft_ms=4.0,
-                                           transport="shm", transfer_bytes=4096))
+                                           transport="shm", transfer_bytes=4096, kv_reshard_bytes=6144,
+                                           kv_reshard_slices=3))
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +109,7 @@ def closed_port_target():
 
 
 FINAL = Chunk(request_id="r1", text="", token_ids=(), finish_reason="stop", usage=Usage(3, 3, 1),
-              timings=Timings(1.0, 2.0, 0.5, 4.0, "shm", 4096))
+              timings=Timings(1.0, 2.0, 0.5, 4.0, "shm", 4096, 6144, 3))
 
 
 # ------------------------------------------------------------------------------------------------ sync client

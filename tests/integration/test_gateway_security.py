@@ -409,7 +409,11 @@ class Impostor:
             except OSError:
                 return
             self.num_connections += 1
-            backend = socket.create_connection(("127.0.0.1", self.backend_port))
+            try:
+                backend = socket.create_connection(("127.0.0.1", self.backend_port))
+            except OSError:       # the server is stopped: the dialler sees its connection closed
+                conn.close()
+                continue
             for src, dst in ((conn, backend), (backend, conn)):
                 threading.Thread(target=_pipe, args=(src, dst), daemon=True).start()
 

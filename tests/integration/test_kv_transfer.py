@@ -9,11 +9,14 @@ import grpc
 import pytest
 import torch
 
+from engine.parallel.partition import kv_head_ranges, plan_kv_resharding
 from kernels import gather_blocks
+from kvstore.reshard_plan import payload_slices
 from kvstore.shm import SHM_DIR
 from kvstore.transfer_manifest import DEFAULT_CHUNK_BYTES, KvLayoutSpec, TransferManifest, TransferRejected
 from kvstore.transfer_service import (GRPC_OPTIONS, FaultInjection, KvSender, KvTransferServicer, ReceiveTarget,
                                       ReceivedBlocks, TransferFailed)
+from kvstore.transfer_slices import KvSlices, merge_slices, take_heads
 from protos.convert import layout_to_pb
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
@@ -283,3 +286,94 @@ def test_64_blocks_of_a_smollm2_layout_move_exactly(serve, sender, transport):
     assert torch.equal(gather_blocks(receiver.kv_cache, torch.tensor(dst_ids)),
                        gather_blocks(src, torch.tensor(src_ids)))
     assert len(receiver.committed) == 1
+
+
+def sliced_source(src: torch.Tensor, sender_kv_heads, src_ids=SRC_IDS) -> KvSlices:
+    """What a tensor-parallel sender gathers from its ranks: blocks `src_ids` of each payload slice's heads."""
+    ids = torch.tensor(src_ids)
+    return KvSlices(tuple(sender_kv_heads), tuple(
+        src[:, :, ids][:, :, :, :, w.kv_heads.start:w.kv_heads.stop].contiguous()
+        for w in payload_slices(sender_kv_heads)))
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+@pytest.mark.parametrize("src_tp,codec", [(2, "raw"), (2, "int8"), (4, "raw")])  # 3 KV heads: 2 + 1 at TP=2;
+# at TP=4 KV head 0 is on ranks 0 and 1
+def test_sliced_push_from_tensor_parallel_ranks_lands_every_head(serve, sender, transport, codec, src_tp):
+    layout = layout_of(num_kv_heads=3)
+    src = source_cache(layout, 64)
+    receiver, unsliced = CacheReceiver(layout, 100), CacheReceiver(layout, 100)
+    endpoint = serve(receiver)
+
+    heads = kv_head_ranges(3, src_tp)
+    stats = push(sender, endpoint, receiver, sliced_source(src, heads), layout, src_ids=list(range(48)),
+                 transport=transport, codec=codec)
+    push(sender, serve(unsliced), unsliced, src, layout, transport=transport, codec=codec)
+
+    [manifest] = receiver.checked
+    num_slices = 2 if src_tp == 2 else 3
+    assert manifest.sender_kv_heads == heads and len(manifest.block_digests) == num_slices * 48  # per slice, block
+    # every head once on the wire: as many bytes as the unsliced payload, and the same cache after
+    assert stats.num_bytes == unsliced.committed[0][2].num_bytes == 48 * layout.block_bytes(codec)
+    assert torch.equal(receiver.kv_cache, unsliced.kv_cache)
+    # a receiver with one rank takes all three slices (KV heads 0, 1, 2 from ranks 0, 2, 3 at TP=4)
+    assert (stats.reshard_bytes, stats.reshard_slices) == (stats.num_bytes, num_slices)
+    assert receiver.committed[0][2].reshard_bytes == stats.num_bytes and receiver.rejected == []
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_sliced_push_corrupted_in_its_second_slice_is_rejected(serve, sender, transport):
+    layout = layout_of(num_kv_heads=3)
+    src = source_cache(layout, 64)
+    receiver = CacheReceiver(layout, 100)
+    before = receiver.kv_cache.clone()
+
+    with pytest.raises(TransferFailed) as info:  # chunk 2 starts inside slice 1 (heads 2): 48 * 64 KiB of slice 0
+        push(sender, serve(receiver), receiver, sliced_source(src, kv_head_ranges(3, 2)), layout,
+             src_ids=list(range(48)), transport=transport, fault=FaultInjection(corrupt_chunk_index=2))
+
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    slice0_bytes = 48 * layout.block_bytes("raw") * 2 // 3
+    record = (2 * DEFAULT_CHUNK_BYTES - slice0_bytes) // (layout.block_bytes("raw") // 3)
+    assert f"block {record} of payload slice 1" in info.value.details
+    assert f"block_digests[{48 + record}]" in info.value.details
+    assert torch.equal(receiver.kv_cache, before) and receiver.committed == []
+
+
+class RankedReceiver(CacheReceiver):
+    """A tensor-parallel receiver: its ranks' caches are one tensor per rank, written through the plan."""
+
+    def __init__(self, layout: KvLayoutSpec, num_blocks: int, tp_size: int) -> None:
+        super().__init__(layout, num_blocks)
+        self.rank_kv_heads = kv_head_ranges(layout.num_kv_heads, tp_size)
+        self.rank_caches = [self.kv_cache[:, :, :, :, h.start:h.stop].clone() for h in self.rank_kv_heads]
+        self.plans = []
+
+    def check(self, manifest: TransferManifest) -> ReceiveTarget:
+        target = super().check(manifest)
+        return ReceiveTarget(target.layout, target.block_ids, target.kv_cache.to("meta"), self.write,
+                             self.rank_kv_heads)
+
+    def write(self, plan, slices, block_ids) -> None:
+        self.plans.append(plan)
+        for rank, cache in enumerate(self.rank_caches):
+            mine = merge_slices([(s.kv_heads, take_heads(slices, s.kv_heads)) for s in plan.slices_to(rank)])
+            mine.scatter_into(cache, block_ids)
+
+
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_push_to_tensor_parallel_ranks_follows_the_plan(serve, sender, transport):
+    layout = layout_of(num_kv_heads=3)
+    src = source_cache(layout, 64)
+    receiver = RankedReceiver(layout, 100, 4)  # KV head 0 on receiving ranks 0 and 1
+
+    stats = push(sender, serve(receiver), receiver, sliced_source(src, kv_head_ranges(3, 2)), layout,
+                 src_ids=list(range(48)), transport=transport)
+
+    [plan] = receiver.plans
+    assert plan == plan_kv_resharding(2, 4, 3)
+    sent = gather_blocks(src, torch.tensor(SRC_IDS))  # [n, L, 2, block_size, 3, D]
+    for cache, heads in zip(receiver.rank_caches, receiver.rank_kv_heads):
+        assert torch.equal(gather_blocks(cache, torch.tensor(DST_IDS)), sent[:, :, :, :, heads.start:heads.stop])
+    # head 0 crossed the wire once and went to two ranks: 4 of 3 heads' bytes handed out, in 4 slices
+    assert (stats.reshard_bytes, stats.reshard_slices) == (stats.num_bytes * 4 // 3, 4)

@@ -100,20 +100,24 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_ms", "prefill_ms", "transfer_ms", "ttft_ms", "transport", "transfer_bytes")
+    __slots__ = ("queue_ms", "prefill_ms", "transfer_ms", "ttft_ms", "transport", "transfer_bytes", "kv_reshard_bytes", "kv_reshard_slices")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_RESHARD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_RESHARD_SLICES_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     prefill_ms: float
     transfer_ms: float
     ttft_ms: float
     transport: str
     transfer_bytes: int
-    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., transport: _Optional[str] = ..., transfer_bytes: _Optional[int] = ...) -> None: ...
+    kv_reshard_bytes: int
+    kv_reshard_slices: int
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., transport: _Optional[str] = ..., transfer_bytes: _Optional[int] = ..., kv_reshard_bytes: _Optional[int] = ..., kv_reshard_slices: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "usage", "timings", "tool_calls", "prompt_logprobs", "choice_index")

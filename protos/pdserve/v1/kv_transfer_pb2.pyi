@@ -23,7 +23,7 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class KvManifest(_message.Message):
-    __slots__ = ("request_id", "handle", "layout", "block_ids", "block_digests", "codec", "transport", "shm_name", "payload_bytes")
+    __slots__ = ("request_id", "handle", "layout", "block_ids", "block_digests", "codec", "transport", "shm_name", "payload_bytes", "sender_kv_heads")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class KvManifest(_message.Message):
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SENDER_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     handle: str
     layout: KvLayout
@@ -42,7 +43,16 @@ class KvManifest(_message.Message):
     transport: str
     shm_name: str
     payload_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., handle: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_digests: _Optional[_Iterable[bytes]] = ..., codec: _Optional[str] = ..., transport: _Optional[str] = ..., shm_name: _Optional[str] = ..., payload_bytes: _Optional[int] = ...) -> None: ...
+    sender_kv_heads: _containers.RepeatedCompositeFieldContainer[KvRankHeads]
+    def __init__(self, request_id: _Optional[str] = ..., handle: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_digests: _Optional[_Iterable[bytes]] = ..., codec: _Optional[str] = ..., transport: _Optional[str] = ..., shm_name: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., sender_kv_heads: _Optional[_Iterable[_Union[KvRankHeads, _Mapping]]] = ...) -> None: ...
+
+class KvRankHeads(_message.Message):
+    __slots__ = ("start", "stop")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    stop: int
+    def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
 class KvChunk(_message.Message):
     __slots__ = ("manifest", "data")
@@ -53,9 +63,13 @@ class KvChunk(_message.Message):
     def __init__(self, manifest: _Optional[_Union[KvManifest, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushResult(_message.Message):
-    __slots__ = ("bytes", "num_blocks")
+    __slots__ = ("bytes", "num_blocks", "reshard_bytes", "reshard_slices")
     BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RESHARD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESHARD_SLICES_FIELD_NUMBER: _ClassVar[int]
     bytes: int
     num_blocks: int
-    def __init__(self, bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    reshard_bytes: int
+    reshard_slices: int
+    def __init__(self, bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., reshard_bytes: _Optional[int] = ..., reshard_slices: _Optional[int] = ...) -> None: ...

@@ -60,7 +60,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[WorkerRequest, _Mapping]] = ..., target: _Optional[_Union[TransferTarget, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_logprob", "cached_tokens", "computed_tokens", "transfer_bytes", "transfer_ms", "transport", "prefill_ms", "prompt_logprobs", "choice_first_tokens")
+    __slots__ = ("first_token_id", "first_logprob", "cached_tokens", "computed_tokens", "transfer_bytes", "transfer_ms", "transport", "prefill_ms", "prompt_logprobs", "choice_first_tokens", "reshard_bytes", "reshard_slices")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,8 @@ class PrefillResponse(_message.Message):
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESHARD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESHARD_SLICES_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_logprob: _common_pb2.TokenLogprob
     cached_tokens: int
@@ -81,7 +83,9 @@ class PrefillResponse(_message.Message):
     prefill_ms: float
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.PromptTokenLogprob]
     choice_first_tokens: _containers.RepeatedCompositeFieldContainer[ChoiceFirstToken]
-    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., transport: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PromptTokenLogprob, _Mapping]]] = ..., choice_first_tokens: _Optional[_Iterable[_Union[ChoiceFirstToken, _Mapping]]] = ...) -> None: ...
+    reshard_bytes: int
+    reshard_slices: int
+    def __init__(self, first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., transport: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PromptTokenLogprob, _Mapping]]] = ..., choice_first_tokens: _Optional[_Iterable[_Union[ChoiceFirstToken, _Mapping]]] = ..., reshard_bytes: _Optional[int] = ..., reshard_slices: _Optional[int] = ...) -> None: ...
 
 class ChoiceFirstToken(_message.Message):
     __slots__ = ("token_id", "logprob")

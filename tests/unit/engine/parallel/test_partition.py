@@ -6,12 +6,13 @@ import pytest
 
 from engine.parallel.partition import (
     HeadPartition,
-    KvSlice,
     RankHeads,
+    kv_head_ranges,
     partition_heads,
     plan_kv_resharding,
     split_range,
 )
+from kvstore.reshard_plan import KvSlice, KvWireSlice, plan_reshard
 
 # (num_heads, num_kv_heads): the default model (9/3), the tiny test model (4/2), MHA, MQA, a Llama-3 shape.
 SHAPES = [(9, 3), (4, 2), (8, 8), (8, 1), (32, 8), (6, 2)]
@@ -56,6 +57,7 @@ def test_partition_invariants(num_heads, num_kv_heads, tp):
         if tp <= num_kv_heads:
             assert len(p.kv_owners(kv)) == 1
     assert HeadPartition.from_tuples(num_heads, num_kv_heads, p.as_tuples()) == p
+    assert tuple(rank.kv_heads for rank in p.ranks) == kv_head_ranges(num_kv_heads, tp)
 
 
 def test_from_tuples_rejects_a_foreign_partition():
@@ -63,44 +65,52 @@ def test_from_tuples_rejects_a_foreign_partition():
         HeadPartition.from_tuples(9, 3, ((0, 3, 0, 1), (3, 9, 1, 3)))
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", SHAPES)
-def test_every_pair_up_to_4x4(num_heads, num_kv_heads):
-    layers, block_size, head_dim, dsize, blocks = 30, 16, 64, 4, 5
-    per_head = blocks * 2 * layers * block_size * head_dim * dsize
+@pytest.mark.parametrize("num_kv_heads", [1, 2, 3, 4, 8])
+def test_every_pair_up_to_4x4(num_kv_heads):
     for p, d in itertools.product(range(1, 5), repeat=2):
-        if max(p, d) > num_heads:
-            continue
-        src, dst = partition_heads(num_heads, num_kv_heads, p), partition_heads(num_heads, num_kv_heads, d)
-        plan = plan_kv_resharding(src, dst)
-        for dst_rank, heads in enumerate(dst.ranks):
+        plan = plan_kv_resharding(p, d, num_kv_heads)
+        src, dst = kv_head_ranges(num_kv_heads, p), kv_head_ranges(num_kv_heads, d)
+        # the wire: every head exactly once, in head order, from a sending rank that holds it
+        assert [h for w in plan.wire for h in w.kv_heads] == list(range(num_kv_heads)), (p, d)
+        for w in plan.wire:
+            assert set(w.kv_heads) <= set(src[w.src_rank])
+        sent_by = {h: w.src_rank for w in plan.wire for h in w.kv_heads}
+        for dst_rank, heads in enumerate(dst):
             got = [kv for s in plan.slices_to(dst_rank) for kv in s.kv_heads]
-            assert got == list(heads.kv_heads), (p, d, dst_rank)  # every owned head exactly once, in order
-            for s in plan.slices_to(dst_rank):
-                assert set(s.kv_heads) <= set(src.ranks[s.src_rank].kv_heads)  # sent by a rank that holds it
-        pairs = plan.bytes_per_pair(blocks, layers, block_size, head_dim, dsize)
-        assert sum(pairs.values()) == sum(len(h.kv_heads) for h in dst.ranks) * per_head
-        assert plan.total_bytes(blocks, layers, block_size, head_dim, dsize) == sum(pairs.values())
-        if p == d:
+            assert got == list(heads), (p, d, dst_rank)  # every owned head exactly once, in order
+            for s in plan.slices_to(dst_rank):  # taken from the one wire slice that carries it: no duplicate
+                assert all(sent_by[h] == s.src_rank for h in s.kv_heads)
+        copies = sum(len(h) for h in dst)
+        assert sum(plan.heads_per_pair().values()) == copies
+        assert plan.delivered_bytes(num_kv_heads * 1000) == copies * 1000
+        if p == d and p <= num_kv_heads:  # no replica: the identity plan
             assert all(s.src_rank == s.dst_rank for s in plan.slices)
 
 
 def test_default_model_plans_exactly():
     r = range
-    two, three = partition_heads(9, 3, 2), partition_heads(9, 3, 3)
-    assert plan_kv_resharding(two, partition_heads(9, 3, 1)).slices == (KvSlice(0, 0, r(0, 2)), KvSlice(1, 0, r(2, 3)))
-    assert plan_kv_resharding(partition_heads(9, 3, 1), two).slices == (KvSlice(0, 0, r(0, 2)), KvSlice(0, 1, r(2, 3)))
-    assert plan_kv_resharding(two, three).slices == (KvSlice(0, 0, r(0, 1)), KvSlice(0, 1, r(1, 2)),
-                                                     KvSlice(1, 2, r(2, 3)))
-    # at TP=4 kv 0 is on sending ranks 0 and 1: receiving rank 0 takes it from owner 0 % 2, rank 0
-    four = partition_heads(9, 3, 4)
-    assert plan_kv_resharding(four, three).slices == (KvSlice(0, 0, r(0, 1)), KvSlice(2, 1, r(1, 2)),
-                                                      KvSlice(3, 2, r(2, 3)))
-    # replicas share the sending: at 4 -> 4 the second holder of kv 0 serves rank 1
-    assert plan_kv_resharding(four, four).slices[1] == KvSlice(1, 1, r(0, 1))
-    pairs = plan_kv_resharding(two, three).bytes_per_pair(1, 30, 16, 64, 4)
-    assert pairs == {(0, 0): 245760, (0, 1): 245760, (1, 2): 245760}
+    assert plan_kv_resharding(2, 1, 3).slices == (KvSlice(0, 0, r(0, 2)), KvSlice(1, 0, r(2, 3)))
+    assert plan_kv_resharding(1, 2, 3).slices == (KvSlice(0, 0, r(0, 2)), KvSlice(0, 1, r(2, 3)))
+    assert plan_kv_resharding(2, 3, 3).slices == (KvSlice(0, 0, r(0, 1)), KvSlice(0, 1, r(1, 2)),
+                                                  KvSlice(1, 2, r(2, 3)))
+    # at TP=4 kv 0 is on sending ranks 0 and 1: only rank 0 puts it on the wire
+    four = plan_kv_resharding(4, 3, 3)
+    assert four.wire == (KvWireSlice(0, r(0, 1)), KvWireSlice(2, r(1, 2)), KvWireSlice(3, r(2, 3)))
+    assert four.wire_slice(1) is None
+    assert four.slices == (KvSlice(0, 0, r(0, 1)), KvSlice(2, 1, r(1, 2)), KvSlice(3, 2, r(2, 3)))
+    # a receiver replicating kv 0 (ranks 0 and 1) takes it twice from the one wire slice
+    assert plan_kv_resharding(4, 4, 3).slices[:2] == (KvSlice(0, 0, r(0, 1)), KvSlice(0, 1, r(0, 1)))
+    assert plan_kv_resharding(2, 3, 3).heads_per_pair() == {(0, 0): 1, (0, 1): 1, (1, 2): 1}
+    # the tiny model (2 KV heads) at 2 -> 3: kv 0 on receiving ranks 0 and 1, 1.5 copies of the payload
+    assert plan_kv_resharding(2, 3, 2).delivered_bytes(1000) == 1500
 
 
-def test_plan_rejects_different_models():
-    with pytest.raises(ValueError, match="not the same model"):
-        plan_kv_resharding(partition_heads(9, 3, 2), partition_heads(4, 2, 2))
+def test_plan_rejects_partitions_of_different_heads():
+    with pytest.raises(ValueError, match=r"no rank holds KV heads \[2\]"):
+        plan_reshard(kv_head_ranges(3, 2), kv_head_ranges(2, 2))
+    with pytest.raises(ValueError, match=r"rank 1 holds heads \[2, 3\), not a non-empty range inside \[0, 2\)"):
+        plan_reshard(kv_head_ranges(2, 2), kv_head_ranges(3, 2))
+    with pytest.raises(ValueError, match="no rank holds KV heads"):
+        plan_reshard((range(1), range(2, 3)), kv_head_ranges(3, 1))
+    with pytest.raises(ValueError, match="not a non-empty range"):
+        plan_reshard((range(3), range(2, 2)), kv_head_ranges(3, 1))

@@ -16,6 +16,8 @@ from engine.parallel.ranks import TensorParallelError, TensorParallelGroup
 from engine.parallel.shard import rank_shards
 from engine.quant import Int4Linear, Int8Linear
 from engine.sampling_params import SamplingParams
+from kvstore.reshard_plan import plan_reshard
+from kvstore.transfer import DecodedBlocks
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1, 10, 11]]
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=5)
@@ -48,19 +50,29 @@ def test_tp2_matches_tp1_tokens_and_logprobs(engines):
             assert [v for _, v in lb.top] == pytest.approx([v for _, v in la.top], abs=1e-4)
 
 
-def test_rank_kv_cache_holds_its_heads_and_gathers_back(engines):
+def test_rank_kv_cache_holds_its_heads_and_moves_by_the_plan(engines):
     tp1, tp2 = engines("tp1"), engines("tp2", tensor_parallel_size=2)
     assert tp2.runner.kv_cache.shape[4] == 1 and tp1.runner.kv_cache.shape[4] == 2  # one of 2 KV heads each
     assert tp2.runner.num_blocks == tp1.runner.num_blocks
+    assert tp2.runner.rank_kv_heads() == (range(1), range(1, 2))
     ids = [0, 1, 2, 5]
-    gathered = tp2.runner.tp.gather_kv(tp2.runner.kv_cache, ids)   # [L, 2, n, bs, all kv heads, D]
-    full = tp1.runner.kv_cache[:, :, ids]
+    sent = tp2.runner.tp.gather_kv(tp2.runner.kv_cache, ids)   # one payload slice per rank: [L, 2, n, bs, 1, D]
+    assert sent.sender_kv_heads == (range(1), range(1, 2)) and [c.shape[4] for c in sent.caches] == [1, 1]
+    full = tp1.runner.kv_cache[:, :, ids]  # [L, 2, n, bs, 2, D]
     assert full.abs().sum() > 0  # the tests above wrote these blocks (same allocation on both engines)
-    torch.testing.assert_close(gathered, full, atol=1e-5, rtol=1e-5)
-    # Scatter TP=1's blocks into free blocks of every rank, then gather them back exactly.
-    tp2.runner.tp.scatter_kv(tp2.runner.kv_cache, [200, 201, 202, 203], full)
-    assert torch.equal(tp2.runner.tp.gather_kv(tp2.runner.kv_cache, [200, 201, 202, 203]), full)
+    torch.testing.assert_close(torch.cat(sent.caches, dim=4), full, atol=1e-5, rtol=1e-5)
+    moved = tp2.runner.tp.num_kv_bytes_moved
+    empty = tp2.runner.tp.gather_kv(tp2.runner.kv_cache, [])  # a delta transfer with nothing left to send
+    assert [c.shape[2] for c in empty.caches] == [0, 0] and tp2.runner.tp.num_kv_bytes_moved == moved
+    assert moved == full[:, :, :, :, 1:].numel() * 4  # rank 1 sent its one head, float32
+    # A TP=1 payload (one slice of both heads) into free blocks, each rank its head by the plan; then back.
+    plan = plan_reshard((range(2),), tp2.runner.rank_kv_heads())
+    payload = ((range(2), DecodedBlocks("raw", full.permute(2, 0, 1, 3, 4, 5).contiguous(), None)),)
+    tp2.runner.write_received(plan, payload, [200, 201, 202, 203])
+    assert tp2.runner.tp.num_kv_bytes_moved == 2 * moved  # rank 0 sent rank 1 its head
     assert torch.equal(tp2.runner.kv_cache[:, :, 200:204], full[:, :, :, :, :1])  # rank 0 keeps KV head 0
+    back = tp2.runner.tp.gather_kv(tp2.runner.kv_cache, [200, 201, 202, 203])
+    assert torch.equal(torch.cat(back.caches, dim=4), full)
 
 
 @pytest.mark.parametrize("quantization,cls", [("int8", Int8Linear), ("int4", Int4Linear)])
