@@ -189,9 +189,10 @@ class Int8Linear:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, in] -> [M, out] in x.dtype
         if self._takes_int8pack(x):
-            xb = x.to(torch.bfloat16).contiguous()
-            if xb.data_ptr() % 64:  # aligned loads (see _INT8PACK_K_MULTIPLE); a fresh tensor is aligned
-                xb = xb.clone()
+            # Aligned loads (see _INT8PACK_K_MULTIPLE): always a fresh tensor, which the allocator aligns (a check
+            # of data_ptr would stop torch.compile's graph here).
+            xb = (x.clone(memory_format=torch.contiguous_format) if x.dtype == torch.bfloat16
+                  else x.to(torch.bfloat16, memory_format=torch.contiguous_format))
             out = torch._weight_int8pack_mm(xb, self.qweight, self.scale_bf16).to(x.dtype)
             return out if self.bias is None else out.add_(self.bias)
         return self.workspace.linear(x, self.qweight.shape[0], self.chunk_rows,
