@@ -33,15 +33,15 @@ scale = (max - min) / 15 and zero = min + 8 * scale of the group, both rounded t
 A weight that came from a Q4_1 GGUF tensor keeps its codes (all of the default model's do); its scale and
 offset change only by that rounding to bfloat16. The codes are held once, in int4pack_mm's own tiled layout on
 CPU, which the GEMM path reads too: half a byte per weight plus 4 bytes per 32, a Q4_1 file's size.
-`forward` mirrors int8: on CPU, up to INT4PACK_MAX_ROWS rows go through `torch._weight_int4pack_mm_for_cpu` on
-bfloat16 activations (half a byte per weight read); larger steps and CUDA dequantize chunks and run the float
-GEMM. With `quantization="int4"` the LM head (and a tied embedding) stays int8, as llama.cpp's Q4 files keep the
+`forward`: on CPU every batch goes through `torch._weight_int4pack_mm_for_cpu` on bfloat16 activations (half a
+byte per weight read; INT4PACK_MAX_ROWS says why every batch); CUDA dequantizes chunks and runs the float GEMM. With `quantization="int4"` the LM head (and a tied embedding) stays int8, as llama.cpp's Q4 files keep the
 token embedding at 8 bits or more: it is the largest matrix of a small model and the most sensitive.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 
 import torch
@@ -72,8 +72,14 @@ INT4_GROUP_SIZE = 32
 # Crossover measured like INT8PACK_MAX_ROWS (same machine), int4pack_mm vs dequantize + float32 GEMM, ms for all
 # 30 layers of SmolLM2-135M (qkv, o, gate_up, down; the LM head is int8):
 #   M=1: 6.9 vs 92;  M=16: 32 vs 116;  M=32: 61 vs 106;  M=64: 140 vs 160;  M=128: 225 vs 181;  M=256: 431 vs 271.
-INT4PACK_MAX_ROWS = 64
-"""Largest number of rows of x the CPU int4pack_mm path takes."""
+# On AMD EPYC (1 thread, the default model's 512-token prefill, whole engine): int4pack_mm for every row 1.85 s,
+# the GEMM path past 64 rows 1.87 s, float32 weights 1.61 s (a loaded machine).
+INT4PACK_MAX_ROWS = sys.maxsize
+"""Largest number of rows of x the CPU int4pack path takes: every batch. int4pack_mm computes each row of x on
+its own (tested: a batch's rows equal the rows computed alone), so a kept or int4 model's tokens do not depend
+on the batch a sequence is in, nor on a prefix-cache hit (a hit's suffix is a short batch where the cold
+prompt was a long one), as with float weights. The GEMM path (float32 activations; faster from ~128 rows on the
+Intel host above) is what CUDA runs; tests lower this to reach it on CPU."""
 
 # The int8pack_mm CPU kernels load 16 (AVX512) or 8 (AVX2) elements of a row at a time with aligned loads: an
 # input width that is not a multiple of 16, or a tensor that does not start on an aligned address, crashes the

@@ -131,7 +131,7 @@ def test_bad_input_names_the_field(llm, prompt, params, field):
 
 
 def test_kept_codes_hold_the_files_bytes_and_still_answer_paris(llm_kept, default_model_path):
-    """The default load keeps the file's codes: the Q4_1 layers as int4 (codes held once, bfloat16 scale and
+    """keep_quantized_weights keeps the file's codes: the Q4_1 layers as int4 (codes held once, bfloat16 scale and
     zero per 32), the Q8_0 embedding / LM head as int8, so loaded weight memory is within 1.3x of the file's
     tensor bytes (measured: 90.7 MiB of 92.1 MiB) and far below float32's (~513 MiB)."""
     from gguf import GGUFReader
@@ -158,7 +158,7 @@ LONG_PROMPT = ("The history of science is the study of the development of scienc
                "including both the natural and social sciences. ") * 3  # 73 tokens: prefill takes the GEMM path
 # Measured max |logit difference| vs float32 on these 12 prompts (logits of magnitude 17-35): int8 0.66 to 1.28,
 # int4 0.51 to 1.18 (its codes are the checkpoint's own Q4_1 codes; the rest is bfloat16 rounding), the default
-# kept codes 0.43 to 0.94 (the same int4 layers; the LM head int8 from the file's Q8_0 codes).
+# kept codes (keep_quantized_weights) 0.43 to 0.94 (the same int4 layers; the LM head int8 from the file's Q8_0 codes).
 QUANTIZED_LOGIT_ATOL = 2.0
 # float32's top-1 leads its runner-up by 0.04 to 3.0 here; under this margin a flip is within the error above.
 TOP1_MARGIN = 0.5

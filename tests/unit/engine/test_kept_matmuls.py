@@ -4,6 +4,8 @@ inference-mode float32 activations as the engine makes them."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,17 +31,20 @@ def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("qtype", KEPT_TYPES, ids=lambda t: t.name)
-def test_kept_weight_matmul_equals_dequantize_then_matmul(qtype):
+def test_kept_weight_matmul_equals_dequantize_then_matmul(qtype, monkeypatch):
     data = encoded(qtype, (OUT, IN), seed=11)
     expected = reference(data, qtype)                                    # [OUT, IN] float32, gguf's values
     with torch.inference_mode():
         lin = make_linear(packed_weight(data, qtype, (OUT, IN)), None, None, torch.float32, CPU)
         assert type(lin) is KIND[qtype]
-        for rows in (1, quant.INT4PACK_MAX_ROWS + 32):                   # small-batch path, then the GEMM path
+        for rows, gemm in ((1, False), (96, False), (96, True)):         # int4pack / int8pack, then the GEMM path
+            monkeypatch.setattr(quant, "INT4PACK_MAX_ROWS", 0 if gemm else sys.maxsize)
+            monkeypatch.setattr(quant, "INT8PACK_MAX_ROWS", 0 if gemm else 32)
             x = torch.randn(rows, IN)
             out = lin.forward(x)
             assert out.dtype == torch.float32 and out.shape == (rows, OUT)
-            assert rel_error(out, F.linear(x, expected)) < REL_TOL[type(lin)], rows
+            assert rel_error(out, F.linear(x, expected)) < REL_TOL[type(lin)], (rows, gemm)
+        monkeypatch.undo()
         ids = torch.tensor([3, 0, OUT - 1, 64, 3])
         assert rel_error(lin.embed(ids), expected[ids]) < REL_TOL[type(lin)]
         x = torch.randn(2, IN)
@@ -80,6 +85,19 @@ def test_shapes_int4pack_cannot_tile_keep_nibbles_and_shards_stay_exact():
         lin = make_linear(packed_weight(data, Q.Q4_0, (48, IN)), None, None, torch.float32, CPU)
         assert isinstance(lin, Int4Linear) and lin.nibbles is not None
         assert torch.equal(lin.codes(), packed_weight(data, Q.Q4_0, (48, IN)).unpacked_codes())
-        for rows in (1, quant.INT4PACK_MAX_ROWS + 1):
+        for rows in (1, 65):
             x = torch.randn(rows, IN)
             assert rel_error(lin.forward(x), F.linear(x, expected)) < REL_TOL[Int4Linear]
+
+
+def test_kept_int4_rows_do_not_depend_on_the_batch():
+    """Every CPU batch takes int4pack_mm, whose rows are computed on their own: a prompt's rows computed in one
+    batch equal them computed one at a time or in other groupings, bit for bit (what makes a prefix-cache hit,
+    whose suffix is a short batch, give the cold prompt's tokens)."""
+    data = encoded(Q.Q4_1, (OUT, IN), seed=14)
+    with torch.inference_mode():
+        lin = make_linear(packed_weight(data, Q.Q4_1, (OUT, IN)), None, None, torch.float32, CPU)
+        x = torch.randn(200, IN)
+        whole = lin.forward(x)
+        assert torch.equal(whole, torch.cat([lin.forward(x[i:i + 1]) for i in range(200)]))
+        assert torch.equal(whole, torch.cat([lin.forward(x[:7]), lin.forward(x[7:150]), lin.forward(x[150:])]))
