@@ -202,9 +202,9 @@ class EngineConfig:
     groups of 32 (Q4_0, Q4_1, Q4_K) as int4 with their scale and zero rounded to bfloat16, 8-bit groups (Q8_0,
     and Q5_*, Q6_K held as int8) requantized to int8 with one scale per row, 16-bit weights cast a chunk at a
     time; on CPU they run on bfloat16 activations (logits within ~1 of float32's). On the default model this
-    decodes in ~0.4x float32's time per token and prefills as fast. Not yet the default: in a 1P+1D cluster its
-    greedy tokens differed from the offline engine's in 2 of test_gateway_cluster's 36 tests (cause not found;
-    the offline engine's tokens do not depend on the batch). The fingerprint is the checkpoint's either way.
+    decodes in ~0.4x float32's time per token and prefills as fast. Not yet the default: its greedy tokens still
+    depend on the batch (offline, 4 of 32 prompts generated together differ from each alone; 2 of
+    test_gateway_cluster's 36 tests fail with it as the default), a cause not found yet. The fingerprint is the checkpoint's either way.
     Hugging Face checkpoints are float either way."""
     device: str = "cpu"
     """Torch device the model runs on ("cpu", "cuda", "cuda:1")."""

@@ -76,9 +76,9 @@ INT4_GROUP_SIZE = 32
 # the GEMM path past 64 rows 1.87 s, float32 weights 1.61 s (a loaded machine).
 INT4PACK_MAX_ROWS = sys.maxsize
 """Largest number of rows of x the CPU int4pack path takes: every batch. int4pack_mm computes each row of x on
-its own (tested: a batch's rows equal the rows computed alone), so a kept or int4 model's tokens do not depend
-on the batch a sequence is in, nor on a prefix-cache hit (a hit's suffix is a short batch where the cold
-prompt was a long one), as with float weights. The GEMM path (float32 activations; faster from ~128 rows on the
+its own (tested: a batch's rows equal the rows computed alone), so its layers' outputs do not depend on the
+batch a sequence is in, nor on a prefix-cache hit (a hit's suffix is a short batch where the cold prompt was a
+long one), as with float weights. The GEMM path (float32 activations; faster from ~128 rows on the
 Intel host above) is what CUDA runs; tests lower this to reach it on CPU."""
 
 # The int8pack_mm CPU kernels load 16 (AVX512) or 8 (AVX2) elements of a row at a time with aligned loads: an
