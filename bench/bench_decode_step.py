@@ -1,6 +1,21 @@
-"""Where a batch-1 decode step's time goes on CPU, per weight encoding (float32, int8, int4).
+"""Where a batch-1 decode step's time goes on CPU, per weight encoding (float32, int8, int4), and what the
+compiled decode step (engine.compiled_step) saves against the eager one.
 
     python bench/bench_decode_step.py [--threads 2] [--tokens 64] [--out bench/results/decode_step.md]
+        [--compiled-batch-sizes 1,32] [--quantizations float32,int8,int4] [--repeats 30] [--no-breakdown]
+
+Compiled table: one engine per weight encoding, compiled for each of --compiled-batch-sizes at start-up (the
+seconds are reported); then, per batch size, a decode step of that many sequences at a 128-token context is run
+--repeats times through the compiled graph and through the eager `run_step`, interleaved, on the same engine and
+KV cache. Reported: the fastest and the median step of each in ms per token (thread CPU time, which a loaded
+machine disturbs less than wall time; wall time for the fastest step too) and as a % of the roofline: the weight
+bytes one step reads (`DecoderModel.decode_weight_bytes`) at the copy bandwidth (pdserve.bench.roofline),
+shared by the step's tokens. The logits of both paths are compared (greedy tokens must agree). With
+--llama-server PATH (the binary or its build directory), llama-server decodes --tokens tokens of the same prompt
+token ids on the same GGUF with --threads threads, best of --repeats // 5 + 1 requests (its own
+predicted_per_token_ms, wall time: compare with the wall column).
+
+Breakdown table:
 
 Wraps the model's kernel calls (`kernels.rms_norm`, `rotary_embedding`, `write_kv`, `paged_attention`) and every
 linear's `forward` with a wall-clock timer, generates `--tokens` greedy tokens for one short prompt after a
@@ -14,17 +29,26 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import json
+import os
 import platform
+import statistics
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
 
-import kernels
 import engine.quant as quant
+import kernels
 from engine.llm import LLM
+from engine.model_fetch import fetch_default_model
 from engine.sampling_params import SamplingParams
+from engine.step_batch import StepBatch, run_step
+from pdserve.bench.peers import LlamaServer, LlamaServerConfig, find_llama_server
+from pdserve.bench.roofline import copy_bandwidth, cpu_model
+from pdserve.cli_args import parse_int_list
 
 KERNELS = ("rms_norm", "rotary_embedding", "write_kv", "paged_attention")
 QUANTIZATIONS = {"float32": None, "int8": "int8", "int4": "int4"}
@@ -56,7 +80,7 @@ class Timers:
 
 def measure(quantization: str | None, num_tokens: int, timers: Timers) -> dict[str, float]:
     llm = LLM(progress=False, quantization=quantization)
-    ids = llm.tokenizer.encode("The history of science is the study of the development of science")
+    ids = llm.tokenizer.encode(PROMPT)
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
     llm.generate([ids], params)  # warm-up
     llm.engine.kv.pool.clear_cache()
@@ -70,12 +94,148 @@ def measure(quantization: str | None, num_tokens: int, timers: Timers) -> dict[s
     return per_token
 
 
+CONTEXT_TOKENS = 128
+PROMPT = "The history of science is the study of the development of science"
+
+
+def decode_batch(num_seqs: int, block_size: int, context: int = CONTEXT_TOKENS) -> StepBatch:
+    """A decode step of `num_seqs` sequences of `context` tokens each, in disjoint blocks from block 0."""
+    per_seq = -(-context // block_size)
+    tables = [[s * per_seq + j for j in range(per_seq)] for s in range(num_seqs)]
+    last = context - 1
+    return StepBatch([17] * num_seqs, [last] * num_seqs, [t[last // block_size] * block_size + last % block_size
+                                                          for t in tables],
+                     tables, [context] * num_seqs, list(range(num_seqs + 1)), list(range(num_seqs)))
+
+
+def compare_compiled(quantization: str | None, batch_sizes: tuple[int, ...], repeats: int,
+                     bandwidth: float) -> list[dict]:
+    """Rows of the compiled table for one weight encoding (module docstring)."""
+    start = time.perf_counter()
+    llm = LLM(progress=False, quantization=quantization, compile_decode=True, compile_batch_sizes=batch_sizes,
+              max_num_seqs=max(batch_sizes), num_kv_blocks=max(batch_sizes) * (CONTEXT_TOKENS // 16 + 1) + 8)
+    build_s = time.perf_counter() - start
+    runner = llm.engine.runner
+    weight_bytes = runner.model.decode_weight_bytes()
+    rows = []
+    for n in batch_sizes:
+        batch = decode_batch(n, runner.block_size)
+        cpu: dict[str, list[float]] = {"compiled": [], "eager": []}
+        wall: dict[str, list[float]] = {"compiled": [], "eager": []}
+        for _ in range(repeats):
+            for mode in ("compiled", "eager"):
+                t0, w0 = time.thread_time(), time.perf_counter()
+                if mode == "compiled":
+                    compiled_logits = runner.compiled.run(batch)
+                else:
+                    eager_logits, _ = run_step(runner.model, runner.kv_cache, batch, runner.device)
+                cpu[mode].append(time.thread_time() - t0)
+                wall[mode].append(time.perf_counter() - w0)
+        roofline_step_ms = weight_bytes / bandwidth * 1e3
+        row = {"weights": quantization or "float32", "batch": n, "compile_s": runner.compiled.compile_seconds,
+               "build_s": build_s, "same_greedy": bool(torch.equal(compiled_logits.argmax(-1),
+                                                                  eager_logits.argmax(-1))),
+               "max_logit_diff": float((compiled_logits - eager_logits).abs().max()),
+               "roofline_ms_per_token": roofline_step_ms / n}
+        for mode in ("compiled", "eager"):
+            best, median = min(cpu[mode]) * 1e3 / n, statistics.median(cpu[mode]) * 1e3 / n
+            row[mode] = {"ms_per_token_best": best, "ms_per_token_median": median,
+                         "wall_ms_per_token_best": min(wall[mode]) * 1e3 / n,
+                         "roofline_pct": 100 * roofline_step_ms / n / best}
+        rows.append(row)
+    return rows
+
+
+def llama_server_ms_per_token(binary: str, threads: int, token_ids: list[int], num_tokens: int,
+                              requests: int) -> float:
+    """llama-server's best predicted_per_token_ms over `requests` greedy completions of `token_ids`."""
+    path = Path(binary)
+    if path.is_dir():
+        path = path / "llama-server" if (path / "llama-server").is_file() else find_llama_server(None, path)
+    config = LlamaServerConfig(binary=find_llama_server(str(path)),
+                               model=fetch_default_model(progress=False), threads=threads, parallel=1)
+    best = float("inf")
+    with LlamaServer(config, Path("bench/results/llama_server_decode_step.log")) as server:
+        for _ in range(requests):
+            body = json.dumps({"prompt": token_ids, "n_predict": num_tokens, "temperature": 0.0, "ignore_eos": True,
+                               **LlamaServer.extra_body, "cache_prompt": False}).encode()
+            request = urllib.request.Request(server.base_url + "/completion", data=body,
+                                             headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=600) as response:
+                best = min(best, json.load(response)["timings"]["predicted_per_token_ms"])
+    return best
+
+
+def compiled_table(rows: list[dict], args, bandwidth: float, llama_ms: float | None) -> str:
+    lines = [(f"### Compiled vs eager decode step, ms per token ({datetime.date.today()}, {cpu_model()}, "
+              f"{args.threads} threads, torch {torch.__version__}, SmolLM2-135M, {CONTEXT_TOKENS}-token context, "
+              f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, load average {os.getloadavg()[0]:.1f})"), "",
+             (f"Command: `python bench/bench_decode_step.py --threads {args.threads} --compiled-batch-sizes "
+              f"{','.join(map(str, args.compiled_batch_sizes))} --quantizations {','.join(args.quantizations)} "
+              f"--repeats {args.repeats}`"), "",
+             ("| weights | batch | eager best (median) | compiled best (median) | compiled / eager "
+              "| eager % roofline | compiled % roofline | roofline | compile s | same greedy |"),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        e, c = r["eager"], r["compiled"]
+        lines.append(f"| {r['weights']} | {r['batch']} | {e['ms_per_token_best']:.2f} ({e['ms_per_token_median']:.2f}) "
+                     f"| {c['ms_per_token_best']:.2f} ({c['ms_per_token_median']:.2f}) "
+                     f"| {c['ms_per_token_best'] / e['ms_per_token_best']:.2f} | {e['roofline_pct']:.0f}% "
+                     f"| {c['roofline_pct']:.0f}% | {r['roofline_ms_per_token']:.2f} | {r['compile_s']:.0f} "
+                     f"| {'yes' if r['same_greedy'] else 'NO'} |")
+    lines += ["", "Wall time, fastest step, ms per token: " + ", ".join(
+        f"{r['weights']} batch {r['batch']} eager {r['eager']['wall_ms_per_token_best']:.2f} / compiled "
+        f"{r['compiled']['wall_ms_per_token_best']:.2f}" for r in rows) + "."]
+    if llama_ms is not None:
+        lines.append(f"llama-server (same GGUF, {args.threads} threads, batch 1, {args.tokens} tokens): "
+                     f"{llama_ms:.2f} ms per token.")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--out", default="bench/results/decode_step.md")
+    parser.add_argument("--compiled-batch-sizes", type=parse_int_list, default=(1, 32),
+                        help="batch sizes of the compiled table (each compiled at start-up)")
+    parser.add_argument("--quantizations", type=lambda t: t.split(","), default=list(QUANTIZATIONS),
+                        help="weight encodings of the compiled table, e.g. int4 or float32,int8,int4")
+    parser.add_argument("--repeats", type=int, default=30, help="interleaved steps per row of the compiled table")
+    parser.add_argument("--llama-server", help="llama-server binary or build directory: a batch-1 peer row")
+    parser.add_argument("--no-breakdown", dest="breakdown", action="store_false",
+                        help="skip the per-op breakdown table")
     args = parser.parse_args()
+    for name in args.quantizations:
+        if name not in QUANTIZATIONS:
+            parser.error(f"--quantizations: {name!r} is not one of {', '.join(QUANTIZATIONS)}")
+
+    texts: list[str] = []
+    compiled_rows: list[dict] = []
+
+    def run_compiled() -> None:  # before the breakdown's timers wrap the kernels (the compiler would trace them)
+        torch.set_num_threads(args.threads)
+        bandwidth = copy_bandwidth(2**28)
+        for name in args.quantizations:
+            compiled_rows.extend(compare_compiled(QUANTIZATIONS[name], args.compiled_batch_sizes, args.repeats,
+                                                  bandwidth))
+        llama_ms = None
+        if args.llama_server:
+            ids = LLM(progress=False, num_kv_blocks=8).tokenizer.encode(PROMPT)
+            llama_ms = llama_server_ms_per_token(args.llama_server, args.threads, ids, args.tokens,
+                                                 args.repeats // 5 + 1)
+        texts.append(compiled_table(compiled_rows, args, bandwidth, llama_ms))
+        print(texts[-1], flush=True)
+
+    thread = threading.Thread(target=run_compiled)
+    thread.start()
+    thread.join()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).with_name("decode_step_compiled.json").write_text(json.dumps(
+        {"cpu": cpu_model(), "threads": args.threads, "rows": compiled_rows}, indent=1))
+    if not args.breakdown:
+        Path(args.out).write_text("\n".join(texts))
+        return
 
     timers = Timers()
     for name in KERNELS:
@@ -105,8 +265,7 @@ def main() -> None:
         lines.append(f"| {label} | " + " | ".join(f"{row.get(c, 0.0):.1f}" for c in columns) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
+    Path(args.out).write_text("\n".join([*texts, text]))
 
 
 if __name__ == "__main__":

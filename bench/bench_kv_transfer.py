@@ -1,29 +1,41 @@
-"""Benchmark of KV transfer: GB/s of KvSender.push over the shm and grpc transports, next to a memory copy.
+"""Benchmark of KV transfer: GB/s of KvSender.push over the shm and grpc transports, next to a memory copy and a
+raw socket between the same two processes.
 
-    python bench/bench_kv_transfer.py [--blocks 16 64 256] [--repeats 5] [--threads 1]
+    python bench/bench_kv_transfer.py [--blocks 16 64 256] [--repeats 5] [--threads 1] [--shm-pool-bytes N]
 
 Layout: SmolLM2-135M (30 layers, 3 kv heads of 64, blocks of 16 tokens) in float32, 737,280 bytes per block.
 The receiver (a KvTransferServicer over a permissive in-memory receiver) runs in its own process on 127.0.0.1,
 as a decode worker would; the sender pushes blocks picked at random from a 320-block cache into random blocks of
 the receiver's cache. A push is timed end to end: encode (gather [+ int8 quantize] + digests), shm write or grpc
-chunks, the receiver's digest checks and scatter, the reply. Rows:
+chunks, the receiver's digest checks and scatter, the reply. Every path runs once per round, rounds interleaved,
+so that a loaded machine slows them alike; the median of the rounds is reported. Rows:
 
     memcpy         torch uint8 .copy_ of the raw payload's bytes: the physical limit of a memory-to-memory move
-    encode only    the sender's encode_stream, one group (kernels gather [+ quantize] + xxh3 digests), no transport
-    shm / grpc     KvSender.push, raw and int8
+    raw socket     the payload's bytes over one TCP connection to the receiver process (sendall / recv_into a
+                   reused buffer, one-byte answer): what any stream transport between these processes can reach
+    encode only    the sender's write_records into a reused buffer (kernels gather [+ quantize] + xxh3 digests)
+    shm            KvSender.push with a segment pool (pre-faulted, reused segments; the default of a prefill worker)
+    shm one-shot   KvSender.push with a fresh segment per transfer (a sender without a pool)
+    grpc           KvSender.push over grpc: streamed chunks, digests in the trailer, reused receive buffers
 
 "wire GB/s" is payload bytes per second; "KV GB/s" is the raw float32 KV moved per second (what int8 buys).
-Prints a markdown table and writes it to --out (default bench/results/kv_transfer.md).
+Prints a markdown table with issue 16's goals (shm raw / memcpy, grpc raw / raw socket) and writes it to --out
+(default bench/results/kv_transfer.md) with the figures as JSON beside it (.json).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
+import json
 import multiprocessing as mp
 import os
 import platform
+import socket
 import statistics
+import struct
 import sys
+import threading
 import time
 from concurrent import futures
 from pathlib import Path
@@ -32,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from kvstore.transfer import KvLayoutSpec, encode_stream  # noqa: E402
+from kvstore.transfer import KvLayoutSpec, write_records  # noqa: E402
+from pdserve.bench.roofline import cpu_model  # noqa: E402
 
 LAYOUT = KvLayoutSpec(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32",
                       model_fingerprint="smollm2-135m-bench")
@@ -43,14 +56,40 @@ def cache_shape(num_blocks: int) -> tuple[int, ...]:
     return (LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
 
 
-def serve_receiver(port_queue, stop_event, threads: int, files=None) -> None:
+def serve_raw_socket(listener: socket.socket) -> None:
+    """The baseline's receiving end: for each connection, messages of an 8-byte length then that many bytes,
+    read into one reused buffer with recv_into, each answered with one byte once it is all in."""
+    buffer = bytearray()
+    while True:
+        conn, _ = listener.accept()
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while True:
+                header = conn.recv(8, socket.MSG_WAITALL)
+                if len(header) < 8:
+                    break
+                (nbytes,) = struct.unpack("<Q", header)
+                if len(buffer) < nbytes:
+                    buffer = bytearray(nbytes)
+                view, received = memoryview(buffer), 0
+                while received < nbytes:
+                    received += conn.recv_into(view[received:nbytes])
+                conn.sendall(b"k")
+
+
+def serve_receiver(port_queue, stop_event, threads: int, files=None, socket_queue=None) -> None:
     """Child process: a KvTransfer server whose receiver accepts any handle and any in-bounds block ids; with
-    `files` (protos.tls.TlsFiles) it serves mutual TLS behind the cluster's role table, as a decode worker does."""
+    `files` (protos.tls.TlsFiles) it serves mutual TLS behind the cluster's role table, as a decode worker does.
+    With `socket_queue`, also the raw-socket baseline (serve_raw_socket) on a port put there."""
     import grpc
 
-    from kvstore.transfer_service import GRPC_OPTIONS, KvTransferServicer, ReceiveTarget
+    if socket_queue is not None:
+        listener = socket.create_server(("127.0.0.1", 0))
+        threading.Thread(target=serve_raw_socket, args=(listener,), daemon=True).start()
+        socket_queue.put(listener.getsockname()[1])
+
+    from kvstore.transfer_service import GRPC_OPTIONS, KvTransferServicer, ReceiveTarget, add_kv_transfer_servicer
     from protos import tls
-    from protos.pdserve.v1 import kv_transfer_pb2_grpc
 
     torch.set_num_threads(threads)
     kv_cache = torch.zeros(cache_shape(CACHE_BLOCKS))  # [L, 2, num_blocks, block_size, Hkv, D]
@@ -67,7 +106,7 @@ def serve_receiver(port_queue, stop_event, threads: int, files=None) -> None:
 
     interceptors = [tls.RoleInterceptor(tls.cluster_role_table())] if files is not None else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS, interceptors=interceptors)
-    kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(KvTransferServicer(AnyReservation()), server)
+    add_kv_transfer_servicer(KvTransferServicer(AnyReservation()), server)
     address = "127.0.0.1:0"
     port_queue.put(server.add_secure_port(address, tls.server_credentials(files)) if files is not None
                    else server.add_insecure_port(address))
@@ -86,64 +125,103 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(samples) * 1e3
 
 
+class RawSocketSender:
+    """The baseline's sending end: the payload's bytes over one TCP connection (sendall of the buffer, no
+    framing, no copy in Python), timed until the receiver's one-byte answer."""
+
+    def __init__(self, port: int) -> None:
+        self.conn = socket.create_connection(("127.0.0.1", port))
+        self.conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def send(self, payload: memoryview) -> None:
+        self.conn.sendall(struct.pack("<Q", len(payload)))
+        self.conn.sendall(payload)
+        if self.conn.recv(1) != b"k":
+            raise RuntimeError("raw-socket receiver went away")
+
+    def close(self) -> None:
+        self.conn.close()
+
+
 def memcpy_ms(num_bytes: int, repeats: int) -> float:
     src, dst = torch.ones(num_bytes, dtype=torch.uint8), torch.empty(num_bytes, dtype=torch.uint8)
     return median_ms(lambda: dst.copy_(src), repeats)
 
 
 def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{cpu}, {os.cpu_count()} logical cores, {platform.system()} {platform.release()}, "
+    return (f"{cpu_model()}, {os.cpu_count()} logical cores, {platform.system()} {platform.release()}, "
             f"Python {platform.python_version()}")
+
+
+def interleaved_ms(paths: dict, repeats: int) -> dict:
+    """Median ms of each callable, run round-robin (one of each per round) so that load on a shared machine
+    hits every path alike; one warm-up round first (channels, allocators, segment pool, page faults)."""
+    samples = {name: [] for name in paths}
+    for round_index in range(repeats + 1):
+        for name, fn in paths.items():
+            start = time.perf_counter()
+            fn()
+            if round_index:
+                samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) * 1e3 for name, times in samples.items()}
 
 
 def run(args: argparse.Namespace) -> list[dict]:
     from kvstore.transfer_service import KvSender
 
     ctx = mp.get_context("spawn")
-    port_queue, stop_event = ctx.Queue(), ctx.Event()
-    child = ctx.Process(target=serve_receiver, args=(port_queue, stop_event, args.threads), daemon=True)
+    port_queue, socket_queue, stop_event = ctx.Queue(), ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=serve_receiver, args=(port_queue, stop_event, args.threads, None, socket_queue),
+                        daemon=True)
     child.start()
     endpoint = f"127.0.0.1:{port_queue.get(timeout=120)}"
+    raw_socket = RawSocketSender(socket_queue.get(timeout=120))
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     src = torch.randn(cache_shape(CACHE_BLOCKS), generator=gen)
     rows = []
     try:
-        with KvSender() as sender:
+        with KvSender(shm_pool_bytes=args.shm_pool_bytes) as sender, KvSender() as one_shot:
             for num_blocks in args.blocks:
                 src_ids = torch.randperm(CACHE_BLOCKS, generator=gen)[:num_blocks].tolist()
                 dst_ids = torch.randperm(CACHE_BLOCKS, generator=gen)[:num_blocks].tolist()
                 raw_bytes = num_blocks * LAYOUT.block_bytes("raw")
-                rows.append(dict(blocks=num_blocks, path="memcpy", codec="raw", wire=raw_bytes,
-                                 ms=memcpy_ms(raw_bytes, args.repeats)))
+                copy_src = torch.ones(raw_bytes, dtype=torch.uint8)
+                copy_dst = torch.empty(raw_bytes, dtype=torch.uint8)
+                socket_payload = memoryview(copy_src.numpy())
+                paths = {("memcpy", "raw"): functools.partial(copy_dst.copy_, copy_src),
+                         ("raw socket", "raw"): functools.partial(raw_socket.send, socket_payload)}
                 for codec in ("raw", "int8"):
-                    rows.append(dict(blocks=num_blocks, path="encode only", codec=codec,
-                                     wire=num_blocks * LAYOUT.block_bytes(codec),
-                                     ms=median_ms(lambda: list(encode_stream(src, src_ids, codec, len(src_ids)).groups),
-                                                    args.repeats)))
+                    out = torch.empty(num_blocks * LAYOUT.block_bytes(codec), dtype=torch.uint8)
+                    paths[("encode only", codec)] = functools.partial(write_records, src, src_ids, codec, out)
                 for codec in ("raw", "int8"):
-                    for transport in ("shm", "grpc"):
-                        def push():
-                            return sender.push(endpoint, request_id="bench", handle="bench", layout=LAYOUT,
-                                               kv_cache=src, src_block_ids=src_ids, dst_block_ids=dst_ids,
-                                               transport=transport, codec=codec, timeout_s=600.0)
-                        rows.append(dict(blocks=num_blocks, path=transport, codec=codec,
-                                         wire=num_blocks * LAYOUT.block_bytes(codec),
-                                         ms=median_ms(push, args.repeats)))
-                        print(f"{num_blocks:4d} blocks {transport:4s} {codec:4s} {rows[-1]['ms']:9.1f} ms",
-                              file=sys.stderr)
+                    for path, who, transport in (("shm", sender, "shm"), ("shm one-shot", one_shot, "shm"),
+                                                 ("grpc", sender, "grpc")):
+                        paths[(path, codec)] = functools.partial(
+                            who.push, endpoint, request_id="bench", handle="bench", layout=LAYOUT, kv_cache=src,
+                            src_block_ids=src_ids, dst_block_ids=dst_ids, transport=transport, codec=codec,
+                            timeout_s=600.0)
+                for (path, codec), ms in interleaved_ms(paths, args.repeats).items():
+                    rows.append(dict(blocks=num_blocks, path=path, codec=codec,
+                                     wire=num_blocks * LAYOUT.block_bytes(codec), ms=ms))
+                    print(f"{num_blocks:4d} blocks {path:12s} {codec:4s} {ms:9.1f} ms", file=sys.stderr)
     finally:
+        raw_socket.close()
         stop_event.set()
         child.join(timeout=30)
     return rows
+
+
+def goals(rows: list[dict]) -> list[dict]:
+    """Issue 16's KV goals per block count: shm raw >= 0.5x memcpy (64+ blocks), grpc raw >= 0.8x raw socket."""
+    by = {(r["blocks"], r["path"], r["codec"]): r["ms"] for r in rows}
+    out = []
+    for blocks in sorted({r["blocks"] for r in rows}):
+        shm = by[(blocks, "memcpy", "raw")] / by[(blocks, "shm", "raw")]
+        grpc_ratio = by[(blocks, "raw socket", "raw")] / by[(blocks, "grpc", "raw")]
+        out.append(dict(blocks=blocks, shm_vs_memcpy=shm, shm_goal_met=shm >= 0.5 if blocks >= 64 else None,
+                        grpc_vs_raw_socket=grpc_ratio, grpc_goal_met=grpc_ratio >= 0.8))
+    return out
 
 
 def report(rows: list[dict], args: argparse.Namespace, command: str) -> str:
@@ -157,7 +235,8 @@ def report(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         "sender and receiver in separate processes on 127.0.0.1",
         f"- Command: `{command}`",
         f"- Layout: SmolLM2-135M, 30 layers x 3 kv heads x 64, block 16, float32: {LAYOUT.block_bytes('raw'):,} "
-        f"bytes per block raw, {LAYOUT.block_bytes('int8'):,} int8; median of {args.repeats} after a warm-up",
+        f"bytes per block raw, {LAYOUT.block_bytes('int8'):,} int8; median of {args.repeats} interleaved rounds "
+        "after a warm-up round",
         "",
         "| blocks | path | codec | wire MB | ms | wire GB/s | KV GB/s | vs memcpy |",
         "|---:|---|---|---:|---:|---:|---:|---:|",
@@ -169,6 +248,12 @@ def report(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         lines.append(f"| {r['blocks']} | {r['path']} | {r['codec']} | {r['wire'] / 1e6:.1f} | {r['ms']:.1f} | "
                      f"{r['wire'] / seconds / 1e9:.2f} | {kv_bytes / seconds / 1e9:.2f} | "
                      f"{memcpy_ms[r['blocks']] / r['ms']:.2f}x |")
+    lines += ["", "| blocks | shm raw / memcpy (goal >= 0.5, 64+ blocks) | grpc raw / raw socket (goal >= 0.8) |",
+              "|---:|---:|---:|"]
+    for g in goals(rows):
+        shm_met = "" if g["shm_goal_met"] is None else (" met" if g["shm_goal_met"] else " not met")
+        lines.append(f"| {g['blocks']} | {g['shm_vs_memcpy']:.2f}x{shm_met} | {g['grpc_vs_raw_socket']:.2f}x "
+                     f"{'met' if g['grpc_goal_met'] else 'not met'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -177,15 +262,21 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads in each process")
+    parser.add_argument("--shm-pool-bytes", type=int, default=1 << 30,
+                        help="the sender's shared-memory segment pool (0: a fresh segment per transfer)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "kv_transfer.md"))
     args = parser.parse_args()
     if max(args.blocks) > CACHE_BLOCKS:
         parser.error(f"--blocks at most {CACHE_BLOCKS}")
     command = "python " + " ".join([os.path.relpath(__file__), *sys.argv[1:]])
-    text = report(run(args), args, command)
+    rows = run(args)
+    text = report(rows, args, command)
     print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    out.with_suffix(".json").write_text(json.dumps(dict(machine=machine(), command=command, rows=rows,
+                                                        goals=goals(rows)), indent=1))
 
 
 if __name__ == "__main__":

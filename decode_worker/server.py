@@ -17,8 +17,8 @@ from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
 from engine.engine_loop import EngineLoop, build_engine
 from engine.llm_engine import LLMEngine
-from kvstore.transfer_service import KvTransferServicer
-from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvstore.transfer_service import KvTransferServicer, add_kv_transfer_servicer
+from protos.pdserve.v1 import kv_transfer_pb2, worker_pb2, worker_pb2_grpc
 from protos.service_runtime import (Registration, WorkerHandle, WorkerServer, log_internal_security,
                                     wait_for_termination)
 from protos.worker_metrics import WorkerMetrics, model_name, serve_metrics
@@ -45,8 +45,10 @@ def start_server(config: DecodeWorkerConfig, engine_config: EngineConfig,
     server.add(worker_pb2_grpc.add_DecodeWorkerServicer_to_server,
                DecodeWorkerServicer(worker, config.worker_id, endpoint, epoch),
                worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name, refused_when_draining=["Reserve"])
-    server.add(kv_transfer_pb2_grpc.add_KvTransferServicer_to_server,
-               KvTransferServicer(metrics.metered_receiver(worker)),
+    kv_transfer = KvTransferServicer(metrics.metered_receiver(worker))
+    # unmap pooled segments a prefill worker has let go of, even when no shm transfer comes to do it
+    loop.add_housekeeping(lambda _engine: kv_transfer.segments.prune())
+    server.add(add_kv_transfer_servicer, kv_transfer,
                kv_transfer_pb2.DESCRIPTOR.services_by_name["KvTransfer"].full_name)
     loop.start()
     server.start()

@@ -223,6 +223,10 @@ class EngineConfig:
     """Most sequences running in one step."""
     max_num_batched_tokens: int = 2048
     """Token budget of one step: decode tokens plus prefill chunk tokens."""
+    long_prefill_token_threshold: int = 0
+    """Most prompt tokens one sequence computes in one step (0: up to the whole budget). A cap below the budget
+    lets short prompts and decodes share every step with a long prompt's prefill instead of waiting behind it
+    (engine.scheduler); it costs the long prompt more, smaller steps."""
     max_waiting: int = 1024
     """Bound of the waiting queue; beyond it `add_request` raises an overload error."""
     enable_prefix_caching: bool = True
@@ -239,6 +243,16 @@ class EngineConfig:
     tensor_parallel_timeout_s: float = 60.0
     """Longest any collective between the ranks may wait (a rank that stops answering); past it, or when a rank
     dies, the worker fails with TensorParallelError instead of hanging."""
+    compile_decode: bool = False
+    """Run pure decode steps through a torch.compile'd graph (engine.compiled_step: Inductor fuses the per-layer
+    small ops into generated C++; static shapes per batch size in `compile_batch_sizes`, each compiled at
+    start-up, the seconds logged and reported in the worker's stats). Off by default: on a 2-core CPU the
+    compile takes minutes per batch size for SmolLM2-135M and saves 2-5% of a decode step (BENCHMARKS.md,
+    "Compiled decode step"; the paged attention stays eager inside the graph). Ignored, with
+    a warning, under tensor parallelism and for mixture-of-experts models: they stay eager."""
+    compile_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    """Batch sizes the compiled decode step is compiled for, as CUDA-graph capture sizes: a decode batch of n
+    sequences runs the graph of the smallest size >= n, padded; batches larger than the largest run eager."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -248,6 +262,9 @@ class EngineConfig:
                              f"got {self.quantization!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"EngineConfig.block_size must be a power of two >= 1, got {self.block_size}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("EngineConfig.long_prefill_token_threshold must be >= 0 (0: off), "
+                             f"got {self.long_prefill_token_threshold}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -265,5 +282,8 @@ class EngineConfig:
         if not self.tensor_parallel_timeout_s > 0:
             raise ValueError("EngineConfig.tensor_parallel_timeout_s must be > 0, "
                              f"got {self.tensor_parallel_timeout_s}")
+        if not self.compile_batch_sizes or min(self.compile_batch_sizes) < 1:
+            raise ValueError(f"EngineConfig.compile_batch_sizes must be batch sizes >= 1, got "
+                             f"{self.compile_batch_sizes!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"EngineConfig.num_threads must be >= 1, got {self.num_threads}")

@@ -85,7 +85,8 @@ class KVCacheManager:
     def _num_new_blocks(self, seq: Sequence, num_new_tokens: int, computed_block_ids) -> int:
         num_computed = len(computed_block_ids) * self.block_size if computed_block_ids else seq.num_computed_tokens
         num_have = len(computed_block_ids) if computed_block_ids else len(seq.block_ids)
-        return self.num_blocks_needed(num_computed + num_new_tokens) - num_have
+        # A sequence may already hold more (a reservation covering its whole prompt, prefilled in capped chunks).
+        return max(0, self.num_blocks_needed(num_computed + num_new_tokens) - num_have)
 
     # --- n > 1: choices forked on the prompt's blocks ------------------------------------------------------------
     def can_fork(self, parent: Sequence) -> bool:

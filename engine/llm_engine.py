@@ -66,6 +66,7 @@ class EngineStats:
     preemptions: int      # since start
     tensor_parallel_size: int = 1
     kv_resharding_bytes: int = 0  # KV moved between the ranks for transfers since start (engine.parallel.ranks)
+    decode_compile_seconds: float = 0.0  # start-up compile of the decode step (engine.compiled_step); 0: eager
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ class LLMEngine:
                                  config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_waiting,
-                            self.max_model_len),
+                            self.max_model_len, config.long_prefill_token_threshold),
             self.kv, self.model_config.eos_token_ids)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.model_config.eos_token_ids)
         """Compiles and caches the structured-output grammars of this engine's requests."""
@@ -431,7 +432,8 @@ class LLMEngine:
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
             reserved=sum(s in _RESERVED_STATES for s in states), held=sum(s in _HELD_STATES for s in states),
             preemptions=self.scheduler.num_preemptions, tensor_parallel_size=self.config.tensor_parallel_size,
-            kv_resharding_bytes=self.runner.tp.num_kv_bytes_moved if self.runner.tp is not None else 0)
+            kv_resharding_bytes=self.runner.tp.num_kv_bytes_moved if self.runner.tp is not None else 0,
+            decode_compile_seconds=self.runner.compiled.compile_seconds if self.runner.compiled is not None else 0.0)
 
 
 _SCHEDULED_STATES = frozenset({LeaseState.QUEUED, LeaseState.RUNNING})

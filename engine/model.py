@@ -27,6 +27,7 @@ RMSNorm with a (1 + weight) scale (Gemma) is folded into the weights at load, in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -190,6 +191,23 @@ class DecoderModel:
 
         Returns the final-norm hidden states [num_tokens, hidden].
         """
+        return self.hidden_states(input_ids, positions, kv_cache, meta, self.attention)
+
+    def attention(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                  meta: AttentionMetadata) -> torch.Tensor:
+        """Layer `index`'s paged attention: writes k, v [T, kv_heads, D] at meta.slot_mapping, then attends q
+        [T, heads, D] to each sequence's context; returns [T, heads, D]."""
+        layer = self.layers[index]
+        k_cache, v_cache = kv_cache[index, 0], kv_cache[index, 1]  # [blocks, block_size, kv_heads, head_dim]
+        kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                       self.scale, sliding_window=layer.window,
+                                       softcap=self.config.attn_logit_softcapping)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                      meta: AttentionMetadata, attention: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """forward with `attention` (the signature of `DecoderModel.attention`) in place of the paged attention:
+        engine.compiled_step traces this with an attention the compiler does not look into."""
         c = self.config
         eps = c.rms_norm_eps
         q_size = c.num_heads * c.head_dim
@@ -203,11 +221,7 @@ class DecoderModel:
             else:
                 x, residual = kernels.rms_norm(h, layer.input_norm, eps, residual=residual)
             q, k, v = self._qkv(layer, x, positions)
-            k_cache, v_cache = kv_cache[i, 0], kv_cache[i, 1]      # [blocks, block_size, kv_heads, head_dim]
-            kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            attn = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                           meta.query_start_loc, self.scale, sliding_window=layer.window,
-                                           softcap=c.attn_logit_softcapping)  # [T, heads, head_dim]
+            attn = attention(i, q, k, v, kv_cache, meta)             # [T, heads, head_dim]
             h = layer.o.forward(attn.reshape(num_tokens, q_size))
             if layer.pre_ff_norm is not None:
                 h = kernels.rms_norm(h, layer.post_norm, eps)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.compiled_step import CompiledDecodeStep, compile_unsupported_reason
 from engine.config import EngineConfig, ModelConfig
 from engine.model import LlamaModel
 from engine.parallel.ranks import TensorParallelGroup
@@ -101,6 +102,17 @@ class ModelRunner:
         self.kv_cache = torch.zeros(c.num_layers, 2, self.num_blocks, self.block_size, local.num_kv_heads,
                                     c.head_dim, dtype=self.dtype, device=self.device)
         """This rank's heads: [L, 2, blocks, block_size, kv_heads of rank 0, D] (all of them without TP)."""
+        self.compiled: CompiledDecodeStep | None = None
+        """The compiled decode step (EngineConfig.compile_decode), compiled here at start-up, or None."""
+        if config.compile_decode:
+            reason = ("tensor parallelism" if self.tp is not None
+                      else compile_unsupported_reason(self.model))
+            if reason is not None:
+                log.warning("compile_decode is off for this worker: %s (decode steps run eager)", reason)
+            else:
+                sizes = tuple(n for n in config.compile_batch_sizes if n <= config.max_num_seqs) or (1,)
+                self.compiled = CompiledDecodeStep(self.model, self.kv_cache, sizes, max_model_len)
+                self.compiled.warm_up()
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks, every layer, source -> destination (a forked choice's partial prompt block), on
@@ -147,6 +159,8 @@ class ModelRunner:
         batch.block_tables = [c.seq.block_ids + [0] * (max_blocks - len(c.seq.block_ids)) for c in out.chunks]
         if self.tp is not None:
             logits, prompt_logprobs = self.tp.run_step(self.model, self.kv_cache, batch, self.device)
+        elif self.compiled is not None and self.compiled.takes(batch):
+            logits, prompt_logprobs = self.compiled.run(batch), []
         else:
             logits, prompt_logprobs = run_step(self.model, self.kv_cache, batch, self.device)
         result = RunnerOutput(prompt_logprobs=dict(zip(prompt_ids, prompt_logprobs)))

@@ -3,7 +3,10 @@
 Every step gets a token budget (`max_num_batched_tokens`). Running sequences are served first, in arrival
 order: a decoding sequence takes 1 token, a sequence still prefilling takes the next chunk of its prompt.
 Then waiting sequences join (FCFS) while budget, `max_num_seqs` and KV blocks allow; a prompt longer than
-the remaining budget is split into chunks across steps. When a running sequence needs a block and none is
+the remaining budget is split into chunks across steps; with `long_prefill_token_threshold` (> 0) no prompt
+takes more than that many tokens of one step, so that a long prompt's chunks leave budget to the sequences
+behind it (short prompts join at once instead of waiting for the whole long prefill; decodes share each step
+with a bounded chunk). When a running sequence needs a block and none is
 free, the most recently arrived running sequence is preempted: its lease frees its blocks and it goes back to the
 front of the waiting queue, to be recomputed (prompt + tokens generated so far) when blocks are available
 again. Nothing joins from the waiting queue in a step that preempted. A sequence whose structured-output
@@ -35,6 +38,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_waiting: int
     max_model_len: int
+    long_prefill_token_threshold: int = 0
+    """Most prompt tokens of one sequence in one step (0: up to the whole budget)."""
 
 
 @dataclass
@@ -131,7 +136,7 @@ class Scheduler:
             if seq.awaiting_grammar:
                 i += 1
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.can_allocate(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -154,7 +159,7 @@ class Scheduler:
                 break
             hit_block_ids = self.kv.get_computed_blocks(seq)
             num_computed = len(hit_block_ids) * self.kv.block_size
-            num_new = min(seq.num_tokens - num_computed, budget)
+            num_new = self._chunk(seq.num_tokens - num_computed, budget)
             if not self.kv.can_allocate(seq, num_new, hit_block_ids):
                 break
             self.kv.allocate(seq, num_new, hit_block_ids)
@@ -184,6 +189,11 @@ class Scheduler:
         return True
 
     # --- helpers ----------------------------------------------------------------------------------------------
+    def _chunk(self, num_left: int, budget: int) -> int:
+        """Tokens of a sequence with `num_left` to compute this step (1 for a decode)."""
+        cap = self.config.long_prefill_token_threshold
+        return min(num_left, budget, cap) if cap > 0 else min(num_left, budget)
+
     def stop_reason(self, seq: Sequence) -> FinishReason | None:
         """Why `seq` must stop after its last token, or None to go on."""
         token_id = seq.output_token_ids[-1]

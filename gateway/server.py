@@ -582,7 +582,7 @@ def start_server(config: GatewayConfig, model: tuple[ModelSpec, Tokenizer] | Non
 
     `model` skips reading the checkpoint again when the caller already has (ModelSpec, Tokenizer)."""
     model_spec, tokenizer = model or load_model_spec(config)
-    loop = _background_loop()
+    loop = background_loop()
     parts = asyncio.run_coroutine_threadsafe(_start(config, model_spec, tokenizer), loop).result()
     return GatewayHandle(parts, loop, config.drain_timeout_s)
 
@@ -591,10 +591,12 @@ _background_lock = threading.Lock()
 _background: asyncio.AbstractEventLoop | None = None
 
 
-def _background_loop() -> asyncio.AbstractEventLoop:
+def background_loop() -> asyncio.AbstractEventLoop:
     """The one event loop, on a daemon thread started on first use, that every `start_server` gateway of this
-    process runs on. grpc.aio binds each server and channel to the loop that made it, and aio servers on several
-    loops of one process have crashed grpc's core at shutdown (a segfault in Server.stop), so gateways share one."""
+    process runs on. grpc.aio binds each server and channel to the loop that made it and is meant for one loop
+    per process: aio objects on several loops (gateways on their own loops, clients in `asyncio.run`) have
+    crashed grpc's core at shutdown (a segfault in Server.stop). grpc.aio clients that share a process with
+    such gateways run their coroutines here too (`asyncio.run_coroutine_threadsafe(coro, background_loop())`)."""
     global _background
     with _background_lock:
         if _background is None:

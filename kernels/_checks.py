@@ -42,3 +42,12 @@ def check_inner_contiguous(name: str, t: torch.Tensor, num_dims: int) -> None:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def check_gather_out(out: torch.Tensor, kv_cache: torch.Tensor, n: int) -> None:
+    """`out` of a block gather: a contiguous [n, L, 2, block_size, Hkv, D] tensor of kv_cache's dtype and device."""
+    num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    check_tensor("out", out, shape=(n, num_layers, 2, block_size, num_kv_heads, head_dim), dtypes=(kv_cache.dtype,),
+                 device=kv_cache.device)
+    if not out.is_contiguous():
+        raise ValueError(f"out must be contiguous, got strides {out.stride()}")

@@ -104,12 +104,13 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
         ref.rotary_embedding_ref(positions, query, key, cos_sin_cache)
 
 
-def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]; block_ids: [n] -> [n, L, 2, block_size, Hkv, D]
+    # (written into `out` and returned when given: contiguous, that shape, the cache's dtype and device)
     if _use_triton(kv_cache):
         from kernels.triton_block_copy import gather_blocks_triton
-        return gather_blocks_triton(kv_cache, block_ids)
-    return ref.gather_blocks_ref(kv_cache, block_ids)
+        return gather_blocks_triton(kv_cache, block_ids, out)
+    return ref.gather_blocks_ref(kv_cache, block_ids, out)
 
 
 def scatter_blocks(staging: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:

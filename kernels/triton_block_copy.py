@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import INDEX_DTYPES, STORAGE_DTYPES, check_inner_contiguous, check_tensor, next_pow2
+from kernels._checks import (INDEX_DTYPES, STORAGE_DTYPES, check_gather_out, check_inner_contiguous, check_tensor,
+                             next_pow2)
 
 COPY_BLOCK = 1024
 
@@ -139,14 +140,19 @@ def _cache_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(2), t.stride(0), t.stride(1)  # (block, layer, kv)
 
 
-def gather_blocks_triton(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+def gather_blocks_triton(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]; block_ids: [n] -> staging [n, L, 2, block_size, Hkv, D]
+    # (into `out`, contiguous and of that shape, when given: e.g. pinned or pooled memory reused across transfers)
     _check_cache(kv_cache)
     _check_ids(block_ids, kv_cache.device)
     num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     n = block_ids.shape[0]
-    staging = torch.empty((n, num_layers, 2, block_size, num_kv_heads, head_dim), dtype=kv_cache.dtype,
-                          device=kv_cache.device)
+    if out is None:
+        staging = torch.empty((n, num_layers, 2, block_size, num_kv_heads, head_dim), dtype=kv_cache.dtype,
+                              device=kv_cache.device)
+    else:
+        check_gather_out(out, kv_cache, n)
+        staging = out
     chunk = block_size * num_kv_heads * head_dim
     if n:
         _copy_chunks_kernel[(n, num_layers * 2, triton.cdiv(chunk, COPY_BLOCK))](

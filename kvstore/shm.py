@@ -146,9 +146,23 @@ class OutgoingSegment:
             raise ValueError(f"write of {len(view)} bytes at {offset} overflows the {self.nbytes}-byte payload")
         self._shm.buf[offset:offset + len(view)] = view
 
+    def payload(self, nbytes: int | None = None) -> torch.Tensor:
+        """The payload as a [nbytes] uint8 tensor viewing the segment (drop it before close)."""
+        count = self.nbytes if nbytes is None else nbytes
+        if count > self.nbytes:
+            raise ValueError(f"payload of {count} bytes asked from a {self.nbytes}-byte segment")
+        if count == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=count)
+
     def flip_byte(self, offset: int) -> None:
         """Test hook: invert one payload byte."""
         self._shm.buf[offset] ^= 0xFF
+
+    def release(self, *, reusable: bool) -> None:
+        """The sender's end of a transfer (as kvstore.shm_pool.PooledSegment.release): a one-shot segment is
+        never reused, so this is close()."""
+        self.close()
 
     def close(self) -> None:
         if self._closed:
@@ -156,6 +170,8 @@ class OutgoingSegment:
         self._closed = True
         try:
             self._shm.close()
+        except BufferError:  # a tensor still views it (an exception's traceback): unmapped when collected
+            pass
         finally:
             try:
                 self._shm.unlink()
@@ -175,7 +191,7 @@ def _refuse_unless(ok: bool, name: str, why: str) -> None:
         raise SegmentRefused(f"segment {name!r} refused: {why}")
 
 
-def _open_checked(name: str) -> tuple[int, os.stat_result]:
+def open_checked(name: str) -> tuple[int, os.stat_result]:
     """A read-only descriptor of segment `name`, after the file checks of the module doc; FileNotFoundError
     (plain) when there is no such segment."""
     if os.name != "posix":
@@ -209,7 +225,7 @@ class AttachedSegment:
 
     def __init__(self, name: str, *, take: bool = False) -> None:
         self.name = name
-        fd, st = _open_checked(name)
+        fd, st = open_checked(name)
         try:
             mapping = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY)
         finally:

@@ -20,26 +20,30 @@ writes it), one per block over the record's bytes exactly as sent. The receiver 
 it scatters anything, so a rejected transfer leaves its destination blocks untouched.
 
 Chunks: the grpc transport cuts the payload into pieces of ``chunk_bytes`` (1-4 MiB, default 2 MiB; the last may
-be shorter), ignoring record boundaries. The receiver copies them into one receive staging buffer and checks
-each block's digest as soon as its last byte has arrived.
+be shorter), ignoring record boundaries. The receiver copies them into one receive staging buffer (reused across
+transfers: ``BufferPool``) and hashes each block as soon as its last byte has arrived.
 
-Overlap: the manifest travels first and carries every digest, so every block must be hashed before the first
-data byte leaves. ``encode_stream`` keeps that cheap for the common case (raw codec, dense CPU cache): it hashes
-the blocks in place (one read pass, no copy) and gathers each group of blocks only when the sender reaches it,
-so the gather of group k+1 can overlap the send of group k. For int8 (the digest needs the quantized bytes) and
-CUDA caches (the digest needs host bytes) every group is encoded up front.
+No staging copies, no hashing ahead: ``write_records`` encodes a group of blocks straight into the memory that
+carries it (a pooled shared-memory segment, or the sender's reused grpc staging buffer; the raw codec gathers
+there with kernels.gather_blocks(out=)) and hashes the group while it is still in cache. Over grpc the digests
+therefore travel in a trailer after the data (manifest.digests_in_trailer), and the first byte leaves as soon as
+the first group is gathered; over shm the manifest is sent once the segment is complete and carries them.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+import threading
 from dataclasses import dataclass
 
 import torch
 import xxhash
 
 from kernels import gather_blocks, gather_blocks_int8, scatter_blocks, scatter_blocks_int8
-from kvstore.transfer_manifest import (CODECS, DEFAULT_CHUNK_BYTES, KvLayoutSpec, TransferManifest,
-                                       TransferRejected, check_chunk_bytes)
+from kvstore.transfer_manifest import (CODECS, DEFAULT_CHUNK_BYTES, INVALID_ARGUMENT, KvLayoutSpec,
+                                       TransferManifest, TransferRejected, check_chunk_bytes, check_trailer_digests)
+
+MIN_BUFFER_BYTES = 4 << 20
+
 
 def block_digest(data) -> bytes:
     """xxh3-128 (seed 0) of one block record: 16 bytes. `data` is any bytes-like object."""
@@ -81,66 +85,33 @@ def _digest_records(view: memoryview, block_bytes: int, num_blocks: int) -> tupl
     return tuple(block_digest(view[i * block_bytes:(i + 1) * block_bytes]) for i in range(num_blocks))
 
 
-def digest_blocks_in_place(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> tuple[bytes, ...]:
-    """Raw-codec digests read straight from a dense CPU cache, without gathering: equal to the digests of the
-    gathered records, encode_records(kv_cache, block_ids, "raw")."""
-    if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
-        raise ValueError("digest_blocks_in_place needs a contiguous CPU kv_cache")
-    # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]; block b's raw record is kv_cache[l, kv, b] for l, then kv
-    num_layers, _, num_blocks = kv_cache.shape[:3]
-    pieces = kv_cache.reshape(num_layers, 2, num_blocks, -1).view(torch.uint8).numpy()  # [L, 2, num_blocks, bytes]
-    digests = []
-    for block_id in block_ids:
-        hasher = xxhash.xxh3_128()
-        for layer in range(num_layers):
-            hasher.update(pieces[layer, 0, block_id])
-            hasher.update(pieces[layer, 1, block_id])
-        digests.append(hasher.digest())
-    return tuple(digests)
-
-
-@dataclass
-class EncodedStream:
-    """A payload produced group by group. `digests` is complete from the start; `groups` yields the
-    payload's bytes in order, as [k * block_bytes] uint8 CPU tensors, and can be consumed once."""
-    codec: str
-    block_bytes: int
-    digests: tuple[bytes, ...]
-    groups: Iterator[torch.Tensor]
-    lazy: bool  # True when groups are gathered only as they are consumed
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.digests)
-
-    @property
-    def payload_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes
-
-
-def encode_stream(kv_cache: torch.Tensor, block_ids: Sequence[int], codec: str,
-                  blocks_per_group: int) -> EncodedStream:
-    """Encode `block_ids` as groups of `blocks_per_group` blocks. Raw codec on a dense CPU cache: digests are
-    hashed in place now and each group is gathered lazily. Otherwise every group is encoded now."""
+def write_records(kv_cache: torch.Tensor, block_ids: Sequence[int], codec: str, out: torch.Tensor) -> tuple[bytes, ...]:
+    """Encode `block_ids` as block records straight into `out` ([n * block_bytes] uint8 CPU memory: a pooled
+    shared-memory segment's payload, a reused staging buffer) and return their digests, hashed while the records
+    are still in cache. Raw codec on a CPU cache: the kernels' gather writes `out` itself, no staging tensor."""
     _check_codec(codec)
-    if blocks_per_group <= 0:
-        raise ValueError(f"blocks_per_group must be positive, got {blocks_per_group}")
-    block_ids = [int(b) for b in block_ids]
+    # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]; out: [n * block_bytes] uint8
+    n = len(block_ids)
     block_bytes = KvLayoutSpec.from_cache(kv_cache, "").block_bytes(codec)
-    id_groups = [block_ids[i:i + blocks_per_group] for i in range(0, len(block_ids), blocks_per_group)]
-    if codec == "raw" and kv_cache.device.type == "cpu" and kv_cache.is_contiguous():
-        digests = digest_blocks_in_place(kv_cache, block_ids)
-        groups = (encode_records(kv_cache, ids, codec) for ids in id_groups)
-        return EncodedStream(codec, block_bytes, digests, groups, lazy=True)
-    encoded = [encode_records(kv_cache, ids, codec) for ids in id_groups]
-    digests = tuple(d for records, ids in zip(encoded, id_groups)
-                    for d in _digest_records(memoryview(records.numpy()), block_bytes, len(ids)))
-    return EncodedStream(codec, block_bytes, digests, iter(encoded), lazy=False)
+    if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != n * block_bytes or out.device.type != "cpu":
+        raise ValueError(f"out must be a [{n * block_bytes}] uint8 CPU tensor, got {tuple(out.shape)} {out.dtype} "
+                         f"on {out.device}")
+    if n == 0:
+        return ()
+    if codec == "raw" and kv_cache.device.type == "cpu":
+        num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        staging = out.view(kv_cache.dtype).view(n, num_layers, 2, block_size, num_kv_heads, head_dim)
+        gather_blocks(kv_cache, _as_index(block_ids, kv_cache.device), out=staging)
+    else:  # int8 (records interleave data and scales) or a device cache: encode, then one copy to host memory
+        out.copy_(encode_records(kv_cache, block_ids, codec))
+    return _digest_records(memoryview(out.numpy()), block_bytes, n)
 
 
-def iter_chunks(buffers: Iterable, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
+def iter_chunks(buffers: Iterable, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes | memoryview]:
     """Cut the concatenation of `buffers` (bytes-like objects or 1-D uint8 CPU tensors) into pieces of exactly
-    `chunk_bytes`, the last one possibly shorter. Pieces span buffer boundaries."""
+    `chunk_bytes`, the last one possibly shorter. Pieces span buffer boundaries. A piece inside one buffer is a
+    view of it (valid while that buffer is unchanged: the sender encodes each piece before it asks for the next);
+    one that spans buffers is a copy."""
     check_chunk_bytes(chunk_bytes)
     pending = bytearray()
     for buffer in buffers:
@@ -153,32 +124,43 @@ def iter_chunks(buffers: Iterable, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> It
                 yield bytes(pending)
                 pending = bytearray()
         while len(view) - pos >= chunk_bytes:
-            yield bytes(view[pos:pos + chunk_bytes])
+            yield view[pos:pos + chunk_bytes]
             pos += chunk_bytes
         pending += view[pos:]
     if pending:
         yield bytes(pending)
 
 
-def verify_digests(view: memoryview, block_bytes: int, manifest: TransferManifest, start: int, stop: int) -> None:
-    """Check blocks [start, stop) of a received payload against the manifest's digests."""
-    for i in range(start, stop):
-        if block_digest(view[i * block_bytes:(i + 1) * block_bytes]) != manifest.block_digests[i]:
-            raise TransferRejected(f"block {i} (destination block {manifest.block_ids[i]}) does not match its "
-                                   "digest", f"block_digests[{i}]")
+def _reject_block(manifest: TransferManifest, k: int) -> None:
+    n = len(manifest.block_ids)
+    where = f"block {k % n} of payload slice {k // n}" if manifest.sender_kv_heads else f"block {k}"
+    raise TransferRejected(f"{where} (destination block {manifest.block_ids[k % n]}) does not match its digest",
+                           f"block_digests[{k}]")
 
 
 class PayloadAssembler:
-    """Reassembles grpc data chunks into one receive staging buffer, checking each block's digest as soon as
-    its last byte arrives. The manifest must have passed validate_manifest."""
+    """Reassembles grpc data chunks into one receive staging buffer (`buffer`, e.g. a reused one, at least
+    payload_bytes long; else a fresh one). `records`: the block records' [start, stop) in the payload, in digest
+    order (kvstore.transfer_slices.record_bounds), or the record size of an unsliced payload. Digests in the
+    manifest: each record is checked as soon as its last byte arrives. Digests in the trailer: each record is
+    hashed as soon as its last byte arrives and the hashes are compared with the trailer's in finish(), before
+    anything is scattered. The manifest must have passed validate_manifest."""
 
-    def __init__(self, manifest: TransferManifest, block_bytes: int) -> None:
+    def __init__(self, manifest: TransferManifest, records: int | Sequence[tuple[int, int]],
+                 buffer: torch.Tensor | None = None) -> None:
         self._manifest = manifest
-        self._block_bytes = block_bytes
-        self.buffer = torch.empty(manifest.payload_bytes, dtype=torch.uint8)  # [payload_bytes]
+        if isinstance(records, int):
+            records = [(i * records, (i + 1) * records) for i in range(len(manifest.block_ids))]
+        self._bounds = list(records)
+        if buffer is None:
+            buffer = torch.empty(manifest.payload_bytes, dtype=torch.uint8)
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < manifest.payload_bytes:
+            raise ValueError(f"buffer must be a 1-D uint8 tensor of >= {manifest.payload_bytes} bytes")
+        self.buffer = buffer[:manifest.payload_bytes]  # [payload_bytes]
         self._view = memoryview(self.buffer.numpy())
         self._received = 0
-        self._verified_blocks = 0
+        self._done = 0  # records complete so far
+        self._hashed: list[bytes] = []  # digests_in_trailer: digests of the records complete so far
 
     def add(self, data) -> None:
         end = self._received + len(data)
@@ -187,17 +169,65 @@ class PayloadAssembler:
                                    "payload_bytes")
         self._view[self._received:end] = data
         self._received = end
-        complete = end // self._block_bytes if self._block_bytes else 0
-        verify_digests(self._view, self._block_bytes, self._manifest, self._verified_blocks, complete)
-        self._verified_blocks = complete
+        while self._done < len(self._bounds) and self._bounds[self._done][1] <= end:
+            lo, hi = self._bounds[self._done]
+            digest = block_digest(self._view[lo:hi])
+            if self._manifest.digests_in_trailer:
+                self._hashed.append(digest)
+            elif digest != self._manifest.block_digests[self._done]:
+                _reject_block(self._manifest, self._done)
+            self._done += 1
 
-    def finish(self) -> torch.Tensor:
-        """The whole payload, every digest verified: [payload_bytes] uint8."""
+    def finish(self, trailer_digests: Sequence[bytes] | None = None) -> torch.Tensor:
+        """The whole payload, every digest verified: [payload_bytes] uint8. `trailer_digests`: the trailer's
+        digests, required exactly when the manifest says digests_in_trailer."""
         if self._received != self._manifest.payload_bytes:
             raise TransferRejected(f"stream ended after {self._received} of {self._manifest.payload_bytes} bytes",
                                    "payload_bytes")
-        assert self._verified_blocks == len(self._manifest.block_ids)
+        assert self._done == len(self._bounds)
+        if self._manifest.digests_in_trailer:
+            if trailer_digests is None:
+                raise TransferRejected("the stream ended without the trailer its manifest announced", "trailer",
+                                       INVALID_ARGUMENT)
+            check_trailer_digests(self._manifest, trailer_digests)
+            for k, (got, sent) in enumerate(zip(self._hashed, trailer_digests, strict=True)):
+                if got != sent:
+                    _reject_block(self._manifest, k)
+        elif trailer_digests is not None:
+            raise TransferRejected("a trailer on a transfer whose manifest carries the digests", "trailer",
+                                   INVALID_ARGUMENT)
         return self.buffer
+
+
+class BufferPool:
+    """Reused host staging buffers ([capacity] uint8 tensors): a fresh buffer pays a page fault per 4 KiB page
+    on first write, which cost more than the copy itself. take() hands out the smallest idle buffer that fits
+    (else a new one, capacity rounded up to a power of two >= 4 MiB); give_back() keeps at most
+    `max_idle_bytes` idle. Thread-safe; a buffer belongs to its taker until given back."""
+
+    def __init__(self, max_idle_bytes: int = 1 << 30) -> None:
+        self.max_idle_bytes = max_idle_bytes
+        self._idle: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self.num_allocated = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            fitting = [i for i, b in enumerate(self._idle) if b.numel() >= nbytes]  # (tensors compare by value)
+            if fitting:
+                return self._idle.pop(min(fitting, key=lambda i: self._idle[i].numel()))
+            self.num_allocated += 1
+        return torch.empty(max(MIN_BUFFER_BYTES, 1 << max(0, (nbytes - 1).bit_length())), dtype=torch.uint8)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            self._idle.append(buffer)
+            while sum(b.numel() for b in self._idle) > self.max_idle_bytes:
+                self._idle.pop(min(range(len(self._idle)), key=lambda i: self._idle[i].numel()))
+
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() for b in self._idle)
 
 
 @dataclass(frozen=True)

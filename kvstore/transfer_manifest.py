@@ -103,6 +103,9 @@ class TransferManifest:
     payload_bytes: int
     sender_kv_heads: tuple[range, ...] = ()
     """A tensor-parallel sender's KV heads per rank; () for one rank holding every head (see payload_slices)."""
+    # --- streamed transfers (issue 16) ---
+    digests_in_trailer: bool = False
+    """block_digests is empty: the digests follow the data in the trailer (grpc only)."""
 
     def payload_slices(self) -> tuple[range, ...]:
         """The KV heads of each payload slice, in payload order (one slice of every head without sender ranks).
@@ -143,18 +146,41 @@ def validate_manifest(manifest: TransferManifest, expected_layout: KvLayoutSpec,
             payload_slices(manifest.sender_kv_heads)
         except ValueError as exc:
             raise TransferRejected(str(exc), "sender_kv_heads", INVALID_ARGUMENT) from None
-    num_slices = len(manifest.payload_slices())
-    if len(manifest.block_digests) != num_slices * len(manifest.block_ids):
-        raise TransferRejected(f"{len(manifest.block_digests)} digests for {len(manifest.block_ids)} blocks in "
-                               f"{num_slices} payload slices", "block_digests")
-    bad = [i for i, d in enumerate(manifest.block_digests) if len(d) != DIGEST_BYTES]
-    if bad:
-        raise TransferRejected(f"digest {bad[0]} has {len(manifest.block_digests[bad[0]])} bytes, expected "
-                               f"{DIGEST_BYTES}", "block_digests")
+    if manifest.digests_in_trailer:
+        _check_streamed(manifest)
+    else:
+        _check_digests(manifest, manifest.block_digests)
     expected_bytes = len(manifest.block_ids) * expected_layout.block_bytes(manifest.codec)
     if manifest.payload_bytes != expected_bytes:
         raise TransferRejected(f"{manifest.payload_bytes} bytes announced, {len(manifest.block_ids)} {manifest.codec} "
                                f"blocks of this layout are {expected_bytes}", "payload_bytes")
+
+
+def _check_digests(manifest: TransferManifest, digests: Sequence[bytes]) -> None:
+    """One well-formed digest per block of each payload slice (slice by slice)."""
+    num_blocks, num_slices = len(manifest.block_ids), len(manifest.payload_slices())
+    if len(digests) != num_slices * num_blocks:
+        sliced = f" in {num_slices} payload slices" if manifest.sender_kv_heads else ""
+        raise TransferRejected(f"{len(digests)} digests for {num_blocks} blocks{sliced}", "block_digests")
+    bad = [i for i, d in enumerate(digests) if len(d) != DIGEST_BYTES]
+    if bad:
+        raise TransferRejected(f"digest {bad[0]} has {len(digests[bad[0]])} bytes, expected {DIGEST_BYTES}",
+                               "block_digests")
+
+
+# --- streamed transfers (issue 16): the digests follow the data, in a trailer ---
+def _check_streamed(manifest: TransferManifest) -> None:
+    if manifest.transport != "grpc":
+        raise TransferRejected(f"digests_in_trailer with transport {manifest.transport!r}: only grpc streams a "
+                               "trailer", "digests_in_trailer", INVALID_ARGUMENT)
+    if manifest.block_digests:
+        raise TransferRejected(f"{len(manifest.block_digests)} digests in a manifest that announces them in the "
+                               "trailer", "block_digests", INVALID_ARGUMENT)
+
+
+def check_trailer_digests(manifest: TransferManifest, digests: Sequence[bytes]) -> None:
+    """TransferRejected unless the trailer holds one well-formed digest per block (and payload slice)."""
+    _check_digests(manifest, digests)
 
 
 def check_chunk_bytes(chunk_bytes: int) -> None:

@@ -4,20 +4,27 @@ Receiving (``KvTransferServicer``, thin; the flow is ``receive_transfer``):
 
     manifest ─▶ receiver.check(manifest) ─▶ ReceiveTarget(layout, reserved block ids, kv_cache)   (or refuses)
              ─▶ validate_manifest (codec, transport, layout field by field, bounds, reservation ids, digests, size)
-    grpc:    data chunks ─▶ receive staging buffer, each block's digest checked once its last byte is in
-    shm:     take the named segment (kvstore.shm.take_segment: one this host's sender made for this
-             reservation, else rejected naming shm_name), check every digest on the mapped bytes
-             ─▶ decode + scatter into kv_cache (only after every digest passed) ─▶ receiver.commit
-    any failure after check ─▶ receiver.reject(request_id, handle, reason); the RPC fails with the rejection's code
-                   (FAILED_PRECONDITION: layout/fingerprint, digest, size, shm segment; INVALID_ARGUMENT: bounds,
-                   reservation ids, codec/transport, malformed stream; INTERNAL: anything else) and a message
-                   "<field>: <what mismatched>".
+    grpc:    data chunks ─▶ a reused receive staging buffer (BufferPool), each block's digest checked (or, with
+             digests_in_trailer, hashed) once its last byte is in; a streamed transfer ends with its trailer, whose
+             digests must all match before anything is scattered
+    shm:     one-shot segment: take it (kvstore.shm.take_segment: one this host's sender made for this
+             reservation, else rejected naming shm_name); pooled segment: map it once and keep the mapping
+             (kvstore.shm_pool.PooledSegmentReader: the header must name this reservation); check every digest
+             on the mapped bytes
+             ─▶ decode + scatter into kv_cache straight from the buffer or the mapping (only after every digest
+                passed) ─▶ receiver.commit
+    any failure after check ─▶ receiver.reject(request_id, handle, reason), once; the RPC fails with the
+                   rejection's code (FAILED_PRECONDITION: layout/fingerprint, digest, size, shm segment;
+                   INVALID_ARGUMENT: bounds, reservation ids, codec/transport, malformed stream; INTERNAL:
+                   anything else) and a message "<field>: <what mismatched>".
 
 Sending (``KvSender.push``): the transport is the caller's explicit choice and is reported in TransferStats;
-there is no fallback. grpc: the request iterator (consumed by a grpc thread) yields the manifest, then 2 MiB
-chunks, while a helper thread gathers the next group of blocks (see encode_stream for when gathering is lazy).
-shm: the payload goes into a fresh segment, the stream carries only the manifest, and the segment is unlinked
-when the RPC returns or fails.
+there is no fallback. Blocks are encoded a group (``group_bytes``) at a time straight into the memory that
+carries them (kvstore.transfer.write_records) and hashed there. grpc: manifest (digests_in_trailer), then 2 MiB
+chunks cut from a reused staging buffer as each group is gathered, then the trailer with the digests. shm: the
+groups land in a segment (from the sender's SegmentPool when it has one: pre-faulted and reused; else a fresh
+one-shot segment), then the manifest with the digests names it; the segment goes back to the pool only after a
+committed Push, and is unlinked on every other outcome.
 
 Servers hosting the servicer should be created with ``GRPC_OPTIONS`` (4 MiB chunks exceed grpc's default
 4 MiB message limit once framed); the default 2 MiB chunks work without.
@@ -25,23 +32,23 @@ Servers hosting the servicer should be created with ``GRPC_OPTIONS`` (4 MiB chun
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import grpc
 import torch
 
 from kvstore.reshard_plan import KvReshardPlan, plan_reshard
 from kvstore.shm import OutgoingSegment, SegmentRefused, take_segment
-from kvstore.transfer import DecodedBlocks, PayloadAssembler, encode_stream, iter_chunks
+from kvstore.shm_pool import PooledSegmentReader, SegmentPool, SegmentPoolExhausted, is_pooled_name
+from kvstore.transfer import BufferPool, DecodedBlocks, PayloadAssembler, iter_chunks, write_records
 from kvstore.transfer_manifest import (CODECS, DEFAULT_CHUNK_BYTES, INVALID_ARGUMENT, TRANSPORTS, KvLayoutSpec,
                                        TransferManifest, TransferRejected, check_chunk_bytes, num_chunks,
                                        validate_manifest)
-from kvstore.transfer_slices import KvSlices, SlicedAssembler, decode_slices, merge_slices, verify_payload
+from kvstore.transfer_slices import KvSlices, decode_slices, merge_slices, record_bounds, verify_payload
 from protos.convert import manifest_from_pb, manifest_to_pb
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from protos.tls import TlsFiles, channel_credentials, channel_options, peer_identity
@@ -52,8 +59,7 @@ GRPC_MAX_MESSAGE_BYTES = 8 << 20
 GRPC_OPTIONS = [("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES)]
 DEFAULT_GROUP_BYTES = 4 << 20
-
-T = TypeVar("T")
+"""Blocks encoded (gathered and hashed) at a time: small enough to stay in cache between gather and hash."""
 
 
 # ----------------------------------------------------------------------------------------------- receiving
@@ -115,18 +121,23 @@ def _scatter_verified(buffer: torch.Tensor, manifest: TransferManifest, target: 
         torch.cuda.current_stream(target.kv_cache.device).synchronize()
 
 
-def _receive_shm(manifest: TransferManifest, target: ReceiveTarget, plan: KvReshardPlan) -> None:
-    try:  # only a segment this host's sender made for this reservation (kvstore.shm), unlinked once taken
-        segment = take_segment(manifest.shm_name, request_id=manifest.request_id, handle=manifest.handle)
+def _receive_shm(manifest: TransferManifest, target: ReceiveTarget, plan: KvReshardPlan,
+                 segments: PooledSegmentReader) -> None:
+    try:  # only a segment this host's sender made for this reservation (kvstore.shm, kvstore.shm_pool)
+        if is_pooled_name(manifest.shm_name):
+            segment = segments.open(manifest.shm_name, request_id=manifest.request_id, handle=manifest.handle,
+                                    payload_bytes=manifest.payload_bytes)
+        else:
+            segment = take_segment(manifest.shm_name, request_id=manifest.request_id, handle=manifest.handle)
     except SegmentRefused as exc:
         raise TransferRejected(str(exc), "shm_name") from None
     except FileNotFoundError:
         raise TransferRejected(f"no shared-memory segment {manifest.shm_name!r} on this host (sender on another "
                                "host, or already unlinked)", "shm_name") from None
     with segment:
-        if segment.size < manifest.payload_bytes:
-            raise TransferRejected(f"segment holds {segment.size} bytes, manifest announces {manifest.payload_bytes}",
-                                   "payload_bytes")
+        if len(segment.buf) < manifest.payload_bytes:
+            raise TransferRejected(f"segment holds {len(segment.buf)} bytes, manifest announces "
+                                   f"{manifest.payload_bytes}", "payload_bytes")
         with segment.buf[:manifest.payload_bytes] as view:
             verify_payload(view, manifest, target.layout)
         if manifest.payload_bytes:
@@ -136,29 +147,53 @@ def _receive_shm(manifest: TransferManifest, target: ReceiveTarget, plan: KvResh
             del buffer  # release the mapping's export before the segment closes
 
 
-def receive_transfer(manifest: TransferManifest, data_chunks: Iterator[bytes], receiver: KvReceiver,
-                     sender_role: str | None = None) -> ReceivedBlocks:
+def _receive_grpc(manifest: TransferManifest, data_chunks: Iterator[bytes | TrailerDigests],
+                  target: ReceiveTarget, plan: KvReshardPlan, buffers: BufferPool) -> None:
+    staging = buffers.take(manifest.payload_bytes)
+    try:
+        # the records' [start, stop) in the payload: slice by slice for a tensor-parallel sender
+        bounds = record_bounds(manifest, target.layout)
+        assembler = PayloadAssembler(manifest, bounds, staging)
+        trailer = None
+        for item in data_chunks:
+            if trailer is not None:
+                raise TransferRejected("a message after the trailer", "trailer", INVALID_ARGUMENT)
+            if isinstance(item, TrailerDigests):
+                trailer = item.digests
+            else:
+                assembler.add(item)
+        _scatter_verified(assembler.finish(trailer), manifest, target, plan)
+        del assembler
+    finally:
+        buffers.give_back(staging)
+
+
+@dataclass(frozen=True)
+class TrailerDigests:
+    """The trailer of a streamed transfer, as the servicer hands it on after the data chunks."""
+    digests: tuple[bytes, ...]
+
+
+def receive_transfer(manifest: TransferManifest, data_chunks: Iterator[bytes | TrailerDigests],
+                     receiver: KvReceiver, sender_role: str | None = None, *, buffers: BufferPool | None = None,
+                     segments: PooledSegmentReader | None = None) -> ReceivedBlocks:
     """One whole transfer after its manifest: check, receive, verify, scatter, commit; reject on any failure
     after check handed out the reservation (a refused check is the receiver's own decision: nothing to release,
     and a busy reservation must stay with the transfer that holds it). `sender_role`: the pusher's
-    authenticated role (None over plaintext), handed to commit with the blocks."""
+    authenticated role (None over plaintext), handed to commit with the blocks. `buffers` / `segments`: the
+    servicer's reused receive buffers and pooled-segment mappings (fresh ones when not given)."""
     target = receiver.check(manifest)
     try:
         validate_manifest(manifest, target.layout, target.block_ids, target.kv_cache.shape[2])
         target.layout.check_cache(target.kv_cache)
-        block_bytes = target.layout.block_bytes(manifest.codec)
         every_head = (range(target.layout.num_kv_heads),)
         plan = plan_reshard(manifest.sender_kv_heads or every_head, target.rank_kv_heads or every_head)
         if manifest.transport == "grpc":
-            assembler = (SlicedAssembler(manifest, target.layout) if manifest.sender_kv_heads
-                         else PayloadAssembler(manifest, block_bytes))
-            for data in data_chunks:
-                assembler.add(data)
-            _scatter_verified(assembler.finish(), manifest, target, plan)
+            _receive_grpc(manifest, data_chunks, target, plan, buffers or BufferPool(0))
         else:
             if next(data_chunks, None) is not None:
                 raise TransferRejected("data chunks on an shm transfer", "data", INVALID_ARGUMENT)
-            _receive_shm(manifest, target, plan)
+            _receive_shm(manifest, target, plan, segments or PooledSegmentReader(0))
         received = ReceivedBlocks(tuple(manifest.block_ids), manifest.payload_bytes, manifest.codec,
                                   manifest.transport, sender_role, plan.delivered_bytes(manifest.payload_bytes),
                                   len(plan.slices))
@@ -172,32 +207,95 @@ def receive_transfer(manifest: TransferManifest, data_chunks: Iterator[bytes], r
         raise
 
 
-def _read_manifest(request_iterator: Iterator[kv_transfer_pb2.KvChunk]) -> TransferManifest:
+def _read_manifest(request_iterator: Iterator[kv_transfer_pb2.KvChunk | memoryview]) -> TransferManifest:
     first = next(request_iterator, None)
-    if first is None or first.WhichOneof("body") != "manifest":
+    if first is None or isinstance(first, memoryview) or first.WhichOneof("body") != "manifest":
         raise TransferRejected("the first message of a Push must be the manifest", "manifest", INVALID_ARGUMENT)
     return manifest_from_pb(first.manifest)
 
 
-def _data_of(request_iterator: Iterator[kv_transfer_pb2.KvChunk]) -> Iterator[bytes]:
+# --- the data chunks' wire form, without a protobuf object per chunk ---
+# A KvChunk holding only `data` is, on the wire, the tag byte of field 2 (length-delimited), a varint length and
+# the bytes. The sender writes that form itself (one copy out of its staging buffer, instead of bytes(), the
+# message and its serialization) and the servicer's deserializer hands the bytes on as a view of the received
+# message (no parse, no copy); anything else goes through KvChunk as before. Same bytes on the wire either way.
+_DATA_TAG = b"\x12"
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def encode_data_chunk(data) -> bytes:
+    """The serialized KvChunk(data=data), built in one copy."""
+    view = memoryview(data).cast("B")
+    return b"".join((_DATA_TAG, _varint(len(view)), view))
+
+
+def _serialize_chunk(message: kv_transfer_pb2.KvChunk | bytes) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def _deserialize_chunk(raw: bytes) -> kv_transfer_pb2.KvChunk | memoryview:
+    """A data chunk as a view of its payload bytes; any other message (or a data chunk in another valid form)
+    as a KvChunk."""
+    if raw[:1] == _DATA_TAG:
+        length, shift, pos = 0, 0, 1
+        while pos < len(raw) and pos <= 10:
+            byte = raw[pos]
+            length |= (byte & 0x7F) << shift
+            pos += 1
+            shift += 7
+            if not byte & 0x80:
+                if pos + length == len(raw):
+                    return memoryview(raw)[pos:]
+                break
+    return kv_transfer_pb2.KvChunk.FromString(raw)
+
+
+def add_kv_transfer_servicer(servicer: KvTransferServicer, server: grpc.Server) -> None:
+    """kv_transfer_pb2_grpc.add_KvTransferServicer_to_server with the data chunks' fast deserializer."""
+    handler = grpc.stream_unary_rpc_method_handler(servicer.Push, request_deserializer=_deserialize_chunk,
+                                                   response_serializer=kv_transfer_pb2.PushResult.SerializeToString)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("pdserve.v1.KvTransfer",
+                                                                          {"Push": handler})])
+
+
+def _data_of(request_iterator: Iterator[kv_transfer_pb2.KvChunk | memoryview]) -> Iterator[bytes | TrailerDigests]:
     for message in request_iterator:
-        if message.WhichOneof("body") != "data":
+        if isinstance(message, memoryview):
+            yield message
+            continue
+        body = message.WhichOneof("body")
+        if body == "data":
+            yield message.data
+        elif body == "trailer":
+            yield TrailerDigests(tuple(message.trailer.block_digests))
+        else:
             raise TransferRejected("a second manifest inside one Push", "manifest", INVALID_ARGUMENT)
-        yield message.data
 
 
 class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
-    """Thin: unpack the stream, run receive_transfer, map TransferRejected to its status."""
+    """Thin: unpack the stream, run receive_transfer, map TransferRejected to its status. Owns the receive
+    buffers and pooled-segment mappings its transfers reuse."""
 
-    def __init__(self, receiver: KvReceiver) -> None:
+    def __init__(self, receiver: KvReceiver, *, max_idle_buffer_bytes: int = 1 << 30) -> None:
         self._receiver = receiver
+        self.buffers = BufferPool(max_idle_buffer_bytes)
+        self.segments = PooledSegmentReader()
 
     def Push(self, request_iterator, context):
         try:
             manifest = _read_manifest(request_iterator)
             sender = peer_identity(context.auth_context())
             received = receive_transfer(manifest, _data_of(request_iterator), self._receiver,
-                                        sender.role if sender is not None else None)
+                                        sender.role if sender is not None else None, buffers=self.buffers,
+                                        segments=self.segments)
         except TransferRejected as exc:
             context.abort(grpc.StatusCode[exc.code], str(exc))
         except Exception as exc:
@@ -212,8 +310,10 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
 @dataclass(frozen=True)
 class FaultInjection:
     """Test hook, passed explicitly to push: invert the first byte of payload chunk `corrupt_chunk_index`
-    (the k-th `chunk_bytes` piece) after the digests were computed, on either transport."""
+    (the k-th `chunk_bytes` piece) after the digests were computed, on either transport; or the first byte of
+    the trailer's digest of block `corrupt_trailer_digest` (grpc)."""
     corrupt_chunk_index: int | None = None
+    corrupt_trailer_digest: int | None = None
 
 
 @dataclass(frozen=True)
@@ -236,59 +336,25 @@ class TransferFailed(Exception):
         self.details = details
 
 
-def _prefetch(items: Iterator[T], depth: int = 1) -> Iterator[T]:
-    """Produce `items` in a helper thread, at most `depth` ahead of the consumer (torch ops drop the GIL)."""
-    slots: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    end = object()
-
-    def produce() -> None:
-        torch.set_num_threads(1)  # memory-bound copies; no OpenMP team beside the engine loop's
-        try:
-            for item in items:
-                slots.put((item, None))
-                if stop.is_set():
-                    return
-            slots.put((end, None))
-        except BaseException as exc:  # handed to the consumer
-            slots.put((end, exc))
-
-    producer = threading.Thread(target=produce, name="kv-transfer-gather", daemon=True)
-    producer.start()
-    try:
-        while True:
-            item, exc = slots.get()
-            if item is end:
-                if exc is not None:
-                    raise exc
-                return
-            yield item
-    finally:
-        # Free the slots so a pending put completes; the producer returns after its next put.
-        stop.set()
-        while True:
-            try:
-                slots.get_nowait()
-            except queue.Empty:
-                break
-        producer.join()
-
-
 class KvSender:
     """Pushes blocks of a local cache to decode workers' KvTransfer services. One cached channel per endpoint;
     thread-safe. With `tls` (the prefill worker's cluster files, read once) every channel is mutual TLS and
-    accepts only a server certificate of role decode."""
+    accepts only a server certificate of role decode. `shm_pool_bytes` > 0: shm transfers use a SegmentPool of
+    that many bytes (pre-faulted, reused; closed with the sender); 0: a fresh segment per transfer."""
 
     def __init__(self, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, group_bytes: int = DEFAULT_GROUP_BYTES,
-                 tls: TlsFiles | None = None) -> None:
+                 tls: TlsFiles | None = None, shm_pool_bytes: int = 0) -> None:
         check_chunk_bytes(chunk_bytes)
         self.chunk_bytes = chunk_bytes
         self.group_bytes = group_bytes
+        self.segment_pool = SegmentPool(shm_pool_bytes) if shm_pool_bytes else None
+        self.staging = BufferPool(4 * group_bytes)
         self._credentials = channel_credentials(tls) if tls is not None else None
-        self._stubs: dict[str, tuple[grpc.Channel, kv_transfer_pb2_grpc.KvTransferStub]] = {}
+        self._stubs: dict[str, tuple[grpc.Channel, grpc.StreamUnaryMultiCallable]] = {}
         self._lock = threading.Lock()
 
-    def _stub(self, endpoint: str) -> kv_transfer_pb2_grpc.KvTransferStub:
+    def _stub(self, endpoint: str) -> grpc.StreamUnaryMultiCallable:
+        """KvTransfer.Push on `endpoint`, sending pre-encoded data chunks as they are (encode_data_chunk)."""
         with self._lock:
             if endpoint not in self._stubs:
                 if self._credentials is None:
@@ -296,7 +362,9 @@ class KvSender:
                 else:  # the server must hold a decode certificate of our CA: nothing else gets a connection
                     channel = grpc.secure_channel(endpoint, self._credentials,
                                                   options=[*GRPC_OPTIONS, *channel_options("decode")])
-                self._stubs[endpoint] = (channel, kv_transfer_pb2_grpc.KvTransferStub(channel))
+                self._stubs[endpoint] = (channel, channel.stream_unary(
+                    "/pdserve.v1.KvTransfer/Push", request_serializer=_serialize_chunk,
+                    response_deserializer=kv_transfer_pb2.PushResult.FromString))
             return self._stubs[endpoint][1]
 
     def push(self, endpoint: str, *, request_id: str, handle: str, layout: KvLayoutSpec,
@@ -305,9 +373,9 @@ class KvSender:
              timeout_s: float = 30.0, fault: FaultInjection | None = None) -> TransferStats:
         """Send blocks `src_block_ids` of `kv_cache` to land in `dst_block_ids` of the receiver reservation
         `handle`, over `transport` exactly (no fallback). The source blocks must not change until push returns
-        (with lazy gathering a change shows up as a digest rejection). `kv_cache` as KvSlices: a tensor-parallel
-        sender's payload slices (kvstore.transfer_slices). Raises TransferFailed (the receiver's status and
-        message) or ValueError (bad arguments)."""
+        (blocks are gathered as they are sent; a change shows up as a digest rejection). `kv_cache` as KvSlices:
+        a tensor-parallel sender's payload slices (kvstore.transfer_slices), sent slice by slice. Raises
+        TransferFailed (the receiver's status and message) or ValueError (bad arguments)."""
         # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]
         start = time.perf_counter()
         deadline = start + timeout_s
@@ -325,58 +393,106 @@ class KvSender:
         num_cache_blocks = kv_cache.num_blocks if sliced else kv_cache.shape[2]
         if any(not 0 <= b < num_cache_blocks for b in src_block_ids):
             raise ValueError(f"src_block_ids outside the cache of {num_cache_blocks} blocks")
-        blocks_per_group = max(1, self.group_bytes // layout.block_bytes(codec))
-        stream = (kv_cache.encode(src_block_ids, codec, blocks_per_group) if sliced
-                  else encode_stream(kv_cache, src_block_ids, codec, blocks_per_group))
+        # What goes on the wire, in order: each payload slice's blocks, a group at a time.
+        units: list[tuple[torch.Tensor, list[int], int]] = []  # (cache, block ids, their records' bytes)
+        for cache in (kv_cache.caches if sliced else (kv_cache,)):
+            record_bytes = KvLayoutSpec.from_cache(cache, "").block_bytes(codec)
+            per_group = max(1, self.group_bytes // record_bytes)
+            units += [(cache, src_block_ids[i:i + per_group], len(src_block_ids[i:i + per_group]) * record_bytes)
+                      for i in range(0, len(src_block_ids), per_group)]
+        payload_bytes = sum(nbytes for _, _, nbytes in units)
         sender_kv_heads = kv_cache.sender_kv_heads if sliced else ()
-        corrupt = fault.corrupt_chunk_index if fault is not None else None
-        if corrupt is not None and not 0 <= corrupt < num_chunks(stream.payload_bytes, self.chunk_bytes):
-            raise ValueError(f"corrupt_chunk_index {corrupt} outside the payload's "
-                             f"{num_chunks(stream.payload_bytes, self.chunk_bytes)} chunks")
+        fault = fault or FaultInjection()
+        if fault.corrupt_chunk_index is not None and not (
+                0 <= fault.corrupt_chunk_index < num_chunks(payload_bytes, self.chunk_bytes)):
+            raise ValueError(f"corrupt_chunk_index {fault.corrupt_chunk_index} outside the payload's "
+                             f"{num_chunks(payload_bytes, self.chunk_bytes)} chunks")
 
-        def manifest(shm_name: str = "") -> kv_transfer_pb2.KvChunk:
+        def manifest(shm_name: str = "", digests: tuple[bytes, ...] = ()) -> kv_transfer_pb2.KvChunk:
             return kv_transfer_pb2.KvChunk(manifest=manifest_to_pb(TransferManifest(
-                request_id, handle, layout, tuple(dst_block_ids), stream.digests, codec, transport, shm_name,
-                stream.payload_bytes, sender_kv_heads)))
+                request_id, handle, layout, tuple(dst_block_ids), digests, codec, transport, shm_name,
+                payload_bytes, sender_kv_heads, digests_in_trailer=transport == "grpc")))
 
         stub = self._stub(endpoint)
         if transport == "grpc":
             errors: list[BaseException] = []
-            result = self._call(stub, self._grpc_messages(manifest(), stream, corrupt, errors), deadline, errors)
+            messages = self._grpc_messages(manifest(), units, codec, fault, errors)
+            try:
+                result = self._call(stub, messages, deadline, errors)
+            except TransferFailed as exc:
+                if exc.code == grpc.StatusCode.FAILED_PRECONDITION and exc.details.startswith("block_digests: 0 "):
+                    raise TransferFailed(exc.code, f"{exc.details} (the receiver predates digests in a trailer, "
+                                         "KvManifest.digests_in_trailer: upgrade the decode worker)") from exc
+                raise
         else:
-            with OutgoingSegment(stream.payload_bytes, request_id=request_id,
-                                 handle=handle) as segment:  # unlinked on every path out
-                offset = 0
-                for group in stream.groups:
-                    segment.write(offset, group)
-                    offset += group.numel()
-                if corrupt is not None:
-                    segment.flip_byte(corrupt * self.chunk_bytes)
-                result = self._call(stub, iter([manifest(segment.name)]), deadline, [])
-        if result.num_blocks != len(dst_block_ids) or result.bytes != stream.payload_bytes:
+            result = self._push_shm(stub, manifest, units, codec, payload_bytes, fault, request_id, handle,
+                                    deadline)
+        if result.num_blocks != len(dst_block_ids) or result.bytes != payload_bytes:
             raise TransferFailed(grpc.StatusCode.INTERNAL, f"receiver reports {result.num_blocks} blocks / "
-                                 f"{result.bytes} bytes, sent {len(dst_block_ids)} / {stream.payload_bytes}")
-        return TransferStats(stream.payload_bytes, (time.perf_counter() - start) * 1e3, transport, codec,
+                                 f"{result.bytes} bytes, sent {len(dst_block_ids)} / {payload_bytes}")
+        return TransferStats(payload_bytes, (time.perf_counter() - start) * 1e3, transport, codec,
                              len(dst_block_ids), result.reshard_bytes, result.reshard_slices)
 
-    def _grpc_messages(self, manifest: kv_transfer_pb2.KvChunk, stream, corrupt: int | None,
-                       errors: list[BaseException]) -> Iterator[kv_transfer_pb2.KvChunk]:
-        # Runs in grpc's request-consumer thread; _prefetch gathers group k+1 meanwhile.
+    def _push_shm(self, stub, manifest, units, codec, payload_bytes, fault, request_id, handle,
+                  deadline) -> kv_transfer_pb2.PushResult:
+        if self.segment_pool is not None:
+            try:
+                segment = self.segment_pool.acquire(payload_bytes, request_id=request_id, handle=handle,
+                                                    timeout_s=max(0.0, deadline - time.perf_counter()))
+            except (SegmentPoolExhausted, OSError, ValueError) as exc:  # full, no room in /dev/shm, too big
+                raise TransferFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"shared-memory pool: {exc}") from exc
+        else:
+            segment = OutgoingSegment(payload_bytes, request_id=request_id, handle=handle)
+        committed = False
+        try:  # released on every path out: back to the pool only once the receiver committed
+            payload = segment.payload(payload_bytes)  # [payload_bytes] uint8 viewing the segment
+            digests, offset = [], 0
+            for cache, ids, nbytes in units:
+                digests.extend(write_records(cache, ids, codec, payload[offset:offset + nbytes]))
+                offset += nbytes
+            del payload
+            if fault.corrupt_chunk_index is not None:
+                segment.flip_byte(fault.corrupt_chunk_index * self.chunk_bytes)
+            result = self._call(stub, iter([manifest(segment.name, tuple(digests))]), deadline, [])
+            committed = True
+            return result
+        finally:
+            segment.release(reusable=committed)
+
+    def _grpc_messages(self, manifest: kv_transfer_pb2.KvChunk, units: list[tuple[torch.Tensor, list[int], int]],
+                       codec: str, fault: FaultInjection,
+                       errors: list[BaseException]) -> Iterator[kv_transfer_pb2.KvChunk | bytes]:
+        # Runs in grpc's request-consumer thread: gather a group into the reused staging buffer, hash it, cut it
+        # into chunks (each encoded, i.e. copied, before the next is cut), and after the last one, the trailer.
         try:
             yield manifest
-            groups = _prefetch(stream.groups) if stream.lazy else stream.groups
-            for index, data in enumerate(iter_chunks(groups, self.chunk_bytes)):
-                if index == corrupt:
-                    data = bytes([data[0] ^ 0xFF]) + data[1:]
-                yield kv_transfer_pb2.KvChunk(data=data)
+            digests: list[bytes] = []
+            staging = self.staging.take(max((nbytes for _, _, nbytes in units), default=0))
+            try:
+                def encoded_groups() -> Iterator[torch.Tensor]:
+                    for cache, ids, nbytes in units:
+                        out = staging[:nbytes]  # [nbytes] uint8
+                        digests.extend(write_records(cache, ids, codec, out))
+                        yield out
+
+                for index, data in enumerate(iter_chunks(encoded_groups(), self.chunk_bytes)):
+                    if index == fault.corrupt_chunk_index:
+                        data = bytes([data[0] ^ 0xFF]) + data[1:]
+                    yield encode_data_chunk(data)
+            finally:
+                self.staging.give_back(staging)
+            if fault.corrupt_trailer_digest is not None:
+                i = fault.corrupt_trailer_digest
+                digests[i] = bytes([digests[i][0] ^ 0xFF]) + digests[i][1:]
+            yield kv_transfer_pb2.KvChunk(trailer=kv_transfer_pb2.KvTrailer(block_digests=digests))
         except Exception as exc:  # grpc would only report "Exception iterating requests"
             errors.append(exc)
             raise
 
     @staticmethod
-    def _call(stub, messages, deadline: float, errors: list[BaseException]) -> kv_transfer_pb2.PushResult:
+    def _call(push, messages, deadline: float, errors: list[BaseException]) -> kv_transfer_pb2.PushResult:
         try:
-            return stub.Push(messages, timeout=max(0.0, deadline - time.perf_counter()))
+            return push(messages, timeout=max(0.0, deadline - time.perf_counter()))
         except grpc.RpcError as exc:
             if errors:
                 raise errors[0] from exc
@@ -387,6 +503,8 @@ class KvSender:
             for channel, _ in self._stubs.values():
                 channel.close()
             self._stubs.clear()
+        if self.segment_pool is not None:
+            self.segment_pool.close()
 
     def __enter__(self) -> KvSender:
         return self

@@ -10,28 +10,16 @@ without tensor parallelism (no sender_kv_heads) is the one-slice case. Slices su
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvstore.reshard_plan import payload_slices
-from kvstore.transfer import DecodedBlocks, block_digest, decode_payload, encode_stream
+from kvstore.transfer import DecodedBlocks, block_digest, decode_payload
 from kvstore.transfer_manifest import KvLayoutSpec, TransferManifest, TransferRejected
 
-__all__ = ["KvSlices", "SlicedAssembler", "SlicedStream", "decode_slices", "merge_slices", "record_bounds",
-           "take_heads", "verify_payload"]
-
-
-@dataclass
-class SlicedStream:
-    """KvSlices encoded: every digest (slice by slice) and the payload's bytes group by group (consumed once);
-    read by kvstore.transfer_service.KvSender.push like kvstore.transfer.EncodedStream."""
-    digests: tuple[bytes, ...]
-    groups: Iterator[torch.Tensor]
-    lazy: bool
-    payload_bytes: int
+__all__ = ["KvSlices", "decode_slices", "merge_slices", "record_bounds", "take_heads", "verify_payload"]
 
 
 @dataclass(frozen=True)
@@ -55,13 +43,6 @@ class KvSlices:
         """ValueError unless every slice cache is `layout` restricted to its heads."""
         for cache in self.caches:
             dataclasses.replace(layout, num_kv_heads=cache.shape[4]).check_cache(cache)
-
-    def encode(self, block_ids: Sequence[int], codec: str, blocks_per_group: int) -> SlicedStream:
-        """Blocks `block_ids` of every slice, slice by slice (kvstore.transfer.encode_stream each)."""
-        streams = [encode_stream(cache, block_ids, codec, blocks_per_group) for cache in self.caches]
-        return SlicedStream(tuple(d for s in streams for d in s.digests),
-                            itertools.chain.from_iterable(s.groups for s in streams),
-                            all(s.lazy for s in streams), sum(s.payload_bytes for s in streams))
 
 
 def record_bounds(manifest: TransferManifest, layout: KvLayoutSpec) -> list[tuple[int, int]]:
@@ -88,40 +69,6 @@ def _verify(view: memoryview, manifest: TransferManifest, bounds: list[tuple[int
 def verify_payload(view: memoryview, manifest: TransferManifest, layout: KvLayoutSpec) -> None:
     """Check every record of a whole received payload against the manifest's digests."""
     _verify(view, manifest, record_bounds(manifest, layout), 0, len(manifest.block_digests))
-
-
-class SlicedAssembler:
-    """kvstore.transfer.PayloadAssembler for a sliced payload: grpc chunks into one buffer, each record's digest
-    checked once its last byte is in. The manifest must have passed validate_manifest."""
-
-    def __init__(self, manifest: TransferManifest, layout: KvLayoutSpec) -> None:
-        self._manifest = manifest
-        self._bounds = record_bounds(manifest, layout)
-        self.buffer = torch.empty(manifest.payload_bytes, dtype=torch.uint8)  # [payload_bytes]
-        self._view = memoryview(self.buffer.numpy())
-        self._received = 0
-        self._verified = 0
-
-    def add(self, data) -> None:
-        end = self._received + len(data)
-        if end > self._manifest.payload_bytes:
-            raise TransferRejected(f"more than the announced {self._manifest.payload_bytes} bytes arrived",
-                                   "payload_bytes")
-        self._view[self._received:end] = data
-        self._received = end
-        complete = self._verified
-        while complete < len(self._bounds) and self._bounds[complete][1] <= end:
-            complete += 1
-        _verify(self._view, self._manifest, self._bounds, self._verified, complete)
-        self._verified = complete
-
-    def finish(self) -> torch.Tensor:
-        """The whole payload, every digest verified: [payload_bytes] uint8."""
-        if self._received != self._manifest.payload_bytes:
-            raise TransferRejected(f"stream ended after {self._received} of {self._manifest.payload_bytes} bytes",
-                                   "payload_bytes")
-        assert self._verified == len(self._bounds)
-        return self.buffer
 
 
 def decode_slices(buffer: torch.Tensor, layout: KvLayoutSpec,

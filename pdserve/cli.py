@@ -39,6 +39,7 @@ from engine.model_fetch import ModelFetchError, fetch_default_model
 from gateway.auth import ApiKeyFileError
 from kvstore.index import redacted_url
 from pdserve import cli_args, health, pki, quantize_cli
+from pdserve.affinity import format_cpu_list, pin_process
 from pdserve.bench import cli as bench_cli
 from pdserve.cli_args import UsageError
 from pdserve.client import Chunk, Client, Completion, PdserveError, collect
@@ -73,8 +74,17 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pin(args: argparse.Namespace) -> None:
+    """Pin this worker process to its --cpu-affinity CPUs (checked first), before it starts any thread."""
+    cpus = cli_args.cpu_affinity(args)
+    if cpus is not None:
+        pin_process(cpus)
+        logging.getLogger(__name__).info("pinned to CPUs %s", format_cpu_list(cpus))
+
+
 def cmd_prefill_worker(args: argparse.Namespace) -> int:
     config = cli_args.worker_config(PrefillWorkerConfig, "prefill", args)
+    _pin(args)
     engine_config = cli_args.engine_config(args)
     _exit_with_parent(args.parent_pipe_fd)
     from prefill_worker.server import serve
@@ -85,6 +95,7 @@ def cmd_prefill_worker(args: argparse.Namespace) -> int:
 
 def cmd_decode_worker(args: argparse.Namespace) -> int:
     config = cli_args.worker_config(DecodeWorkerConfig, "decode", args)
+    _pin(args)
     engine_config = cli_args.engine_config(args)
     _exit_with_parent(args.parent_pipe_fd)
     from decode_worker.server import serve

@@ -20,6 +20,7 @@ from engine.config import DTYPES, QUANTIZATIONS, EngineConfig
 from gateway.config import GatewayConfig
 from gateway.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from decode_worker.config import VERIFY_KV_MODES, DecodeWorkerConfig
+from pdserve.affinity import allowed_cpus, check_cpus, format_cpu_list, parse_cpu_list
 from pdserve.cluster_config import LocalClusterConfig
 from prefill_worker.config import CODECS, TRANSPORTS, PrefillWorkerConfig
 
@@ -59,6 +60,20 @@ def parse_bytes(text: str) -> int:
     if not match:
         raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 536870912, 512M, 2G)")
     return int(float(match[1]) * _UNITS[match[2].lower()])
+
+
+def _cpu_list(text: str) -> tuple[int, ...]:
+    try:
+        return parse_cpu_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def parse_int_list(text: str) -> tuple[int, ...]:
+    """Comma-separated integers: "1,2,4,8" -> (1, 2, 4, 8)."""
+    if not re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*", text):
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r} (e.g. 1,2,4,8)")
+    return tuple(int(part) for part in text.split(","))
 
 
 def _default(cls: type, name: str) -> Any:
@@ -120,6 +135,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
         _arg(g, E, "block_size", "tokens per KV block (a power of two)", type=int),
         _arg(g, E, "max_num_seqs", "most sequences running in one step", type=int),
         _arg(g, E, "max_num_batched_tokens", "token budget of one step", type=int),
+        _arg(g, E, "long_prefill_token_threshold", "most prompt tokens one sequence computes in one step, so that "
+             "a long prompt's chunks leave room to short prompts and decodes (0: off)", type=int),
         _arg(g, E, "max_waiting", "bound of the waiting queue; beyond it requests are rejected", type=int),
         _arg(g, E, "enable_prefix_caching", "disable reuse of cached prefix blocks", action="store_false"),
         _arg(g, E, "num_threads", "CPU threads of this process (default: torch's)", type=int),
@@ -128,6 +145,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
         _arg(g, E, "tensor_parallel_timeout_s", "seconds a collective between the ranks may wait before the "
              "worker fails instead of hanging", type=float),
         _arg(g, E, "seed", "seed of requests that set none", type=int),
+        _arg(g, E, "compile_decode", "run decode steps through a torch.compile'd graph (Inductor fuses the "
+             "per-layer small ops); compiled at start-up, minutes per batch size on a small CPU",
+             action="store_true"),
+        _arg(g, E, "compile_batch_sizes", "with --compile-decode: the decode batch sizes compiled, e.g. 1,2,4,8 "
+             "(a batch runs padded to the next; larger ones run eager)", type=parse_int_list,
+             metavar="N[,N...]"),
     ]
 
 
@@ -141,7 +164,8 @@ def engine_flags(config: EngineConfig) -> list[str]:
         if isinstance(action, argparse.BooleanOptionalAction):  # --flag / --no-flag
             flags.append(action.option_strings[0 if value else 1])
         else:
-            flags += [action.option_strings[0]] if action.nargs == 0 else [action.option_strings[0], str(value)]
+            text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+            flags += [action.option_strings[0]] if action.nargs == 0 else [action.option_strings[0], text]
     return flags
 
 
@@ -172,6 +196,9 @@ def _add_worker_args(p: argparse.ArgumentParser, cls: type) -> None:
          "call every internal RPC (and, on a decode worker, put KV into its prefix cache)", action="store_true")
     _arg(g, cls, "drain_timeout_s", "on SIGTERM, seconds requests already taken get to finish after the worker "
          "left the index and refuses new ones; the rest then end with UNAVAILABLE", type=float)
+    g.add_argument("--cpu-affinity", type=_cpu_list, default=None, metavar="CPUS",
+                   help="run this process (every thread) only on these CPUs, e.g. 0-3 or 0,2; --threads then "
+                        "defaults to their number and must equal it (default: not pinned)")
     add_engine_args(p)
 
 
@@ -284,7 +311,31 @@ def client_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's config; a worker pinned with --cpu-affinity and no --threads runs one thread per CPU."""
+    cpus = getattr(args, "cpu_affinity", None)
+    if cpus is not None and args.num_threads is None:
+        return build_config(EngineConfig, args, num_threads=len(cpus))
     return build_config(EngineConfig, args)
+
+
+def cpu_affinity(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """A worker's --cpu-affinity, checked against the CPUs this process may use and against --threads (one torch
+    thread per pinned CPU); None when not given."""
+    cpus = getattr(args, "cpu_affinity", None)
+    if cpus is None:
+        return None
+    try:
+        check_cpus(cpus, allowed_cpus())
+    except ValueError as exc:
+        raise UsageError(f"argument --cpu-affinity: {exc}") from None
+    if args.num_threads is not None and args.num_threads != len(cpus):
+        raise UsageError(f"argument --threads: {args.num_threads} threads on the {len(cpus)} CPU(s) of "
+                         f"--cpu-affinity {format_cpu_list(cpus)}; give one thread per pinned CPU (or leave "
+                         "--threads out)")
+    if args.tensor_parallel_size != 1:
+        raise UsageError("argument --cpu-affinity: not supported with --tensor-parallel-size > 1 (every rank "
+                         "would run --threads threads on the same CPUs)")
+    return cpus
 
 
 def worker_config(cls: type[C], role: str, args: argparse.Namespace) -> C:
@@ -352,6 +403,8 @@ def build_parser(description: str = "", extra_commands: Sequence[AddCommand] = (
          "embedded redis-server with a generated password)")
     _arg(g, L, "run_dir", "keep the processes' logs here (default: a temporary directory)")
     _arg(g, L, "num_cpus", "CPUs divided among the workers when --threads is not given (default: all)", type=int)
+    _arg(g, L, "pin_workers", "pin each worker to CPUs of its own (--cpu-affinity), in slices of its thread "
+         "share, prefill workers first; the gateway and Redis are not pinned", action="store_true")
     _arg(g, L, "start_timeout_s", "seconds the whole start may take", type=float)
     _arg(g, L, "stop_timeout_s", "seconds each stop stage waits before SIGKILL", type=float)
     _arg(g, L, "restart_workers", "restart a worker process that exits (same id, port and flags, with a backoff); "
@@ -399,6 +452,8 @@ def build_parser(description: str = "", extra_commands: Sequence[AddCommand] = (
     _arg(g, PrefillWorkerConfig, "transport", "KV data path to decode workers", choices=TRANSPORTS)
     _arg(g, PrefillWorkerConfig, "codec", "KV wire format (int8 is lossy)", choices=CODECS)
     _arg(g, PrefillWorkerConfig, "chunk_bytes", "payload bytes per gRPC message, 1M..4M", type=parse_bytes)
+    _arg(g, PrefillWorkerConfig, "shm_pool_bytes", "bound of the reused, pre-faulted shared-memory segments of "
+         "the shm transport; 0: a fresh segment per transfer", type=parse_bytes)
     g.add_argument("--decode-endpoint", dest="decode_endpoints", action="append", default=[], metavar="HOST:PORT",
                    help="a decode worker this worker may push KV to when it runs without --redis-url "
                         "(repeatable; with --redis-url only the index's live decode workers)")

@@ -46,6 +46,10 @@ class LocalClusterConfig:
     """Directory for the processes' logs (kept); None uses a temporary one, removed after a clean stop."""
     num_cpus: int | None = None
     """CPUs to divide among the workers; None counts those this process may run on."""
+    pin_workers: bool = False
+    """Pin each worker process to CPUs of its own (pdserve.affinity): the first `num_cpus` of the CPUs this
+    process may run on, in consecutive slices of each worker's thread count, prefill workers first. Off: workers
+    float over every CPU (the kernel's scheduler places their threads)."""
     start_timeout_s: float = 600.0
     """Bound on the whole start (loading the model included)."""
     stop_timeout_s: float = 20.0
@@ -101,6 +105,9 @@ class LocalClusterConfig:
                 raise ValueError(f"LocalClusterConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_cpus is not None and self.num_cpus < 1:
             raise ValueError(f"LocalClusterConfig.num_cpus must be >= 1, got {self.num_cpus}")
+        if self.pin_workers and (self.engine.tensor_parallel_size != 1 or self.prefill_tensor_parallel_size
+                                 not in (None, 1) or self.decode_tensor_parallel_size not in (None, 1)):
+            raise ValueError("LocalClusterConfig.pin_workers is not supported with tensor parallelism")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("LocalClusterConfig.tls_cert and tls_key go together: give both or neither")
         if self.tls and self.tls_cert is not None:

@@ -55,6 +55,7 @@ from engine.model_fetch import fetch_default_model
 from kvstore.embedded_redis import EmbeddedRedis
 from kvstore.index import redacted_url
 from pdserve import health
+from pdserve.affinity import allowed_cpus, format_cpu_list, split_cpus
 from pdserve.cli_args import REDIS_URL_ENV, engine_flags
 from pdserve.cluster_config import LocalClusterConfig
 from pdserve.pki import write_public_tls
@@ -117,10 +118,25 @@ def worker_threads(config: LocalClusterConfig, roles: list[str], num_cpus: int) 
 
 
 def available_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, which containers narrow), else os.cpu_count()."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    """How many CPUs this process may run on (its affinity mask, which containers narrow)."""
+    return len(allowed_cpus())
+
+
+def worker_cpus(config: LocalClusterConfig, threads: list[int],
+                allowed: tuple[int, ...]) -> list[tuple[int, ...] | None]:
+    """Each worker's CPUs (`threads` in start order): with pin_workers, consecutive slices of the first
+    `num_cpus` CPUs of `allowed`, one CPU per thread; else None for every worker. ClusterError when the threads
+    do not fit."""
+    if not config.pin_workers:
+        return [None] * len(threads)
+    cpus = allowed[:config.num_cpus] if config.num_cpus is not None else allowed
+    if config.num_cpus is not None and config.num_cpus > len(allowed):
+        raise ClusterError(f"--pin-workers with --cpus {config.num_cpus}: only {len(allowed)} CPU(s) available "
+                           f"({format_cpu_list(allowed)})")
+    try:
+        return list(split_cpus(cpus, threads))
+    except ValueError as exc:
+        raise ClusterError(f"--pin-workers: {exc}; lower --threads or the number of workers") from None
 
 
 def connect_host(bind_host: str) -> str:
@@ -327,6 +343,7 @@ class LocalCluster:
 
         roles = ["prefill"] * config.num_prefill + ["decode"] * config.num_decode
         threads = worker_threads(config, roles, config.num_cpus or available_cpus())
+        cpus = worker_cpus(config, threads, allowed_cpus())
         indexes = list(range(config.num_prefill)) + list(range(config.num_decode))
         worker_ids = [f"{role}-{index}" for role, index in zip(roles, indexes)]
         if config.insecure_internal:
@@ -343,8 +360,8 @@ class LocalCluster:
             config = self.config = dataclasses.replace(config, tls=False, tls_cert=str(public.cert_path),
                                                        tls_key=str(public.key_path), ca_cert=str(public.ca_path))
         probe = self._pki.get("probe")
-        for role, worker_id, port, num_threads in zip(roles, worker_ids, ports, threads):
-            argv = worker_argv(role, worker_id, port, config, num_threads, self._pki.get(worker_id))
+        for role, worker_id, port, num_threads, pinned in zip(roles, worker_ids, ports, threads, cpus):
+            argv = worker_argv(role, worker_id, port, config, num_threads, self._pki.get(worker_id), pinned)
             credentials = health.Credentials.cluster(probe, server_role=role) if probe else None
             self._workers.append(self._spawn(worker_id, argv, f"127.0.0.1:{port}", credentials))
         _wait_serving(self._workers, deadline)
@@ -478,17 +495,22 @@ def _cluster_flags(tls: TlsFiles | None) -> list[str]:
 
 
 def worker_argv(role: str, worker_id: str, port: int, config: LocalClusterConfig, num_threads: int,
-                tls: TlsFiles | None) -> list[str]:
+                tls: TlsFiles | None, cpus: tuple[int, ...] | None = None) -> list[str]:
     """`pdserve <role>-worker` arguments for one worker of the local cluster: mutual TLS with `tls`, plaintext
-    (--insecure-internal) when None. No Redis URL: the worker reads it from PDSERVE_REDIS_URL."""
+    (--insecure-internal) when None; pinned to `cpus` when given. No Redis URL: the worker reads it from
+    PDSERVE_REDIS_URL."""
     engine = dataclasses.replace(config.engine, num_threads=num_threads,
                                  tensor_parallel_size=config.tensor_parallel_size(role))
     if role == "prefill" and config.prefill_kv_cache_memory is not None:
         engine = dataclasses.replace(engine, kv_cache_memory=config.prefill_kv_cache_memory)
+    if role == "prefill":  # it runs no decode steps: a compiled one would only delay its start
+        engine = dataclasses.replace(engine, compile_decode=False)
     argv = [f"{role}-worker", "--worker-id", worker_id, "--host", "127.0.0.1", "--port", str(port),
             *_cluster_flags(tls), *engine_flags(engine)]
     if role == "prefill":
         argv += ["--transport", config.transport, "--codec", config.codec]
+    if cpus is not None:
+        argv += ["--cpu-affinity", format_cpu_list(cpus)]
     return argv
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 from protos.tls import TlsFiles
 
 TRANSPORTS = ("auto", "grpc", "shm")
+MIN_POOL_BYTES = (4 << 20) + 4096
+"""The smallest useful segment pool: one segment of the smallest size (kvstore.shm_pool)."""
 CODECS = ("raw", "int8")
 
 
@@ -30,6 +32,10 @@ class PrefillWorkerConfig:
     """KV wire format: "raw" (cache dtype) or "int8" (halves bytes or better, lossy)."""
     chunk_bytes: int = 2 << 20
     """Payload bytes per gRPC message on the grpc transport (1-4 MiB)."""
+    shm_pool_bytes: int = 1 << 30
+    """Bound of the pool of pre-faulted shared-memory segments the shm transport gathers KV into and reuses
+    (kvstore.shm_pool; segments are made on demand, each a power of two >= 4 MiB plus a page). 0: a fresh
+    segment per transfer (every transfer pays the page faults)."""
     worker_ttl_s: float = 10.0
     """Registration TTL in the index; heartbeats refresh it every third of it."""
     health_port: int | None = None
@@ -82,6 +88,9 @@ class PrefillWorkerConfig:
             raise ValueError(f"PrefillWorkerConfig.codec must be one of {CODECS}, got {self.codec!r}")
         if not 1 << 20 <= self.chunk_bytes <= 4 << 20:
             raise ValueError(f"PrefillWorkerConfig.chunk_bytes must be in [1 MiB, 4 MiB], got {self.chunk_bytes}")
+        if self.shm_pool_bytes and self.shm_pool_bytes < MIN_POOL_BYTES:
+            raise ValueError(f"PrefillWorkerConfig.shm_pool_bytes must be 0 or >= {MIN_POOL_BYTES}, got "
+                             f"{self.shm_pool_bytes}")
         if self.fault_corrupt_transfers < 0:
             raise ValueError("PrefillWorkerConfig.fault_corrupt_transfers must be >= 0")
         if self.worker_ttl_s <= 0:

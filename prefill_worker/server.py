@@ -52,7 +52,7 @@ def start_server(config: PrefillWorkerConfig, engine_config: EngineConfig,
     registration.start()
     metrics_server = serve_metrics(metrics.registry, config.host, config.metrics_port)
     log.info("prefill worker %s serving on %s", config.worker_id, endpoint)
-    return WorkerHandle(server, loop, worker, registration, metrics_server)
+    return WorkerHandle(server, loop, worker, registration, metrics_server, closers=(worker.close,))
 
 
 def serve(config: PrefillWorkerConfig, engine_config: EngineConfig) -> None:

@@ -13,8 +13,9 @@ One request (DESIGN section 3, step 5):
 The push runs on the gRPC handler's thread while the engine keeps stepping other requests; it reads only
 blocks this request's lease holds, and only while it holds the lease's pin (engine.block_lease): an Abort
 that arrives before the pin releases the blocks and the pin is refused (no push); one that arrives during the
-push is deferred until the push ends. Sending overlaps gathering (the sender prepares the next group of
-blocks while one is on the wire); sending layer by layer during the forward pass is not done.
+push is deferred until the push ends. The sender gathers each group of blocks straight into what carries it (a
+pooled, pre-faulted shared-memory segment, or chunks of a streamed grpc Push whose digests follow in a
+trailer); sending layer by layer during the forward pass is not done (see BENCHMARKS.md, issue 16).
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class PrefillWorker:
         self.destinations = destinations
         engine = loop.engine
         self.layout = KvLayoutSpec.from_cache(engine.runner.transfer_cache(), engine.fingerprint)
-        self.sender = KvSender(chunk_bytes=config.chunk_bytes, tls=config.tls_files)
+        self.sender = KvSender(chunk_bytes=config.chunk_bytes, tls=config.tls_files,
+                               shm_pool_bytes=config.shm_pool_bytes)
         self.host_id = host_id()
         self._lock = threading.Lock()
         self._faults_left = config.fault_corrupt_transfers
@@ -128,6 +130,10 @@ class PrefillWorker:
     def abort(self, request_id: str) -> bool:
         """Drop the request. During its push the lease is pinned: the release waits until the push ends."""
         return self.loop.abort(request_id)
+
+    def close(self) -> None:
+        """Close the sender: its channels, and its shared-memory segments (unlinked)."""
+        self.sender.close()
 
     def stats(self) -> EngineStats:
         return self.loop.call(lambda e: e.stats())

@@ -195,7 +195,7 @@ def worker_stats_to_pb(s: WorkerStatsData) -> worker_pb2.WorkerStats:
         worker_id=s.worker_id, role=s.role, epoch=s.epoch, num_blocks=e.num_blocks, free_blocks=e.free_blocks,
         used_blocks=e.used_blocks, running=e.running, waiting=e.waiting, reserved=e.reserved,
         transfer_errors=s.transfer_errors, preemptions=e.preemptions, tensor_parallel_size=e.tensor_parallel_size,
-        kv_resharding_bytes=e.kv_resharding_bytes)
+        kv_resharding_bytes=e.kv_resharding_bytes, decode_compile_seconds=e.decode_compile_seconds)
 
 
 # --------------------------------------------------------------------------------------------- KV transfer
@@ -212,7 +212,7 @@ def layout_to_pb(layout: KvLayoutSpec) -> kv_transfer_pb2.KvLayout:
 def manifest_from_pb(pb: kv_transfer_pb2.KvManifest) -> TransferManifest:
     return TransferManifest(pb.request_id, pb.handle, layout_from_pb(pb.layout), tuple(pb.block_ids),
                             tuple(pb.block_digests), pb.codec, pb.transport, pb.shm_name, pb.payload_bytes,
-                            tuple(range(h.start, h.stop) for h in pb.sender_kv_heads))
+                            tuple(range(h.start, h.stop) for h in pb.sender_kv_heads), pb.digests_in_trailer)
 
 
 def manifest_to_pb(m: TransferManifest) -> kv_transfer_pb2.KvManifest:
@@ -220,4 +220,5 @@ def manifest_to_pb(m: TransferManifest) -> kv_transfer_pb2.KvManifest:
                                       block_ids=m.block_ids, block_digests=m.block_digests, codec=m.codec,
                                       transport=m.transport, shm_name=m.shm_name, payload_bytes=m.payload_bytes,
                                       sender_kv_heads=[kv_transfer_pb2.KvRankHeads(start=h.start, stop=h.stop)
-                                                       for h in m.sender_kv_heads])
+                                                       for h in m.sender_kv_heads],
+                                      digests_in_trailer=m.digests_in_trailer)

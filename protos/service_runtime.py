@@ -323,6 +323,8 @@ class WorkerHandle:
     worker: object
     registration: Registration
     metrics_server: MetricsServer | None = None
+    closers: tuple[Callable[[], None], ...] = ()
+    """Run last in stop(), once nothing can use what they close (e.g. the prefill worker's shm segments)."""
 
     @property
     def port(self) -> int:
@@ -344,6 +346,8 @@ class WorkerHandle:
         self.server.stop(STREAM_END_GRACE_S)
         if self.metrics_server is not None:
             self.metrics_server.close()
+        for close in self.closers:
+            close()
 
     def _wait_idle(self, timeout_s: float) -> None:
         """Until the engine holds no request (running, waiting, reserved or held), for up to timeout_s."""

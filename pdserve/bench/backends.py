@@ -12,6 +12,7 @@ streams; the clock is `time.perf_counter`. A backend is opened inside the event 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from abc import ABC, abstractmethod
@@ -79,6 +80,8 @@ class PdserveBackend(Backend):
                         num_seen += len(chunk.token_ids)
                     if chunk.usage is not None:
                         usage = chunk.usage
+                    if chunk.timings is not None:
+                        record.server_timings = dataclasses.asdict(chunk.timings)
         except PdserveError as exc:
             record.error = str(exc)
             return record

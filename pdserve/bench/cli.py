@@ -3,7 +3,8 @@
     pdserve bench --target HOST:PORT | --openai-url URL  [--workload random|shared-prefix|multi-turn]
                   [--num-prompts N] [--input-len L] [--output-len L] [--request-rate R|inf]
                   [--max-concurrency C] [--seed S] [--goodput ttft:MS tpot:MS] [--out DIR]
-    pdserve bench --suite cpu [--llama-server PATH] [--threads 2] [--out DIR]
+    pdserve bench --suite cpu [--llama-server PATH] [--threads 2] [--out DIR] [--systems S ...] [--only FAMILY ...]
+                  [--goodput-rates R ...] [--goodput-long-len LOW-HIGH] [--goodput-requests N] ...
 
 Flags (and the one environment variable, PDSERVE_LLAMA_SERVER, the default of --llama-server) are read here
 only. Importing this module imports nothing but argparse; the benchmark modules load when a command runs.
@@ -42,6 +43,27 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _length_range(text: str) -> tuple[int, int]:
+    low, sep, high = text.partition("-")
+    try:
+        pair = (int(low), int(high if sep else low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token range: {text!r} (LOW-HIGH, e.g. 1024-4096)") from None
+    if not 1 <= pair[0] <= pair[1]:
+        raise argparse.ArgumentTypeError(f"need 1 <= LOW <= HIGH, got {text!r}")
+    return pair
+
+
+def _scale(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 
@@ -100,6 +122,31 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     s.add_argument("--threads", type=_positive, default=2, help="CPU threads given to every system")
     s.add_argument("--systems", nargs="+", default=None, metavar="SYSTEM",
                    help="run only these systems (default: all)")
+    s.add_argument("--only", nargs="+", default=[], metavar="FAMILY",
+                   help="run only these scenario families: batch1 streams prefix_cache shared_prefix sweep goodput "
+                   "(default: all); systems none of them uses are not started")
+    g = p.add_argument_group("suite: goodput, disaggregated vs colocated (defaults: pdserve.bench.suite.SuiteConfig)")
+    g.add_argument("--goodput-rates", nargs="+", type=_rate, default=None, metavar="R",
+                   help="Poisson rates (req/s); default 0.1 0.2 0.3 0.4")
+    g.add_argument("--goodput-requests", type=_positive, default=None, metavar="N", help="requests per rate (24)")
+    g.add_argument("--goodput-long-len", type=_length_range, default=None, metavar="LOW-HIGH",
+                   help="long prompts' length range in tokens (1024-4096, the issue's); a slow or busy machine may "
+                   "scale it down, e.g. 256-1024, and the report says which range ran")
+    g.add_argument("--goodput-long-fraction", type=float, default=None, metavar="F", help="share of long prompts "
+                   "(0.25)")
+    g.add_argument("--goodput-ttft-scale", type=_scale, default=None, metavar="K",
+                   help="TTFT SLO = K x the idle TTFT of the prompt's class (3)")
+    g.add_argument("--goodput-tpot-scale", type=_scale, default=None, metavar="K", help="TPOT SLO = K x idle TPOT (3)")
+    g.add_argument("--goodput-batched-tokens", type=_positive, default=None, metavar="N",
+                   help="pdserve-colocated's chunked-prefill budget per step (default: the engine's)")
+    g.add_argument("--goodput-long-prefill-token-threshold", type=_positive, default=None, metavar="N",
+                   help="pdserve-colocated-capped's per-step cap on one prompt's prefill tokens (256)")
+    g.add_argument("--goodput-slos-from", type=Path, default=None, metavar="RESULTS_JSON",
+                   help="judge by the SLOs of an earlier run's results.json (same machine and flags) instead of "
+                   "running pdserve-colocated's idle probe again, e.g. to add llama-server to a comparison")
+    g.add_argument("--goodput-local-prefill-threshold", type=int, default=None, metavar="N",
+                   help="pdserve-1p1d-pinned's gateway --local-prefill-threshold (256: short turns prefill on the "
+                   "decode worker)")
     return p
 
 
@@ -133,9 +180,19 @@ def _run_suite(args: argparse.Namespace) -> int:
             _err(f"pdserve bench: error: {exc} (or leave it out with --systems)")
             return 2
     try:
+        goodput = {name: value for name, value in (
+            ("goodput_rates", tuple(args.goodput_rates) if args.goodput_rates else None),
+            ("goodput_requests", args.goodput_requests), ("goodput_long_len", args.goodput_long_len),
+            ("goodput_long_fraction", args.goodput_long_fraction), ("goodput_ttft_scale", args.goodput_ttft_scale),
+            ("goodput_tpot_scale", args.goodput_tpot_scale), ("goodput_batched_tokens", args.goodput_batched_tokens),
+            ("goodput_local_prefill_threshold", args.goodput_local_prefill_threshold),
+            ("goodput_long_prefill_token_threshold", args.goodput_long_prefill_token_threshold)) if value is not None}
+        if args.goodput_slos_from is not None:
+            goodput.update(goodput_reference_idle=_reference_idle(args.goodput_slos_from),
+                           goodput_reference_source=str(args.goodput_slos_from))
         config = suite.SuiteConfig(out_dir=args.out or suite.default_out_dir(), llama_server=llama_server,
                                    model=args.model, threads=args.threads, systems=systems, seed=args.seed,
-                                   progress=not args.no_progress)
+                                   progress=not args.no_progress, only=tuple(args.only), **goodput)
     except ValueError as exc:
         _err(f"pdserve bench: error: {exc}")
         return 2
@@ -147,6 +204,17 @@ def _run_suite(args: argparse.Namespace) -> int:
     _err(f"pdserve bench: wrote {config.out_dir}/results.json, report.md and plots "
          f"({results.meta['suite_wall_s'] / 60:.1f} min)")
     return 1 if results.errors else 0
+
+
+def _reference_idle(path: Path):
+    """The reference idle figures of an earlier suite run (ValueError saying what is missing)."""
+    from pdserve.bench.goodput import IdleFigures
+
+    try:
+        idle = json.loads(path.read_text())["meta"]["goodput"]["reference_idle"]
+        return IdleFigures(dict(idle["ttft_ms"]), float(idle["tpot_ms"]))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--goodput-slos-from {path}: no goodput reference figures there ({exc!r})") from None
 
 
 def _workload(args: argparse.Namespace):

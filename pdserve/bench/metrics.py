@@ -53,6 +53,9 @@ class RequestRecord:
     cached_tokens: int | None = None
     """Prompt tokens the server took from its prefix cache, when it reports them."""
     request_id: str = ""
+    server_timings: dict[str, float | str] | None = None
+    """The server's own account of the first token, when it gives one (pdserve: queue_ms, prefill_ms,
+    transfer_ms, ttft_ms from its arrival at the gateway, transport, transfer_bytes)."""
 
     @property
     def ttft_s(self) -> float:

@@ -1,7 +1,8 @@
 """PNG plots of benchmark runs (matplotlib, Agg backend: no display needed).
 
 - `plot_latency_cdfs`: empirical CDFs of TTFT, TPOT, ITL and E2EL, one line per run;
-- `plot_throughput_vs_rate`: output tokens/s and p90 TTFT against the request rate, one line per system.
+- `plot_throughput_vs_rate`: output tokens/s and p90 TTFT against the request rate, one line per system;
+- `plot_goodput_vs_rate`: goodput and SLO attainment against the request rate, one line per system.
 """
 
 from __future__ import annotations
@@ -86,6 +87,31 @@ def plot_throughput_vs_rate(points: Mapping[str, Sequence[tuple[float, float, fl
         ax.grid(alpha=0.3)
     ax_ttft.set_yscale("log")
     ax_tput.legend(fontsize=8)
+    return _save(fig, path, title)
+
+
+def plot_goodput_vs_rate(points: Mapping[str, Sequence[tuple[float, float, float]]], path: Path,
+                         target: float = 0.9, title: str = "") -> Path:
+    """`points[label]` = [(request rate, goodput req/s, SLO attainment 0..1), ...]; the attainment panel draws
+    the `target` line."""
+    plt = _pyplot()
+    fig, (ax_good, ax_att) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, pts in points.items():
+        ordered = sorted(pts)
+        rates = [rate for rate, _, _ in ordered]
+        ax_good.plot(rates, [good for _, good, _ in ordered], marker="o", label=label)
+        ax_att.plot(rates, [100 * att for _, _, att in ordered], marker="o", label=label)
+    rates = sorted({rate for pts in points.values() for rate, _, _ in pts})
+    if rates:
+        ax_good.plot(rates, rates, linestyle=":", color="grey", label="every request on time")
+    ax_att.axhline(100 * target, linestyle="--", color="grey", label=f"{100 * target:.0f}% target")
+    ax_good.set_ylabel("goodput (req/s meeting both SLOs)")
+    ax_att.set_ylabel("SLO attainment (%)")
+    ax_att.set_ylim(0, 102)
+    for ax in (ax_good, ax_att):
+        ax.set_xlabel("request rate (req/s)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     return _save(fig, path, title)
 
 

@@ -4,16 +4,20 @@ formats what the suite measured."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from pdserve.bench import goodput
 from pdserve.bench.metrics import RequestRecord, Summary, percentile
+from pdserve.bench.workloads import LONG, SHORT, prompt_class
 
 REPEAT = " (repeat)"
 """Suffix of a system's key in its repeated run."""
 
 if TYPE_CHECKING:
+    from pdserve.bench.runner import RunResult
     from pdserve.bench.suite import SuiteResults
 
 PEERS = ("llama-server", "transformers")
@@ -61,6 +65,7 @@ def render(results: SuiteResults, pngs: Mapping[str, str]) -> str:
     command = f"pdserve bench --suite cpu --threads {cfg.threads}"
     if cfg.llama_server is not None:
         command += " --llama-server PATH/TO/llama-server"
+    command += _non_default_flags(cfg)
     lines = [
         f"### Serving suite ({meta['date']}, CPU, {cfg.threads} threads per system)",
         "",
@@ -103,10 +108,39 @@ def render(results: SuiteResults, pngs: Mapping[str, str]) -> str:
     lines += _prefix_cache(results)
     lines += _shared_prefix(results)
     lines += _sweep(results)
+    lines += _goodput(results)
     lines += _goals(results)
     if pngs:
         lines += ["Plots: " + ", ".join(f"[{name}]({file})" for name, file in pngs.items()), ""]
     return "\n".join(lines)
+
+
+_FLAGS = {"only": "--only", "goodput_rates": "--goodput-rates", "goodput_requests": "--goodput-requests",
+          "goodput_long_len": "--goodput-long-len", "goodput_long_fraction": "--goodput-long-fraction",
+          "goodput_ttft_scale": "--goodput-ttft-scale", "goodput_tpot_scale": "--goodput-tpot-scale",
+          "goodput_batched_tokens": "--goodput-batched-tokens",
+          "goodput_local_prefill_threshold": "--goodput-local-prefill-threshold",
+          "goodput_long_prefill_token_threshold": "--goodput-long-prefill-token-threshold"}
+
+
+def _non_default_flags(cfg) -> str:
+    """The `pdserve bench` flags of the SuiteConfig fields that differ from their defaults (those with a flag)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    parts = []
+    for name, flag in _FLAGS.items():
+        value = getattr(cfg, name)
+        if value == defaults[name]:
+            continue
+        if name == "goodput_long_len":
+            parts.append(f"{flag} {value[0]}-{value[1]}")
+        elif isinstance(value, tuple):
+            parts.append(f"{flag} {' '.join(f'{v:g}' if isinstance(v, float) else str(v) for v in value)}")
+        else:
+            parts.append(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}")
+    systems = next(f.default for f in dataclasses.fields(cfg) if f.name == "systems")
+    if tuple(cfg.systems) != tuple(systems):
+        parts.append("--systems " + " ".join(cfg.systems))
+    return "".join(" " + part for part in parts)
 
 
 def _run(results: SuiteResults, scenario: str, system: str) -> Summary | None:
@@ -281,6 +315,181 @@ def _sweep(results: SuiteResults) -> list[str]:
     return lines + [""]
 
 
+GOODPUT_GOAL = 1.5
+"""Issue 16: 1P+1D goodput >= 1.5x colocated goodput at the same cores."""
+GOODPUT_PAIR = ("pdserve-1p1d-pinned", "pdserve-colocated")
+SLO_SCALES = (2.0, 3.0, 5.0)
+"""SLO scales of the sensitivity table (the same records judged by tighter and looser SLOs)."""
+
+
+def goodput_rates(results: SuiteResults) -> dict[str, dict[float, RunResult]]:
+    """system -> rate -> its goodput run, in the order the systems ran."""
+    rows: dict[str, dict[float, RunResult]] = {}
+    for (scenario, system), run in results.runs.items():
+        if scenario.startswith("goodput@"):
+            rows.setdefault(system, {})[run.config.request_rate] = run
+    return rows
+
+
+def reference_idle(results: SuiteResults) -> goodput.IdleFigures | None:
+    """The idle figures the SLOs come from: those an earlier run's SLOs were set from (goodput_reference_idle),
+    else the reference system's idle probe in this run; None without either."""
+    cfg = results.config
+    if cfg.goodput_reference_idle is not None:
+        return cfg.goodput_reference_idle
+    run = results.runs.get(("goodput-idle", cfg.goodput_slo_reference))
+    if run is None:
+        return None
+    try:
+        return goodput.idle_figures(run.records)
+    except ValueError:
+        return None
+
+
+def goodput_slos(results: SuiteResults, ttft_scale: float | None = None,
+                 tpot_scale: float | None = None) -> goodput.GoodputSlos | None:
+    """The SLOs from the reference idle figures (at the configured scales unless given); None without them."""
+    cfg = results.config
+    idle = reference_idle(results)
+    if idle is None:
+        return None
+    return goodput.slos_from_idle(idle, cfg.goodput_ttft_scale if ttft_scale is None else ttft_scale,
+                                  cfg.goodput_tpot_scale if tpot_scale is None else tpot_scale)
+
+
+def goodput_summary(results: SuiteResults) -> dict | None:
+    """The goodput figures as plain data (results.json, the plot, the report); None before the SLOs exist."""
+    slos = goodput_slos(results)
+    if slos is None:
+        return None
+    idle = {}
+    for (scenario, system), run in results.runs.items():
+        if scenario == "goodput-idle":
+            try:
+                idle[system] = dataclasses.asdict(goodput.idle_figures(run.records))
+            except ValueError:
+                continue
+    systems: dict[str, dict] = {}
+    for system, by_rate in goodput_rates(results).items():
+        points = []
+        for rate, run in sorted(by_rate.items()):
+            points.append({"rate": rate, "goodput": goodput.goodput(run.records, run.duration_s, slos),
+                           "attainment": goodput.attainment(run.records, slos), "sent": len(run.records),
+                           "failed": run.summary.failed, "others_cores": run.meta.get("others_cores")})
+        systems[system] = {"points": points, "max_rate_at_90": goodput.max_rate_at(
+            {p["rate"]: p["attainment"] for p in points})}
+    cfg = results.config
+    reference = cfg.goodput_slo_reference + (f" (in {cfg.goodput_reference_source})"
+                                             if cfg.goodput_reference_idle is not None else "")
+    return {"reference": reference, "reference_idle": dataclasses.asdict(reference_idle(results)),
+            "slos": dataclasses.asdict(slos), "idle": idle, "systems": systems}
+
+
+def _class_p90(records: Sequence[RequestRecord], kind: str) -> float | None:
+    values = [r.ttft_s * 1e3 for r in records if r.success and r.chunk_times_s and prompt_class(r.request_id) == kind]
+    return percentile(values, 90) if values else None
+
+
+def _goodput(results: SuiteResults) -> list[str]:
+    summary = goodput_summary(results)
+    by_rate = goodput_rates(results)
+    if summary is None or not by_rate:
+        return []
+    cfg = results.config
+    slos = summary["slos"]
+    low, high = cfg.goodput_long_len
+    ref = summary["reference_idle"]
+    k_ttft, k_tpot = cfg.goodput_ttft_scale, cfg.goodput_tpot_scale
+    lines = [f"#### Goodput: disaggregated vs colocated ({cfg.goodput_requests} requests per rate, "
+             f"{100 * cfg.goodput_long_fraction:.0f}% long prompts of {low}-{high} tokens "
+             f"({cfg.goodput_long_output_len} new tokens) among chat turns of about {cfg.goodput_short_len} tokens "
+             f"({cfg.goodput_short_output_len} new tokens), Poisson arrivals)", "",
+             f"SLOs from {summary['reference']}'s idle probe (one request at a time): TTFT SLO = {k_ttft:g} x idle "
+             f"TTFT of the class (long, at {high} tokens: {k_ttft:g} x {_f(ref['ttft_ms'][LONG], 0)} = "
+             f"{_f(slos['ttft_ms'][LONG], 0)} ms; short: {k_ttft:g} x {_f(ref['ttft_ms'][SHORT], 0)} = "
+             f"{_f(slos['ttft_ms'][SHORT], 0)} ms), TPOT SLO = {k_tpot:g} x idle TPOT {_f(ref['tpot_ms'])} = "
+             f"{_f(slos['tpot_ms'])} ms. A request counts when it meets both; goodput = those per second, "
+             "attainment = their share of the requests sent", "",
+             "| system | idle TTFT long / short (ms) | idle TPOT (ms) |", "|---|---:|---:|"]
+    for system, idle in summary["idle"].items():
+        lines.append(f"| {system} | {_f(idle['ttft_ms'][LONG], 0)} / {_f(idle['ttft_ms'][SHORT], 0)} | "
+                     f"{_f(idle['tpot_ms'])} |")
+    lines += ["", "| system | rate (req/s) | goodput (req/s) | SLO attainment | TTFT p90 long / short (ms) "
+              "| TPOT p50 / p90 (ms) | other jobs (CPUs) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for system, data in summary["systems"].items():
+        for point in data["points"]:
+            run = by_rate[system][point["rate"]]
+            s = run.summary
+            others = point["others_cores"]
+            lines.append(f"| {system}{_failed_note(s)} | {point['rate']:g} | {_f(point['goodput'], 3)} | "
+                         f"{100 * point['attainment']:.0f}% | {_f(_class_p90(run.records, LONG), 0)} / "
+                         f"{_f(_class_p90(run.records, SHORT), 0)} | {_f(s.tpot_ms.median)} / "
+                         f"{_f(s.tpot_ms.percentiles.get('p90'))} | {'—' if others is None else f'{others:.2f}'} |")
+    lines += ["", "Highest rate (req/s) at 90% SLO attainment, interpolated between measured rates ('<' below the "
+              "lowest, '>=' when even the highest attains it), at the configured SLOs and with both scales set "
+              "tighter or looser (the same records):", "",
+              "| system | at the configured SLOs | " + " | ".join(f"both scales {k:g}x" for k in SLO_SCALES) + " |",
+              "|---|" + "---:|" * (len(SLO_SCALES) + 1)]
+    for system in summary["systems"]:
+        cells = [_max_rate_cell(by_rate[system], goodput_slos(results))]
+        cells += [_max_rate_cell(by_rate[system], goodput_slos(results, k, k)) for k in SLO_SCALES]
+        lines.append(f"| {system} | " + " | ".join(cells) + " |")
+    return lines + [""] + _ttft_breakdown(results, by_rate)
+
+
+def _ttft_breakdown(results: SuiteResults, by_rate: Mapping[str, Mapping[float, RunResult]]) -> list[str]:
+    """Where the long prompts' TTFT went on pdserve (the gateway's Timings), median per system and rate."""
+    rows = []
+    for system, runs in by_rate.items():
+        for rate, run in sorted(runs.items()):
+            timed = [r.server_timings for r in run.records if r.server_timings and r.success
+                     and prompt_class(r.request_id) == LONG]
+            if not timed:
+                continue
+            med = {key: percentile([float(t[key]) for t in timed], 50)
+                   for key in ("queue_ms", "prefill_ms", "transfer_ms", "ttft_ms")}
+            transports = "/".join(sorted({str(t["transport"]) for t in timed}))
+            rows.append(f"| {system} | {rate:g} | {len(timed)} | {_f(med['queue_ms'], 0)} | {_f(med['prefill_ms'], 0)} "
+                        f"| {_f(med['transfer_ms'], 0)} ({transports}) | {_f(med['ttft_ms'], 0)} |")
+    if not rows:
+        return []
+    return ["Where the long prompts' TTFT went on pdserve (the gateway's timings, medians over the long requests; "
+            "queue: arrival until a worker started on it, prefill: computing it, transfer: moving its KV to the "
+            "decode worker):", "",
+            "| system | rate (req/s) | long requests | queue (ms) | prefill (ms) | transfer (ms) | TTFT (ms) |",
+            "|---|---:|---:|---:|---:|---:|---:|", *rows, ""]
+
+
+def _max_rate_cell(runs: Mapping[float, RunResult], slos: goodput.GoodputSlos | None) -> str:
+    if slos is None or not runs:
+        return "—"
+    points = {rate: goodput.attainment(run.records, slos) for rate, run in runs.items()}
+    value = goodput.max_rate_at(points)
+    if value is None:
+        return f"< {min(points):g}"
+    return f">= {value:g}" if value == max(points) else f"{value:.3g}"
+
+
+def goodput_goal(results: SuiteResults) -> tuple[float, str] | None:
+    """1P+1D / colocated, and what was compared: their highest rates at 90% attainment when both attain it
+    somewhere, else their goodput at the highest rate both ran; None without both."""
+    summary = goodput_summary(results)
+    if summary is None:
+        return None
+    disagg, coloc = (summary["systems"].get(name) for name in GOODPUT_PAIR)
+    if disagg is None or coloc is None:
+        return None
+    if disagg["max_rate_at_90"] and coloc["max_rate_at_90"]:
+        return disagg["max_rate_at_90"] / coloc["max_rate_at_90"], "highest rate at 90% SLO attainment"
+    common = {p["rate"] for p in disagg["points"]} & {p["rate"] for p in coloc["points"]}
+    if not common:
+        return None
+    top = max(common)
+    a, b = (next(p["goodput"] for p in d["points"] if p["rate"] == top) for d in (disagg, coloc))
+    ratio = _ratio(a, b)
+    return None if ratio is None else (ratio, f"goodput at {top:g} req/s (not both attain 90% at a measured rate)")
+
+
 def _goals(results: SuiteResults) -> list[str]:
     lines = ["#### Goals of the issue", "", "| goal | system | measured | target | met |", "|---|---|---:|---:|:-:|"]
 
@@ -311,4 +520,9 @@ def _goals(results: SuiteResults) -> list[str]:
         r = _ratio(prefix.ttft_ms.percentiles.get("p90"), rr.ttft_ms.percentiles.get("p90"))
         row("shared-prefix p90 TTFT, prefix-aware / round-robin", "pdserve-2p1d", r, "well below 1x (< 0.8x)",
             r is not None and r < 0.8)
+    goal = goodput_goal(results)
+    if goal is not None:
+        ratio, basis = goal
+        row(f"{basis}, 1P+1D / colocated, same cores", "pdserve-1p1d-pinned", ratio, f">= {GOODPUT_GOAL:g}x",
+            ratio >= GOODPUT_GOAL)
     return lines + [""]

@@ -79,6 +79,7 @@ def record_dict(record: RequestRecord) -> dict[str, Any]:
             "ttft_ms": record.ttft_s * 1e3 if done else None,
             "tpot_ms": (t * 1e3 if (t := record.tpot_s) is not None else None) if done else None,
             "e2el_ms": record.e2el_s * 1e3 if done else None,
+            "server_timings": record.server_timings,
             "chunk_times_ms": [(t - record.start_s) * 1e3 for t in record.chunk_times_s]}
 
 

@@ -10,6 +10,12 @@ Systems (each gets the same `threads`; the disaggregated shapes divide them amon
     pdserve-1p1d          LocalCluster: 1 prefill + 1 decode worker + gateway + Redis (gRPC client)
     pdserve-2p1d-prefix   2 prefill + 1 decode, prefix-aware routing
     pdserve-2p1d-rr       2 prefill + 1 decode, round-robin routing
+    pdserve-colocated     LocalCluster with no prefill worker: one decode worker with every core (pinned to them)
+                          prefills and decodes (chunked prefill)
+    pdserve-colocated-capped  the same, its long prompts' prefill capped per step
+                          (goodput_long_prefill_token_threshold) so that short prompts and decodes share every step
+    pdserve-1p1d-pinned   1 prefill + 1 decode, the cores split between them, each pinned to its own; short
+                          prompts prefilled on the decode worker (goodput_local_prefill_threshold)
 
 Scenarios (prompts are random token ids wrapped in the model's chat template, rendered once here; greedy,
 EOS ignored, exactly max_tokens generated):
@@ -20,6 +26,12 @@ EOS ignored, exactly max_tokens generated):
     shared_prefix  `shared_groups` system prompts x `shared_per_group` users, Poisson arrivals
                                                                                   -> routing p90 TTFT
     sweep@R        the streams workload at Poisson rate R (concurrency capped)    -> throughput vs rate
+    goodput-idle   long prompts (the longest length of their class) and short chat turns, one at a time
+                                                                                  -> the SLOs (bench.goodput)
+    goodput@R      long prompts among short chat turns, Poisson rate R, a fresh workload per rate (nothing
+                   cached from another rate)                                      -> goodput vs rate
+`SuiteConfig.only` picks scenario families (the name before "@" or "-": batch1, streams, prefix_cache,
+shared_prefix, sweep, goodput); a system none of the picked scenarios uses is not started.
 Writes results.json (every request's timings), PNG plots and report.md into the output directory.
 """
 
@@ -51,12 +63,13 @@ from engine.model_fetch import resolve_model_path
 from gateway.config import GatewayConfig
 from pdserve.bench import cpumeter, plots, report, roofline
 from pdserve.bench.backends import Backend, OpenAIBackend, PdserveBackend
+from pdserve.bench.goodput import IdleFigures
 from pdserve.bench.inprocess import EngineBackend, load_transformers_model, run_transformers
 from pdserve.bench.metrics import summarize
 from pdserve.bench.peers import LlamaServer, LlamaServerConfig
 from pdserve.bench.report import REPEAT
 from pdserve.bench.runner import RunConfig, RunResult, run_with, write_json
-from pdserve.bench.workloads import (BenchRequest, PromptFormat, TemplateFormat, random_workload,
+from pdserve.bench.workloads import (BenchRequest, PromptFormat, TemplateFormat, mixed_workload, random_workload,
                                      shared_prefix_workload)
 from pdserve.launcher import LocalCluster, LocalClusterConfig, divide_threads
 
@@ -72,7 +85,17 @@ ENGINES = {ENGINE: None, ENGINE_INT8: "int8", ENGINE_INT4: "int4"}
 ONE_P_ONE_D = "pdserve-1p1d"
 TWO_P_PREFIX = "pdserve-2p1d-prefix"
 TWO_P_RR = "pdserve-2p1d-rr"
-SYSTEMS = (LLAMA_SERVER, TRANSFORMERS, ENGINE, ENGINE_INT8, ENGINE_INT4, ONE_P_ONE_D, TWO_P_PREFIX, TWO_P_RR)
+COLOCATED = "pdserve-colocated"
+COLOCATED_CAPPED = "pdserve-colocated-capped"
+ONE_P_ONE_D_PINNED = "pdserve-1p1d-pinned"
+SYSTEMS = (LLAMA_SERVER, TRANSFORMERS, ENGINE, ENGINE_INT8, ENGINE_INT4, ONE_P_ONE_D, TWO_P_PREFIX, TWO_P_RR,
+           COLOCATED, COLOCATED_CAPPED, ONE_P_ONE_D_PINNED)
+GOODPUT_SYSTEMS = (LLAMA_SERVER, COLOCATED, COLOCATED_CAPPED, ONE_P_ONE_D_PINNED)
+FAMILIES = ("batch1", "streams", "prefix_cache", "shared_prefix", "sweep", "goodput")
+NUM_PREFILL = {ONE_P_ONE_D: 1, TWO_P_PREFIX: 2, TWO_P_RR: 2, COLOCATED: 0, COLOCATED_CAPPED: 0, ONE_P_ONE_D_PINNED: 1}
+"""Prefill workers of each LocalCluster system (one decode worker each)."""
+PINNED = (COLOCATED, COLOCATED_CAPPED, ONE_P_ONE_D_PINNED)
+"""Cluster systems whose workers are pinned to their own cores (LocalClusterConfig.pin_workers)."""
 PEERS = (LLAMA_SERVER, TRANSFORMERS)
 """Suffix of a peer's second batch1/streams runs, at the end of the suite."""
 CONTENDED_CORES = 0.1
@@ -82,7 +105,9 @@ ROUTING = {TWO_P_PREFIX: "prefix", TWO_P_RR: "round-robin"}
 
 @dataclass(frozen=True)
 class SuiteConfig:
-    """What `pdserve bench --suite cpu` runs. The defaults fit in about 20 minutes on 2 cores."""
+    """What `pdserve bench --suite cpu` runs. Without the goodput scenarios the defaults fit in about 20 minutes
+    on 2 quiet cores; the goodput scenarios add about 10 minutes per goodput system at their defaults (`only`
+    runs some families alone)."""
 
     out_dir: Path
     """Results directory (bench/results/<date> by default)."""
@@ -120,6 +145,43 @@ class SuiteConfig:
     sweep_rates: tuple[float, ...] = (1.0, 2.0)
     sweep_requests: int = 16
     sweep_systems: tuple[str, ...] = (LLAMA_SERVER, ONE_P_ONE_D)
+    goodput_rates: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4)
+    """Poisson arrivals per second of the goodput scenarios."""
+    goodput_requests: int = 24
+    """Requests per goodput rate."""
+    goodput_long_fraction: float = 0.25
+    """Share of long prompts in the goodput workload."""
+    goodput_long_len: tuple[int, int] = (1024, 4096)
+    """Range of the long prompts' lengths (tokens, template included). The default is the issue's 1-4k; on a
+    slow or busy machine scale it down (`--goodput-long-len 256-1024`) and say so with the figures."""
+    goodput_short_len: int = 64
+    """Mean length of the short chat turns (uniform in [half, 1.5x])."""
+    goodput_long_output_len: int = 32
+    goodput_short_output_len: int = 64
+    goodput_idle_requests: tuple[int, int] = (2, 3)
+    """Long and short requests of the idle probe (one at a time)."""
+    goodput_ttft_scale: float = 3.0
+    """TTFT SLO of a class = this x the reference's idle TTFT of the class (bench.goodput)."""
+    goodput_tpot_scale: float = 3.0
+    """TPOT SLO = this x the reference's idle TPOT."""
+    goodput_slo_reference: str = COLOCATED
+    """System whose idle probe sets the SLOs every system is judged by."""
+    goodput_batched_tokens: int | None = None
+    """pdserve-colocated's chunked-prefill token budget per step (--max-num-batched-tokens); None: the
+    engine's default."""
+    goodput_long_prefill_token_threshold: int = 256
+    """pdserve-colocated-capped's --long-prefill-token-threshold: most prompt tokens of one sequence per step."""
+    goodput_local_prefill_threshold: int = 256
+    """pdserve-1p1d-pinned's gateway --local-prefill-threshold: prompts with fewer uncached tokens (the short
+    chat turns) are prefilled on the decode worker, only long ones go to the prefill worker."""
+    goodput_reference_idle: IdleFigures | None = None
+    """Judge by the SLOs of an earlier run instead of this run's reference probe: that run's reference idle
+    figures (results.json meta.goodput.reference_idle; `--goodput-slos-from`), to add a system to a comparison
+    without running the reference again. Same machine and workload flags, or the comparison means nothing."""
+    goodput_reference_source: str = ""
+    """Where goodput_reference_idle came from (named in the report)."""
+    only: tuple[str, ...] = ()
+    """Scenario families to run (FAMILIES); empty runs every one."""
     quiet_wait_s: float = 20.0
     """Before each system, wait up to this long for other jobs to leave the CPUs (recorded either way)."""
     repeat_peers: bool = True
@@ -134,6 +196,16 @@ class SuiteConfig:
             raise ValueError(f"unknown system(s) {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        unknown = set(self.only) - set(FAMILIES)
+        if unknown:
+            raise ValueError(f"unknown scenario famil(ies) {sorted(unknown)}; known: {', '.join(FAMILIES)}")
+        if not all(rate > 0 for rate in self.goodput_rates) or not self.goodput_rates:
+            raise ValueError(f"goodput_rates must be > 0, got {self.goodput_rates}")
+        low, high = self.goodput_long_len
+        if not 1 <= low <= high:
+            raise ValueError(f"goodput_long_len must be (low, high) with 1 <= low <= high, got {self.goodput_long_len}")
+        if self.goodput_slo_reference not in SYSTEMS:
+            raise ValueError(f"goodput_slo_reference must be a system, got {self.goodput_slo_reference!r}")
 
 
 @dataclass(frozen=True)
@@ -160,6 +232,11 @@ class SuiteResults:
     peers: dict[str, str] = field(default_factory=dict)
     """system -> how it was built and configured."""
     meta: dict[str, Any] = field(default_factory=dict)
+
+
+def family(scenario: str) -> str:
+    """A scenario's family: "sweep@1" -> "sweep", "goodput-idle" -> "goodput"."""
+    return scenario.split("@")[0].split("-")[0]
 
 
 def build_scenarios(cfg: SuiteConfig, fmt: PromptFormat, token_range: tuple[int, int]) -> dict[str, Scenario]:
@@ -196,7 +273,30 @@ def build_scenarios(cfg: SuiteConfig, fmt: PromptFormat, token_range: tuple[int,
                                   RunConfig(request_rate=rate, max_concurrency=cfg.streams, seed=cfg.seed,
                                             progress=progress),
                                   tuple(s for s in cfg.sweep_systems if s in cfg.systems)))
-    return {s.name: s for s in scenarios}
+    scenarios += goodput_scenarios(cfg, fmt, token_range)
+    return {s.name: s for s in scenarios if not cfg.only or family(s.name) in cfg.only}
+
+
+def goodput_scenarios(cfg: SuiteConfig, fmt: PromptFormat, token_range: tuple[int, int]) -> list[Scenario]:
+    """The idle probe, then one fresh mixed workload per rate (module docstring; bench.goodput)."""
+    systems = tuple(s for s in GOODPUT_SYSTEMS if s in cfg.systems)
+    kw = {"fmt": fmt, "token_range": token_range}
+    lengths = (cfg.goodput_short_len, cfg.goodput_long_output_len, cfg.goodput_short_output_len)
+    num_long, num_short = cfg.goodput_idle_requests
+    high = cfg.goodput_long_len[1]
+    idle = mixed_workload(num_long + num_short, num_long / (num_long + num_short), (high, high), *lengths,
+                          seed=cfg.seed + 5, **kw)
+    low_s, high_s = cfg.goodput_long_len
+    scenarios = [Scenario("goodput-idle", f"idle probe: {num_long} long ({high} tokens) and {num_short} short "
+                          "requests, one at a time", idle, RunConfig(max_concurrency=1, progress=cfg.progress),
+                          systems)]
+    for i, rate in enumerate(cfg.goodput_rates):
+        requests = mixed_workload(cfg.goodput_requests, cfg.goodput_long_fraction, cfg.goodput_long_len, *lengths,
+                                  seed=cfg.seed + 10 + i, **kw)
+        scenarios.append(Scenario(f"goodput@{rate:g}", f"{low_s}-{high_s}-token prompts among chat turns, Poisson "
+                                  f"{rate:g}/s", requests,
+                                  RunConfig(request_rate=rate, seed=cfg.seed, progress=cfg.progress), systems))
+    return scenarios
 
 
 def default_out_dir() -> Path:
@@ -244,8 +344,15 @@ def _engine_runs(cfg: SuiteConfig, model_path: Path, system: str, key: str,
 @contextlib.contextmanager
 def _cluster(cfg: SuiteConfig, model_path: Path, system: str,
              results: SuiteResults) -> Iterator[tuple[Backend, list[int]]]:
-    num_prefill = 1 if system == ONE_P_ONE_D else 2
+    num_prefill = NUM_PREFILL[system]
     gateway_args: tuple[str, ...] = ()
+    engine = EngineConfig(model=str(model_path), kv_cache_memory=cfg.kv_cache_memory)
+    if system == ONE_P_ONE_D_PINNED:
+        gateway_args = ("--local-prefill-threshold", str(cfg.goodput_local_prefill_threshold))
+    if system in (COLOCATED, COLOCATED_CAPPED) and cfg.goodput_batched_tokens is not None:
+        engine = dataclasses.replace(engine, max_num_batched_tokens=cfg.goodput_batched_tokens)
+    if system == COLOCATED_CAPPED:
+        engine = dataclasses.replace(engine, long_prefill_token_threshold=cfg.goodput_long_prefill_token_threshold)
     if system in ROUTING:
         if "routing" not in {f.name for f in dataclasses.fields(GatewayConfig)}:
             raise RuntimeError("GatewayConfig has no `routing` field: `pdserve gateway --routing "
@@ -253,12 +360,14 @@ def _cluster(cfg: SuiteConfig, model_path: Path, system: str,
         gateway_args = ("--routing", ROUTING[system])
     prefill_kv = cfg.shared_prefill_kv_cache_memory if system in ROUTING else None
     config = LocalClusterConfig(num_prefill=num_prefill, num_decode=1, port=0, http_port=-1, num_cpus=cfg.threads,
-                                engine=EngineConfig(model=str(model_path), kv_cache_memory=cfg.kv_cache_memory),
-                                prefill_kv_cache_memory=prefill_kv, gateway_args=gateway_args,
-                                run_dir=str(cfg.out_dir / "logs" / system))
+                                engine=engine, prefill_kv_cache_memory=prefill_kv, gateway_args=gateway_args,
+                                pin_workers=system in PINNED, run_dir=str(cfg.out_dir / "logs" / system))
     threads = divide_threads(cfg.threads, num_prefill + 1)
-    results.peers[system] = (f"`LocalCluster(num_prefill={num_prefill}, num_decode=1, num_cpus={cfg.threads})`"
-                             f" (worker threads {threads}, prefill workers first; gateway args "
+    pinned = ", pin_workers=True" if config.pin_workers else ""
+    budget = (f", max_num_batched_tokens {engine.max_num_batched_tokens}, long_prefill_token_threshold "
+              f"{engine.long_prefill_token_threshold}" if system in PINNED else "")
+    results.peers[system] = (f"`LocalCluster(num_prefill={num_prefill}, num_decode=1, num_cpus={cfg.threads}{pinned})`"
+                             f" (worker threads {threads}, prefill workers first{budget}; gateway args "
                              f"{' '.join(gateway_args) or 'default'}), KV cache {cfg.kv_cache_memory} bytes "
                              + (f"on the decode worker and {prefill_kv} on each prefill worker" if prefill_kv
                                 else "per worker")
@@ -393,6 +502,9 @@ def _round_up(n: int, multiple: int) -> int:
 def write_outputs(results: SuiteResults) -> None:
     out = results.config.out_dir
     runs = list(results.runs.values())
+    summary = report.goodput_summary(results)
+    if summary is not None:
+        results.meta["goodput"] = summary
     write_json(out / "results.json", runs, {**results.meta, "errors": results.errors, "notes": results.notes,
                                              "peers": results.peers})
     pngs = {}
@@ -413,4 +525,10 @@ def write_outputs(results: SuiteResults) -> None:
                                                   run.summary.ttft_ms.percentiles.get("p90", 0.0)))
     if points:
         pngs["throughput_vs_rate"] = plots.plot_throughput_vs_rate(points, out / "throughput_vs_rate.png").name
+    if summary is not None and summary["systems"]:
+        lines = {system: [(p["rate"], p["goodput"], p["attainment"]) for p in data["points"]]
+                 for system, data in summary["systems"].items()}
+        low, high = results.config.goodput_long_len
+        title = f"goodput, {low}-{high}-token prompts among chat turns ({results.meta['machine']['cpu']})"
+        pngs["goodput"] = plots.plot_goodput_vs_rate(lines, out / "goodput_vs_rate.png", title=title).name
     (out / "report.md").write_text(report.render(results, pngs))

@@ -10,6 +10,9 @@ a `PromptFormat` wraps each message's content in the model's chat template piece
                  unique user message of `suffix_len` tokens. Requests are shuffled so that groups interleave
                  (what makes prefix-aware routing matter). All prompts of a group share their first
                  `shared_len` tokens (template + system prompt).
+- mixed:         long prompts (length uniform in `long_len` = (low, high)) among short chat turns (about
+                 `short_len`), shuffled; ids "long-i" / "short-i" (`prompt_class` reads the class back). The
+                 workload disaggregation is for: long prefills arriving while other requests decode.
 - multi-turn:    `num_conversations` chats of `num_turns` turns; turn t's prompt is the whole history (earlier
                  user messages and, for the assistant's replies, canned random replies of the turn's output
                  length, so every system sees the same ids) plus a new user message. A conversation is a
@@ -164,6 +167,50 @@ def _common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+LONG = "long"
+SHORT = "short"
+PROMPT_CLASSES = (LONG, SHORT)
+
+
+def prompt_class(request_id: str) -> str:
+    """"long" or "short" for a request of `mixed_workload` (ValueError for any other id)."""
+    kind = request_id.partition("-")[0]
+    if kind not in PROMPT_CLASSES:
+        raise ValueError(f"request {request_id!r} is not from mixed_workload")
+    return kind
+
+
+def mixed_workload(num_requests: int, long_fraction: float, long_len: tuple[int, int], short_len: int,
+                   long_output_len: int, short_output_len: int, *, seed: int = 0, fmt: PromptFormat = RAW,
+                   token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE) -> list[BenchRequest]:
+    """`num_requests` single-message prompts, round(num_requests x long_fraction) of them long (prompt length,
+    template included, uniform in `long_len`, `long_output_len` new tokens) and the rest short chat turns
+    (length uniform in [short_len / 2, short_len x 3 / 2], `short_output_len` new tokens), in random order."""
+    _check(token_range, num_requests=num_requests, short_len=short_len, long_output_len=long_output_len,
+           short_output_len=short_output_len)
+    if not 0.0 <= long_fraction <= 1.0:
+        raise ValueError(f"long_fraction must be in [0, 1], got {long_fraction}")
+    low, high = long_len
+    if not 1 <= low <= high:
+        raise ValueError(f"long_len must be (low, high) with 1 <= low <= high, got {long_len}")
+    rng = random.Random(seed)
+    num_long = round(num_requests * long_fraction)
+    kinds = [LONG] * num_long + [SHORT] * (num_requests - num_long)
+    rng.shuffle(kinds)
+    overhead = len(fmt.prompt_ids([("user", [])]))
+    requests, counts = [], {LONG: 0, SHORT: 0}
+    for kind in kinds:
+        if kind == LONG:
+            prompt_len, output_len = rng.randint(low, high), long_output_len
+        else:
+            prompt_len, output_len = _sampled_len(rng, short_len, 0.5), short_output_len
+        content = _content(rng, max(1, prompt_len - overhead), token_range)
+        requests.append(BenchRequest(f"{kind}-{counts[kind]}", tuple(fmt.prompt_ids([("user", content)])),
+                                     output_len))
+        counts[kind] += 1
+    return requests
 
 
 def multi_turn_workload(num_conversations: int, num_turns: int, user_len: int, output_len: int, *, seed: int = 0,

@@ -15,16 +15,20 @@ With a cluster PKI (`Cluster(model_path, redis, pki=...)`, or `running_cluster(.
 into a temporary directory with a certificate per worker plus "gateway" and "probe"), every worker serves mutual
 TLS with its own certificate, `gateway()` talks to them with the "gateway" certificate and `stats()` polls them
 with the "probe" one.
+
+grpc.aio clients of a test run on the in-process gateways' event loop (`run_async(coro)`), never in an
+`asyncio.run` of their own: see gateway.server.background_loop.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -32,7 +36,7 @@ import grpc
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from gateway.config import GatewayConfig
-from gateway.server import load_model_spec, start_server
+from gateway.server import background_loop, load_model_spec, start_server
 from kvstore.embedded_redis import EmbeddedRedis
 from kvstore.index import PrefixIndex
 from protos import tls
@@ -170,6 +174,11 @@ class Cluster:
                     proc.wait()
                 proc.stdin.close()
             self.index.close()
+
+
+def run_async(coro: Coroutine):
+    """Run a coroutine (grpc.aio clients) on the gateways' event loop and return its result."""
+    return asyncio.run_coroutine_threadsafe(coro, background_loop()).result()
 
 
 def generate_greedy(port: int, prompt: Sequence[int], max_tokens: int):

@@ -18,6 +18,7 @@ from pdserve import cli, health as pd_health
 from pdserve.client import (AsyncClient, Chunk, Client, Completion, ModelInfo, PdserveError, Timings, TokenLogprob,
                             ToolCall, Usage)
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from tests.integration.cluster import run_async
 
 SERVICE = "pdserve.v1.Generation"
 
@@ -234,7 +235,7 @@ def test_async_client_streams_collects_maps_errors_and_cancels(target, servicer)
             rest = [chunk async for chunk in stream]
         return chunks, chat, models, invalid.value, late.value, first, cancelled, rest
 
-    chunks, chat, models, invalid, late, first, cancelled, rest = asyncio.run(scenario())
+    chunks, chat, models, invalid, late, first, cancelled, rest = run_async(scenario())
     assert chunks == [Chunk("r1", "a ", (0,)), Chunk("r1", "b ", (1,)), Chunk("r1", "c ", (2,)), FINAL]
     assert servicer.requests["r1"].sampling.max_tokens == 5
     assert chat.text == "user:hi " and chat.finish_reason == "stop"

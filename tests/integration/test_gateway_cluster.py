@@ -30,7 +30,7 @@ from kvstore.embedded_redis import EmbeddedRedis
 from kvstore.hashing import hash_prompt_blocks, root_hash
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.integration.cluster import (BLOCK_SIZE, IDLE_TIMEOUT_S, MAX_MODEL_LEN, REPO, RPC_TIMEOUT_S,
-                                       START_TIMEOUT_S, Reference, assert_idle, running_cluster)
+                                       START_TIMEOUT_S, Reference, assert_idle, run_async, running_cluster)
 
 pytestmark = pytest.mark.slow
 
@@ -241,7 +241,7 @@ def test_32_concurrent_streams_complete_correctly(gateway, reference, cluster):
 
             return await asyncio.gather(*(one(p) for p in prompts))
 
-    results = asyncio.run(run_all())
+    results = run_async(run_all())
     assert [tokens for tokens, _ in results] == expected
     assert all(last.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED for _, last in results)
     assert_idle(cluster.wait_idle())
@@ -290,7 +290,7 @@ def test_no_leak_after_100_random_cancels(gateway, cluster):
             for wave in range(4):
                 await asyncio.gather(*(one(wave * 25 + i) for i in range(25)))
 
-    asyncio.run(run_all())
+    run_async(run_all())
     assert_idle(cluster.wait_idle())
 
 
@@ -387,7 +387,7 @@ def test_a_huge_prompt_is_refused_while_list_models_is_answered_beside_it(gatewa
                 await big_task
             return models, info.value
 
-    models, error = asyncio.run(scenario())
+    models, error = run_async(scenario())
     assert [m.name for m in models.models] == [cluster.model[0].name]
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith("prompt: ")
     assert "bytes" in error.details()
@@ -434,7 +434,7 @@ def run_concurrently(gateway, prompts, max_tokens: int) -> list:
 
             return await asyncio.gather(*(one(p) for p in prompts))
 
-    return asyncio.run(run_all())
+    return run_async(run_all())
 
 
 def test_a_full_decode_pool_is_resource_exhausted_with_a_retry_hint_never_unavailable(cluster):
@@ -565,7 +565,7 @@ def test_killing_a_prefill_worker_mid_run_later_requests_still_succeed(gateway, 
             cluster.stop_worker("p1", kill=True)
             return await asyncio.gather(*tasks)
 
-    results = asyncio.run(run_all())
+    results = run_async(run_all())
     assert [tokens for tokens, _ in results] == expected
     assert "p1,p0" in [tried for _, tried in results]        # prefills moved off the dead worker
     with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:

@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from protos import tls
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.integration.cluster import run_async
 
 IDENTITIES = [("gateway", "gw0"), ("prefill", "p0"), ("decode", "d0"), ("probe", "probe0")]
 
@@ -167,14 +168,12 @@ def test_plaintext_server_denies_with_unauthenticated():
 
 
 def test_aio_channel_uses_the_same_credentials(pki, decode_server):
-    import asyncio
-
     async def main():
         async with grpc.aio.secure_channel(decode_server, tls.channel_credentials(pki["gw0"]),
                                            options=tls.channel_options("decode")) as ch:
             return await worker_pb2_grpc.DecodeWorkerStub(ch).Reserve(worker_pb2.ReserveRequest(), timeout=10)
 
-    assert asyncio.run(main()).lease_expiry_unix_ms == 7
+    assert run_async(main()).lease_expiry_unix_ms == 7
 
 
 def test_reloading_credentials_pick_up_a_new_ca(pki, tmp_path):

@@ -32,6 +32,51 @@ def test_gather_scatter_match_reference(shape, ids):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
+def test_gather_into_out_and_scatter_out_of_shared_memory_match_reference(shape):
+    # out= lands the blocks in caller memory (a shared-memory segment's pages here) and returns it; scatter reads
+    # straight from such a view
+    from multiprocessing import shared_memory
+
+    kv_cache = _cache(*shape)
+    block_ids = torch.tensor([7, 1, 4], dtype=torch.int64)
+    num_layers, block_size, num_kv_heads, head_dim = shape
+    staging_shape = (3, num_layers, 2, block_size, num_kv_heads, head_dim)
+    nbytes = 4 * torch.Size(staging_shape).numel()
+    segment = shared_memory.SharedMemory(create=True, size=2 * nbytes)
+    try:
+        # staging: [3, L, 2, block_size, Hkv, D] views of the segment, triton's at offset 0, the reference's after
+        tri_out = torch.frombuffer(segment.buf, dtype=torch.float32, count=nbytes // 4).view(staging_shape)
+        ref_out = torch.frombuffer(segment.buf, dtype=torch.float32, count=nbytes // 4,
+                                   offset=nbytes).view(staging_shape)
+        assert gather_blocks_triton(kv_cache, block_ids, out=tri_out) is tri_out
+        assert ref.gather_blocks_ref(kv_cache, block_ids, out=ref_out) is ref_out
+        assert torch.equal(tri_out, ref.gather_blocks_ref(kv_cache, block_ids))
+        assert torch.equal(ref_out, tri_out)
+        dest_tri, dest_ref = torch.zeros_like(kv_cache), torch.zeros_like(kv_cache)
+        dst_ids = torch.tensor([0, 8, 2], dtype=torch.int64)
+        scatter_blocks_triton(tri_out, dest_tri, dst_ids)
+        ref.scatter_blocks_ref(ref_out, dest_ref, dst_ids)
+        assert torch.equal(dest_tri, dest_ref)
+        assert torch.equal(dest_ref[:, :, dst_ids], kv_cache[:, :, block_ids])
+        del tri_out, ref_out
+    finally:
+        segment.close()
+        segment.unlink()
+
+
+@pytest.mark.parametrize("gather", [gather_blocks_triton, ref.gather_blocks_ref])
+@pytest.mark.parametrize("bad, what", [
+    (torch.empty(2, 2, 2, 8, 1, 16), "shape"),                          # 2 blocks for 3 ids
+    (torch.empty(3, 2, 2, 8, 1, 16, dtype=torch.float16), "dtype"),
+    (torch.empty(3, 2, 2, 8, 1, 32)[..., ::2], "contiguous"),
+])
+def test_gather_out_of_the_wrong_form_is_refused_naming_out(gather, bad, what):
+    kv_cache = _cache(2, 8, 1, 16)
+    with pytest.raises(ValueError, match=f"out .*{what}|out {what}"):
+        gather(kv_cache, torch.tensor([0, 1, 2]), out=bad)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 def test_quantize_dequantize_match_reference(shape):
     kv_cache = _cache(*shape)
     kv_cache[1, 0, 3, :, 0] = 0.0  # an all-zero head: scale 0, data 0

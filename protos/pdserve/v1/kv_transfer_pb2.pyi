@@ -23,7 +23,7 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class KvManifest(_message.Message):
-    __slots__ = ("request_id", "handle", "layout", "block_ids", "block_digests", "codec", "transport", "shm_name", "payload_bytes", "sender_kv_heads")
+    __slots__ = ("request_id", "handle", "layout", "block_ids", "block_digests", "codec", "transport", "shm_name", "payload_bytes", "sender_kv_heads", "digests_in_trailer")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class KvManifest(_message.Message):
     SHM_NAME_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     SENDER_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    DIGESTS_IN_TRAILER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     handle: str
     layout: KvLayout
@@ -44,7 +45,8 @@ class KvManifest(_message.Message):
     shm_name: str
     payload_bytes: int
     sender_kv_heads: _containers.RepeatedCompositeFieldContainer[KvRankHeads]
-    def __init__(self, request_id: _Optional[str] = ..., handle: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_digests: _Optional[_Iterable[bytes]] = ..., codec: _Optional[str] = ..., transport: _Optional[str] = ..., shm_name: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., sender_kv_heads: _Optional[_Iterable[_Union[KvRankHeads, _Mapping]]] = ...) -> None: ...
+    digests_in_trailer: bool
+    def __init__(self, request_id: _Optional[str] = ..., handle: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_digests: _Optional[_Iterable[bytes]] = ..., codec: _Optional[str] = ..., transport: _Optional[str] = ..., shm_name: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., sender_kv_heads: _Optional[_Iterable[_Union[KvRankHeads, _Mapping]]] = ..., digests_in_trailer: _Optional[bool] = ...) -> None: ...
 
 class KvRankHeads(_message.Message):
     __slots__ = ("start", "stop")
@@ -54,13 +56,21 @@ class KvRankHeads(_message.Message):
     stop: int
     def __init__(self, start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
 
+class KvTrailer(_message.Message):
+    __slots__ = ("block_digests",)
+    BLOCK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    block_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
 class KvChunk(_message.Message):
-    __slots__ = ("manifest", "data")
+    __slots__ = ("manifest", "data", "trailer")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
     manifest: KvManifest
     data: bytes
-    def __init__(self, manifest: _Optional[_Union[KvManifest, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    trailer: KvTrailer
+    def __init__(self, manifest: _Optional[_Union[KvManifest, _Mapping]] = ..., data: _Optional[bytes] = ..., trailer: _Optional[_Union[KvTrailer, _Mapping]] = ...) -> None: ...
 
 class PushResult(_message.Message):
     __slots__ = ("bytes", "num_blocks", "reshard_bytes", "reshard_slices")

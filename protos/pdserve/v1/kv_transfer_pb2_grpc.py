@@ -49,7 +49,8 @@ class KvTransferServicer:
     """
 
     def Push(self, request_iterator, context):
-        """One transfer: a manifest first, then data chunks (grpc) or nothing more (shm). The receiver checks the
+        """One transfer: a manifest first, then data chunks (grpc; then a trailer when the manifest says
+        digests_in_trailer) or nothing more (shm). The receiver checks the
         layout fingerprint, the destination bounds and every block's digest; on any mismatch the whole transfer
         is rejected (FAILED_PRECONDITION or INVALID_ARGUMENT) and the reservation released.
         """

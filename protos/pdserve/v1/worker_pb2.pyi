@@ -144,7 +144,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "epoch", "num_blocks", "free_blocks", "used_blocks", "running", "waiting", "reserved", "transfer_errors", "preemptions", "tensor_parallel_size", "kv_resharding_bytes")
+    __slots__ = ("worker_id", "role", "epoch", "num_blocks", "free_blocks", "used_blocks", "running", "waiting", "reserved", "transfer_errors", "preemptions", "tensor_parallel_size", "kv_resharding_bytes", "decode_compile_seconds")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +158,7 @@ class WorkerStats(_message.Message):
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_RESHARDING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_COMPILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     epoch: int
@@ -171,4 +172,5 @@ class WorkerStats(_message.Message):
     preemptions: int
     tensor_parallel_size: int
     kv_resharding_bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., reserved: _Optional[int] = ..., transfer_errors: _Optional[int] = ..., preemptions: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., kv_resharding_bytes: _Optional[int] = ...) -> None: ...
+    decode_compile_seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., reserved: _Optional[int] = ..., transfer_errors: _Optional[int] = ..., preemptions: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., kv_resharding_bytes: _Optional[int] = ..., decode_compile_seconds: _Optional[float] = ...) -> None: ...

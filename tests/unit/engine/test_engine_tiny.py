@@ -84,6 +84,13 @@ def test_chunked_prefill_gives_same_tokens():
     assert run(tiny_engine(max_num_batched_tokens=7), ps, [GREEDY] * 4) == run(tiny_engine(), ps, [GREEDY] * 4)
 
 
+def test_long_prefills_capped_per_step_give_the_same_tokens():
+    ps = prompts(4, seed=4, lo=20, hi=40)
+    capped = tiny_engine(long_prefill_token_threshold=5)
+    assert run(capped, ps, [GREEDY] * 4) == run(tiny_engine(), ps, [GREEDY] * 4)
+    assert capped.stats().used_blocks == 0
+
+
 def test_preemption_completes_every_request_with_same_tokens():
     ps = prompts(8, seed=5, lo=8, hi=16)
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 8

@@ -13,9 +13,9 @@ EOS = 2
 
 
 def make(num_blocks=16, block_size=4, max_num_seqs=8, max_tokens_per_step=64, max_waiting=100, max_model_len=64,
-         caching=True):
+         caching=True, long_prefill_token_threshold=0):
     kv = KVCacheManager(num_blocks, block_size, root_hash=12345, enable_caching=caching)
-    cfg = SchedulerConfig(max_num_seqs, max_tokens_per_step, max_waiting, max_model_len)
+    cfg = SchedulerConfig(max_num_seqs, max_tokens_per_step, max_waiting, max_model_len, long_prefill_token_threshold)
     return Scheduler(cfg, kv, eos_token_ids=(EOS,))
 
 
@@ -78,6 +78,28 @@ def test_budget_shared_between_decode_and_new_prefill():
     sched.add(seq("b", range(40, 60)))            # 20 tokens, must chunk around a's decode
     out, _ = step(sched)
     assert [(c.seq.request_id, c.num_new_tokens) for c in out.chunks] == [("a", 1), ("b", 7)]
+
+
+def test_a_long_prefill_capped_per_step_leaves_the_budget_to_those_behind_it():
+    sched = make(num_blocks=32, max_tokens_per_step=16, max_model_len=128, long_prefill_token_threshold=6)
+    long_seq = seq("long", range(100, 120), max_tokens=2)
+    sched.add(long_seq)
+    out, _ = step(sched)
+    assert [(c.seq.request_id, c.num_new_tokens) for c in out.chunks] == [("long", 6)]
+    sched.add(seq("short", range(30, 34), max_tokens=2))
+    out, _ = step(sched)
+    assert [(c.seq.request_id, c.num_new_tokens, c.samples) for c in out.chunks] == [("long", 6, False),
+                                                                                     ("short", 4, True)]
+    out, _ = step(sched)
+    assert [(c.seq.request_id, c.num_new_tokens) for c in out.chunks] == [("long", 6), ("short", 1)]
+    out, _ = step(sched)
+    assert [(c.seq.request_id, c.num_new_tokens, c.samples) for c in out.chunks] == [("long", 2, True)]
+    uncapped = make(num_blocks=32, max_tokens_per_step=16, max_model_len=128)
+    uncapped.add(seq("long", range(100, 120), max_tokens=2))
+    step(uncapped)
+    uncapped.add(seq("short", range(30, 34), max_tokens=2))
+    out, _ = step(uncapped)
+    assert [(c.seq.request_id, c.num_new_tokens) for c in out.chunks] == [("long", 4), ("short", 4)]
 
 
 def test_max_num_seqs_limits_running():
@@ -245,3 +267,15 @@ def test_eos_ends_a_constrained_sequence_even_with_ignore_eos():
         s.output_token_ids.append(EOS)
     assert sched.stop_reason(free) is None
     assert sched.stop_reason(constrained) is FinishReason.STOP
+
+
+def test_a_sequence_holding_its_whole_prompts_blocks_prefills_in_capped_chunks():
+    """A decode worker's own prefill: the reservation gave the sequence every prompt block up front."""
+    sched = make(num_blocks=32, max_tokens_per_step=16, max_model_len=128, long_prefill_token_threshold=6)
+    held = seq("held", range(100, 120), max_tokens=2)
+    assert sched.kv.can_allocate(held, 20)
+    sched.kv.allocate(held, 20)
+    blocks = list(held.block_ids)
+    assert sched.kv.can_allocate(held, 6)  # needs no block it does not hold already
+    sched.kv.allocate(held, 6)
+    assert held.block_ids == blocks

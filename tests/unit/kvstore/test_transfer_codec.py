@@ -8,8 +8,8 @@ import torch
 import xxhash
 
 from kernels import dequantize_blocks_int8, gather_blocks, quantize_blocks_int8
-from kvstore.transfer import (PayloadAssembler, block_digest, decode_payload, digest_blocks_in_place, encode_records,
-                              encode_stream, iter_chunks)
+from kvstore.transfer import (BufferPool, PayloadAssembler, block_digest, decode_payload, encode_records,
+                              iter_chunks, write_records)
 from kvstore.transfer_manifest import (DEFAULT_CHUNK_BYTES, FAILED_PRECONDITION, INVALID_ARGUMENT, MAX_CHUNK_BYTES,
                                        MIN_CHUNK_BYTES, KvLayoutSpec, TransferManifest, TransferRejected,
                                        validate_manifest)
@@ -144,18 +144,72 @@ def test_one_changed_value_changes_exactly_that_blocks_digest():
     assert [i for i in range(len(SRC_IDS)) if before[i] != after[i]] == [5]
 
 
-def test_in_place_digests_and_lazy_stream_match_the_gathered_payload():
+def test_write_records_into_caller_memory_equals_the_gathered_payload_and_its_digests():
     src = make_cache(40, torch.bfloat16)
-    payload = encode_blocks(src, SRC_IDS, "raw")
-    assert digest_blocks_in_place(src, SRC_IDS) == payload.digests
     for codec in ("raw", "int8"):
         full = encode_blocks(src, SRC_IDS, codec)
-        stream = encode_stream(src, SRC_IDS, codec, blocks_per_group=7)
-        assert stream.lazy == (codec == "raw")
-        assert stream.digests == full.digests
-        groups = list(stream.groups)
-        assert [g.numel() // full.block_bytes for g in groups] == [7, 7, 7, 7, 7, 5]
-        assert torch.equal(torch.cat(groups), full.data)
+        out = torch.full((full.nbytes + 100,), 0xAB, dtype=torch.uint8)  # a buffer bigger than the payload
+        digests = []
+        for start in range(0, len(SRC_IDS), 7):  # groups of 7, as the sender writes them
+            ids = SRC_IDS[start:start + 7]
+            digests.extend(write_records(src, ids, codec, out[start * full.block_bytes:
+                                                              (start + len(ids)) * full.block_bytes]))
+        assert tuple(digests) == full.digests
+        assert torch.equal(out[:full.nbytes], full.data)
+        assert (out[full.nbytes:] == 0xAB).all()  # nothing written past the records
+    with pytest.raises(ValueError, match="out must be"):
+        write_records(src, SRC_IDS, "raw", torch.empty(10, dtype=torch.uint8))
+
+
+def test_trailer_mode_assembler_hashes_as_data_arrives_and_checks_the_trailer():
+    src = make_cache(40)
+    layout = KvLayoutSpec.from_cache(src, "fp")
+    payload = encode_blocks(src, SRC_IDS, "raw")
+    manifest = manifest_for(payload, layout, DST_IDS, block_digests=(), digests_in_trailer=True)
+    validate_manifest(manifest, layout, DST_IDS, 64)
+    reused = torch.zeros(payload.nbytes + 4096, dtype=torch.uint8)
+
+    assembler = PayloadAssembler(manifest, payload.block_bytes, reused)
+    for data in chunk(payload, MIN_CHUNK_BYTES):
+        assembler.add(data)
+    assert torch.equal(assembler.finish(payload.digests), payload.data)
+    assert reused[:payload.nbytes].data_ptr() == assembler.buffer.data_ptr()  # assembled in the given buffer
+
+    def finish_with(digests):
+        assembler = PayloadAssembler(manifest, payload.block_bytes)
+        for data in chunk(payload, MIN_CHUNK_BYTES):
+            assembler.add(data)
+        with pytest.raises(TransferRejected) as info:
+            assembler.finish(digests)
+        return info.value
+
+    bad = list(payload.digests)
+    bad[5] = bytes(16)
+    assert finish_with(tuple(bad)).field == "block_digests[5]"
+    assert finish_with(payload.digests[:-1]).field == "block_digests"
+    assert (finish_with(None).field, finish_with(None).code) == ("trailer", INVALID_ARGUMENT)
+    with pytest.raises(TransferRejected) as info:  # digests in both places
+        validate_manifest(dataclasses.replace(manifest, block_digests=payload.digests), layout, DST_IDS, 64)
+    assert info.value.field == "block_digests"
+    with pytest.raises(TransferRejected) as info:
+        validate_manifest(dataclasses.replace(manifest, transport="shm", shm_name="pdkv_1_0000000000_000000"),
+                          layout, DST_IDS, 64)
+    assert info.value.field == "digests_in_trailer"
+
+
+def test_buffer_pool_reuses_the_smallest_fitting_buffer_and_bounds_what_it_keeps():
+    pool = BufferPool(max_idle_bytes=12 << 20)
+    small, big = pool.take(1000), pool.take(5 << 20)
+    assert (small.numel(), big.numel()) == (4 << 20, 8 << 20)  # rounded up to powers of two, >= 4 MiB
+    pool.give_back(big)
+    pool.give_back(small)
+    assert pool.take(3 << 20).data_ptr() == small.data_ptr()
+    assert pool.take(3 << 20).data_ptr() == big.data_ptr()
+    assert pool.num_allocated == 2
+    pool.give_back(small)
+    pool.give_back(big)
+    pool.give_back(torch.empty(8 << 20, dtype=torch.uint8))  # 20 MiB idle > 12: the smallest go
+    assert pool.idle_bytes() == 8 << 20
 
 
 def test_chunks_span_group_boundaries_and_rejoin():
@@ -254,8 +308,8 @@ def test_round_trip_between_cuda_caches(codec):
     layout = KvLayoutSpec.from_cache(src, "fp")
     payload = encode_blocks(src, SRC_IDS, codec)  # Triton gather on the device, bytes on the host
     assert payload.data.device.type == "cpu"
-    stream = encode_stream(src, SRC_IDS, codec, blocks_per_group=7)
-    assert not stream.lazy and stream.digests == payload.digests
+    out = torch.empty(payload.nbytes, dtype=torch.uint8)
+    assert write_records(src, SRC_IDS, codec, out) == payload.digests and torch.equal(out, payload.data)
 
     buffer = receive(manifest_for(payload, layout, DST_IDS), chunk(payload, MIN_CHUNK_BYTES), layout)
     decode_payload(buffer, layout, codec, len(DST_IDS)).scatter_into(dst, DST_IDS)

@@ -19,14 +19,16 @@ ENGINE_FLAGS = ["--model", "/models/x.gguf", "--dtype", "bfloat16", "--quantizat
                 "--device", "cuda:1",
                 "--max-model-len", "4096", "--kv-cache-memory", "256M", "--kv-cache-memory-fraction", "0.5",
                 "--num-kv-blocks", "300", "--block-size", "32", "--max-num-seqs", "8",
-                "--max-num-batched-tokens", "512", "--max-waiting", "10", "--no-prefix-caching", "--threads", "3",
-                "--seed", "7", "--tensor-parallel-size", "2", "--tensor-parallel-timeout", "30"]
+                "--max-num-batched-tokens", "512", "--long-prefill-token-threshold", "128", "--max-waiting", "10",
+                "--no-prefix-caching", "--threads", "3",
+                "--seed", "7", "--tensor-parallel-size", "2", "--tensor-parallel-timeout", "30", "--compile-decode",
+                "--compile-batch-sizes", "1,4"]
 ENGINE = EngineConfig(model="/models/x.gguf", dtype="bfloat16", quantization="int8", keep_quantized_weights=True,
                       device="cuda:1",
                       max_model_len=4096, kv_cache_memory=256 * 2**20, kv_cache_memory_fraction=0.5, num_kv_blocks=300,
-                      block_size=32, max_num_seqs=8, max_num_batched_tokens=512, max_waiting=10,
+                      block_size=32, max_num_seqs=8, max_num_batched_tokens=512, long_prefill_token_threshold=128, max_waiting=10,
                       enable_prefix_caching=False, num_threads=3, seed=7, tensor_parallel_size=2,
-                      tensor_parallel_timeout_s=30.0)
+                      tensor_parallel_timeout_s=30.0, compile_decode=True, compile_batch_sizes=(1, 4))
 
 
 TLS_FLAGS = ["--cluster-ca", "/pki/ca.pem", "--cluster-cert", "/pki/w.pem", "--cluster-key", "/pki/w-key.pem"]
@@ -76,13 +78,15 @@ def test_gateway_defaults_are_the_dataclass_defaults():
 def test_prefill_worker_flags_map_onto_worker_and_engine_configs():
     args = parse("prefill-worker", "--worker-id", "p7", "--host", "0.0.0.0", "--port", "7001", "--advertise-host",
                  "p7.svc", "--redis-url", "redis://r:1/0", "--worker-ttl", "4", "--transport", "grpc", "--codec",
-                 "int8", "--chunk-bytes", "1M", "--fault-corrupt-transfers", "2", *TLS_FLAGS, "--decode-endpoint",
+                 "int8", "--chunk-bytes", "1M", "--shm-pool-bytes", "256M", "--fault-corrupt-transfers", "2", *TLS_FLAGS,
+                 "--decode-endpoint",
                  "d:1", "--decode-endpoint", "d:2", "--health-port", "8081", "--metrics-port", "9090",
                  "--drain-timeout", "7", *ENGINE_FLAGS)
     config = cli_args.worker_config(PrefillWorkerConfig, "prefill", args)
     assert config == PrefillWorkerConfig(worker_id="p7", redis_url="redis://r:1/0", host="0.0.0.0", port=7001,
                                          advertise_host="p7.svc", transport="grpc", codec="int8",
-                                         chunk_bytes=2**20, worker_ttl_s=4.0, fault_corrupt_transfers=2,
+                                         chunk_bytes=2**20, shm_pool_bytes=256 * 2**20, worker_ttl_s=4.0,
+                                         fault_corrupt_transfers=2,
                                          cluster_ca="/pki/ca.pem", cluster_cert="/pki/w.pem",
                                          cluster_key="/pki/w-key.pem", decode_endpoints=("d:1", "d:2"),
                                          health_port=8081, metrics_port=9090, drain_timeout_s=7.0)

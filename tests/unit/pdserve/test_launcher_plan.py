@@ -55,6 +55,14 @@ def test_prefill_workers_take_their_own_kv_cache_budget_when_given():
     assert (budget("prefill"), budget("decode")) == (2**27, 2**30)
 
 
+def test_only_decode_workers_compile_their_decode_step():
+    config = LocalClusterConfig(engine=EngineConfig(model="default", compile_decode=True, compile_batch_sizes=(1, 2)))
+    def engine(role):
+        return cli_args.engine_config(cli_args.parse_args(worker_argv(role, f"{role}-0", 4100, config, 1, TLS)))
+    assert (engine("prefill").compile_decode, engine("decode").compile_decode) == (False, True)
+    assert engine("decode").compile_batch_sizes == (1, 2)
+
+
 def test_tensor_parallel_size_per_pool_and_threads_per_rank():
     config = LocalClusterConfig(engine=EngineConfig(model="default", tensor_parallel_timeout_s=5.0),
                                 num_prefill=1, num_decode=2, prefill_tensor_parallel_size=2)
