@@ -10,6 +10,13 @@ Measures (bf16, CUDA events, warmup, L2 flushed before every timed call so bytes
                      the "% of copy" / "% of matmul" ratio columns.
 Writes one markdown report to $OUT/kernels.md when OUT is set, else bench/results/kernels.md. Without CUDA it says
 so and exits 0. `--smoke` runs tiny shapes on CPU through the torch reference to check this script itself.
+
+`--cpu-matmuls` instead measures, on CPU, the batch-1 matmuls engine.quant runs (issues 15 and 16): every linear of
+SmolLM2-135M's 30 layers (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536) in one pass, and the
+49152x576 LM head, as float32 (F.linear), int8 (Int8Linear: int8pack_mm) and int4 (Int4Linear: int4pack_mm),
+each at GB/s = weight bytes read / time and as a % of a large tensor copy (read + write bytes,
+pdserve.bench.roofline.copy_bandwidth) and of a read-only sweep (a float32 sum); the LM head rotates over
+copies whose bytes exceed the last-level cache. Writes bench/results/cpu_matmuls.md and .json (or under $OUT).
 Benchmarks measure and report; they never pass or fail on speed.
 """
 
@@ -217,14 +224,123 @@ def bench_blocks(bench: Bench, dtype, num_blocks_moved: int, copy_gbs: float) ->
     return rows
 
 
+# ------------------------------------------------------------------------------------------------ CPU matmuls
+SMOLLM2_LINEARS = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+SMOLLM2_LAYERS, SMOLLM2_HEAD = 30, (49152, 576)
+
+
+def _cpu_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _time_layers(layers: list, xs: dict, repeats: int) -> float:
+    def all_layers() -> None:
+        for layer in layers:
+            for lin in layer:
+                lin.forward(xs[lin_in(lin)])
+
+    return _cpu_ms(all_layers, repeats)
+
+
+def _time_rotating(copies: list, call: str, x: torch.Tensor, repeats: int) -> float:
+    state = {"i": 0}
+
+    def next_copy() -> None:
+        state["i"] = (state["i"] + 1) % len(copies)
+        getattr(copies[state["i"]], call)(x)
+
+    return _cpu_ms(next_copy, max(repeats, 2 * len(copies)))
+
+
+def bench_cpu_matmuls(repeats: int) -> dict:
+    """Batch-1 float32 / int8 / int4 linears of SmolLM2-135M on CPU, GB/s against copy and read bandwidth."""
+    from engine import quant
+    from pdserve.bench.roofline import copy_bandwidth, cpu_model
+
+    copy_gbs = copy_bandwidth(2**28) / 1e9
+    big = torch.ones(2**28 // 4)
+    read_gbs = big.numel() * 4 / (_cpu_ms(big.sum, repeats) * 1e6)
+    g = torch.Generator().manual_seed(0)
+    kinds = {"float32 (F.linear)": quant.FloatLinear, "int8 (int8pack_mm)": quant.Int8Linear.quantize,
+             "int4 (int4pack_mm)": quant.Int4Linear.quantize}
+    rows = []
+    with torch.inference_mode():
+        for kind, make in kinds.items():
+            layers = [[make(torch.randn(shape, generator=g) * 0.02) for shape in SMOLLM2_LINEARS.values()]
+                      for _ in range(SMOLLM2_LAYERS)]
+            xs = {k: torch.randn(1, k, generator=g) for k in {shape[1] for shape in SMOLLM2_LINEARS.values()}}
+            nbytes = sum(lin.nbytes for layer in layers for lin in layer)
+            ms = _time_layers(layers, xs, repeats)
+            rows.append({"matmuls": f"30 layers x 4 linears, {kind}", "weight_mib": nbytes / 2**20, "ms": ms,
+                         "gbs": nbytes / (ms * 1e6)})
+            print("cpu matmuls", rows[-1], flush=True)
+        x = torch.randn(1, SMOLLM2_HEAD[1], generator=g)
+        for kind, make in kinds.items():
+            head = make(torch.randn(SMOLLM2_HEAD, generator=g) * 0.02)
+            copies = [head] + [make(torch.randn(SMOLLM2_HEAD, generator=g) * 0.02)
+                               for _ in range(max(0, -(-(96 << 20) // head.nbytes) - 1))]  # > 96 MiB in all
+            call = "logits" if hasattr(head, "logits") else "forward"
+            ms = _time_rotating(copies, call, x, repeats)
+            rows.append({"matmuls": f"LM head 49152x576 `{call}`, {kind}", "weight_mib": head.nbytes / 2**20,
+                         "ms": ms, "gbs": head.nbytes / (ms * 1e6)})
+            print("cpu matmuls", rows[-1], flush=True)
+    for row in rows:
+        row["pct_of_copy"] = 100 * row["gbs"] / copy_gbs
+        row["pct_of_read"] = 100 * row["gbs"] / read_gbs
+    return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "capability": torch.backends.cpu.get_cpu_capability(), "copy_gbs": copy_gbs, "read_gbs": read_gbs,
+            "repeats": repeats, "rows": rows}
+
+
+def lin_in(lin) -> int:
+    """Input width of an engine.quant linear."""
+    return lin.weight.shape[1] if hasattr(lin, "weight") else (lin.qweight.shape[1] if hasattr(lin, "qweight")
+                                                                 else lin.shape[1])
+
+
+def cpu_matmuls_report(result: dict) -> str:
+    return (f"### Batch-1 matmuls on CPU ({datetime.datetime.now(datetime.UTC):%Y-%m-%d}, {result['cpu']}, "
+            f"{result['threads']} threads, torch {result['torch']}, {result['capability']})\n\n"
+            f"Command: `python bench/bench_kernels.py --cpu-matmuls --threads {result['threads']}`. Copy {result['copy_gbs']:.1f} GB/s (read + "
+            f"write), read-only sweep {result['read_gbs']:.1f} GB/s; median of {result['repeats']} passes.\n\n"
+            + _table(["matmuls (M = 1)", "weight MiB", "ms", "GB/s", "% of copy", "% of read"],
+                     [[r["matmuls"], _fmt(r["weight_mib"]), _fmt(r["ms"], 2), _fmt(r["gbs"]), _fmt(r["pct_of_copy"], 0),
+                       _fmt(r["pct_of_read"], 0)] for r in result["rows"]]) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU via the torch reference")
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop starting new cases after this long")
     parser.add_argument("--out", type=Path, default=None, help="report path (default $OUT/kernels.md or "
                                                                "bench/results/kernels.md; smoke: no file)")
+    parser.add_argument("--cpu-matmuls", action="store_true", help="batch-1 float32/int8/int4 linears on CPU instead")
+    parser.add_argument("--repeats", type=int, default=20, help="--cpu-matmuls: timed passes per row")
+    parser.add_argument("--threads", type=int, default=None, help="--cpu-matmuls: torch threads (default: torch's)")
     args = parser.parse_args(argv)
 
+    if args.cpu_matmuls:
+        import json
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+
+        result = bench_cpu_matmuls(args.repeats)
+        report = cpu_matmuls_report(result)
+        print("\n" + report)
+        base = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench/results"
+        out = args.out or base / "cpu_matmuls.md"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(report)
+        out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {out}")
+        return 0
     if args.smoke:
         device, dtype = torch.device("cpu"), torch.float32
         contexts, batches, prefill_shapes, moved = [64, 256], [1, 4], [(1, 64), (2, 128)], 8

@@ -16,7 +16,9 @@ gguf.quants.dequantize bit for bit, computed in gguf's order; see GroupedWeight)
     F16     float16 (HalfWeight)                                 64 (64)
     BF16    bfloat16 (HalfWeight)                                64 (64)
 
-5- and 6-bit codes are held as int8 (no 5/6-bit matmul exists here to read them packed). Every other type the
+5- and 6-bit codes are held as int8 (no 5/6-bit matmul exists here to read them packed). What runs the matmuls
+is engine.quant.make_linear's choice: the 4-bit types of groups of 32 become int4 over these codes, 8-bit
+groups per-row int8 (both then take about the file's bytes; see engine.quant). Every other type the
 `gguf` package dequantizes (Q2_K, Q3_K, IQ*, TQ*, MXFP4, ...) is dequantized at load to the load dtype by the
 loader (KEPT_TYPES lists the types this module keeps).
 """

@@ -7,7 +7,7 @@ y = x @ W.T + bias with W[j, i] = (q[i, j] - z[g_idx[i], j]) * s[g_idx[i], j]. H
   same permutation each forward), and when every aligned run of INT4_GROUP_SIZE reordered inputs lies in one group
   (group sizes 32, 64, 128, ..., or -1) the weight becomes an `engine.quant.Int4Linear` with the group's scale s
   and offset (8 - z) * s repeated per run: W = (q - 8) * s + (8 - z) * s. Its int4pack path rounds s and the
-  offset to bfloat16 (fp16 scales keep 3 more bits), its GEMM path uses them exactly.
+  offset to bfloat16 for both its paths (fp16 scales keep 3 more bits); `dequantize` gives them exactly.
 - otherwise (8 bits, other group sizes): codes as uint8 [out, in] with float32 scales and zero points per group,
   dequantized in chunks into the model's `DequantWorkspace` for a float GEMM (int8pack_mm takes one symmetric
   scale per output row, not groups).
@@ -50,6 +50,8 @@ class GPTQLinear:
                 run_group = runs[:, 0]
                 self.int4 = Int4Linear(codes, scales[run_group].t().contiguous(),
                                        offsets[run_group].t().contiguous(), bias, self.workspace)
+                # float16 scales exactly (Int4Linear's table is bfloat16): what `dequantize` gives
+                self.int4_scale_zero = (scales[run_group].t().contiguous(), offsets[run_group].t().contiguous())
                 return
         self.codes = codes.contiguous()                          # [out, in] uint8, inputs sorted by group
         self.col_group = col_group                               # [in] int64: group of each sorted input
@@ -63,7 +65,12 @@ class GPTQLinear:
             eye = torch.eye(self.shape[1], dtype=torch.float16, device=self.packed.qweight.device)
             return kernels.gptq_gemm(eye, self.packed.qweight, self.packed.qzeros, self.packed.scales,
                                      self.packed.g_idx, self.config.bits, self.zero_offset).t().to(dtype)
-        w = self.int4.dequantize(dtype) if self.int4 is not None else self._dequantize_rows(dtype, slice(None))
+        if self.int4 is not None:
+            scale, zero = self.int4_scale_zero                                   # [out, groups] float32
+            w = self.int4.codes().to(dtype).view(*scale.shape, INT4_GROUP_SIZE)
+            w = w.sub_(8).mul_(scale[..., None].to(dtype)).add_(zero[..., None].to(dtype)).view(self.shape)
+        else:
+            w = self._dequantize_rows(dtype, slice(None))
         if self.perm is None:
             return w
         return torch.empty_like(w).index_copy_(1, self.perm, w)

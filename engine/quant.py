@@ -1,10 +1,16 @@
 """The model's linear layers: float weights, a checkpoint's own quantized encoding, or int8 (W8A16) or int4
 (W4A16) weight-only quantization.
 
-`FloatLinear` is `F.linear` over the checkpoint's weight. `PackedLinear` runs a weight kept in its GGUF
-file's encoding (`GroupedWeight`: 4-bit or int8 codes with a scale, and optionally an offset, per group of
-inputs; `HalfWeight`: float16/bfloat16), dequantizing it chunk by chunk into the `DequantWorkspace` below for
-every batch size; in float32 its weights are bit for bit the `gguf` package's dequantization. `Int8Linear.quantize(weight)` keeps a [out, in] weight
+`FloatLinear` is `F.linear` over the checkpoint's weight. A weight kept in its GGUF file's encoding
+(`GroupedWeight`: 4-bit or int8 codes with a scale, and optionally an offset, per group of inputs;
+`HalfWeight`: float16/bfloat16) becomes, in `make_linear`:
+- 4-bit groups of 32 (Q4_0, Q4_1, Q4_K): an `Int4Linear` over the file's own codes (`Int4Linear.from_grouped`;
+  the scale and zero rounded to bfloat16, the one lossy step);
+- 8-bit groups (Q8_0; Q5_*, Q6_K held as int8): an `Int8Linear` requantized to one scale per row (lossy);
+- anything else (16-bit weights, shapes int4pack cannot tile): a `PackedLinear`, dequantizing it chunk by
+  chunk into the `DequantWorkspace` below for every batch size; in float32 its weights are bit for bit the
+  `gguf` package's dequantization.
+`Int8Linear.quantize(weight)` keeps a [out, in] weight
 as int8 with one symmetric scale per output channel: scale = absmax(row) / 127 rounded to a bfloat16 value,
 q = round_half_to_even(w / scale) clamped to [-127, 127]; an all-zero row gets scale 0. Scales are
 bfloat16-representable so that both matmul paths below multiply by exactly the same weights q * scale.
@@ -25,15 +31,17 @@ recomputed in float32, so that sampling and logprobs see the GEMM path's values 
 an offset per group (asymmetric, the scheme of llama.cpp's Q4_1): w = (q - 8) * scale + zero with q in [0, 15],
 scale = (max - min) / 15 and zero = min + 8 * scale of the group, both rounded to bfloat16 before q is chosen.
 A weight that came from a Q4_1 GGUF tensor keeps its codes (all of the default model's do); its scale and
-offset change only by that rounding to bfloat16.
-`forward` mirrors int8: on CPU, up to INT4PACK_MAX_ROWS rows go through `torch._weight_int4pack_mm_for_cpu` on
-bfloat16 activations (half a byte per weight read); larger steps and CUDA dequantize chunks and run the float
-GEMM. With `quantization="int4"` the LM head (and a tied embedding) stays int8, as llama.cpp's Q4 files keep the
+offset change only by that rounding to bfloat16. The codes are held once, in int4pack_mm's own tiled layout on
+CPU, which the GEMM path reads too: half a byte per weight plus 4 bytes per 32, a Q4_1 file's size.
+`forward`: on CPU every batch goes through `torch._weight_int4pack_mm_for_cpu` on bfloat16 activations (half a
+byte per weight read; INT4PACK_MAX_ROWS says why every batch); CUDA dequantizes chunks and runs the float GEMM. With `quantization="int4"` the LM head (and a tied embedding) stays int8, as llama.cpp's Q4 files keep the
 token embedding at 8 bits or more: it is the largest matrix of a small model and the most sensitive.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Callable
 
 import torch
@@ -64,8 +72,14 @@ INT4_GROUP_SIZE = 32
 # Crossover measured like INT8PACK_MAX_ROWS (same machine), int4pack_mm vs dequantize + float32 GEMM, ms for all
 # 30 layers of SmolLM2-135M (qkv, o, gate_up, down; the LM head is int8):
 #   M=1: 6.9 vs 92;  M=16: 32 vs 116;  M=32: 61 vs 106;  M=64: 140 vs 160;  M=128: 225 vs 181;  M=256: 431 vs 271.
-INT4PACK_MAX_ROWS = 64
-"""Largest number of rows of x the CPU int4pack_mm path takes."""
+# On AMD EPYC (1 thread, the default model's 512-token prefill, whole engine): int4pack_mm for every row 1.85 s,
+# the GEMM path past 64 rows 1.87 s, float32 weights 1.61 s (a loaded machine).
+INT4PACK_MAX_ROWS = sys.maxsize
+"""Largest number of rows of x the CPU int4pack path takes: every batch. int4pack_mm computes each row of x on
+its own (tested: a batch's rows equal the rows computed alone), so its layers' outputs do not depend on the
+batch a sequence is in, nor on a prefix-cache hit (a hit's suffix is a short batch where the cold prompt was a
+long one), as with float weights. The GEMM path (float32 activations; faster from ~128 rows on the
+Intel host above) is what CUDA runs; tests lower this to reach it on CPU."""
 
 # The int8pack_mm CPU kernels load 16 (AVX512) or 8 (AVX2) elements of a row at a time with aligned loads: an
 # input width that is not a multiple of 16, or a tensor that does not start on an aligned address, crashes the
@@ -181,9 +195,10 @@ class Int8Linear:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, in] -> [M, out] in x.dtype
         if self._takes_int8pack(x):
-            xb = x.to(torch.bfloat16).contiguous()
-            if xb.data_ptr() % 64:  # aligned loads (see _INT8PACK_K_MULTIPLE); a fresh tensor is aligned
-                xb = xb.clone()
+            # Aligned loads (see _INT8PACK_K_MULTIPLE): always a fresh tensor, which the allocator aligns (a check
+            # of data_ptr would stop torch.compile's graph here).
+            xb = (x.clone(memory_format=torch.contiguous_format) if x.dtype == torch.bfloat16
+                  else x.to(torch.bfloat16, memory_format=torch.contiguous_format))
             out = torch._weight_int8pack_mm(xb, self.qweight, self.scale_bf16).to(x.dtype)
             return out if self.bias is None else out.add_(self.bias)
         return self.workspace.linear(x, self.qweight.shape[0], self.chunk_rows,
@@ -218,11 +233,17 @@ class Int8Linear:
 
 
 class Int4Linear:
-    """y = x @ W.T + bias with W = (q - 8) * scale + zero per group of INT4_GROUP_SIZE inputs (module docstring)."""
+    """y = x @ W.T + bias with W = (q - 8) * scale + zero per group of INT4_GROUP_SIZE inputs (module docstring).
+
+    The codes are held once: on CPU in int4pack_mm's own tiled layout (`packed`), which the GEMM path unpacks
+    too, so a weight takes half a byte plus one bfloat16 (scale, zero) pair per 32 inputs, a Q4_1 file's own
+    size. Only where that layout is not the plain one `_int4pack_block_rows` verified (a row count that is not a
+    multiple of its block, or CUDA, which has no int4pack path) the codes are kept as `nibbles` instead (CUDA)
+    or as well (CPU)."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None,
                  workspace: DequantWorkspace | None = None) -> None:
-        # codes: [out, in] uint8 in [0, 15]; scale, zero: [out, in // INT4_GROUP_SIZE] bfloat16-representable
+        # codes: [out, in] uint8 in [0, 15]; scale, zero: [out, in // INT4_GROUP_SIZE], rounded to bfloat16 here
         out_features, in_features = codes.shape
         groups = in_features // INT4_GROUP_SIZE
         if codes.dtype != torch.uint8 or in_features % INT4_GROUP_SIZE or out_features % _INT4PACK_N_MULTIPLE:
@@ -232,18 +253,25 @@ class Int4Linear:
             if t.shape != (out_features, groups):
                 raise ValueError(f"{name} must have shape {[out_features, groups]}, got {list(t.shape)}")
         self.shape = (out_features, in_features)
-        # Two codes per byte (even input in the low nibble) for the GEMM path's dequantization.
-        self.nibbles = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()     # [out, in // 2] uint8
-        self.scale = scale.float()                                               # [out, groups]
-        self.zero = zero.float()                                                 # [out, groups]
+        # [groups, out, 2] bfloat16 (scale, zero): the int4pack kernel's table, and the GEMM path's values.
+        self.scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
         self.bias = bias                                                         # [out] in the model dtype, or None
         self.use_int4pack = codes.device.type == "cpu"
+        self.packed: torch.Tensor | None = None   # [out, in // 2] uint8 in the kernel's layout (CPU)
+        self.nibbles: torch.Tensor | None = None  # [out, in // 2] uint8, even input in the low nibble
+        self.block_rows = _int4pack_block_rows() if self.use_int4pack else None
         if self.use_int4pack:
-            # The kernel's own tiled layout, and its [groups, out, 2] bfloat16 table of (scale, zero).
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)  # [out, in // 2] uint8
-            self.scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
+        if self.block_rows is None or out_features % self.block_rows:
+            self.block_rows = None
+            self.nibbles = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
         self.workspace = workspace if workspace is not None else DequantWorkspace()
-        self.chunk_rows = self.workspace.rows_per_chunk(in_features)
+        chunk_rows = self.workspace.rows_per_chunk(in_features)
+        block = self.block_rows or 1
+        if chunk_rows < block:
+            raise ValueError(f"a DequantWorkspace of {self.workspace.num_elements} elements cannot hold {block} rows "
+                             f"of {in_features}")
+        self.chunk_rows = chunk_rows // block * block
 
     @staticmethod
     def supports_shape(out_features: int, in_features: int) -> bool:
@@ -263,17 +291,69 @@ class Int4Linear:
         q = torch.round((w - zero[..., None]) * inv[..., None] + 8).clamp_(0, 15).to(torch.uint8)
         return cls(q.view(out_features, in_features), scale, zero, bias, workspace)
 
+    @classmethod
+    def from_grouped(cls, weight: GroupedWeight, bias: torch.Tensor | None = None,
+                     workspace: DequantWorkspace | None = None) -> Int4Linear:
+        """A GGUF Q4_0 / Q4_1 / Q4_K matrix (4-bit codes in groups of 32) with its own codes:
+        code_bias 8, no offset (Q4_0): w = (q - 8) * d; else w = q * d + m = (q - 8) * d + (m + 8 d). The
+        file's float16 d and m (float32 d * sc, -dmin * m for Q4_K) become bfloat16 scale and zero, the one
+        lossy step: up to 2^-9 of each group's scale and zero (module docstring)."""
+        if not cls.takes(weight):
+            raise ValueError(f"a {weight.bits}-bit GroupedWeight with groups of {weight.group_size} and shape "
+                             f"{list(weight.shape)} is not int4-packable")
+        scale = weight.scale.float()
+        base = torch.zeros_like(scale) if weight.offset is None else weight.offset.float()
+        zero = base + (8 - weight.code_bias) * scale
+        return cls(weight.unpacked_codes(), scale, zero, bias, workspace)
+
+    @staticmethod
+    def takes(weight: PackedWeight) -> bool:
+        """Whether `from_grouped` maps this kept weight onto int4 codes (4 bits, groups of 32, a packable shape)."""
+        return (isinstance(weight, GroupedWeight) and weight.bits == 4 and weight.group_size == INT4_GROUP_SIZE
+                and Int4Linear.supports_shape(*weight.shape))
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """[out, groups] float32 (bfloat16 values)."""
+        return self.scale_zero[..., 0].t().float()
+
+    @property
+    def zero(self) -> torch.Tensor:
+        """[out, groups] float32 (bfloat16 values)."""
+        return self.scale_zero[..., 1].t().float()
+
+    def codes(self, rows: slice = slice(None), out: torch.Tensor | None = None) -> torch.Tensor:
+        """The codes q (or their `rows`; a multiple of block_rows when packed) as [r, in] uint8, or written
+        into `out` (a [r, in] tensor of any dtype)."""
+        out_features, in_features = self.shape
+        start, stop, _ = rows.indices(out_features)
+        if self.nibbles is not None:
+            nibbles = self.nibbles[start:stop]                                   # [r, in // 2]
+            w = torch.empty(stop - start, in_features, dtype=torch.uint8, device=nibbles.device) if out is None else out
+            pairs = w.view(stop - start, -1, 2)
+            pairs[..., 0] = nibbles & 15
+            pairs[..., 1] = nibbles >> 4
+            return w
+        block = self.block_rows
+        assert start % block == 0 and stop % block == 0, (rows, block)
+        # Kernel layout: each block of `block` rows is [in, block // 2] bytes; byte (k, d) holds row d of the
+        # block in its low nibble and row block // 2 + d in its high nibble.
+        tiles = self.packed.view(-1)[start * in_features // 2:stop * in_features // 2].view(-1, in_features, block // 2)
+        w = torch.empty(stop - start, in_features, dtype=torch.uint8) if out is None else out
+        halves = w.view(-1, 2, block // 2, in_features)                          # [blocks, lo/hi, block // 2, in]
+        halves[:, 0] = (tiles & 15).transpose(1, 2)
+        halves[:, 1] = (tiles >> 4).transpose(1, 2)
+        return w
+
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: slice = slice(None),
                    out: torch.Tensor | None = None) -> torch.Tensor:
         """(q - 8) * scale + zero as a float [out, in] tensor (or its `rows`), written into `out` when given."""
-        nibbles = self.nibbles[rows]                                             # [r, in // 2]
-        r = nibbles.shape[0]
-        w = torch.empty(r, self.shape[1], dtype=dtype, device=nibbles.device) if out is None else out
-        pairs = w.view(r, -1, 2)
-        pairs[..., 0] = nibbles & 15
-        pairs[..., 1] = nibbles >> 4
-        grouped = w.view(r, -1, INT4_GROUP_SIZE)
-        grouped.sub_(8).mul_(self.scale[rows, :, None].to(dtype)).add_(self.zero[rows, :, None].to(dtype))
+        start, stop, _ = rows.indices(self.shape[0])
+        w = torch.empty(stop - start, self.shape[1], dtype=dtype, device=self.scale_zero.device) if out is None else out
+        self.codes(rows, w)
+        table = self.scale_zero[:, start:stop].to(dtype).transpose(0, 1)        # [r, groups, 2]
+        grouped = w.view(stop - start, -1, INT4_GROUP_SIZE)
+        grouped.sub_(8).mul_(table[..., 0:1]).add_(table[..., 1:2])
         return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -286,10 +366,52 @@ class Int4Linear:
         return self.workspace.linear(x, self.shape[0], self.chunk_rows,
                                      lambda rows, w: self.dequantize(x.dtype, rows, w), self.bias)
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the dequantized weight (an embedding lookup of a 4-bit GGUF table): [T] -> [T, in]
+        float32."""
+        in_features = self.shape[1]
+        if self.nibbles is not None:
+            nibbles = self.nibbles.index_select(0, ids)                          # [T, in // 2]
+            codes = torch.stack([nibbles & 15, nibbles >> 4], dim=-1).view(-1, in_features)
+        else:
+            half = self.block_rows // 2
+            tiles = self.packed.view(-1, in_features, half)                      # [blocks, in, half]
+            block, row = ids // self.block_rows, ids % self.block_rows
+            nibbles = tiles[block, :, row % half]                               # [T, in]
+            codes = torch.where((row < half)[:, None], nibbles & 15, nibbles >> 4)
+        table = self.scale_zero[:, ids].float().transpose(0, 1)                 # [T, groups, 2]
+        w = codes.float().view(ids.shape[0], -1, INT4_GROUP_SIZE)
+        return w.sub_(8).mul_(table[..., 0:1]).add_(table[..., 1:2]).view(ids.shape[0], in_features)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """forward(x) in float32, as an LM head (a tied 4-bit GGUF embedding): [M, in] -> [M, out]."""
+        return self.forward(x).float()
+
     @property
     def nbytes(self) -> int:
-        """Bytes of codes, bfloat16 scales and offsets (one copy: either path's) and bias one forward reads."""
-        return self.nibbles.numel() + 2 * 2 * self.scale.numel() + _nbytes(self.bias)
+        """Bytes of codes, the bfloat16 (scale, zero) table and bias one forward reads."""
+        return self.shape[0] * self.shape[1] // 2 + _nbytes(self.scale_zero, self.bias)
+
+
+@functools.cache
+def _int4pack_block_rows() -> int | None:
+    """Rows per tile of _convert_weight_to_int4pack_for_cpu's layout on this CPU (64 with AVX512, 32 with AVX2
+    in torch 2.13), found by packing random codes and checking Int4Linear.codes' reading of them at two widths;
+    None when neither reads back (the codes are then kept as nibbles as well)."""
+    g = torch.Generator().manual_seed(0)
+    for block in (64, 32):
+        ok = True
+        for in_features in (64, 96):
+            codes = torch.randint(0, 16, (2 * block, in_features), generator=g, dtype=torch.uint8)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
+            if packed.numel() * 2 != codes.numel():
+                return None
+            tiles = packed.view(-1, in_features, block // 2)
+            read = torch.stack([(tiles & 15).transpose(1, 2), (tiles >> 4).transpose(1, 2)], dim=1)
+            ok = ok and torch.equal(read.reshape(codes.shape), codes)
+        if ok:
+            return block
+    return None
 
 
 class GroupedWeight:
@@ -361,14 +483,15 @@ class GroupedWeight:
         and an offset: lossless (codes of 4 bits fit, scales are repeated), for fusing mixed encodings."""
         if self.group_size % group_size:
             raise ValueError(f"group size {group_size} does not divide {self.group_size}")
-        codes = self._unpacked_codes().to(torch.int16).sub_(self.code_bias).to(torch.int8)
+        codes = self.unpacked_codes().to(torch.int16).sub_(self.code_bias).to(torch.int8)
         repeat = self.group_size // group_size
         scale = self.scale.float().repeat_interleave(repeat, dim=1)
         offset = (torch.zeros_like(scale) if self.offset is None
                   else self.offset.float().repeat_interleave(repeat, dim=1))
         return GroupedWeight(codes, scale, offset, bits=8, group_size=group_size)
 
-    def _unpacked_codes(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
+    def unpacked_codes(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
+        """The codes (or their `rows`) one per element: [r, in] uint8 (bits=4) or int8."""
         codes = self.codes[rows]
         if self.bits == 8:
             return codes
@@ -504,7 +627,8 @@ class PackedLinear:
 
 
 Linear = FloatLinear | Int8Linear | Int4Linear | PackedLinear
-"""An LM head is never Int4Linear (lm_head_quantization): the others have `embed` and `logits`."""
+"""Every one has `forward`, `embed` and `logits`; `quantization="int4"` makes the LM head int8
+(lm_head_quantization), a 4-bit GGUF table kept as it is stays Int4Linear."""
 
 
 def make_linear(weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None, quantization: str | None,
@@ -515,8 +639,13 @@ def make_linear(weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None, 
     is stored as int8."""
     bias = None if bias is None else bias.to(device=device, dtype=dtype)
     if isinstance(weight, PackedWeight):
-        if quantization is None:
+        if quantization in (None, "int4") and Int4Linear.takes(weight):
+            return Int4Linear.from_grouped(weight.to(device), bias, workspace)
+        if quantization is None and not (isinstance(weight, GroupedWeight) and weight.bits == 8):
             return PackedLinear(weight.to(device), bias, workspace)
+        # 8-bit groups (Q8_0, and Q5_* / Q6_K held as int8) become int8 with one scale per row: lossy, see
+        # the module docstring; the rest of a quantized model is requantized from float32 too.
+        quantization = quantization or "int8"
         weight = weight.dequantize(torch.float32)
     if quantization is None:
         return FloatLinear(weight.to(device=device, dtype=dtype), bias)

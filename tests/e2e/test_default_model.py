@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.llm import LLM
 from engine.model import AttentionMetadata
 from engine.sampling_params import SamplingParams
 
@@ -85,13 +84,13 @@ def test_batch_invariance_of_greedy_tokens(llm):
     assert together == alone
 
 
-def test_preemption_under_a_small_pool_gives_same_tokens(llm, default_model_path):
+def test_preemption_under_a_small_pool_gives_same_tokens(llm, default_model_path, default_model):
     from engine.llm import LLM
 
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     roomy = [o.outputs[0].token_ids for o in llm.generate(BATCH_PROMPTS, params)]
     small = LLM(model=str(default_model_path), dtype="float32", num_kv_blocks=10, max_model_len=160,
-                enable_prefix_caching=False, progress=False)
+                enable_prefix_caching=False, progress=False, loaded=default_model)  # llm's float32 weights
     tight = small.generate(BATCH_PROMPTS, params)
     assert [o.outputs[0].token_ids for o in tight] == roomy
     assert small.engine.stats().preemptions > 0
@@ -131,35 +130,35 @@ def test_bad_input_names_the_field(llm, prompt, params, field):
     assert not llm.engine.has_unfinished()
 
 
-def test_kept_codes_hold_the_files_bytes_and_still_answer_paris(default_model_path):
-    """keep_quantized_weights: the Q4_1 layers and the Q8_0 embedding / LM head keep their codes, so loaded
-    weight memory is within 1.3x of the file's tensor bytes (measured: 92.1 MiB of 92.1 MiB) and far below
-    float32's (~513 MiB); the same weights give the same answer."""
+def test_kept_codes_hold_the_files_bytes_and_still_answer_paris(llm_kept, default_model_path):
+    """keep_quantized_weights keeps the file's codes: the Q4_1 layers as int4 (codes held once, bfloat16 scale and
+    zero per 32), the Q8_0 embedding / LM head as int8, so loaded weight memory is within 1.3x of the file's
+    tensor bytes (measured: 90.7 MiB of 92.1 MiB) and far below float32's (~513 MiB)."""
     from gguf import GGUFReader
 
-    from engine.quant import PackedLinear
+    from engine.quant import Int4Linear, Int8Linear
 
-    kept = LLM(model=str(default_model_path), dtype="float32", kv_cache_memory=64 * 2**20, progress=False,
-               keep_quantized_weights=True)
     tensors = GGUFReader(str(default_model_path)).tensors
-    engine, model = kept.engine, kept.engine.runner.model
+    engine, model = llm_kept.engine, llm_kept.engine.runner.model
     assert engine.file_tensor_bytes == sum(int(t.n_bytes) for t in tensors)
     float32_bytes = 4 * sum(int(t.n_elements) for t in tensors)
     assert engine.weight_memory_bytes <= 1.3 * engine.file_tensor_bytes
     assert engine.weight_memory_bytes < float32_bytes / 4
-    assert isinstance(model.lm_head, PackedLinear) and model.embed is model.lm_head
-    assert all(isinstance(lin, PackedLinear) for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up,
-                                                                                      layer.down))
-    out = kept.chat([{"role": "user", "content": "What is the capital of France?"}],
-                    SamplingParams(max_tokens=12, temperature=0.0))[0]
-    assert "Paris" in out.outputs[0].text
+    assert isinstance(model.lm_head, Int8Linear) and model.embed is model.lm_head
+    assert all(isinstance(lin, Int4Linear) for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up,
+                                                                                    layer.down))
+    out = llm_kept.chat([{"role": "user", "content": "What is the capital of France?"}],
+                        SamplingParams(max_tokens=32, temperature=0.0))[0]
+    assert out.outputs[0].text == "The capital of France is Paris."
+    assert out.outputs[0].finish_reason == "stop"
 
 
 # --- weight-only quantization ----------------------------------------------------------------------------------
 LONG_PROMPT = ("The history of science is the study of the development of science and scientific knowledge, "
                "including both the natural and social sciences. ") * 3  # 73 tokens: prefill takes the GEMM path
 # Measured max |logit difference| vs float32 on these 12 prompts (logits of magnitude 17-35): int8 0.66 to 1.28,
-# int4 0.51 to 1.18 (its codes are the checkpoint's own Q4_1 codes; the rest is bfloat16 rounding).
+# int4 0.51 to 1.18 (its codes are the checkpoint's own Q4_1 codes; the rest is bfloat16 rounding), the default
+# kept codes (keep_quantized_weights) 0.43 to 0.94 (the same int4 layers; the LM head int8 from the file's Q8_0 codes).
 QUANTIZED_LOGIT_ATOL = 2.0
 # float32's top-1 leads its runner-up by 0.04 to 3.0 here; under this margin a flip is within the error above.
 TOP1_MARGIN = 0.5
@@ -172,7 +171,7 @@ def test_int8_capital_of_france_is_paris(llm_int8):
     assert out.outputs[0].finish_reason == "stop"
 
 
-@pytest.mark.parametrize("quantized", ["llm_int8", "llm_int4"])
+@pytest.mark.parametrize("quantized", ["llm_int8", "llm_int4", "llm_kept"])
 def test_quantized_logits_stay_close_to_float32(llm, quantized, request):
     llm_q = request.getfixturevalue(quantized)
     prompts = PROMPTS + BATCH_PROMPTS + [LONG_PROMPT]
@@ -187,7 +186,8 @@ def test_quantized_logits_stay_close_to_float32(llm, quantized, request):
             top2 = expected.topk(2).values
             flips.append((prompt, (top2[0] - top2[1]).item()))
     print(f"{quantized} top-1 flips: {flips}")
-    # Measured: int8 none; int4 one, "import numpy as np\n" (float32 margin 0.10).
+    # Measured: int8 none; int4 one, "import numpy as np\n" (float32 margin 0.10); kept one, "def fibonacci"
+    # (margin 0.04).
     assert all(margin < TOP1_MARGIN for _, margin in flips), flips
     assert len(flips) <= 1, flips
 
@@ -216,5 +216,4 @@ def test_int4_keeps_every_q4_1_code_of_the_checkpoint(default_model_path):
         rows = tensor.data.shape[0]
         weight = torch.from_numpy((codes * d + m).reshape(rows, -1))
         lin = Int4Linear.quantize(weight)
-        ours = torch.stack([lin.nibbles & 15, lin.nibbles >> 4], dim=-1).view(lin.shape)
-        assert torch.equal(ours, torch.from_numpy(codes.reshape(rows, -1))), tensor.name
+        assert torch.equal(lin.codes(), torch.from_numpy(codes.reshape(rows, -1))), tensor.name

@@ -12,8 +12,8 @@ from gguf import GGMLQuantizationType as Q
 
 from engine.gguf_blocks import KEPT_TYPES, packed_weight
 from engine.gguf_loader import unpermute_qk
-from engine.quant import (DequantWorkspace, GroupedWeight, HalfWeight, PackedLinear, cat_rows, held_bytes,
-                          make_linear)
+from engine.quant import (DequantWorkspace, GroupedWeight, HalfWeight, Int4Linear, Int8Linear, PackedLinear,
+                          cat_rows, held_bytes, make_linear)
 
 OUT, IN = 48, 512  # 2 K-quant super-blocks per row
 
@@ -80,7 +80,7 @@ def test_make_linear_keeps_packed_weights_or_requantizes_their_values():
     data = encoded(Q.Q4_1, (OUT, IN), seed=4)
     weight, expected = packed_weight(data, Q.Q4_1, (OUT, IN)), reference(data, Q.Q4_1)
     kept = make_linear(weight, None, None, torch.float32, torch.device("cpu"))
-    assert isinstance(kept, PackedLinear) and kept.nbytes == data.nbytes
+    assert isinstance(kept, Int4Linear) and kept.nbytes == data.nbytes  # its codes, on int4pack_mm
     int8 = make_linear(weight, None, "int8", torch.float32, torch.device("cpu"))
     assert torch.equal(int8.qweight, make_linear(expected, None, "int8", torch.float32,
                                                  torch.device("cpu")).qweight)
@@ -114,8 +114,8 @@ def test_engine_over_kept_codes_equals_the_dequantized_engine(tmp_path):
                    keep_quantized_weights=keep) for keep in (True, False)]
     packed, floats = (llm.engine for llm in engines)
     model = packed.runner.model
-    assert isinstance(model.embed, PackedLinear) and isinstance(model.lm_head, PackedLinear)
-    assert isinstance(model.layers[0].gate_up, PackedLinear)  # Q4_1 gate with Q8_0 up: int8 groups
+    assert isinstance(model.embed, Int8Linear) and isinstance(model.lm_head, PackedLinear)  # Q8_0, F16
+    assert isinstance(model.layers[0].gate_up, Int8Linear)  # Q4_1 gate with Q8_0 up: int8 groups
     assert packed.weight_memory_bytes < 0.6 * floats.weight_memory_bytes
     assert packed.file_tensor_bytes == floats.file_tensor_bytes
     assert packed.weight_memory_bytes < 1.3 * packed.file_tensor_bytes
