@@ -1,20 +1,16 @@
 """Kernel tests: Triton kernels run on CPU tensors through the interpreter; CUDA variants are marked `gpu`.
 
-Triton picks interpreted vs compiled when a kernel module is imported, once per process, so TRITON_INTERPRET is
-settled here before anything imports triton: kept if the caller set it, else 1 without CUDA and unset with CUDA.
-Then exactly one family runs: interpreter tests (CPU tensors, `*_triton.py` without the gpu mark) or compiled
-`gpu` tests; the other is skipped with the reason. bench/gpu_check.sh runs the gpu family.
+TRITON_INTERPRET is settled by tests/conftest.py before anything imports triton (kept if the caller set it, else 1
+without CUDA and unset with CUDA). Exactly one family runs: interpreter tests (CPU tensors, `*_triton.py` without
+the gpu mark) or compiled `gpu` tests; the other is skipped with the reason. bench/gpu_check.sh runs the gpu family.
 """
 
 import os
 
-import torch  # does not import triton
+import pytest
+import torch
 
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
