@@ -2,10 +2,10 @@
 
 Decoding one token for one sequence reads every weight once (the KV cache of a short context is small beside
 them), so tokens/s <= memory bandwidth / weight bytes read per token. Bytes per token depend on how a system
-stores the weights: llama.cpp reads the GGUF's quantized blocks as they are, and so does pdserve with
-keep_quantized_weights (its kept codes are the file's bytes for Q4_0/Q4_1/Q8_0/F16, see engine.gguf_blocks, but
-it dequantizes them into a buffer the GEMM reads again), pdserve by default and transformers on CPU read float32
-copies, pdserve with quantization="int8" one byte per matrix weight plus a bf16 scale per row, with
+stores the weights: llama.cpp reads the GGUF's quantized blocks as they are; pdserve with
+keep_quantized_weights reads the file's 4-bit codes with a bfloat16 scale and zero per 32 weights (Q4_0/Q4_1/Q4_K,
+on the int4 kernel) and 8-bit types as int8 with a scale per row (engine.quant); pdserve by default and
+transformers on CPU read float32 copies, pdserve with quantization="int8" one byte per matrix weight plus a bf16 scale per row, with
 quantization="int4" half a byte per layer weight plus a bf16 scale and offset per 32 (its LM head is int8).
 The bandwidth is that of a large tensor copy (read + write bytes), a practical ceiling for streaming reads on
 this machine.
