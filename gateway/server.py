@@ -505,11 +505,13 @@ async def _drain(parts: _Parts, grace_s: float) -> None:
     await parts.health.enter_graceful_shutdown()
     if parts.http is not None:
         await parts.http.stop_accepting()
-    stopping = asyncio.create_task(parts.server.stop(grace_s))     # refuses new RPCs from now on
+    # The server's one shutdown: it refuses new RPCs from now on and cancels what is still open after grace_s.
+    # Never a second, concurrent stop(): grpc.aio's shutdown is not safe against itself (a second call can
+    # cancel calls on a core server the first one has just destroyed: a segfault in Server.stop).
+    stopping = asyncio.create_task(parts.server.stop(grace_s))
     if not await parts.frontend.active.wait_idle(grace_s):
         log.warning("drain: %d requests still running after %.1fs; cancelling them",
                     len(parts.orchestrator.running_ids), grace_s)
-    await parts.server.stop(0)
     await stopping
     if parts.http is not None:
         await parts.http.close()
