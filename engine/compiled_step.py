@@ -130,7 +130,7 @@ def _traceable_view(model: DecoderModel) -> DecoderModel:
     wrapped: dict[int, object] = {}
 
     def wrap(linear, in_features: int):
-        if isinstance(linear, _TRACED_LINEARS):
+        if isinstance(linear, _TRACED_LINEARS) and getattr(linear, "native", None) is None:  # native: ctypes
             return linear
         if id(linear) not in wrapped:
             wrapped[id(linear)] = _OpaqueLinear(linear, in_features, model.dtype)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8", "int4")
+CPU_MATMULS = ("torch", "native")
 """Values of EngineConfig.quantization besides None."""
 
 
@@ -206,6 +207,12 @@ class EngineConfig:
     depend on the batch (offline, 4 of 32 prompts generated together differ from each alone; 2 of
     test_gateway_cluster's 36 tests fail with it as the default), a cause not found yet. The fingerprint is the checkpoint's either way.
     Hugging Face checkpoints are float either way."""
+    cpu_matmul: str = "torch"
+    """Kernels of int4 and int8 linears (and an int8 LM head) on CPU: "torch" (int4pack_mm / int8pack_mm on
+    bfloat16 activations) or "native" (kernels.cpu_matmul, compiled on first use with the system C compiler:
+    x rounded to int8 per 32 inputs as llama.cpp does, integer dot products with AVX512-VNNI / AVX2, batch
+    invariant; greedy tokens may differ slightly from torch's). Without a working compiler "native" logs one
+    warning and runs torch's kernels. Float and 16-bit weights are unaffected."""
     device: str = "cpu"
     """Torch device the model runs on ("cpu", "cuda", "cuda:1")."""
     max_model_len: int | None = None
@@ -257,6 +264,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.cpu_matmul not in CPU_MATMULS:
+            raise ValueError(f"EngineConfig.cpu_matmul must be one of {CPU_MATMULS}, got {self.cpu_matmul!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"EngineConfig.quantization must be None or one of {QUANTIZATIONS}, "
                              f"got {self.quantization!r}")

@@ -105,7 +105,8 @@ class _Layer:
 
 class DecoderModel:
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, max_position: int, quantization: str | None = None) -> None:
+                 device: torch.device, max_position: int, quantization: str | None = None,
+                 cpu_matmul: str = "torch") -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -131,7 +132,7 @@ class DecoderModel:
             if isinstance(parts[0], GPTQWeight):  # a GPTQ checkpoint's linear stays as its codes
                 weight = GPTQWeight.cat(parts, names[0]) if len(parts) > 1 else parts[0]
                 return GPTQLinear(weight, None if b is None else b.to(device, dtype), device, workspace)
-            return make_linear(cat_rows(parts), b, quant, dtype, device, workspace)
+            return make_linear(cat_rows(parts), b, quant, dtype, device, workspace, cpu_matmul)
 
         tied = c.tie_word_embeddings or "lm_head.weight" not in weights
         self.lm_head = linear("model.embed_tokens.weight" if tied else "lm_head.weight",

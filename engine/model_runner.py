@@ -89,7 +89,7 @@ class ModelRunner:
             local = shard_config(c, shards[0])
         else:
             self.model = LlamaModel(c, weights, self.dtype, self.device, max_position=max_model_len,
-                                    quantization=config.quantization)
+                                    quantization=config.quantization, cpu_matmul=config.cpu_matmul)
             self.num_blocks = num_kv_blocks_for(config, c, self.dtype, self.device)
         bytes_per_token = local.kv_bytes_per_token(self.dtype.itemsize)
         log.info("KV cache: %d bytes/token (%s%s), %d blocks of %d tokens = %d tokens, %.1f MiB",

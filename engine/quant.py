@@ -47,8 +47,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.config import QUANTIZATIONS
+from engine.config import CPU_MATMULS, QUANTIZATIONS
 from engine.fingerprint import quantized_fingerprint  # noqa: F401  (re-exported: torch-free home)
+from kernels import cpu_matmul as native_kernels
 
 INT8_MAX = 127
 
@@ -87,6 +88,11 @@ Intel host above) is what CUDA runs; tests lower this to reach it on CPU."""
 _INT8PACK_K_MULTIPLE = 16
 _INT8PACK_CPU_CAPABILITIES = ("AVX2", "AVX512")
 _INT4PACK_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs output channels in tiles of 16
+
+NATIVE_INT4_MAX_ROWS = sys.maxsize
+"""Largest batch the native int4 kernel takes (cpu_matmul="native"); larger ones dequantize into a GEMM."""
+NATIVE_INT8_MAX_ROWS = sys.maxsize
+"""Largest batch the native int8 kernel takes (cpu_matmul="native"); larger ones dequantize into a GEMM."""
 
 
 class FloatLinear:
@@ -153,7 +159,7 @@ class Int8Linear:
     """y = x @ (q * scale[:, None]).T + bias with int8 q and a per-output-channel scale (module docstring)."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 workspace: DequantWorkspace | None = None) -> None:
+                 workspace: DequantWorkspace | None = None, cpu_matmul: str = "torch") -> None:
         if qweight.dtype != torch.int8 or qweight.dim() != 2:
             raise ValueError(f"qweight must be a 2-D int8 tensor, got {qweight.dtype} {list(qweight.shape)}")
         if scale.shape != qweight.shape[:1]:
@@ -164,14 +170,17 @@ class Int8Linear:
         self.scale_bf16 = self.scale.to(torch.bfloat16)     # [out]: the same values, as int8pack_mm takes them
         self.bias = bias                                    # [out] in the model dtype, or None
         in_features = qweight.shape[1]
-        self.use_int8pack = (qweight.device.type == "cpu" and in_features % _INT8PACK_K_MULTIPLE == 0
+        self.native = _native_matmul("q8", qweight, self.scale, cpu_matmul)
+        """The native kernel (kernels.cpu_matmul) batches of up to NATIVE_INT8_MAX_ROWS rows take, or None."""
+        self.use_int8pack = (self.native is None and qweight.device.type == "cpu"
+                             and in_features % _INT8PACK_K_MULTIPLE == 0
                              and torch.backends.cpu.get_cpu_capability() in _INT8PACK_CPU_CAPABILITIES)
         self.workspace = workspace if workspace is not None else DequantWorkspace()
         self.chunk_rows = self.workspace.rows_per_chunk(in_features)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 workspace: DequantWorkspace | None = None) -> Int8Linear:
+                 workspace: DequantWorkspace | None = None, cpu_matmul: str = "torch") -> Int8Linear:
         """Quantize a float [out, in] weight on its device; `bias` is kept as given."""
         w = weight.float()
         absmax = w.abs().amax(dim=1)                                       # [out]
@@ -180,7 +189,7 @@ class Int8Linear:
         # Rounding the scale to bfloat16 may shrink it by up to 2^-9: |w| / scale stays under 127.25, which
         # rounds to 127; the clamp states the range.
         q = torch.round(w * inv[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-        return cls(q, scale, bias, workspace)
+        return cls(q, scale, bias, workspace, cpu_matmul)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: slice | torch.Tensor = slice(None),
                    out: torch.Tensor | None = None) -> torch.Tensor:
@@ -192,8 +201,14 @@ class Int8Linear:
     def _takes_int8pack(self, x: torch.Tensor) -> bool:
         return self.use_int8pack and x.shape[0] <= INT8PACK_MAX_ROWS
 
+    def _takes_native(self, x: torch.Tensor) -> bool:
+        return self.native is not None and x.shape[0] <= NATIVE_INT8_MAX_ROWS
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, in] -> [M, out] in x.dtype
+        if self._takes_native(x):
+            out = self.native(x).to(x.dtype)
+            return out if self.bias is None else out.add_(self.bias)
         if self._takes_int8pack(x):
             # Aligned loads (see _INT8PACK_K_MULTIPLE): always a fresh tensor, which the allocator aligns (a check
             # of data_ptr would stop torch.compile's graph here).
@@ -211,13 +226,14 @@ class Int8Linear:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """forward(x) in float32, as an LM head: [M, in] -> [M, out].
 
-        The int8pack path rounds its output to bfloat16, steps of 0.125 at |logit| ~ 20: logprobs would be
+        The int8pack path rounds its output to bfloat16, steps of 0.125 at |logit| ~ 20 (the native kernel rounds
+        x to int8 per 32 instead, about as coarse): logprobs would be
         coarse and near ties exact ones (argmax then takes the lower token id). So the LOGITS_EXACT_TOP_K largest
         logits of each row are recomputed in float32 from the same int8 weights and float32 x, as the GEMM path
         computes every logit: greedy picks the true maximum unless more than that many logits crowd within the
         rounding of the first."""
         out = self.forward(x).float()
-        if not self._takes_int8pack(x):
+        if not (self._takes_int8pack(x) or self._takes_native(x)):
             return out
         top = out.topk(min(LOGITS_EXACT_TOP_K, out.shape[-1]), dim=-1).indices        # [M, k]
         rows = self.dequantize(torch.float32, top.flatten()).view(*top.shape, -1)     # [M, k, in]
@@ -238,11 +254,13 @@ class Int4Linear:
     The codes are held once: on CPU in int4pack_mm's own tiled layout (`packed`), which the GEMM path unpacks
     too, so a weight takes half a byte plus one bfloat16 (scale, zero) pair per 32 inputs, a Q4_1 file's own
     size. Only where that layout is not the plain one `_int4pack_block_rows` verified (a row count that is not a
-    multiple of its block, or CUDA, which has no int4pack path) the codes are kept as `nibbles` instead (CUDA)
-    or as well (CPU)."""
+    multiple of its block, or CUDA, which has no int4pack path) the codes are kept as `nibbles` (GGML's Q4 order
+    per 32 inputs) instead (CUDA) or as well (CPU). With cpu_matmul="native" (and the kernels built) the codes
+    are only `nibbles` and the table row-major, the layout kernels.cpu_matmul reads, and batches of up to
+    NATIVE_INT4_MAX_ROWS rows run that kernel (x rounded to int8 per 32 inputs), larger ones the GEMM path."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None,
-                 workspace: DequantWorkspace | None = None) -> None:
+                 workspace: DequantWorkspace | None = None, cpu_matmul: str = "torch") -> None:
         # codes: [out, in] uint8 in [0, 15]; scale, zero: [out, in // INT4_GROUP_SIZE], rounded to bfloat16 here
         out_features, in_features = codes.shape
         groups = in_features // INT4_GROUP_SIZE
@@ -253,18 +271,30 @@ class Int4Linear:
             if t.shape != (out_features, groups):
                 raise ValueError(f"{name} must have shape {[out_features, groups]}, got {list(t.shape)}")
         self.shape = (out_features, in_features)
-        # [groups, out, 2] bfloat16 (scale, zero): the int4pack kernel's table, and the GEMM path's values.
-        self.scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
         self.bias = bias                                                         # [out] in the model dtype, or None
-        self.use_int4pack = codes.device.type == "cpu"
-        self.packed: torch.Tensor | None = None   # [out, in // 2] uint8 in the kernel's layout (CPU)
-        self.nibbles: torch.Tensor | None = None  # [out, in // 2] uint8, even input in the low nibble
+        self.packed: torch.Tensor | None = None   # [out, in // 2] uint8 in int4pack's layout (CPU)
+        self.nibbles: torch.Tensor | None = None  # [out, in // 2] uint8: per 32 inputs, j low and j + 16 high
+        self.native = None
+        """The native kernel (kernels.cpu_matmul) over `nibbles` and the row-major table, or None."""
+        if _native_wanted(codes, cpu_matmul):
+            groups_view = codes.view(out_features, groups, 2, INT4_GROUP_SIZE // 2)
+            self.nibbles = (groups_view[:, :, 0] | (groups_view[:, :, 1] << 4)).reshape(out_features, -1)
+            # [out, groups, 2] bfloat16 (scale, zero), row-major as the native kernel streams it.
+            self.scale_zero = torch.stack([scale, zero], dim=-1).to(torch.bfloat16).contiguous()
+            self.native = _native_matmul("q4", self.nibbles, self.scale_zero, cpu_matmul)
+        self.table_by_rows = self.native is not None
+        """Whether scale_zero is [out, groups, 2] (the native kernel's) rather than [groups, out, 2] (int4pack's)."""
+        if self.native is None:
+            # [groups, out, 2] bfloat16 (scale, zero): the int4pack kernel's table, and the GEMM path's values.
+            self.scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        self.use_int4pack = codes.device.type == "cpu" and self.native is None
         self.block_rows = _int4pack_block_rows() if self.use_int4pack else None
         if self.use_int4pack:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
-        if self.block_rows is None or out_features % self.block_rows:
+        if self.native is None and (self.block_rows is None or out_features % self.block_rows):
             self.block_rows = None
-            self.nibbles = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+            groups_view = codes.view(out_features, groups, 2, INT4_GROUP_SIZE // 2)
+            self.nibbles = (groups_view[:, :, 0] | (groups_view[:, :, 1] << 4)).reshape(out_features, -1)
         self.workspace = workspace if workspace is not None else DequantWorkspace()
         chunk_rows = self.workspace.rows_per_chunk(in_features)
         block = self.block_rows or 1
@@ -280,7 +310,7 @@ class Int4Linear:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 workspace: DequantWorkspace | None = None) -> Int4Linear:
+                 workspace: DequantWorkspace | None = None, cpu_matmul: str = "torch") -> Int4Linear:
         """Quantize a float [out, in] weight on its device; `bias` is kept as given."""
         out_features, in_features = weight.shape
         w = weight.float().view(out_features, in_features // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
@@ -289,11 +319,11 @@ class Int4Linear:
         zero = (lo + 8 * scale).to(torch.bfloat16).float()
         inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))      # constant group -> q = 8
         q = torch.round((w - zero[..., None]) * inv[..., None] + 8).clamp_(0, 15).to(torch.uint8)
-        return cls(q.view(out_features, in_features), scale, zero, bias, workspace)
+        return cls(q.view(out_features, in_features), scale, zero, bias, workspace, cpu_matmul)
 
     @classmethod
     def from_grouped(cls, weight: GroupedWeight, bias: torch.Tensor | None = None,
-                     workspace: DequantWorkspace | None = None) -> Int4Linear:
+                     workspace: DequantWorkspace | None = None, cpu_matmul: str = "torch") -> Int4Linear:
         """A GGUF Q4_0 / Q4_1 / Q4_K matrix (4-bit codes in groups of 32) with its own codes:
         code_bias 8, no offset (Q4_0): w = (q - 8) * d; else w = q * d + m = (q - 8) * d + (m + 8 d). The
         file's float16 d and m (float32 d * sc, -dmin * m for Q4_K) become bfloat16 scale and zero, the one
@@ -304,7 +334,7 @@ class Int4Linear:
         scale = weight.scale.float()
         base = torch.zeros_like(scale) if weight.offset is None else weight.offset.float()
         zero = base + (8 - weight.code_bias) * scale
-        return cls(weight.unpacked_codes(), scale, zero, bias, workspace)
+        return cls(weight.unpacked_codes(), scale, zero, bias, workspace, cpu_matmul)
 
     @staticmethod
     def takes(weight: PackedWeight) -> bool:
@@ -312,15 +342,21 @@ class Int4Linear:
         return (isinstance(weight, GroupedWeight) and weight.bits == 4 and weight.group_size == INT4_GROUP_SIZE
                 and Int4Linear.supports_shape(*weight.shape))
 
+    def _table(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
+        """The (scale, zero) pairs of `rows`: [r, groups, 2] bfloat16 (a view where the layout allows)."""
+        if self.table_by_rows:
+            return self.scale_zero[rows]
+        return self.scale_zero[:, rows].transpose(0, 1)
+
     @property
     def scale(self) -> torch.Tensor:
         """[out, groups] float32 (bfloat16 values)."""
-        return self.scale_zero[..., 0].t().float()
+        return self._table()[..., 0].float()
 
     @property
     def zero(self) -> torch.Tensor:
         """[out, groups] float32 (bfloat16 values)."""
-        return self.scale_zero[..., 1].t().float()
+        return self._table()[..., 1].float()
 
     def codes(self, rows: slice = slice(None), out: torch.Tensor | None = None) -> torch.Tensor:
         """The codes q (or their `rows`; a multiple of block_rows when packed) as [r, in] uint8, or written
@@ -328,11 +364,11 @@ class Int4Linear:
         out_features, in_features = self.shape
         start, stop, _ = rows.indices(out_features)
         if self.nibbles is not None:
-            nibbles = self.nibbles[start:stop]                                   # [r, in // 2]
+            nibbles = self.nibbles[start:stop].view(stop - start, -1, INT4_GROUP_SIZE // 2)  # [r, groups, 16]
             w = torch.empty(stop - start, in_features, dtype=torch.uint8, device=nibbles.device) if out is None else out
-            pairs = w.view(stop - start, -1, 2)
-            pairs[..., 0] = nibbles & 15
-            pairs[..., 1] = nibbles >> 4
+            halves = w.view(stop - start, -1, 2, INT4_GROUP_SIZE // 2)           # [r, groups, lo/hi, 16]
+            halves[:, :, 0] = nibbles & 15
+            halves[:, :, 1] = nibbles >> 4
             return w
         block = self.block_rows
         assert start % block == 0 and stop % block == 0, (rows, block)
@@ -351,13 +387,16 @@ class Int4Linear:
         start, stop, _ = rows.indices(self.shape[0])
         w = torch.empty(stop - start, self.shape[1], dtype=dtype, device=self.scale_zero.device) if out is None else out
         self.codes(rows, w)
-        table = self.scale_zero[:, start:stop].to(dtype).transpose(0, 1)        # [r, groups, 2]
+        table = self._table(slice(start, stop)).to(dtype)                      # [r, groups, 2]
         grouped = w.view(stop - start, -1, INT4_GROUP_SIZE)
         grouped.sub_(8).mul_(table[..., 0:1]).add_(table[..., 1:2])
         return w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, in] -> [M, out] in x.dtype
+        if self.native is not None and x.shape[0] <= NATIVE_INT4_MAX_ROWS:
+            out = self.native(x).to(x.dtype)
+            return out if self.bias is None else out.add_(self.bias)
         if self.use_int4pack and x.shape[0] <= INT4PACK_MAX_ROWS:
             xb = x.to(torch.bfloat16).contiguous()
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, INT4_GROUP_SIZE, self.scale_zero)
@@ -371,15 +410,15 @@ class Int4Linear:
         float32."""
         in_features = self.shape[1]
         if self.nibbles is not None:
-            nibbles = self.nibbles.index_select(0, ids)                          # [T, in // 2]
-            codes = torch.stack([nibbles & 15, nibbles >> 4], dim=-1).view(-1, in_features)
+            nibbles = self.nibbles.index_select(0, ids).view(ids.shape[0], -1, INT4_GROUP_SIZE // 2)
+            codes = torch.stack([nibbles & 15, nibbles >> 4], dim=2).view(-1, in_features)  # [T, in]
         else:
             half = self.block_rows // 2
             tiles = self.packed.view(-1, in_features, half)                      # [blocks, in, half]
             block, row = ids // self.block_rows, ids % self.block_rows
             nibbles = tiles[block, :, row % half]                               # [T, in]
             codes = torch.where((row < half)[:, None], nibbles & 15, nibbles >> 4)
-        table = self.scale_zero[:, ids].float().transpose(0, 1)                 # [T, groups, 2]
+        table = self._table(ids).float()                                       # [T, groups, 2]
         w = codes.float().view(ids.shape[0], -1, INT4_GROUP_SIZE)
         return w.sub_(8).mul_(table[..., 0:1]).add_(table[..., 1:2]).view(ids.shape[0], in_features)
 
@@ -632,15 +671,17 @@ Linear = FloatLinear | Int8Linear | Int4Linear | PackedLinear
 
 
 def make_linear(weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None, quantization: str | None,
-                dtype: torch.dtype, device: torch.device, workspace: DequantWorkspace | None = None) -> Linear:
+                dtype: torch.dtype, device: torch.device, workspace: DequantWorkspace | None = None,
+                cpu_matmul: str = "torch") -> Linear:
     """The model's linear layer over a checkpoint weight: a float one in `dtype`, a packed one (GroupedWeight,
     HalfWeight) kept packed, or either quantized from float32 (dequantizing into `workspace`, which the model's
     quantized and packed linears share). An int4 weight whose shape int4 cannot take (Int4Linear.supports_shape)
-    is stored as int8."""
+    is stored as int8. `cpu_matmul` ("torch" or "native", EngineConfig.cpu_matmul) picks the int4 / int8
+    kernels on CPU."""
     bias = None if bias is None else bias.to(device=device, dtype=dtype)
     if isinstance(weight, PackedWeight):
         if quantization in (None, "int4") and Int4Linear.takes(weight):
-            return Int4Linear.from_grouped(weight.to(device), bias, workspace)
+            return Int4Linear.from_grouped(weight.to(device), bias, workspace, cpu_matmul)
         if quantization is None and not (isinstance(weight, GroupedWeight) and weight.bits == 8):
             return PackedLinear(weight.to(device), bias, workspace)
         # 8-bit groups (Q8_0, and Q5_* / Q6_K held as int8) become int8 with one scale per row: lossy, see
@@ -650,10 +691,24 @@ def make_linear(weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None, 
     if quantization is None:
         return FloatLinear(weight.to(device=device, dtype=dtype), bias)
     if quantization == "int4" and Int4Linear.supports_shape(*weight.shape):
-        return Int4Linear.quantize(weight.to(device=device, dtype=torch.float32), bias, workspace)
+        return Int4Linear.quantize(weight.to(device=device, dtype=torch.float32), bias, workspace, cpu_matmul)
     if quantization in ("int8", "int4"):
-        return Int8Linear.quantize(weight.to(device=device, dtype=torch.float32), bias, workspace)
+        return Int8Linear.quantize(weight.to(device=device, dtype=torch.float32), bias, workspace, cpu_matmul)
     raise ValueError(f"unknown quantization {quantization!r}; expected None or one of {QUANTIZATIONS}")
+
+
+def _native_wanted(weight: torch.Tensor, choice: str) -> bool:
+    if choice not in CPU_MATMULS:
+        raise ValueError(f"cpu_matmul must be one of {CPU_MATMULS}, got {choice!r}")
+    return choice == "native" and weight.device.type == "cpu" and native_kernels.available()
+
+
+def _native_matmul(kind: str, weight: torch.Tensor, table: torch.Tensor,
+                   choice: str) -> native_kernels.NativeMatmul | None:
+    """The native kernel over a weight in its layout when `choice` asks for it and it runs here, else None."""
+    if not _native_wanted(weight, choice) or weight.shape[-1] * (2 if kind == "q4" else 1) % native_kernels.GROUP:
+        return None
+    return native_kernels.NativeMatmul(kind, weight, table)
 
 
 def lm_head_quantization(quantization: str | None) -> str | None:

@@ -16,7 +16,7 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from engine.config import DTYPES, QUANTIZATIONS, EngineConfig
+from engine.config import CPU_MATMULS, DTYPES, QUANTIZATIONS, EngineConfig
 from gateway.config import GatewayConfig
 from gateway.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from decode_worker.config import VERIFY_KV_MODES, DecodeWorkerConfig
@@ -125,6 +125,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
         _arg(g, E, "keep_quantized_weights", "keep a GGUF's quantized matrices in the file's encoding in memory, "
              "multiplied straight from its codes (about 1/5 the memory of float32 for a Q4 file, faster batch-1 "
              "decode on CPU, bfloat16 activations); the default dequantizes them to --dtype at load", action=argparse.BooleanOptionalAction),
+        _arg(g, E, "cpu_matmul", "CPU kernels of int4/int8 linears: torch (int4pack/int8pack_mm) or native "
+             "(built on first use with the system C compiler; int8 activations per 32, AVX512-VNNI/AVX2)",
+             choices=CPU_MATMULS),
         _arg(g, E, "device", "torch device: cpu, cuda, cuda:1"),
         _arg(g, E, "max_model_len", "longest prompt + completion in tokens (default: the model's)", type=int),
         _arg(g, E, "kv_cache_memory", "KV-cache budget in bytes, e.g. 512M or 2G "

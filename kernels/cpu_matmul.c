@@ -1,0 +1,400 @@
+/* Quantized CPU matmuls for engine.quant (kernels/cpu_matmul.py builds and loads this file; its docstring is the
+ * contract). Plain C11, no torch headers; one function per ISA picked at run time:
+ *   2  AVX512-VNNI (avx512f/bw/vl/dq + vnni): vpdpbusd on 64 codes at a time
+ *   1  AVX2 + FMA: maddubs / madd on 32 codes at a time
+ *   0  portable scalar
+ *
+ * Both kernels quantize each row of x to int8 per 32 inputs first (Q8_0 style, computed identically on every
+ * path): dx = absmax / 127, xq = round_half_even(x * (1 / dx)) (dx = 0: xq = 0), sumq = sum of the 32 xq.
+ *
+ * q4: W[n, 32 g + j] = q * d + m, q in [0, 15] from codes[n, 16 g + (j % 16)] (low nibble for j < 16, high
+ *     nibble for j >= 16: GGML's Q4_0 / Q4_1 block order); (d, z) a bfloat16 pair per group, sz[n, g] = d | z << 16,
+ *     m = z - 8 d (the (q - 8) * d + z form of engine.quant.Int4Linear).
+ *     y[i, n] = sum_g (d * dx) * isum + m * (dx * sumq),   isum = sum_j q * xq  (exact int32).
+ * q8: W[n, k] = w[n, k] * ws[n], w int8 in [-127, 127].
+ *     y[i, n] = ws[n] * sum_g dx * isum,   isum = sum_j w * xq  (exact int32).
+ * Only the float sums over groups differ between paths (summation order).
+ *
+ * Rows of x are independent (each is quantized and reduced on its own). Output rows are split over `nthreads`
+ * OpenMP threads (the process's libgomp: torch's own when torch is loaded); x rows are taken MT at a time per
+ * weight row, so a block of weight rows is read from memory once per call and reused from L1 for the others.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define PD_X86 1
+#else
+#define PD_X86 0
+#endif
+
+#define MT 4          /* x rows per weight pass */
+#define NB 16         /* weight rows per block (per thread work unit) */
+
+/* ------------------------------------------------------------------------------------------------ helpers */
+static inline float bf16_lo(uint32_t v) { union { uint32_t u; float f; } c = {v << 16}; return c.f; }
+static inline float bf16_hi(uint32_t v) { union { uint32_t u; float f; } c = {v & 0xFFFF0000u}; return c.f; }
+
+/* The thread-local scratch of one call (x quantized, its scales): grown, never shrunk. */
+static __thread void *scratch = NULL;
+static __thread size_t scratch_size = 0;
+
+static void *get_scratch(size_t size) {
+    if (size > scratch_size) {
+        free(scratch);
+        scratch = aligned_alloc(64, (size + 63) / 64 * 64);
+        scratch_size = scratch ? size : 0;
+    }
+    return scratch;
+}
+
+/* Quantize one group of 32 floats: writes xq[0..31] in natural order, returns dx, sets *sumq. Using dx * sumq
+ * (not the float sum of x) in the q4 offset term keeps y the exact product of W with the rounded x: measured
+ * on the default model, the float sum doubles the logit error (the offset's error no longer cancels). Same arithmetic
+ * on every path (scalar float ops; nearbyintf rounds half to even in the default rounding mode). */
+static inline float quant_group(const float *x, int8_t *xq, int32_t *sumq) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) { float a = fabsf(x[j]); amax = a > amax ? a : amax; }
+    float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t s = 0;
+    for (int j = 0; j < 32; j++) {
+        float r = nearbyintf(x[j] * id);
+        int q = (int)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
+        xq[j] = (int8_t)q;
+        s += q;
+    }
+    *sumq = s;
+    return d;
+}
+
+/* Per x row: xq [K] (layout per path), dx [G], sx = dx * sumq [G]. pair_order: the AVX512 q4 order, groups
+ * 2p, 2p+1 as [g0 0..15 | g1 0..15 | g0 16..31 | g1 16..31] (an odd last group stays natural). */
+static void quant_row(const float *x, int64_t K, int8_t *xq, float *dx, float *sx, int pair_order) {
+    int64_t G = K / 32;
+    int8_t tmp[64];
+    for (int64_t g = 0; g < G; g++) {
+        int32_t sumq;
+        int64_t p = g / 2;
+        int natural = !pair_order || (g == G - 1 && G % 2);
+        int8_t *dst = natural ? xq + 32 * g : tmp + 32 * (g % 2);
+        dx[g] = quant_group(x + 32 * g, dst, &sumq);
+        sx[g] = dx[g] * (float)sumq;
+        if (!natural && g % 2 == 1) {
+            int8_t *out = xq + 64 * p;
+            memcpy(out, tmp, 16); memcpy(out + 16, tmp + 32, 16);
+            memcpy(out + 32, tmp + 16, 16); memcpy(out + 48, tmp + 48, 16);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------ scalar */
+static void q4_scalar(const uint8_t *codes, const uint32_t *sz, const int8_t *xq, const float *dx, const float *sx,
+                      int64_t n, int64_t i, int64_t K, int64_t G, float *y) {
+    const uint8_t *c = codes + n * K / 2;
+    const uint32_t *t = sz + n * G;
+    const int8_t *xr = xq + i * K;
+    float acc = 0.0f;
+    for (int64_t g = 0; g < G; g++) {
+        int32_t isum = 0;
+        for (int j = 0; j < 16; j++) {
+            uint8_t b = c[16 * g + j];
+            isum += (b & 15) * xr[32 * g + j] + (b >> 4) * xr[32 * g + 16 + j];
+        }
+        float d = bf16_lo(t[g]), m = bf16_hi(t[g]) - 8.0f * d;
+        acc += d * dx[i * G + g] * (float)isum + m * sx[i * G + g];
+    }
+    *y = acc;
+}
+
+static void q8_scalar(const int8_t *w, const float *ws, const int8_t *xq, const float *dx, int64_t n, int64_t i,
+                      int64_t K, int64_t G, float *y) {
+    const int8_t *wr = w + n * K, *xr = xq + i * K;
+    float acc = 0.0f;
+    for (int64_t g = 0; g < G; g++) {
+        int32_t isum = 0;
+        for (int j = 0; j < 32; j++) isum += wr[32 * g + j] * xr[32 * g + j];
+        acc += dx[i * G + g] * (float)isum;
+    }
+    *y = ws[n] * acc;
+}
+
+#if PD_X86
+/* ------------------------------------------------------------------------------------------------ AVX2 */
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+
+AVX2_TARGET static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+AVX2_TARGET static void q4_avx2(const uint8_t *codes, const uint32_t *sz, const int8_t *xq, const float *dx,
+                                const float *sx, int64_t n, int64_t i, int64_t K, int64_t G, float *y) {
+    const uint8_t *c = codes + n * K / 2;
+    const uint32_t *t = sz + n * G;
+    const int8_t *xr = xq + i * K;
+    const __m256i low = _mm256_set1_epi8(15);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float bias = 0.0f;
+    for (int64_t g = 0; g < G; g++) {
+        __m128i cc = _mm_loadu_si128((const __m128i *)(c + 16 * g));
+        __m256i wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(cc, 4), cc), low);
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + 32 * g));
+        __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
+        float d = bf16_lo(t[g]), m = bf16_hi(t[g]) - 8.0f * d;
+        __m256 s = _mm256_set1_ps(d * dx[i * G + g]);
+        bias += m * sx[i * G + g];
+        if (g & 1) acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc1);
+        else acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc0);
+    }
+    *y = hsum256(_mm256_add_ps(acc0, acc1)) + bias;
+}
+
+AVX2_TARGET static void q8_avx2(const int8_t *w, const float *ws, const int8_t *xq, const float *dx, int64_t n,
+                                int64_t i, int64_t K, int64_t G, float *y) {
+    const int8_t *wr = w + n * K, *xr = xq + i * K;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m256i wv = _mm256_loadu_si256((const __m256i *)(wr + 32 * g));
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + 32 * g));
+        __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv)), ones);
+        __m256 s = _mm256_set1_ps(dx[i * G + g]);
+        if (g & 1) acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc1);
+        else acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc0);
+    }
+    *y = ws[n] * hsum256(_mm256_add_ps(acc0, acc1));
+}
+
+/* ------------------------------------------------------------------------------------------------ AVX512-VNNI */
+#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma")))
+
+/* One weight row n against x rows i0 .. i0 + R - 1 (R a compile-time constant after inlining). s: [R][Gs]
+ * scratch for d * dx. */
+VNNI_TARGET static inline __attribute__((always_inline)) void q4_vnni_rows(
+        const uint8_t *codes, const uint32_t *sz, const int8_t *xq, const float *dx, const float *sx, int64_t n,
+        int64_t i0, const int R, int64_t K, int64_t G, int64_t N, float *y, float *s, int64_t Gs) {
+    const uint8_t *c = codes + n * K / 2;
+    const uint32_t *t = sz + n * G;
+    const __m512 eight = _mm512_set1_ps(8.0f);
+    const __m512i himask = _mm512_set1_epi32((int)0xFFFF0000u);
+    float bias[MT];
+    for (int r = 0; r < R; r++) {
+        __m512 bacc = _mm512_setzero_ps();
+        for (int64_t g = 0; g < G; g += 16) {
+            __mmask16 k = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1);
+            __m512i v = _mm512_maskz_loadu_epi32(k, t + g);
+            __m512 d = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+            __m512 z = _mm512_castsi512_ps(_mm512_and_si512(v, himask));
+            __m512 m = _mm512_fnmadd_ps(eight, d, z);
+            __m512 dxv = _mm512_maskz_loadu_ps(k, dx + (i0 + r) * G + g);
+            __m512 sxv = _mm512_maskz_loadu_ps(k, sx + (i0 + r) * G + g);
+            _mm512_storeu_ps(s + r * Gs + g, _mm512_mul_ps(d, dxv));
+            bacc = _mm512_fmadd_ps(m, sxv, bacc);
+        }
+        bias[r] = _mm512_reduce_add_ps(bacc);
+    }
+    const __m512i low = _mm512_set1_epi8(15);
+    const __m512i pat = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512 acc[MT][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const int64_t P = G / 2;
+    for (int64_t p = 0; p < P; p++) {
+        __m256i cc = _mm256_loadu_si256((const __m256i *)(c + 32 * p));
+        __m512i wv = _mm512_and_si512(
+            _mm512_inserti64x4(_mm512_castsi256_si512(cc), _mm256_srli_epi16(cc, 4), 1), low);
+        for (int r = 0; r < R; r++) {
+            __m512i xv = _mm512_loadu_si512((const void *)(xq + (i0 + r) * K + 64 * p));
+            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
+            __m512 sp = _mm512_permutexvar_ps(pat, _mm512_loadu_ps(s + r * Gs + 2 * p));
+            acc[r][p & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sp, acc[r][p & 1]);
+        }
+    }
+    float tail[MT] = {0};
+    if (G % 2) {
+        int64_t g = G - 1;
+        __m128i cc = _mm_loadu_si128((const __m128i *)(c + 16 * g));
+        __m256i wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(cc, 4), cc), _mm256_set1_epi8(15));
+        for (int r = 0; r < R; r++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (i0 + r) * K + 32 * g));
+            __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv, xv);
+            tail[r] = hsum256(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s[r * Gs + g])));
+        }
+    }
+    for (int r = 0; r < R; r++)
+        y[(i0 + r) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) + tail[r] + bias[r];
+}
+
+VNNI_TARGET static void q4_vnni(const uint8_t *codes, const uint32_t *sz, const int8_t *xq, const float *dx,
+                                const float *sx, int64_t n, int64_t i0, int R, int64_t K, int64_t G, int64_t N,
+                                float *y, float *s, int64_t Gs) {
+    switch (R) {
+        case 4: q4_vnni_rows(codes, sz, xq, dx, sx, n, i0, 4, K, G, N, y, s, Gs); break;
+        case 3: q4_vnni_rows(codes, sz, xq, dx, sx, n, i0, 3, K, G, N, y, s, Gs); break;
+        case 2: q4_vnni_rows(codes, sz, xq, dx, sx, n, i0, 2, K, G, N, y, s, Gs); break;
+        default: q4_vnni_rows(codes, sz, xq, dx, sx, n, i0, 1, K, G, N, y, s, Gs); break;
+    }
+}
+
+/* q8: w ^ 0x80 = w + 128 as unsigned; vpdpbusd(corr, w + 128, xq) with corr = -128 * (sum of each 4 xq) per
+ * int32 lane gives the exact sum of w * xq. corr [M][K / 4] and dxp (dx repeated per lane, [M][K / 4]) depend
+ * on x only: computed once per call. */
+VNNI_TARGET static inline __attribute__((always_inline)) void q8_vnni_rows(
+        const int8_t *w, const float *ws, const int8_t *xq, const int32_t *corr, const float *dxp, int64_t n,
+        int64_t i0, const int R, int64_t K, int64_t N, float *y) {
+    const int8_t *wr = w + n * K;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc[MT][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const int64_t P = K / 64, Q = K / 4;
+    for (int64_t p = 0; p < P; p++) {
+        __m512i wv = _mm512_xor_si512(_mm512_loadu_si512((const void *)(wr + 64 * p)), flip);
+        for (int r = 0; r < R; r++) {
+            __m512i xv = _mm512_loadu_si512((const void *)(xq + (i0 + r) * K + 64 * p));
+            __m512i cv = _mm512_loadu_si512((const void *)(corr + (i0 + r) * Q + 16 * p));
+            __m512i dot = _mm512_dpbusd_epi32(cv, wv, xv);
+            acc[r][p & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(dxp + (i0 + r) * Q + 16 * p),
+                                            acc[r][p & 1]);
+        }
+    }
+    float tail[MT] = {0};
+    if (K % 64) {
+        int64_t o = 64 * P;
+        __m256i wv = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wr + o)), _mm256_set1_epi8((char)0x80));
+        for (int r = 0; r < R; r++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (i0 + r) * K + o));
+            __m256i cv = _mm256_loadu_si256((const __m256i *)(corr + (i0 + r) * Q + o / 4));
+            __m256i dot = _mm256_dpbusd_epi32(cv, wv, xv);
+            tail[r] = hsum256(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_loadu_ps(dxp + (i0 + r) * Q + o / 4)));
+        }
+    }
+    for (int r = 0; r < R; r++)
+        y[(i0 + r) * N + n] = ws[n] * (_mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) + tail[r]);
+}
+
+VNNI_TARGET static void q8_vnni(const int8_t *w, const float *ws, const int8_t *xq, const int32_t *corr,
+                                const float *dxp, int64_t n, int64_t i0, int R, int64_t K, int64_t N, float *y) {
+    switch (R) {
+        case 4: q8_vnni_rows(w, ws, xq, corr, dxp, n, i0, 4, K, N, y); break;
+        case 3: q8_vnni_rows(w, ws, xq, corr, dxp, n, i0, 3, K, N, y); break;
+        case 2: q8_vnni_rows(w, ws, xq, corr, dxp, n, i0, 2, K, N, y); break;
+        default: q8_vnni_rows(w, ws, xq, corr, dxp, n, i0, 1, K, N, y); break;
+    }
+}
+#endif
+
+/* ------------------------------------------------------------------------------------------------ entry points */
+/* Best ISA this CPU runs (2, 1 or 0, as above). */
+int pd_best_isa(void) {
+#if PD_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vnni"))
+        return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+#endif
+    return 0;
+}
+
+static int clamp_isa(int isa) {
+    int best = pd_best_isa();
+    return isa < 0 || isa > best ? best : isa;
+}
+
+/* Quantize the M rows of x (in parallel when there are many). Returns 0, or -1 when out of memory. */
+static int quant_rows(const float *x, int64_t M, int64_t K, int pair_order, int nthreads, int8_t **xq, float **dx,
+                      float **sx, int32_t **corr, float **dxp, size_t extra) {
+    int64_t G = K / 32;
+    size_t xq_bytes = (size_t)(M * K + 64 + 63) / 64 * 64;
+    size_t g_bytes = (size_t)(M * G + 16) * sizeof(float);
+    size_t q_bytes = corr ? (size_t)(M * (K / 4) + 16) * 4 : 0;
+    char *base = get_scratch(xq_bytes + 2 * g_bytes + 2 * q_bytes + extra);
+    if (!base) return -1;
+    *xq = (int8_t *)base;
+    *dx = (float *)(base + xq_bytes);
+    *sx = (float *)(base + xq_bytes + g_bytes);
+    if (corr) {
+        *corr = (int32_t *)(base + xq_bytes + 2 * g_bytes);
+        *dxp = (float *)(base + xq_bytes + 2 * g_bytes + q_bytes);
+    }
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && M >= 8)
+    for (int64_t i = 0; i < M; i++) {
+        quant_row(x + i * K, K, *xq + i * K, *dx + i * G, *sx + i * G, pair_order);
+        if (corr) {
+            for (int64_t q = 0; q < K / 4; q++) {
+                const int8_t *v = *xq + i * K + 4 * q;
+                (*corr)[i * (K / 4) + q] = -128 * (v[0] + v[1] + v[2] + v[3]);
+                (*dxp)[i * (K / 4) + q] = (*dx)[i * G + q / 8];
+            }
+        }
+    }
+    return 0;
+}
+
+/* y [M, N] float32 = x [M, K] float32 @ W.T for the q4 weights above (codes [N, K / 2], sz [N, K / 32]).
+ * K % 32 == 0. Returns the ISA used, or -1 when out of memory. */
+int pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint32_t *sz, int64_t N,
+                 float *y, int nthreads, int isa) {
+    isa = clamp_isa(isa);
+    int64_t G = K / 32, Gs = G + 16;
+    int8_t *xq; float *dx, *sx;
+    if (quant_rows(x, M, K, isa == 2, nthreads, &xq, &dx, &sx, NULL, NULL, 0)) return -1;
+    int64_t blocks = (N + NB - 1) / NB;
+    #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        float s[MT * Gs];  /* d * dx of the x rows in flight (AVX512 path) */
+        #pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t n1 = (b + 1) * NB < N ? (b + 1) * NB : N;
+            for (int64_t i0 = 0; i0 < M; i0 += MT) {
+                int R = M - i0 < MT ? (int)(M - i0) : MT;
+                for (int64_t n = b * NB; n < n1; n++) {
+#if PD_X86
+                    if (isa == 2) { q4_vnni(codes, sz, xq, dx, sx, n, i0, R, K, G, N, y, s, Gs); continue; }
+                    if (isa == 1) {
+                        for (int r = 0; r < R; r++) q4_avx2(codes, sz, xq, dx, sx, n, i0 + r, K, G, y + (i0 + r) * N + n);
+                        continue;
+                    }
+#endif
+                    for (int r = 0; r < R; r++) q4_scalar(codes, sz, xq, dx, sx, n, i0 + r, K, G, y + (i0 + r) * N + n);
+                }
+            }
+        }
+    }
+    return isa;
+}
+
+/* y [M, N] float32 = x [M, K] float32 @ (w * ws[:, None]).T, w int8 [N, K] in [-127, 127], K % 32 == 0.
+ * Returns the ISA used, or -1 when out of memory. */
+int pd_q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *w, const float *ws, int64_t N, float *y,
+                 int nthreads, int isa) {
+    isa = clamp_isa(isa);
+    int64_t G = K / 32;
+    int8_t *xq; float *dx, *sx; int32_t *corr = NULL; float *dxp = NULL;
+    if (quant_rows(x, M, K, 0, nthreads, &xq, &dx, &sx, isa == 2 ? &corr : NULL, &dxp, 0)) return -1;
+    int64_t blocks = (N + NB - 1) / NB;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t n1 = (b + 1) * NB < N ? (b + 1) * NB : N;
+        for (int64_t i0 = 0; i0 < M; i0 += MT) {
+            int R = M - i0 < MT ? (int)(M - i0) : MT;
+            for (int64_t n = b * NB; n < n1; n++) {
+#if PD_X86
+                if (isa == 2) { q8_vnni(w, ws, xq, corr, dxp, n, i0, R, K, N, y); continue; }
+                if (isa == 1) {
+                    for (int r = 0; r < R; r++) q8_avx2(w, ws, xq, dx, n, i0 + r, K, G, y + (i0 + r) * N + n);
+                    continue;
+                }
+#endif
+                for (int r = 0; r < R; r++) q8_scalar(w, ws, xq, dx, n, i0 + r, K, G, y + (i0 + r) * N + n);
+            }
+        }
+    }
+    return isa;
+}
