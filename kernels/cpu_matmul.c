@@ -70,22 +70,25 @@ static inline float quant_group(const float *x, int8_t *xq, int32_t *sumq) {
     return d;
 }
 
-/* Per x row: xq [K] (layout per path), dx [G], sx = dx * sumq [G]. pair_order: the AVX512 q4 order, groups
- * 2p, 2p+1 as [g0 0..15 | g1 0..15 | g0 16..31 | g1 16..31] (an odd last group stays natural). */
-static void quant_row(const float *x, int64_t K, int8_t *xq, float *dx, float *sx, int pair_order) {
+/* Per x row: xq (layout per path), dx [G], sx = dx * sumq [G]. quads = 0: natural order, K bytes. quads = 1
+ * (the AVX512 q4 path): groups 4t .. 4t + 3 as 128 bytes, [their elements 0..15 | ... | their 16..31 | ...],
+ * matching a 64-byte load of their codes split into low and high nibbles; a last, partial quad is zero-filled
+ * (quad_bytes(K) bytes in all). */
+static int64_t quad_bytes(int64_t K) { return (K / 32 + 3) / 4 * 128; }
+
+static void quant_row(const float *x, int64_t K, int8_t *xq, float *dx, float *sx, int quads) {
     int64_t G = K / 32;
-    int8_t tmp[64];
+    int8_t tmp[32];
+    if (quads) memset(xq, 0, (size_t)quad_bytes(K));
     for (int64_t g = 0; g < G; g++) {
         int32_t sumq;
-        int64_t p = g / 2;
-        int natural = !pair_order || (g == G - 1 && G % 2);
-        int8_t *dst = natural ? xq + 32 * g : tmp + 32 * (g % 2);
+        int8_t *dst = quads ? tmp : xq + 32 * g;
         dx[g] = quant_group(x + 32 * g, dst, &sumq);
         sx[g] = dx[g] * (float)sumq;
-        if (!natural && g % 2 == 1) {
-            int8_t *out = xq + 64 * p;
-            memcpy(out, tmp, 16); memcpy(out + 16, tmp + 32, 16);
-            memcpy(out + 32, tmp + 16, 16); memcpy(out + 48, tmp + 48, 16);
+        if (quads) {
+            int8_t *quad = xq + 128 * (g / 4) + 16 * (g % 4);
+            memcpy(quad, tmp, 16);
+            memcpy(quad + 64, tmp + 16, 16);
         }
     }
 }
@@ -174,70 +177,59 @@ AVX2_TARGET static void q8_avx2(const int8_t *w, const float *ws, const int8_t *
 /* ------------------------------------------------------------------------------------------------ AVX512-VNNI */
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma")))
 
-/* One weight row n against x rows i0 .. i0 + R - 1 (R a compile-time constant after inlining). s: [R][Gs]
- * scratch for d * dx. */
+/* One weight row n against x rows i0 .. i0 + R - 1 (R a compile-time constant after inlining). Four groups
+ * per step: 64 bytes of codes, low nibbles against the quad's first 64 x bytes and high nibbles against the
+ * next 64, both into one vpdpbusd sum whose 128-bit lane t holds group 4 q + t; the four d * dx are computed
+ * in a 128-bit register and spread over those lanes (no scratch stored and reloaded). */
 VNNI_TARGET static inline __attribute__((always_inline)) void q4_vnni_rows(
         const uint8_t *codes, const uint32_t *sz, const int8_t *xq, const float *dx, const float *sx, int64_t n,
-        int64_t i0, const int R, int64_t K, int64_t G, int64_t N, float *y, float *s, int64_t Gs) {
+        int64_t i0, const int R, int64_t K, int64_t G, int64_t N, float *y) {
     const uint8_t *c = codes + n * K / 2;
     const uint32_t *t = sz + n * G;
-    const __m512 eight = _mm512_set1_ps(8.0f);
-    const __m512i himask = _mm512_set1_epi32((int)0xFFFF0000u);
-    float bias[MT];
-    for (int r = 0; r < R; r++) {
-        __m512 bacc = _mm512_setzero_ps();
-        for (int64_t g = 0; g < G; g += 16) {
-            __mmask16 k = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1);
-            __m512i v = _mm512_maskz_loadu_epi32(k, t + g);
-            __m512 d = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-            __m512 z = _mm512_castsi512_ps(_mm512_and_si512(v, himask));
-            __m512 m = _mm512_fnmadd_ps(eight, d, z);
-            __m512 dxv = _mm512_maskz_loadu_ps(k, dx + (i0 + r) * G + g);
-            __m512 sxv = _mm512_maskz_loadu_ps(k, sx + (i0 + r) * G + g);
-            _mm512_storeu_ps(s + r * Gs + g, _mm512_mul_ps(d, dxv));
-            bacc = _mm512_fmadd_ps(m, sxv, bacc);
-        }
-        bias[r] = _mm512_reduce_add_ps(bacc);
-    }
     const __m512i low = _mm512_set1_epi8(15);
-    const __m512i pat = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m512i pat = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m128 eight = _mm_set1_ps(8.0f);
+    const __m128i himask = _mm_set1_epi32((int)0xFFFF0000u);
     __m512 acc[MT][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const int64_t P = G / 2;
-    for (int64_t p = 0; p < P; p++) {
-        __m256i cc = _mm256_loadu_si256((const __m256i *)(c + 32 * p));
-        __m512i wv = _mm512_and_si512(
-            _mm512_inserti64x4(_mm512_castsi256_si512(cc), _mm256_srli_epi16(cc, 4), 1), low);
+    __m128 bias[MT];
+    for (int r = 0; r < R; r++) { acc[r][0] = acc[r][1] = _mm512_setzero_ps(); bias[r] = _mm_setzero_ps(); }
+    const int64_t Q = (G + 3) / 4, XS = quad_bytes(K);
+    for (int64_t q = 0; q < Q; q++) {
+        const int full = 4 * q + 4 <= G;
+        const __mmask8 k4 = full ? 0xF : (__mmask8)((1u << (G - 4 * q)) - 1);
+        __m512i cc = full ? _mm512_loadu_si512((const void *)(c + 64 * q))
+                          : _mm512_maskz_loadu_epi8((1ull << (16 * (G - 4 * q))) - 1, c + 64 * q);
+        __m512i lo = _mm512_and_si512(cc, low), hi = _mm512_and_si512(_mm512_srli_epi16(cc, 4), low);
+        __m128i v = _mm_maskz_loadu_epi32(k4, t + 4 * q);
+        __m128 d = _mm_castsi128_ps(_mm_slli_epi32(v, 16));
+        __m128 m = _mm_fnmadd_ps(eight, d, _mm_castsi128_ps(_mm_and_si128(v, himask)));
         for (int r = 0; r < R; r++) {
-            __m512i xv = _mm512_loadu_si512((const void *)(xq + (i0 + r) * K + 64 * p));
-            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
-            __m512 sp = _mm512_permutexvar_ps(pat, _mm512_loadu_ps(s + r * Gs + 2 * p));
-            acc[r][p & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sp, acc[r][p & 1]);
+            const int8_t *xv = xq + (i0 + r) * XS + 128 * q;
+            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)xv));
+            dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512((const void *)(xv + 64)));
+            __m128 s4 = _mm_mul_ps(d, _mm_maskz_loadu_ps(k4, dx + (i0 + r) * G + 4 * q));
+            bias[r] = _mm_fmadd_ps(m, _mm_maskz_loadu_ps(k4, sx + (i0 + r) * G + 4 * q), bias[r]);
+            __m512 sp = _mm512_permutexvar_ps(pat, _mm512_castps128_ps512(s4));
+            acc[r][q & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sp, acc[r][q & 1]);
         }
     }
-    float tail[MT] = {0};
-    if (G % 2) {
-        int64_t g = G - 1;
-        __m128i cc = _mm_loadu_si128((const __m128i *)(c + 16 * g));
-        __m256i wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(cc, 4), cc), _mm256_set1_epi8(15));
-        for (int r = 0; r < R; r++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (i0 + r) * K + 32 * g));
-            __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wv, xv);
-            tail[r] = hsum256(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s[r * Gs + g])));
-        }
+    for (int r = 0; r < R; r++) {
+        __m512 a = _mm512_add_ps(acc[r][0], acc[r][1]);
+        __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+        __m128 b = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), bias[r]);
+        b = _mm_add_ps(b, _mm_movehl_ps(b, b));
+        y[(i0 + r) * N + n] = _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
     }
-    for (int r = 0; r < R; r++)
-        y[(i0 + r) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) + tail[r] + bias[r];
 }
 
 VNNI_TARGET static void q4_vnni(const uint8_t *codes, const uint32_t *sz, const int8_t *xq, const float *dx,
                                 const float *sx, int64_t n, int64_t i0, int R, int64_t K, int64_t G, int64_t N,
-                                float *y, float *s, int64_t Gs) {
+                                float *y) {
     switch (R) {
-        case 4: q4_vnni_rows(codes, sz, xq, dx, sx, n, i0, 4, K, G, N, y, s, Gs); break;
-        case 3: q4_vnni_rows(codes, sz, xq, dx, sx, n, i0, 3, K, G, N, y, s, Gs); break;
-        case 2: q4_vnni_rows(codes, sz, xq, dx, sx, n, i0, 2, K, G, N, y, s, Gs); break;
-        default: q4_vnni_rows(codes, sz, xq, dx, sx, n, i0, 1, K, G, N, y, s, Gs); break;
+        case 4: q4_vnni_rows(codes, sz, xq, dx, sx, n, i0, 4, K, G, N, y); break;
+        case 3: q4_vnni_rows(codes, sz, xq, dx, sx, n, i0, 3, K, G, N, y); break;
+        case 2: q4_vnni_rows(codes, sz, xq, dx, sx, n, i0, 2, K, G, N, y); break;
+        default: q4_vnni_rows(codes, sz, xq, dx, sx, n, i0, 1, K, G, N, y); break;
     }
 }
 
@@ -308,10 +300,10 @@ static int clamp_isa(int isa) {
 }
 
 /* Quantize the M rows of x (in parallel when there are many). Returns 0, or -1 when out of memory. */
-static int quant_rows(const float *x, int64_t M, int64_t K, int pair_order, int nthreads, int8_t **xq, float **dx,
+static int quant_rows(const float *x, int64_t M, int64_t K, int quads, int nthreads, int8_t **xq, float **dx,
                       float **sx, int32_t **corr, float **dxp, size_t extra) {
-    int64_t G = K / 32;
-    size_t xq_bytes = (size_t)(M * K + 64 + 63) / 64 * 64;
+    int64_t G = K / 32, XS = quads ? quad_bytes(K) : K;
+    size_t xq_bytes = (size_t)(M * XS + 64 + 63) / 64 * 64;
     size_t g_bytes = (size_t)(M * G + 16) * sizeof(float);
     size_t q_bytes = corr ? (size_t)(M * (K / 4) + 16) * 4 : 0;
     char *base = get_scratch(xq_bytes + 2 * g_bytes + 2 * q_bytes + extra);
@@ -325,7 +317,7 @@ static int quant_rows(const float *x, int64_t M, int64_t K, int pair_order, int 
     }
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && M >= 8)
     for (int64_t i = 0; i < M; i++) {
-        quant_row(x + i * K, K, *xq + i * K, *dx + i * G, *sx + i * G, pair_order);
+        quant_row(x + i * K, K, *xq + i * XS, *dx + i * G, *sx + i * G, quads);
         if (corr) {
             for (int64_t q = 0; q < K / 4; q++) {
                 const int8_t *v = *xq + i * K + 4 * q;
@@ -342,13 +334,12 @@ static int quant_rows(const float *x, int64_t M, int64_t K, int pair_order, int 
 int pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint32_t *sz, int64_t N,
                  float *y, int nthreads, int isa) {
     isa = clamp_isa(isa);
-    int64_t G = K / 32, Gs = G + 16;
+    int64_t G = K / 32;
     int8_t *xq; float *dx, *sx;
     if (quant_rows(x, M, K, isa == 2, nthreads, &xq, &dx, &sx, NULL, NULL, 0)) return -1;
     int64_t blocks = (N + NB - 1) / NB;
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-        float s[MT * Gs];  /* d * dx of the x rows in flight (AVX512 path) */
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             int64_t n1 = (b + 1) * NB < N ? (b + 1) * NB : N;
@@ -356,7 +347,7 @@ int pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes, con
                 int R = M - i0 < MT ? (int)(M - i0) : MT;
                 for (int64_t n = b * NB; n < n1; n++) {
 #if PD_X86
-                    if (isa == 2) { q4_vnni(codes, sz, xq, dx, sx, n, i0, R, K, G, N, y, s, Gs); continue; }
+                    if (isa == 2) { q4_vnni(codes, sz, xq, dx, sx, n, i0, R, K, G, N, y); continue; }
                     if (isa == 1) {
                         for (int r = 0; r < R; r++) q4_avx2(codes, sz, xq, dx, sx, n, i0 + r, K, G, y + (i0 + r) * N + n);
                         continue;
