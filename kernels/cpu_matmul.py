@@ -150,7 +150,7 @@ class NativeMatmul:
         if x.dim() != 2 or x.shape[1] != self.in_features or x.device.type != "cpu":
             raise ValueError(f"x must be a CPU [M, {self.in_features}] tensor, got {x.device} {list(x.shape)}")
         if x.dtype != torch.float32 or not x.is_contiguous():
-            x = x.to(torch.float32, memory_format=torch.contiguous_format)
+            x = x.to(torch.float32).contiguous()  # (`to` alone returns a float32 x as it is, strides and all)
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         if x.shape[0] and self._fn(x.data_ptr(), x.shape[0], self.in_features, self._ptrs[0], self._ptrs[1],
                                    self.out_features, y.data_ptr(), nthreads or torch.get_num_threads(),
