@@ -3,6 +3,11 @@ compiled decode step (engine.compiled_step) saves against the eager one.
 
     python bench/bench_decode_step.py [--threads 2] [--tokens 64] [--out bench/results/decode_step.md]
         [--compiled-batch-sizes 1,32] [--quantizations float32,int8,int4] [--repeats 30] [--no-breakdown]
+        [--eager-only] [--llama-server PATH]
+
+Encodings: float32, int8, int4, and int8-native / int4-native (the same with EngineConfig.cpu_matmul="native",
+kernels.cpu_matmul). --eager-only skips compiling: the table then has the eager steps only, each batch-1 row
+as a ratio to llama-server's (measured before and after pdserve's rows, the best of both).
 
 Compiled table: one engine per weight encoding, compiled for each of --compiled-batch-sizes at start-up (the
 seconds are reported); then, per batch size, a decode step of that many sequences at a 128-token context is run
@@ -51,7 +56,10 @@ from pdserve.bench.roofline import copy_bandwidth, cpu_model
 from pdserve.cli_args import parse_int_list
 
 KERNELS = ("rms_norm", "rotary_embedding", "write_kv", "paged_attention")
-QUANTIZATIONS = {"float32": None, "int8": "int8", "int4": "int4"}
+ENCODINGS = {"float32": {}, "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
+             "int8-native": {"quantization": "int8", "cpu_matmul": "native"},
+             "int4-native": {"quantization": "int4", "cpu_matmul": "native"}}
+"""Weight encodings by label: LLM keyword arguments (-native: EngineConfig.cpu_matmul="native")."""
 
 
 class Timers:
@@ -78,8 +86,8 @@ class Timers:
         setattr(owner, name, timed)
 
 
-def measure(quantization: str | None, num_tokens: int, timers: Timers) -> dict[str, float]:
-    llm = LLM(progress=False, quantization=quantization)
+def measure(encoding: dict, num_tokens: int, timers: Timers) -> dict[str, float]:
+    llm = LLM(progress=False, **encoding)
     ids = llm.tokenizer.encode(PROMPT)
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
     llm.generate([ids], params)  # warm-up
@@ -108,22 +116,25 @@ def decode_batch(num_seqs: int, block_size: int, context: int = CONTEXT_TOKENS) 
                      tables, [context] * num_seqs, list(range(num_seqs + 1)), list(range(num_seqs)))
 
 
-def compare_compiled(quantization: str | None, batch_sizes: tuple[int, ...], repeats: int,
-                     bandwidth: float) -> list[dict]:
-    """Rows of the compiled table for one weight encoding (module docstring)."""
+def compare_compiled(label: str, batch_sizes: tuple[int, ...], repeats: int, bandwidth: float,
+                     compiled: bool = True) -> list[dict]:
+    """Rows of the compiled table for one weight encoding (module docstring); eager steps only when not
+    `compiled` (no compile at start-up)."""
     start = time.perf_counter()
-    llm = LLM(progress=False, quantization=quantization, compile_decode=True, compile_batch_sizes=batch_sizes,
+    llm = LLM(progress=False, **ENCODINGS[label], compile_decode=compiled, compile_batch_sizes=batch_sizes,
               max_num_seqs=max(batch_sizes), num_kv_blocks=max(batch_sizes) * (CONTEXT_TOKENS // 16 + 1) + 8)
     build_s = time.perf_counter() - start
     runner = llm.engine.runner
     weight_bytes = runner.model.decode_weight_bytes()
+    modes = ("compiled", "eager") if compiled else ("eager",)
     rows = []
     for n in batch_sizes:
         batch = decode_batch(n, runner.block_size)
-        cpu: dict[str, list[float]] = {"compiled": [], "eager": []}
-        wall: dict[str, list[float]] = {"compiled": [], "eager": []}
+        cpu: dict[str, list[float]] = {mode: [] for mode in modes}
+        wall: dict[str, list[float]] = {mode: [] for mode in modes}
+        eager_logits = compiled_logits = None
         for _ in range(repeats):
-            for mode in ("compiled", "eager"):
+            for mode in modes:
                 t0, w0 = time.thread_time(), time.perf_counter()
                 if mode == "compiled":
                     compiled_logits = runner.compiled.run(batch)
@@ -132,12 +143,12 @@ def compare_compiled(quantization: str | None, batch_sizes: tuple[int, ...], rep
                 cpu[mode].append(time.thread_time() - t0)
                 wall[mode].append(time.perf_counter() - w0)
         roofline_step_ms = weight_bytes / bandwidth * 1e3
-        row = {"weights": quantization or "float32", "batch": n, "compile_s": runner.compiled.compile_seconds,
-               "build_s": build_s, "same_greedy": bool(torch.equal(compiled_logits.argmax(-1),
-                                                                  eager_logits.argmax(-1))),
-               "max_logit_diff": float((compiled_logits - eager_logits).abs().max()),
-               "roofline_ms_per_token": roofline_step_ms / n}
-        for mode in ("compiled", "eager"):
+        row = {"weights": label, "batch": n, "build_s": build_s, "roofline_ms_per_token": roofline_step_ms / n}
+        if compiled:
+            row.update(compile_s=runner.compiled.compile_seconds,
+                       same_greedy=bool(torch.equal(compiled_logits.argmax(-1), eager_logits.argmax(-1))),
+                       max_logit_diff=float((compiled_logits - eager_logits).abs().max()))
+        for mode in modes:
             best, median = min(cpu[mode]) * 1e3 / n, statistics.median(cpu[mode]) * 1e3 / n
             row[mode] = {"ms_per_token_best": best, "ms_per_token_median": median,
                          "wall_ms_per_token_best": min(wall[mode]) * 1e3 / n,
@@ -164,6 +175,30 @@ def llama_server_ms_per_token(binary: str, threads: int, token_ids: list[int], n
             with urllib.request.urlopen(request, timeout=600) as response:
                 best = min(best, json.load(response)["timings"]["predicted_per_token_ms"])
     return best
+
+
+def eager_table(rows: list[dict], args, bandwidth: float, llama_ms: float | None) -> str:
+    """--eager-only: eager steps per encoding and batch size, as ratios to llama-server's batch-1 step."""
+    lines = [(f"### Eager decode step, ms per token ({datetime.date.today()}, {cpu_model()}, {args.threads} threads, "
+              f"torch {torch.__version__}, SmolLM2-135M, {CONTEXT_TOKENS}-token context, copy bandwidth "
+              f"{bandwidth / 1e9:.1f} GB/s, load average {os.getloadavg()[0]:.1f})"), "",
+             (f"Command: `python bench/bench_decode_step.py --eager-only --threads {args.threads} "
+              f"--compiled-batch-sizes {','.join(map(str, args.compiled_batch_sizes))} --quantizations "
+              f"{','.join(args.quantizations)} --repeats {args.repeats}"
+              + (" --llama-server PATH`" if llama_ms is not None else "`")), "",
+             "| weights | batch | best (median) | wall best | % roofline | roofline | wall / llama-server batch 1 |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        e = r["eager"]
+        ratio = f"{e['wall_ms_per_token_best'] / llama_ms:.2f}x" if llama_ms and r["batch"] == 1 else "-"
+        lines.append(f"| {r['weights']} | {r['batch']} | {e['ms_per_token_best']:.2f} ({e['ms_per_token_median']:.2f}) "
+                     f"| {e['wall_ms_per_token_best']:.2f} | {e['roofline_pct']:.0f}% | {r['roofline_ms_per_token']:.2f} "
+                     f"| {ratio} |")
+    if llama_ms is not None:
+        lines += ["", (f"llama-server (same GGUF, {args.threads} threads, batch 1, {args.tokens} tokens, best of "
+                       f"2 x {args.repeats // 5 + 1} requests before and after the rows above, its own "
+                       f"predicted_per_token_ms): {llama_ms:.2f} ms per token.")]
+    return "\n".join(lines) + "\n"
 
 
 def compiled_table(rows: list[dict], args, bandwidth: float, llama_ms: float | None) -> str:
@@ -199,16 +234,18 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/decode_step.md")
     parser.add_argument("--compiled-batch-sizes", type=parse_int_list, default=(1, 32),
                         help="batch sizes of the compiled table (each compiled at start-up)")
-    parser.add_argument("--quantizations", type=lambda t: t.split(","), default=list(QUANTIZATIONS),
-                        help="weight encodings of the compiled table, e.g. int4 or float32,int8,int4")
+    parser.add_argument("--quantizations", type=lambda t: t.split(","), default=["float32", "int8", "int4"],
+                        help=f"weight encodings of the compiled table, of {', '.join(ENCODINGS)}")
+    parser.add_argument("--eager-only", action="store_true",
+                        help="no compiled graphs: eager steps only (seconds instead of minutes per encoding)")
     parser.add_argument("--repeats", type=int, default=30, help="interleaved steps per row of the compiled table")
     parser.add_argument("--llama-server", help="llama-server binary or build directory: a batch-1 peer row")
     parser.add_argument("--no-breakdown", dest="breakdown", action="store_false",
                         help="skip the per-op breakdown table")
     args = parser.parse_args()
     for name in args.quantizations:
-        if name not in QUANTIZATIONS:
-            parser.error(f"--quantizations: {name!r} is not one of {', '.join(QUANTIZATIONS)}")
+        if name not in ENCODINGS:
+            parser.error(f"--quantizations: {name!r} is not one of {', '.join(ENCODINGS)}")
 
     texts: list[str] = []
     compiled_rows: list[dict] = []
@@ -216,23 +253,29 @@ def main() -> None:
     def run_compiled() -> None:  # before the breakdown's timers wrap the kernels (the compiler would trace them)
         torch.set_num_threads(args.threads)
         bandwidth = copy_bandwidth(2**28)
-        for name in args.quantizations:
-            compiled_rows.extend(compare_compiled(QUANTIZATIONS[name], args.compiled_batch_sizes, args.repeats,
-                                                  bandwidth))
         llama_ms = None
+        ids = LLM(progress=False, num_kv_blocks=8).tokenizer.encode(PROMPT)
+
+        def peer() -> float:
+            return llama_server_ms_per_token(args.llama_server, args.threads, ids, args.tokens, args.repeats // 5 + 1)
+
+        if args.llama_server:  # before and after pdserve's rows (a noisy machine drifts): the best of both
+            llama_ms = peer()
+        for name in args.quantizations:
+            compiled_rows.extend(compare_compiled(name, args.compiled_batch_sizes, args.repeats, bandwidth,
+                                                  compiled=not args.eager_only))
         if args.llama_server:
-            ids = LLM(progress=False, num_kv_blocks=8).tokenizer.encode(PROMPT)
-            llama_ms = llama_server_ms_per_token(args.llama_server, args.threads, ids, args.tokens,
-                                                 args.repeats // 5 + 1)
-        texts.append(compiled_table(compiled_rows, args, bandwidth, llama_ms))
+            llama_ms = min(llama_ms, peer())
+        table = eager_table if args.eager_only else compiled_table
+        texts.append(table(compiled_rows, args, bandwidth, llama_ms))
         print(texts[-1], flush=True)
 
     thread = threading.Thread(target=run_compiled)
     thread.start()
     thread.join()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).with_name("decode_step_compiled.json").write_text(json.dumps(
-        {"cpu": cpu_model(), "threads": args.threads, "rows": compiled_rows}, indent=1))
+    Path(args.out).with_name("decode_step_eager.json" if args.eager_only else "decode_step_compiled.json").write_text(
+        json.dumps({"cpu": cpu_model(), "threads": args.threads, "rows": compiled_rows}, indent=1))
     if not args.breakdown:
         Path(args.out).write_text("\n".join(texts))
         return
@@ -249,8 +292,8 @@ def main() -> None:
 
     def run() -> None:  # one thread builds and steps each engine, as engine.engine_loop's workers do
         torch.set_num_threads(args.threads)
-        for label, quantization in QUANTIZATIONS.items():
-            results[label] = measure(quantization, args.tokens, timers)
+        for label in args.quantizations:
+            results[label] = measure(ENCODINGS[label], args.tokens, timers)
 
     thread = threading.Thread(target=run)
     thread.start()

@@ -258,9 +258,13 @@ def _time_rotating(copies: list, call: str, x: torch.Tensor, repeats: int) -> fl
     return _cpu_ms(next_copy, max(repeats, 2 * len(copies)))
 
 
-def bench_cpu_matmuls(repeats: int) -> dict:
-    """Batch-1 float32 / int8 / int4 linears of SmolLM2-135M on CPU, GB/s against copy and read bandwidth."""
+def bench_cpu_matmuls(repeats: int, batch_rows: tuple[int, ...] = (1,)) -> dict:
+    """Float32 / int8 / int4 linears of SmolLM2-135M on CPU (torch's kernels and the native ones,
+    kernels.cpu_matmul), GB/s against copy and read bandwidth, at each number of rows of x in `batch_rows`."""
+    import functools
+
     from engine import quant
+    from kernels import cpu_matmul
     from pdserve.bench.roofline import copy_bandwidth, cpu_model
 
     copy_gbs = copy_bandwidth(2**28) / 1e9
@@ -269,17 +273,23 @@ def bench_cpu_matmuls(repeats: int) -> dict:
     g = torch.Generator().manual_seed(0)
     kinds = {"float32 (F.linear)": quant.FloatLinear, "int8 (int8pack_mm)": quant.Int8Linear.quantize,
              "int4 (int4pack_mm)": quant.Int4Linear.quantize}
+    if cpu_matmul.available():
+        isa = cpu_matmul.ISA_NAMES[cpu_matmul.best_isa()]
+        kinds[f"int8 (native, {isa})"] = functools.partial(quant.Int8Linear.quantize, cpu_matmul="native")
+        kinds[f"int4 (native, {isa})"] = functools.partial(quant.Int4Linear.quantize, cpu_matmul="native")
     rows = []
     with torch.inference_mode():
         for kind, make in kinds.items():
             layers = [[make(torch.randn(shape, generator=g) * 0.02) for shape in SMOLLM2_LINEARS.values()]
                       for _ in range(SMOLLM2_LAYERS)]
-            xs = {k: torch.randn(1, k, generator=g) for k in {shape[1] for shape in SMOLLM2_LINEARS.values()}}
             nbytes = sum(lin.nbytes for layer in layers for lin in layer)
-            ms = _time_layers(layers, xs, repeats)
-            rows.append({"matmuls": f"30 layers x 4 linears, {kind}", "weight_mib": nbytes / 2**20, "ms": ms,
-                         "gbs": nbytes / (ms * 1e6)})
-            print("cpu matmuls", rows[-1], flush=True)
+            for m in batch_rows:
+                xs = {k: torch.randn(m, k, generator=g) for k in {shape[1] for shape in SMOLLM2_LINEARS.values()}}
+                ms = _time_layers(layers, xs, repeats if m < 64 else max(3, repeats // 5))
+                rows.append({"matmuls": f"30 layers x 4 linears, {kind}", "m": m, "weight_mib": nbytes / 2**20,
+                             "ms": ms, "gbs": nbytes / (ms * 1e6)})
+                print("cpu matmuls", rows[-1], flush=True)
+            del layers
         x = torch.randn(1, SMOLLM2_HEAD[1], generator=g)
         for kind, make in kinds.items():
             head = make(torch.randn(SMOLLM2_HEAD, generator=g) * 0.02)
@@ -287,7 +297,7 @@ def bench_cpu_matmuls(repeats: int) -> dict:
                                for _ in range(max(0, -(-(96 << 20) // head.nbytes) - 1))]  # > 96 MiB in all
             call = "logits" if hasattr(head, "logits") else "forward"
             ms = _time_rotating(copies, call, x, repeats)
-            rows.append({"matmuls": f"LM head 49152x576 `{call}`, {kind}", "weight_mib": head.nbytes / 2**20,
+            rows.append({"matmuls": f"LM head 49152x576 `{call}`, {kind}", "m": 1, "weight_mib": head.nbytes / 2**20,
                          "ms": ms, "gbs": head.nbytes / (ms * 1e6)})
             print("cpu matmuls", rows[-1], flush=True)
     for row in rows:
@@ -295,7 +305,7 @@ def bench_cpu_matmuls(repeats: int) -> dict:
         row["pct_of_read"] = 100 * row["gbs"] / read_gbs
     return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "capability": torch.backends.cpu.get_cpu_capability(), "copy_gbs": copy_gbs, "read_gbs": read_gbs,
-            "repeats": repeats, "rows": rows}
+            "repeats": repeats, "batch_rows": list(batch_rows), "rows": rows}
 
 
 def lin_in(lin) -> int:
@@ -305,13 +315,13 @@ def lin_in(lin) -> int:
 
 
 def cpu_matmuls_report(result: dict) -> str:
-    return (f"### Batch-1 matmuls on CPU ({datetime.datetime.now(datetime.UTC):%Y-%m-%d}, {result['cpu']}, "
+    return (f"### Matmuls on CPU ({datetime.datetime.now(datetime.UTC):%Y-%m-%d}, {result['cpu']}, "
             f"{result['threads']} threads, torch {result['torch']}, {result['capability']})\n\n"
-            f"Command: `python bench/bench_kernels.py --cpu-matmuls --threads {result['threads']}`. Copy {result['copy_gbs']:.1f} GB/s (read + "
+            f"Command: `python bench/bench_kernels.py --cpu-matmuls --threads {result['threads']} --rows {','.join(map(str, result['batch_rows']))}`. Copy {result['copy_gbs']:.1f} GB/s (read + "
             f"write), read-only sweep {result['read_gbs']:.1f} GB/s; median of {result['repeats']} passes.\n\n"
-            + _table(["matmuls (M = 1)", "weight MiB", "ms", "GB/s", "% of copy", "% of read"],
-                     [[r["matmuls"], _fmt(r["weight_mib"]), _fmt(r["ms"], 2), _fmt(r["gbs"]), _fmt(r["pct_of_copy"], 0),
-                       _fmt(r["pct_of_read"], 0)] for r in result["rows"]]) + "\n")
+            + _table(["matmuls", "M", "weight MiB", "ms", "GB/s", "% of copy", "% of read"],
+                     [[r["matmuls"], str(r["m"]), _fmt(r["weight_mib"]), _fmt(r["ms"], 2), _fmt(r["gbs"]),
+                       _fmt(r["pct_of_copy"], 0), _fmt(r["pct_of_read"], 0)] for r in result["rows"]]) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-matmuls", action="store_true", help="batch-1 float32/int8/int4 linears on CPU instead")
     parser.add_argument("--repeats", type=int, default=20, help="--cpu-matmuls: timed passes per row")
     parser.add_argument("--threads", type=int, default=None, help="--cpu-matmuls: torch threads (default: torch's)")
+    parser.add_argument("--rows", default="1", help="--cpu-matmuls: rows of x of the layer matmuls, e.g. 1,32,512")
     args = parser.parse_args(argv)
 
     if args.cpu_matmuls:
@@ -331,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
 
-        result = bench_cpu_matmuls(args.repeats)
+        result = bench_cpu_matmuls(args.repeats, tuple(int(m) for m in args.rows.split(",")))
         report = cpu_matmuls_report(result)
         print("\n" + report)
         base = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench/results"
