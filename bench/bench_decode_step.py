@@ -302,7 +302,8 @@ def main() -> None:
     columns = ["step", "linear layers", "LM head", *KERNELS, "other"]
     lines = [f"### Batch-1 decode step, ms per token ({datetime.date.today()}, {platform.machine()}, "
              f"{args.threads} threads, torch {torch.__version__}, SmolLM2-135M)", "",
-             f"Command: `python bench/bench_decode_step.py --threads {args.threads} --tokens {args.tokens}`", "",
+             (f"Command: `python bench/bench_decode_step.py --threads {args.threads} --tokens {args.tokens} "
+              f"--quantizations {','.join(args.quantizations)}`"), "",
              "| weights | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
     for label, row in results.items():
         lines.append(f"| {label} | " + " | ".join(f"{row.get(c, 0.0):.1f}" for c in columns) + " |")
