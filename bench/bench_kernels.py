@@ -14,6 +14,8 @@ so and exits 0. `--smoke` runs tiny shapes on CPU through the torch reference to
 `--cpu-matmuls` instead measures, on CPU, the batch-1 matmuls engine.quant runs (issues 15 and 16): every linear of
 SmolLM2-135M's 30 layers (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536) in one pass, and the
 49152x576 LM head, as float32 (F.linear), int8 (Int8Linear: int8pack_mm) and int4 (Int4Linear: int4pack_mm),
+and, where kernels.cpu_matmul builds, int8 and int4 on the native kernels (cpu_matmul="native"); every kind over
+the same weights, timed in interleaved rounds; `--rows 1,32,512` repeats the layer pass at those rows of x;
 each at GB/s = weight bytes read / time and as a % of a large tensor copy (read + write bytes,
 pdserve.bench.roofline.copy_bandwidth) and of a read-only sweep (a float32 sum); the LM head rotates over
 copies whose bytes exceed the last-level cache. Writes bench/results/cpu_matmuls.md and .json (or under $OUT).
@@ -239,23 +241,39 @@ def _cpu_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _time_layers(layers: list, xs: dict, repeats: int) -> float:
-    def all_layers() -> None:
-        for layer in layers:
-            for lin in layer:
-                lin.forward(xs[lin_in(lin)])
-
-    return _cpu_ms(all_layers, repeats)
+def _all_layers(layers: list, xs: dict) -> None:
+    for layer in layers:
+        for lin in layer:
+            lin.forward(xs[lin_in(lin)])
 
 
-def _time_rotating(copies: list, call: str, x: torch.Tensor, repeats: int) -> float:
+def _rotating(copies: list, call: str, x: torch.Tensor):
     state = {"i": 0}
 
     def next_copy() -> None:
         state["i"] = (state["i"] + 1) % len(copies)
         getattr(copies[state["i"]], call)(x)
 
-    return _cpu_ms(next_copy, max(repeats, 2 * len(copies)))
+    return next_copy
+
+
+def _interleaved(fns: dict, repeats: int) -> dict[str, list[float]]:
+    """ms of each call, one warm-up and then `repeats` rounds calling every fn once per round."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def _row(name: str, m: int, nbytes: int, times: list[float]) -> dict:
+    best = min(times)
+    return {"matmuls": name, "m": m, "weight_mib": nbytes / 2**20, "ms": statistics.median(times), "best_ms": best,
+            "gbs": nbytes / (best * 1e6)}
 
 
 def bench_cpu_matmuls(repeats: int, batch_rows: tuple[int, ...] = (1,)) -> dict:
@@ -279,26 +297,31 @@ def bench_cpu_matmuls(repeats: int, batch_rows: tuple[int, ...] = (1,)) -> dict:
         kinds[f"int4 (native, {isa})"] = functools.partial(quant.Int4Linear.quantize, cpu_matmul="native")
     rows = []
     with torch.inference_mode():
-        for kind, make in kinds.items():
-            layers = [[make(torch.randn(shape, generator=g) * 0.02) for shape in SMOLLM2_LINEARS.values()]
-                      for _ in range(SMOLLM2_LAYERS)]
-            nbytes = sum(lin.nbytes for layer in layers for lin in layer)
-            for m in batch_rows:
-                xs = {k: torch.randn(m, k, generator=g) for k in {shape[1] for shape in SMOLLM2_LINEARS.values()}}
-                ms = _time_layers(layers, xs, repeats if m < 64 else max(3, repeats // 5))
-                rows.append({"matmuls": f"30 layers x 4 linears, {kind}", "m": m, "weight_mib": nbytes / 2**20,
-                             "ms": ms, "gbs": nbytes / (ms * 1e6)})
+        # Every kind over the same weights, timed in interleaved rounds (a loaded machine drifts between kinds):
+        # the median and the best pass of each; GB/s from the best.
+        weights = [[torch.randn(shape, generator=g) * 0.02 for shape in SMOLLM2_LINEARS.values()]
+                   for _ in range(SMOLLM2_LAYERS)]
+        layers = {kind: [[make(w) for w in layer] for layer in weights] for kind, make in kinds.items()}
+        for m in batch_rows:
+            xs = {k: torch.randn(m, k, generator=g) for k in {shape[1] for shape in SMOLLM2_LINEARS.values()}}
+            times = _interleaved({kind: functools.partial(_all_layers, ls, xs) for kind, ls in layers.items()},
+                                 repeats if m < 64 else max(2, repeats // 5))
+            for kind, ls in layers.items():
+                nbytes = sum(lin.nbytes for layer in ls for lin in layer)
+                rows.append(_row(f"30 layers x 4 linears, {kind}", m, nbytes, times[kind]))
                 print("cpu matmuls", rows[-1], flush=True)
-            del layers
+        del layers, weights
         x = torch.randn(1, SMOLLM2_HEAD[1], generator=g)
+        heads = {}
         for kind, make in kinds.items():
             head = make(torch.randn(SMOLLM2_HEAD, generator=g) * 0.02)
-            copies = [head] + [make(torch.randn(SMOLLM2_HEAD, generator=g) * 0.02)
-                               for _ in range(max(0, -(-(96 << 20) // head.nbytes) - 1))]  # > 96 MiB in all
-            call = "logits" if hasattr(head, "logits") else "forward"
-            ms = _time_rotating(copies, call, x, repeats)
-            rows.append({"matmuls": f"LM head 49152x576 `{call}`, {kind}", "m": 1, "weight_mib": head.nbytes / 2**20,
-                         "ms": ms, "gbs": head.nbytes / (ms * 1e6)})
+            heads[kind] = [head] + [make(torch.randn(SMOLLM2_HEAD, generator=g) * 0.02)
+                                    for _ in range(max(0, -(-(96 << 20) // head.nbytes) - 1))]  # > 96 MiB in all
+        calls = {kind: "logits" if hasattr(copies[0], "logits") else "forward" for kind, copies in heads.items()}
+        times = _interleaved({kind: _rotating(copies, calls[kind], x) for kind, copies in heads.items()},
+                             max(repeats, 2 * max(len(c) for c in heads.values())))
+        for kind, copies in heads.items():
+            rows.append(_row(f"LM head 49152x576 `{calls[kind]}`, {kind}", 1, copies[0].nbytes, times[kind]))
             print("cpu matmuls", rows[-1], flush=True)
     for row in rows:
         row["pct_of_copy"] = 100 * row["gbs"] / copy_gbs
@@ -318,9 +341,11 @@ def cpu_matmuls_report(result: dict) -> str:
     return (f"### Matmuls on CPU ({datetime.datetime.now(datetime.UTC):%Y-%m-%d}, {result['cpu']}, "
             f"{result['threads']} threads, torch {result['torch']}, {result['capability']})\n\n"
             f"Command: `python bench/bench_kernels.py --cpu-matmuls --threads {result['threads']} --rows {','.join(map(str, result['batch_rows']))}`. Copy {result['copy_gbs']:.1f} GB/s (read + "
-            f"write), read-only sweep {result['read_gbs']:.1f} GB/s; median of {result['repeats']} passes.\n\n"
-            + _table(["matmuls", "M", "weight MiB", "ms", "GB/s", "% of copy", "% of read"],
-                     [[r["matmuls"], str(r["m"]), _fmt(r["weight_mib"]), _fmt(r["ms"], 2), _fmt(r["gbs"]),
+            f"write), read-only sweep {result['read_gbs']:.1f} GB/s; kinds timed in interleaved rounds ({result['repeats']} "
+            f"at M < 64, a fifth of that from 64), median and best pass, GB/s of the best.\n\n"
+            + _table(["matmuls", "M", "weight MiB", "ms median", "ms best", "GB/s", "% of copy", "% of read"],
+                     [[r["matmuls"], str(r["m"]), _fmt(r["weight_mib"]), _fmt(r["ms"], 2), _fmt(r["best_ms"], 2),
+                       _fmt(r["gbs"]),
                        _fmt(r["pct_of_copy"], 0), _fmt(r["pct_of_read"], 0)] for r in result["rows"]]) + "\n")
 
 

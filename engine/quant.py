@@ -89,10 +89,18 @@ _INT8PACK_K_MULTIPLE = 16
 _INT8PACK_CPU_CAPABILITIES = ("AVX2", "AVX512")
 _INT4PACK_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs output channels in tiles of 16
 
+# Measured on AMD EPYC (Zen 4, 1 thread, a loaded machine), ms for all 30 layers of SmolLM2-135M / one layer /
+# the LM head, native vs torch (bench/bench_kernels.py --cpu-matmuls --rows; BENCHMARKS.md "Native CPU matmuls"):
+#   int4, M=1: 6.1 vs 11.9 (int4pack);  M=32: 176 vs 176;  one layer M=128: 12.1 vs 16.2, M=512: 86 vs 111
+#   (int4pack) and 52 (dequantize + float32 GEMM);
+#   int8, M=1: 13.2 vs 28.4 (int8pack);  head M=128: 149 vs 221 (GEMM);  30 layers M=512: 3248 vs 1962 (GEMM).
 NATIVE_INT4_MAX_ROWS = sys.maxsize
-"""Largest batch the native int4 kernel takes (cpu_matmul="native"); larger ones dequantize into a GEMM."""
-NATIVE_INT8_MAX_ROWS = sys.maxsize
-"""Largest batch the native int8 kernel takes (cpu_matmul="native"); larger ones dequantize into a GEMM."""
+"""Largest batch the native int4 kernel takes (cpu_matmul="native"): every batch, as int4pack does, so that a
+row's output never depends on its batch; it is at least as fast as int4pack at every size measured (a float
+GEMM over dequantized weights wins from a few hundred rows but would round differently)."""
+NATIVE_INT8_MAX_ROWS = 128
+"""Largest batch the native int8 kernel takes (cpu_matmul="native"); larger ones dequantize into a float GEMM,
+faster there (measured above). Like torch's int8 path, int8 output then depends on the batch size past it."""
 
 
 class FloatLinear:
