@@ -21,6 +21,9 @@ int8 absmax) is done in fp32 and only the result is rounded to the storage dtype
 x + residual to x.dtype first (that is the returned residual) and normalizes that rounded sum, as HF does.
 gptq_gemm: x @ W.T over a GPTQ checkpoint's packed int32 qweight/qzeros, scales and g_idx (engine.gptq_format).
 int8 quantization: scale = absmax / 127, q = round_half_to_even(x * (1 / scale)), all-zero heads get scale 0.
+
+CPU matmuls over int4 / int8 weights are not dispatched here: `kernels.cpu_matmul` (native C, built on first use)
+is chosen per linear at load time by engine.quant (EngineConfig.cpu_matmul), since it fixes the weights' layout.
 """
 
 from kernels.dispatch import (dequantize_blocks_int8, gather_blocks, gather_blocks_int8, get_backend,
