@@ -34,7 +34,9 @@ A weight that came from a Q4_1 GGUF tensor keeps its codes (all of the default m
 offset change only by that rounding to bfloat16. The codes are held once, in int4pack_mm's own tiled layout on
 CPU, which the GEMM path reads too: half a byte per weight plus 4 bytes per 32, a Q4_1 file's size.
 `forward`: on CPU every batch goes through `torch._weight_int4pack_mm_for_cpu` on bfloat16 activations (half a
-byte per weight read; INT4PACK_MAX_ROWS says why every batch); CUDA dequantizes chunks and runs the float GEMM. With `quantization="int4"` the LM head (and a tied embedding) stays int8, as llama.cpp's Q4 files keep the
+byte per weight read; INT4PACK_MAX_ROWS says why every batch); CUDA dequantizes chunks and runs the float GEMM.
+With `cpu_matmul="native"` (EngineConfig.cpu_matmul) both int4 and int8 linears run kernels.cpu_matmul on CPU
+instead: x rounded to int8 per 32 inputs, integer dot products (NATIVE_INT4_MAX_ROWS, NATIVE_INT8_MAX_ROWS). With `quantization="int4"` the LM head (and a tied embedding) stays int8, as llama.cpp's Q4 files keep the
 token embedding at 8 bits or more: it is the largest matrix of a small model and the most sensitive.
 """
 
@@ -285,8 +287,7 @@ class Int4Linear:
         self.native = None
         """The native kernel (kernels.cpu_matmul) over `nibbles` and the row-major table, or None."""
         if _native_wanted(codes, cpu_matmul):
-            groups_view = codes.view(out_features, groups, 2, INT4_GROUP_SIZE // 2)
-            self.nibbles = (groups_view[:, :, 0] | (groups_view[:, :, 1] << 4)).reshape(out_features, -1)
+            self.nibbles = _ggml_nibbles(codes)
             # [out, groups, 2] bfloat16 (scale, zero), row-major as the native kernel streams it.
             self.scale_zero = torch.stack([scale, zero], dim=-1).to(torch.bfloat16).contiguous()
             self.native = _native_matmul("q4", self.nibbles, self.scale_zero, cpu_matmul)
@@ -301,8 +302,7 @@ class Int4Linear:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
         if self.native is None and (self.block_rows is None or out_features % self.block_rows):
             self.block_rows = None
-            groups_view = codes.view(out_features, groups, 2, INT4_GROUP_SIZE // 2)
-            self.nibbles = (groups_view[:, :, 0] | (groups_view[:, :, 1] << 4)).reshape(out_features, -1)
+            self.nibbles = _ggml_nibbles(codes)
         self.workspace = workspace if workspace is not None else DequantWorkspace()
         chunk_rows = self.workspace.rows_per_chunk(in_features)
         block = self.block_rows or 1
@@ -438,6 +438,13 @@ class Int4Linear:
     def nbytes(self) -> int:
         """Bytes of codes, the bfloat16 (scale, zero) table and bias one forward reads."""
         return self.shape[0] * self.shape[1] // 2 + _nbytes(self.scale_zero, self.bias)
+
+
+def _ggml_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[out, in] codes in [0, 15] -> [out, in // 2] bytes, GGML's Q4 order: per 32 inputs, byte j holds input j
+    in its low nibble and input j + 16 in its high nibble."""
+    halves = codes.view(codes.shape[0], -1, 2, INT4_GROUP_SIZE // 2)             # [out, groups, lo/hi, 16]
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(codes.shape[0], -1)
 
 
 @functools.cache
