@@ -217,7 +217,8 @@ class Int8Linear:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, in] -> [M, out] in x.dtype
         if self._takes_native(x):
-            out = self.native(x).to(x.dtype)
+            out = self.native(x)
+            out = out if x.dtype == torch.float32 else out.to(x.dtype)
             return out if self.bias is None else out.add_(self.bias)
         if self._takes_int8pack(x):
             # Aligned loads (see _INT8PACK_K_MULTIPLE): always a fresh tensor, which the allocator aligns (a check
@@ -403,7 +404,8 @@ class Int4Linear:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, in] -> [M, out] in x.dtype
         if self.native is not None and x.shape[0] <= NATIVE_INT4_MAX_ROWS:
-            out = self.native(x).to(x.dtype)
+            out = self.native(x)
+            out = out if x.dtype == torch.float32 else out.to(x.dtype)
             return out if self.bias is None else out.add_(self.bias)
         if self.use_int4pack and x.shape[0] <= INT4PACK_MAX_ROWS:
             xb = x.to(torch.bfloat16).contiguous()

@@ -299,93 +299,108 @@ static int clamp_isa(int isa) {
     return isa < 0 || isa > best ? best : isa;
 }
 
-/* Quantize the M rows of x (in parallel when there are many). Returns 0, or -1 when out of memory. */
-static int quant_rows(const float *x, int64_t M, int64_t K, int quads, int nthreads, int8_t **xq, float **dx,
-                      float **sx, int32_t **corr, float **dxp, size_t extra) {
-    int64_t G = K / 32, XS = quads ? quad_bytes(K) : K;
-    size_t xq_bytes = (size_t)(M * XS + 64 + 63) / 64 * 64;
-    size_t g_bytes = (size_t)(M * G + 16) * sizeof(float);
-    size_t q_bytes = corr ? (size_t)(M * (K / 4) + 16) * 4 : 0;
-    char *base = get_scratch(xq_bytes + 2 * g_bytes + 2 * q_bytes + extra);
-    if (!base) return -1;
-    *xq = (int8_t *)base;
-    *dx = (float *)(base + xq_bytes);
-    *sx = (float *)(base + xq_bytes + g_bytes);
-    if (corr) {
-        *corr = (int32_t *)(base + xq_bytes + 2 * g_bytes);
-        *dxp = (float *)(base + xq_bytes + 2 * g_bytes + q_bytes);
+/* One call's operands and scratch, shared by its threads. */
+struct job {
+    int q8, isa, quads;          /* quads: x in the AVX512 q4 layout (quant_row) */
+    const float *x;
+    int64_t M, K, G, N, XS;      /* XS: bytes per quantized x row */
+    const void *w, *table;       /* q4: codes, sz; q8: w, ws */
+    float *y;
+    int8_t *xq; float *dx, *sx;
+    int32_t *corr; float *dxp;   /* q8 AVX512 only */
+};
+
+/* Run fn over 0 .. count - 1 on nthreads OpenMP threads; a single thread calls it directly (no parallel region:
+ * ~1 us a call, which batch-1 decode pays 121 times a step). */
+static void for_each(void (*fn)(const struct job *, int64_t), const struct job *j, int64_t count, int nthreads) {
+    if (nthreads > 1 && count > 1) {
+        #pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int64_t k = 0; k < count; k++) fn(j, k);
+    } else {
+        for (int64_t k = 0; k < count; k++) fn(j, k);
     }
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && M >= 8)
-    for (int64_t i = 0; i < M; i++) {
-        quant_row(x + i * K, K, *xq + i * XS, *dx + i * G, *sx + i * G, quads);
-        if (corr) {
-            for (int64_t q = 0; q < K / 4; q++) {
-                const int8_t *v = *xq + i * K + 4 * q;
-                (*corr)[i * (K / 4) + q] = -128 * (v[0] + v[1] + v[2] + v[3]);
-                (*dxp)[i * (K / 4) + q] = (*dx)[i * G + q / 8];
-            }
+}
+
+static void quant_one(const struct job *j, int64_t i) {
+    int64_t K = j->K, G = j->G;
+    quant_row(j->x + i * K, K, j->xq + i * j->XS, j->dx + i * G, j->sx + i * G, j->quads);
+    if (j->corr) {
+        for (int64_t q = 0; q < K / 4; q++) {
+            const int8_t *v = j->xq + i * K + 4 * q;
+            j->corr[i * (K / 4) + q] = -128 * (v[0] + v[1] + v[2] + v[3]);
+            j->dxp[i * (K / 4) + q] = j->dx[i * G + q / 8];
         }
     }
-    return 0;
+}
+
+/* Weight rows b * NB .. (b + 1) * NB - 1 against every row of x, MT rows of x per pass. */
+static void run_block(const struct job *j, int64_t b) {
+    const int64_t M = j->M, K = j->K, G = j->G, N = j->N;
+    const int64_t n1 = (b + 1) * NB < N ? (b + 1) * NB : N;
+    for (int64_t i0 = 0; i0 < M; i0 += MT) {
+        int R = M - i0 < MT ? (int)(M - i0) : MT;
+        for (int64_t n = b * NB; n < n1; n++) {
+            if (j->q8) {
+#if PD_X86
+                if (j->isa == 2) { q8_vnni(j->w, j->table, j->xq, j->corr, j->dxp, n, i0, R, K, N, j->y); continue; }
+                if (j->isa == 1) {
+                    for (int r = 0; r < R; r++)
+                        q8_avx2(j->w, j->table, j->xq, j->dx, n, i0 + r, K, G, j->y + (i0 + r) * N + n);
+                    continue;
+                }
+#endif
+                for (int r = 0; r < R; r++)
+                    q8_scalar(j->w, j->table, j->xq, j->dx, n, i0 + r, K, G, j->y + (i0 + r) * N + n);
+                continue;
+            }
+#if PD_X86
+            if (j->isa == 2) { q4_vnni(j->w, j->table, j->xq, j->dx, j->sx, n, i0, R, K, G, N, j->y); continue; }
+            if (j->isa == 1) {
+                for (int r = 0; r < R; r++)
+                    q4_avx2(j->w, j->table, j->xq, j->dx, j->sx, n, i0 + r, K, G, j->y + (i0 + r) * N + n);
+                continue;
+            }
+#endif
+            for (int r = 0; r < R; r++)
+                q4_scalar(j->w, j->table, j->xq, j->dx, j->sx, n, i0 + r, K, G, j->y + (i0 + r) * N + n);
+        }
+    }
+}
+
+/* Quantize x into the thread's scratch, then run every block. Returns the ISA used, or -1 when out of memory. */
+static int run(int q8, const float *x, int64_t M, int64_t K, const void *w, const void *table, int64_t N, float *y,
+               int nthreads, int isa) {
+    struct job j = {q8, clamp_isa(isa), 0, x, M, K, K / 32, N, K, w, table, y, NULL, NULL, NULL, NULL, NULL};
+    j.quads = !q8 && j.isa == 2;
+    if (j.quads) j.XS = quad_bytes(K);
+    int with_corr = q8 && j.isa == 2;
+    size_t xq_bytes = (size_t)(M * j.XS + 64 + 63) / 64 * 64;
+    size_t g_bytes = (size_t)(M * j.G + 16) * sizeof(float);
+    size_t q_bytes = with_corr ? (size_t)(M * (K / 4) + 16) * 4 : 0;
+    char *base = get_scratch(xq_bytes + 2 * g_bytes + 2 * q_bytes);
+    if (!base) return -1;
+    j.xq = (int8_t *)base;
+    j.dx = (float *)(base + xq_bytes);
+    j.sx = (float *)(base + xq_bytes + g_bytes);
+    if (with_corr) {
+        j.corr = (int32_t *)(base + xq_bytes + 2 * g_bytes);
+        j.dxp = (float *)(base + xq_bytes + 2 * g_bytes + q_bytes);
+    }
+    for_each(quant_one, &j, M, M >= 8 ? nthreads : 1);
+    for_each(run_block, &j, (N + NB - 1) / NB, nthreads);
+    return j.isa;
 }
 
 /* y [M, N] float32 = x [M, K] float32 @ W.T for the q4 weights above (codes [N, K / 2], sz [N, K / 32]).
  * K % 32 == 0. Returns the ISA used, or -1 when out of memory. */
 int pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint32_t *sz, int64_t N,
                  float *y, int nthreads, int isa) {
-    isa = clamp_isa(isa);
-    int64_t G = K / 32;
-    int8_t *xq; float *dx, *sx;
-    if (quant_rows(x, M, K, isa == 2, nthreads, &xq, &dx, &sx, NULL, NULL, 0)) return -1;
-    int64_t blocks = (N + NB - 1) / NB;
-    #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
-    {
-        #pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; b++) {
-            int64_t n1 = (b + 1) * NB < N ? (b + 1) * NB : N;
-            for (int64_t i0 = 0; i0 < M; i0 += MT) {
-                int R = M - i0 < MT ? (int)(M - i0) : MT;
-                for (int64_t n = b * NB; n < n1; n++) {
-#if PD_X86
-                    if (isa == 2) { q4_vnni(codes, sz, xq, dx, sx, n, i0, R, K, G, N, y); continue; }
-                    if (isa == 1) {
-                        for (int r = 0; r < R; r++) q4_avx2(codes, sz, xq, dx, sx, n, i0 + r, K, G, y + (i0 + r) * N + n);
-                        continue;
-                    }
-#endif
-                    for (int r = 0; r < R; r++) q4_scalar(codes, sz, xq, dx, sx, n, i0 + r, K, G, y + (i0 + r) * N + n);
-                }
-            }
-        }
-    }
-    return isa;
+    return run(0, x, M, K, codes, sz, N, y, nthreads, isa);
 }
 
 /* y [M, N] float32 = x [M, K] float32 @ (w * ws[:, None]).T, w int8 [N, K] in [-127, 127], K % 32 == 0.
  * Returns the ISA used, or -1 when out of memory. */
 int pd_q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *w, const float *ws, int64_t N, float *y,
                  int nthreads, int isa) {
-    isa = clamp_isa(isa);
-    int64_t G = K / 32;
-    int8_t *xq; float *dx, *sx; int32_t *corr = NULL; float *dxp = NULL;
-    if (quant_rows(x, M, K, 0, nthreads, &xq, &dx, &sx, isa == 2 ? &corr : NULL, &dxp, 0)) return -1;
-    int64_t blocks = (N + NB - 1) / NB;
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (int64_t b = 0; b < blocks; b++) {
-        int64_t n1 = (b + 1) * NB < N ? (b + 1) * NB : N;
-        for (int64_t i0 = 0; i0 < M; i0 += MT) {
-            int R = M - i0 < MT ? (int)(M - i0) : MT;
-            for (int64_t n = b * NB; n < n1; n++) {
-#if PD_X86
-                if (isa == 2) { q8_vnni(w, ws, xq, corr, dxp, n, i0, R, K, N, y); continue; }
-                if (isa == 1) {
-                    for (int r = 0; r < R; r++) q8_avx2(w, ws, xq, dx, n, i0 + r, K, G, y + (i0 + r) * N + n);
-                    continue;
-                }
-#endif
-                for (int r = 0; r < R; r++) q8_scalar(w, ws, xq, dx, n, i0 + r, K, G, y + (i0 + r) * N + n);
-            }
-        }
-    }
-    return isa;
+    return run(1, x, M, K, w, ws, N, y, nthreads, isa);
 }
