@@ -212,7 +212,8 @@ class EngineConfig:
     bfloat16 activations) or "native" (kernels.cpu_matmul, compiled on first use with the system C compiler:
     x rounded to int8 per 32 inputs as llama.cpp does, integer dot products with AVX512-VNNI / AVX2, batch
     invariant; greedy tokens may differ slightly from torch's). Without a working compiler "native" logs one
-    warning and runs torch's kernels. Float and 16-bit weights are unaffected."""
+    warning and runs torch's kernels. Float and 16-bit weights are unaffected; tensor-parallel ranks keep torch's
+    kernels; with compile_decode the native linears run as opaque ops inside the graph."""
     device: str = "cpu"
     """Torch device the model runs on ("cpu", "cuda", "cuda:1")."""
     max_model_len: int | None = None
