@@ -177,6 +177,32 @@ AVX2_TARGET static void q8_avx2(const int8_t *w, const float *ws, const int8_t *
 /* ------------------------------------------------------------------------------------------------ AVX512-VNNI */
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma")))
 
+/* One quad (groups 4 q .. 4 q + 3) of one weight row against R rows of x; `tail` (a compile-time constant after
+ * inlining) masks the loads of a last quad of fewer groups (cmask: its code bytes, gmask: its groups). */
+VNNI_TARGET static inline __attribute__((always_inline)) void q4_vnni_quad(
+        const uint8_t *c, const uint32_t *t, const int8_t *xq, const float *dx, const float *sx, int64_t i0,
+        const int R, int64_t G, int64_t XS, int64_t q, const int tail, __mmask64 cmask, __mmask8 gmask,
+        __m512 *acc, __m128 *bias) {
+    const __m512i low = _mm512_set1_epi8(15);
+    const __m512i pat = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512i cc = tail ? _mm512_maskz_loadu_epi8(cmask, c + 64 * q) : _mm512_loadu_si512((const void *)(c + 64 * q));
+    __m512i lo = _mm512_and_si512(cc, low), hi = _mm512_and_si512(_mm512_srli_epi16(cc, 4), low);
+    __m128i v = tail ? _mm_maskz_loadu_epi32(gmask, t + 4 * q) : _mm_loadu_si128((const __m128i *)(t + 4 * q));
+    __m128 d = _mm_castsi128_ps(_mm_slli_epi32(v, 16));
+    __m128 m = _mm_fnmadd_ps(_mm_set1_ps(8.0f), d,
+                             _mm_castsi128_ps(_mm_and_si128(v, _mm_set1_epi32((int)0xFFFF0000u))));
+    for (int r = 0; r < R; r++) {
+        const int8_t *xv = xq + (i0 + r) * XS + 128 * q;
+        const float *dxr = dx + (i0 + r) * G + 4 * q, *sxr = sx + (i0 + r) * G + 4 * q;
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)xv));
+        dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512((const void *)(xv + 64)));
+        __m128 s4 = _mm_mul_ps(d, tail ? _mm_maskz_loadu_ps(gmask, dxr) : _mm_loadu_ps(dxr));
+        bias[r] = _mm_fmadd_ps(m, tail ? _mm_maskz_loadu_ps(gmask, sxr) : _mm_loadu_ps(sxr), bias[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pat, _mm512_castps128_ps512(s4)),
+                                 acc[r]);
+    }
+}
+
 /* One weight row n against x rows i0 .. i0 + R - 1 (R a compile-time constant after inlining). Four groups
  * per step: 64 bytes of codes, low nibbles against the quad's first 64 x bytes and high nibbles against the
  * next 64, both into one vpdpbusd sum whose 128-bit lane t holds group 4 q + t; the four d * dx are computed
@@ -186,35 +212,16 @@ VNNI_TARGET static inline __attribute__((always_inline)) void q4_vnni_rows(
         int64_t i0, const int R, int64_t K, int64_t G, int64_t N, float *y) {
     const uint8_t *c = codes + n * K / 2;
     const uint32_t *t = sz + n * G;
-    const __m512i low = _mm512_set1_epi8(15);
-    const __m512i pat = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    const __m128 eight = _mm_set1_ps(8.0f);
-    const __m128i himask = _mm_set1_epi32((int)0xFFFF0000u);
-    __m512 acc[MT][2];
+    __m512 acc[MT];  /* indexed by compile-time r only, so that it stays in registers */
     __m128 bias[MT];
-    for (int r = 0; r < R; r++) { acc[r][0] = acc[r][1] = _mm512_setzero_ps(); bias[r] = _mm_setzero_ps(); }
-    const int64_t Q = (G + 3) / 4, XS = quad_bytes(K);
-    for (int64_t q = 0; q < Q; q++) {
-        const int full = 4 * q + 4 <= G;
-        const __mmask8 k4 = full ? 0xF : (__mmask8)((1u << (G - 4 * q)) - 1);
-        __m512i cc = full ? _mm512_loadu_si512((const void *)(c + 64 * q))
-                          : _mm512_maskz_loadu_epi8((1ull << (16 * (G - 4 * q))) - 1, c + 64 * q);
-        __m512i lo = _mm512_and_si512(cc, low), hi = _mm512_and_si512(_mm512_srli_epi16(cc, 4), low);
-        __m128i v = _mm_maskz_loadu_epi32(k4, t + 4 * q);
-        __m128 d = _mm_castsi128_ps(_mm_slli_epi32(v, 16));
-        __m128 m = _mm_fnmadd_ps(eight, d, _mm_castsi128_ps(_mm_and_si128(v, himask)));
-        for (int r = 0; r < R; r++) {
-            const int8_t *xv = xq + (i0 + r) * XS + 128 * q;
-            __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)xv));
-            dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512((const void *)(xv + 64)));
-            __m128 s4 = _mm_mul_ps(d, _mm_maskz_loadu_ps(k4, dx + (i0 + r) * G + 4 * q));
-            bias[r] = _mm_fmadd_ps(m, _mm_maskz_loadu_ps(k4, sx + (i0 + r) * G + 4 * q), bias[r]);
-            __m512 sp = _mm512_permutexvar_ps(pat, _mm512_castps128_ps512(s4));
-            acc[r][q & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sp, acc[r][q & 1]);
-        }
-    }
+    for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); bias[r] = _mm_setzero_ps(); }
+    const int64_t full = G / 4, rest = G % 4, XS = quad_bytes(K);
+    for (int64_t q = 0; q < full; q++) q4_vnni_quad(c, t, xq, dx, sx, i0, R, G, XS, q, 0, 0, 0, acc, bias);
+    if (rest)
+        q4_vnni_quad(c, t, xq, dx, sx, i0, R, G, XS, full, 1, (1ull << (16 * rest)) - 1,
+                     (__mmask8)((1u << rest) - 1), acc, bias);
     for (int r = 0; r < R; r++) {
-        __m512 a = _mm512_add_ps(acc[r][0], acc[r][1]);
+        __m512 a = acc[r];
         __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
         __m128 b = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), bias[r]);
         b = _mm_add_ps(b, _mm_movehl_ps(b, b));
@@ -241,8 +248,8 @@ VNNI_TARGET static inline __attribute__((always_inline)) void q8_vnni_rows(
         int64_t i0, const int R, int64_t K, int64_t N, float *y) {
     const int8_t *wr = w + n * K;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512 acc[MT][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    __m512 acc[MT];  /* indexed by compile-time r only, so that it stays in registers */
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const int64_t P = K / 64, Q = K / 4;
     for (int64_t p = 0; p < P; p++) {
         __m512i wv = _mm512_xor_si512(_mm512_loadu_si512((const void *)(wr + 64 * p)), flip);
@@ -250,8 +257,7 @@ VNNI_TARGET static inline __attribute__((always_inline)) void q8_vnni_rows(
             __m512i xv = _mm512_loadu_si512((const void *)(xq + (i0 + r) * K + 64 * p));
             __m512i cv = _mm512_loadu_si512((const void *)(corr + (i0 + r) * Q + 16 * p));
             __m512i dot = _mm512_dpbusd_epi32(cv, wv, xv);
-            acc[r][p & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(dxp + (i0 + r) * Q + 16 * p),
-                                            acc[r][p & 1]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(dxp + (i0 + r) * Q + 16 * p), acc[r]);
         }
     }
     float tail[MT] = {0};
@@ -266,7 +272,7 @@ VNNI_TARGET static inline __attribute__((always_inline)) void q8_vnni_rows(
         }
     }
     for (int r = 0; r < R; r++)
-        y[(i0 + r) * N + n] = ws[n] * (_mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1])) + tail[r]);
+        y[(i0 + r) * N + n] = ws[n] * (_mm512_reduce_add_ps(acc[r]) + tail[r]);
 }
 
 VNNI_TARGET static void q8_vnni(const int8_t *w, const float *ws, const int8_t *xq, const int32_t *corr,
