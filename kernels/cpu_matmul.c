@@ -33,6 +33,9 @@
 
 #define MT 4          /* x rows per weight pass */
 #define NB 16         /* weight rows per block (per thread work unit) */
+/* How far ahead the AVX512 loops prefetch the weight stream (rows are contiguous, so this runs into the next
+ * rows): +11% on the default model's 30 layers at batch 1 on Zen 4 (1536-4096 alike, 512 too short). */
+#define PREFETCH_BYTES 2048
 
 /* ------------------------------------------------------------------------------------------------ helpers */
 static inline float bf16_lo(uint32_t v) { union { uint32_t u; float f; } c = {v << 16}; return c.f; }
@@ -185,6 +188,8 @@ VNNI_TARGET static inline __attribute__((always_inline)) void q4_vnni_quad(
         __m512 *acc, __m128 *bias) {
     const __m512i low = _mm512_set1_epi8(15);
     const __m512i pat = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    _mm_prefetch((const char *)(c + 64 * q + PREFETCH_BYTES), _MM_HINT_T0);
+    if (!(q & 3)) _mm_prefetch((const char *)(t + 4 * q) + PREFETCH_BYTES / 4, _MM_HINT_T0);
     __m512i cc = tail ? _mm512_maskz_loadu_epi8(cmask, c + 64 * q) : _mm512_loadu_si512((const void *)(c + 64 * q));
     __m512i lo = _mm512_and_si512(cc, low), hi = _mm512_and_si512(_mm512_srli_epi16(cc, 4), low);
     __m128i v = tail ? _mm_maskz_loadu_epi32(gmask, t + 4 * q) : _mm_loadu_si128((const __m128i *)(t + 4 * q));
@@ -252,6 +257,7 @@ VNNI_TARGET static inline __attribute__((always_inline)) void q8_vnni_rows(
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const int64_t P = K / 64, Q = K / 4;
     for (int64_t p = 0; p < P; p++) {
+        _mm_prefetch((const char *)(wr + 64 * p + PREFETCH_BYTES), _MM_HINT_T0);
         __m512i wv = _mm512_xor_si512(_mm512_loadu_si512((const void *)(wr + 64 * p)), flip);
         for (int r = 0; r < R; r++) {
             __m512i xv = _mm512_loadu_si512((const void *)(xq + (i0 + r) * K + 64 * p));
