@@ -12,7 +12,8 @@ is False: engine.quant then keeps the torch kernels.
     q8_matmul(x, qweight, scale)      x [M, K] float32, qweight [N, K] int8, scale [N] float32 -> [M, N] float32
 
 Both quantize each row of x to int8 per 32 inputs inside the kernel (llama.cpp's Q8_0 activations), so results
-differ from the float matmul by that rounding (a few 1e-3 relative), and each row of the result depends on that
+differ from the float matmul by that rounding (measured on the default model's layer 0: 0.55-0.6% relative error
+on the layers, 0.06% on the LM head), and each row of the result depends on that
 row of x only (batch invariant). Threads: torch.get_num_threads() unless `nthreads` is given; `isa` forces a
 path (ISA_SCALAR, ISA_AVX2, ISA_AVX512_VNNI; a path the CPU lacks falls back to the best it has).
 """

@@ -132,7 +132,7 @@ def test_within_the_activation_rounding_of_the_float_matmul(layer0, name):
     bound = (dx[:, None, :] / 2 * w.abs().view(w.shape[0], -1, cm.GROUP).sum(-1)[None]).sum(-1)  # [M, N]
     err = (run(*kernel_args(linear, rows)[:1], x, *kernel_args(linear, rows)[1:]) - x @ w.t()).abs()
     assert (err <= bound * 1.001 + 1e-4).all()
-    assert (err.norm() / (x @ w.t()).norm()) < 0.02
+    assert (err.norm() / (x @ w.t()).norm()) < 0.02  # measured 0.55-0.6% (layers), 0.06% (head)
 
 
 def test_noncontiguous_x_is_copied_and_bad_weights_are_rejected(layer0):
