@@ -221,7 +221,9 @@ class Int8Linear:
             return out
         top = out.topk(min(LOGITS_EXACT_TOP_K, out.shape[-1]), dim=-1).indices        # [M, k]
         rows = self.dequantize(torch.float32, top.flatten()).view(*top.shape, -1)     # [M, k, in]
-        exact = (rows @ x.float()[:, :, None]).squeeze(-1)                             # [M, k]
+        # Products summed along `in` row by row (not a bmm, whose kernel and so rounding depend on M): a row's
+        # logits do not depend on the batch it is in.
+        exact = (rows * x.float()[:, None, :]).sum(-1)                                 # [M, k]
         if self.bias is not None:
             exact += self.bias.float()[top]
         return out.scatter_(1, top, exact)
