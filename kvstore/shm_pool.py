@@ -31,6 +31,7 @@ Receiver: only names of the pooled form; on every transfer the file checks of kv
 link, our uid, mode 0600, no symlink, no FIFO), then the header must carry this reservation's token and the
 manifest's payload_bytes (else SegmentRefused naming why). Mappings are private and never written, never
 unlinked, kept per (name, inode) in a small LRU; one whose name is gone or now names another file is unmapped.
+The same reader keeps the mappings of senders' KV cache segments (kvstore.shm_cache, through attach()).
 """
 from __future__ import annotations
 

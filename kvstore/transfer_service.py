@@ -13,6 +13,11 @@ Receiving (``KvTransferServicer``, thin; the flow is ``receive_transfer``):
              on the mapped bytes
              ─▶ decode + scatter into kv_cache straight from the buffer or the mapping (only after every digest
                 passed) ─▶ receiver.commit
+    shm, zero copy (manifest.cache_segment, kvstore.shm_cache): map the sender's KV cache segment once (kept
+             while name and epoch stay), copy each source block into its destination hashing it as it lands, then
+             the trailer's digests must all match (else the destination blocks are zeroed and it is rejected)
+             ─▶ receiver.commit. A probe (cache_segment without a request) is answered OK when the segment maps:
+             that is how a sender learns this receiver has the path (an older one refuses it at check).
     any failure after check ─▶ receiver.reject(request_id, handle, reason), once; the RPC fails with the
                    rejection's code (FAILED_PRECONDITION: layout/fingerprint, digest, size, shm segment;
                    INVALID_ARGUMENT: bounds, reservation ids, codec/transport, malformed stream; INTERNAL:
@@ -24,7 +29,10 @@ carries them (kvstore.transfer.write_records) and hashed there. grpc: manifest (
 chunks cut from a reused staging buffer as each group is gathered, then the trailer with the digests. shm: the
 groups land in a segment (from the sender's SegmentPool when it has one: pre-faulted and reused; else a fresh
 one-shot segment), then the manifest with the digests names it; the segment goes back to the pool only after a
-committed Push, and is unlinked on every other outcome.
+committed Push, and is unlinked on every other outcome. Zero copy (KvSender.data_path decides, in one place):
+when the blocks are those of the engine's shared cache (raw codec) and the receiver answered the probe, the
+manifest names the cache segment and the source block ids and goes at once; the sender hashes the blocks in
+place meanwhile and sends the digests in the trailer. The caller holds the blocks until push returns.
 
 Servers hosting the servicer should be created with ``GRPC_OPTIONS`` (4 MiB chunks exceed grpc's default
 4 MiB message limit once framed); the default 2 MiB chunks work without.
@@ -345,6 +353,14 @@ def add_kv_transfer_servicer(servicer: KvTransferServicer, server: grpc.Server) 
 
 
 def _data_of(request_iterator: Iterator[kv_transfer_pb2.KvChunk | memoryview]) -> Iterator[bytes | TrailerDigests]:
+    try:
+        yield from _messages_of(request_iterator)
+    except grpc.RpcError:  # grpc's own error here has no message
+        raise TransferRejected("the Push stream was cut before its end (the sender cancelled, timed out or "
+                               "died)", "data", "CANCELLED") from None
+
+
+def _messages_of(request_iterator):
     for message in request_iterator:
         if isinstance(message, memoryview):
             yield message

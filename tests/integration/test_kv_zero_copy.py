@@ -75,7 +75,8 @@ def shared(layout):
 def push(sender, endpoint, receiver, cache, layout, request_id, dst_ids=DST_IDS, **kw):
     handle = receiver.reserve(request_id, dst_ids)
     return sender.push(endpoint, request_id=request_id, handle=handle, layout=layout, kv_cache=cache,
-                       src_block_ids=SRC_IDS, dst_block_ids=dst_ids, transport="shm", timeout_s=TIMEOUT_S, **kw)
+                       src_block_ids=SRC_IDS, dst_block_ids=dst_ids, transport="shm",
+                       timeout_s=kw.pop("timeout_s", TIMEOUT_S), **kw)
 
 
 def landed(receiver, src, dst_ids=DST_IDS) -> bool:
@@ -130,6 +131,72 @@ def test_a_corrupted_source_block_rejects_the_whole_transfer_and_leaves_nothing(
         push(sender, endpoint, receiver, shared.tensor, layout, "good")  # the same blocks, uncorrupted
     assert landed(receiver, shared.tensor) and [r[0] for r in receiver.committed] == ["good"]
     assert len(receiver.rejected) == 1                               # released once
+
+
+def test_blocks_reused_after_a_push_timed_out_are_caught_by_the_digests_of_what_landed(served, layout, shared):
+    # The sender holds the blocks until its push returns; one that times out frees them while the receiver may
+    # still copy. Blocks rewritten then must not be committed: the receiver hashes what landed.
+    shared.tensor.copy_(source_cache(layout, CACHE_BLOCKS))
+    receiver = CacheReceiver(layout, 100)
+    endpoint, _ = served(receiver)
+    gate, check = threading.Event(), receiver.check
+    receiver.check = lambda manifest: (gate.wait(TIMEOUT_S) if manifest.request_id else None, check(manifest))[1]
+    with KvSender(shared_cache=shared) as sender:
+        with pytest.raises(TransferFailed) as info:
+            push(sender, endpoint, receiver, shared.tensor, layout, "slow", timeout_s=1.0)
+        assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        shared.tensor[:, :, SRC_IDS[5]] += 1.0                       # the freed block, reused by another request
+        gate.set()
+        _wait(lambda: receiver.rejected)
+    assert [r[0] for r in receiver.rejected] == ["slow"] and receiver.committed == []
+    # (here the deadline cut the stream before the receiver read the trailer; had it read it, block 5 mismatches)
+    assert receiver.rejected[0][2].startswith(("data: the Push stream was cut", "block_digests[5]: "))
+    assert not receiver.kv_cache[:, :, DST_IDS].any()
+
+
+def test_a_receiver_killed_mid_push_fails_it_promptly(layout, shared):
+    # A KvTransfer server in its own process that answers the probe, takes the victim's manifest, says so, then
+    # waits to be killed: the push must fail with a retryable status, not hang.
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import threading
+        from concurrent import futures
+        import grpc
+        from kvstore.transfer_service import GRPC_OPTIONS, KvTransferServicer, add_kv_transfer_servicer
+
+        class Stuck:
+            def check(self, manifest):
+                print("checked", flush=True)
+                threading.Event().wait()
+
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS)
+        add_kv_transfer_servicer(KvTransferServicer(Stuck()), server)
+        print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+        server.start()
+        threading.Event().wait()
+    """)], cwd=REPO, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        endpoint = f"127.0.0.1:{child.stdout.readline().strip()}"
+        with KvSender(shared_cache=shared) as sender:
+            result: list = []
+            thread = threading.Thread(target=lambda: result.append(_push_catching(sender, endpoint, layout, shared)))
+            thread.start()
+            assert child.stdout.readline().strip() == "checked"
+            child.send_signal(signal.SIGKILL)
+            thread.join(TIMEOUT_S)
+            assert not thread.is_alive()
+            assert isinstance(result[0], TransferFailed) and result[0].code == grpc.StatusCode.UNAVAILABLE
+            assert sender.data_path(endpoint, shared.tensor, layout, "shm", "raw", time.perf_counter() + 5) == "cache"
+    finally:
+        child.kill()
+        child.wait()
+
+
+def _push_catching(sender, endpoint, layout, shared):
+    try:
+        return sender.push(endpoint, request_id="victim", handle="h", layout=layout, kv_cache=shared.tensor,
+                           src_block_ids=SRC_IDS, dst_block_ids=DST_IDS, transport="shm", timeout_s=TIMEOUT_S)
+    except TransferFailed as exc:
+        return exc
 
 
 class OldServicer(KvTransferServicer):
