@@ -14,6 +14,9 @@ so that a loaded machine slows them alike; the median of the rounds is reported.
     raw socket     the payload's bytes over one TCP connection to the receiver process (sendall / recv_into a
                    reused buffer, one-byte answer): what any stream transport between these processes can reach
     encode only    the sender's write_records into a reused buffer (kernels gather [+ quantize] + xxh3 digests)
+    hash in place  the zero-copy sender's share, alone: xxh3 digests of the blocks where they are in its cache
+    copy + hash    the zero-copy receiver's share, alone, in this process: each block copied out of the cache
+                   segment's mapping into a receiving cache, hashed as it lands (kvstore.shm_cache.CacheRead)
     shm zero-copy  KvSender.push of blocks of a cache that lives in shared memory (kvstore.shm_cache, the default
                    of a prefill worker): the receiver copies each block out of the sender's segment into its
                    cache and hashes it as it lands, while the sender hashes the same blocks in place
@@ -171,7 +174,9 @@ def interleaved_ms(paths: dict, repeats: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from kvstore.shm_cache import SharedKvCache
+    from kvstore.shm_cache import SharedKvCache, block_digests_in_place, open_cache
+    from kvstore.shm_pool import PooledSegmentReader
+    from kvstore.transfer_manifest import TransferManifest
     from kvstore.transfer_service import KvSender
 
     ctx = mp.get_context("spawn")
@@ -186,6 +191,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     shared = SharedKvCache(cache_shape(CACHE_BLOCKS), torch.float32)  # the sender's cache, in shared memory
     src = shared.tensor  # [L, 2, CACHE_BLOCKS, block_size, Hkv, D]
     src.copy_(torch.randn(cache_shape(CACHE_BLOCKS), generator=gen))
+    receiving = torch.zeros(cache_shape(CACHE_BLOCKS))  # copy + hash: a receiving cache in this process
+    reader = PooledSegmentReader()
     rows = []
     try:
         with (KvSender(shm_pool_bytes=args.shm_pool_bytes) as sender, KvSender() as one_shot,
@@ -202,6 +209,17 @@ def run(args: argparse.Namespace) -> list[dict]:
                 for codec in ("raw", "int8"):
                     out = torch.empty(num_blocks * LAYOUT.block_bytes(codec), dtype=torch.uint8)
                     paths[("encode only", codec)] = functools.partial(write_records, src, src_ids, codec, out)
+                paths[("hash in place", "raw")] = functools.partial(block_digests_in_place, src, src_ids)
+                manifest = TransferManifest("bench", "bench", LAYOUT, tuple(dst_ids), (), "raw", "shm", "", raw_bytes,
+                                            digests_in_trailer=True, cache_segment=shared.name,
+                                            src_block_ids=tuple(src_ids), cache_num_blocks=CACHE_BLOCKS,
+                                            sender_epoch=shared.epoch)
+
+                def copy_and_hash(manifest=manifest, dst_ids=dst_ids):
+                    with open_cache(reader, manifest, LAYOUT) as read:
+                        read.copy_into(receiving, dst_ids)
+
+                paths[("copy + hash", "raw")] = copy_and_hash
                 for codec in ("raw", "int8"):
                     senders = (("shm zero-copy", zero_copy, "shm"),) if codec == "raw" else ()
                     for path, who, transport in (*senders, ("shm", sender, "shm"), ("shm one-shot", one_shot, "shm"),
@@ -215,6 +233,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                                      wire=num_blocks * LAYOUT.block_bytes(codec), ms=ms))
                     print(f"{num_blocks:4d} blocks {path:12s} {codec:4s} {ms:9.1f} ms", file=sys.stderr)
     finally:
+        reader.close()
         shared.close()
         raw_socket.close()
         stop_event.set()

@@ -250,11 +250,6 @@ class EngineConfig:
     compile takes minutes per batch size for SmolLM2-135M and saves 2-5% of a decode step (BENCHMARKS.md,
     "Compiled decode step"; the paged attention stays eager inside the graph). Ignored, with
     a warning, under tensor parallelism and for mixture-of-experts models: they stay eager."""
-    kv_cache_in_shm: bool = False
-    """Allocate the paged KV cache over a named shared-memory segment (kvstore.shm_cache; CPU, one rank), so a
-    decode worker on the same host copies pushed blocks straight out of it (the prefill worker sets it when
-    its transport may be shm). Where /dev/shm cannot hold the cache, or under tensor parallelism or on CUDA,
-    the cache stays private, with a warning."""
     compile_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     """Batch sizes the compiled decode step is compiled for, as CUDA-graph capture sizes: a decode batch of n
     sequences runs the graph of the smallest size >= n, padded; batches larger than the largest run eager."""

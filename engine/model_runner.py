@@ -64,7 +64,10 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], config: EngineConfig,
-                 max_model_len: int) -> None:
+                 max_model_len: int, *, kv_cache_in_shm: bool = False) -> None:
+        """`kv_cache_in_shm`: allocate the KV cache over a named shared-memory segment (kvstore.shm_cache; CPU,
+        one rank), so that a decode worker on the same host copies pushed blocks straight out of it. Where
+        /dev/shm cannot hold it, under tensor parallelism or on CUDA it stays private, with a warning."""
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
@@ -101,8 +104,8 @@ class ModelRunner:
         # the P @ V product with weight 0, and 0 * NaN is NaN. Recycled memory can hold NaN bit patterns;
         # after this every slot only ever holds K/V values.
         shape = (c.num_layers, 2, self.num_blocks, self.block_size, local.num_kv_heads, c.head_dim)
-        self.kv_segment = self._shared_kv_cache(config, shape)
-        """The shared-memory segment the cache lives in (EngineConfig.kv_cache_in_shm), or None."""
+        self.kv_segment = self._shared_kv_cache(shape) if kv_cache_in_shm else None
+        """The shared-memory segment the cache lives in (kv_cache_in_shm), or None."""
         self.kv_cache = (self.kv_segment.tensor if self.kv_segment is not None
                          else torch.zeros(shape, dtype=self.dtype, device=self.device))
         """This rank's heads: [L, 2, blocks, block_size, kv_heads of rank 0, D] (all of them without TP)."""
@@ -118,9 +121,7 @@ class ModelRunner:
                 self.compiled = CompiledDecodeStep(self.model, self.kv_cache, sizes, max_model_len)
                 self.compiled.warm_up()
 
-    def _shared_kv_cache(self, config: EngineConfig, shape: tuple[int, ...]) -> SharedKvCache | None:
-        if not config.kv_cache_in_shm:
-            return None
+    def _shared_kv_cache(self, shape: tuple[int, ...]) -> SharedKvCache | None:
         if self.tp is not None or self.device.type != "cpu":
             log.warning("kv_cache_in_shm is off for this worker: %s (KV pushes use the pooled segments)",
                         "tensor parallelism" if self.tp is not None else f"device {self.device}")

@@ -14,11 +14,11 @@ The push runs on the gRPC handler's thread while the engine keeps stepping other
 blocks this request's lease holds, and only while it holds the lease's pin (engine.block_lease): an Abort
 that arrives before the pin releases the blocks and the pin is refused (no push); one that arrives during the
 push is deferred until the push ends. On the same host the engine's KV cache itself lives in shared memory
-(EngineConfig.kv_cache_in_shm, set by the server unless the transport is grpc) and the decode worker copies
-the blocks straight out of it (kvstore.shm_cache: one copy; the pin is what keeps them from being reused under
-the reader); else the sender gathers each group of blocks straight into what carries it (a pooled,
-pre-faulted shared-memory segment, or chunks of a streamed grpc Push whose digests follow in a trailer);
-sending layer by layer during the forward pass is not done (see BENCHMARKS.md, issue 16).
+(LLMEngine(kv_cache_in_shm=True), which the server asks for unless the transport is grpc) and the decode
+worker copies the blocks straight out of it (kvstore.shm_cache: one copy; the pin is what keeps them from being
+reused under the reader, and the digests of what landed catch a push that ended early); else the sender
+gathers each group of blocks straight into what carries it (a pooled, pre-faulted shared-memory segment, or
+chunks of a streamed grpc Push whose digests follow in a trailer); sending layer by layer during the forward pass is not done (see BENCHMARKS.md, issue 16).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ import torch
 
 from decode_worker.config import DecodeWorkerConfig
 from decode_worker.server import start_server as start_decode
+from engine.llm_engine import LLMEngine
 from kernels import gather_blocks
 from kvstore.shm import SHM_DIR
 from kvstore.shm_cache import SharedKvCache, block_digests_in_place, is_cache_name
@@ -31,7 +32,7 @@ from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.server import start_server as start_prefill
 from tests.integration.test_kv_transfer import TIMEOUT_S, CacheReceiver, layout_of, source_cache
 from tests.integration.test_workers import ENGINE, GREEDY, PROMPT, disaggregated, stubs, wait_idle
-from tests.unit.engine.tiny_model import run, tiny_engine
+from tests.unit.engine.tiny_model import run, tiny_engine, tiny_loaded
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_BLOCKS = 64
@@ -313,7 +314,7 @@ def test_a_1p1d_pair_with_the_prefill_cache_in_shared_memory_gives_the_offline_t
                      engine=tiny_engine())
     endpoint = f"127.0.0.1:{d.port}"
     p = start_prefill(PrefillWorkerConfig("p0", None, transport="shm", decode_endpoints=(endpoint,)), ENGINE,
-                      engine=tiny_engine(kv_cache_in_shm=True))
+                      engine=LLMEngine(ENGINE, loaded=tiny_loaded(), kv_cache_in_shm=True))
     segment = p.worker.loop.engine.runner.kv_segment
     try:
         pstub, dstub = stubs(p, d)
