@@ -30,7 +30,7 @@ from kvstore.transfer_service import (GRPC_OPTIONS, FaultInjection, KvSender, Kv
                                       add_kv_transfer_servicer)
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.server import start_server as start_prefill
-from tests.integration.test_kv_transfer import TIMEOUT_S, CacheReceiver, layout_of, source_cache
+from tests.integration.test_kv_transfer import TIMEOUT_S, CacheReceiver, RankedReceiver, layout_of, source_cache
 from tests.integration.test_workers import ENGINE, GREEDY, PROMPT, disaggregated, stubs, wait_idle
 from tests.unit.engine.tiny_model import run, tiny_engine, tiny_loaded
 
@@ -111,6 +111,18 @@ def test_blocks_are_copied_out_of_the_senders_cache_through_one_kept_mapping(ser
                and list(m.src_block_ids) == SRC_IDS for m in pushed)
     assert servicer.segments.num_mapped == 2                         # the cache once, the pool's segment once
     assert [r[0] for r in receiver.committed] == ["req-0", "req-1", "req-2", "private"] and receiver.rejected == []
+
+
+def test_a_tensor_parallel_receiver_gets_the_blocks_through_a_staging_buffer_and_its_plan(served, layout, shared):
+    shared.tensor.copy_(source_cache(layout, CACHE_BLOCKS))
+    receiver = RankedReceiver(layout, 100, 2)  # one KV head per rank: not one cache to copy into
+    endpoint, servicer = served(receiver)
+    with KvSender(shared_cache=shared) as sender:
+        assert push(sender, endpoint, receiver, shared.tensor, layout, "tp").data_path == "cache"
+    sent = gather_blocks(shared.tensor, torch.tensor(SRC_IDS))  # [n, L, 2, block_size, Hkv, D]
+    for heads, cache in zip(receiver.rank_kv_heads, receiver.rank_caches):
+        assert torch.equal(gather_blocks(cache, torch.tensor(DST_IDS)), sent[..., heads.start:heads.stop, :])
+    assert servicer.buffers.idle_bytes() > 0 and [r[0] for r in receiver.committed] == ["tp"]
 
 
 def test_a_corrupted_source_block_rejects_the_whole_transfer_and_leaves_nothing(served, layout, shared):
