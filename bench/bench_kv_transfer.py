@@ -17,6 +17,8 @@ so that a loaded machine slows them alike; the median of the rounds is reported.
     hash in place  the zero-copy sender's share, alone: xxh3 digests of the blocks where they are in its cache
     copy + hash    the zero-copy receiver's share, alone, in this process: each block copied out of the cache
                    segment's mapping into a receiving cache, hashed as it lands (kvstore.shm_cache.CacheRead)
+    block copy     the same blocks copied cache to cache by torch, block by block, nothing hashed: the floor of
+                   any one-copy path in the paged layout (each block is 2 x layers pieces, far apart)
     shm zero-copy  KvSender.push of blocks of a cache that lives in shared memory (kvstore.shm_cache, the default
                    of a prefill worker): the receiver copies each block out of the sender's segment into its
                    cache and hashes it as it lands, while the sender hashes the same blocks in place
@@ -220,6 +222,12 @@ def run(args: argparse.Namespace) -> list[dict]:
                         read.copy_into(receiving, dst_ids)
 
                 paths[("copy + hash", "raw")] = copy_and_hash
+
+                def block_copy(src_ids=src_ids, dst_ids=dst_ids):
+                    for s, d in zip(src_ids, dst_ids):
+                        receiving[:, :, d].copy_(src[:, :, s])  # [L, 2, block_size, Hkv, D]
+
+                paths[("block copy", "raw")] = block_copy
                 for codec in ("raw", "int8"):
                     senders = (("shm zero-copy", zero_copy, "shm"),) if codec == "raw" else ()
                     for path, who, transport in (*senders, ("shm", sender, "shm"), ("shm one-shot", one_shot, "shm"),
