@@ -45,7 +45,7 @@ import os
 import re
 import secrets
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing import resource_tracker, shared_memory
 
 import torch
@@ -53,7 +53,8 @@ import xxhash
 
 from kvstore.shm import SEGMENT_PREFIX, SHM_DIR, SegmentRefused
 from kvstore.shm_pool import PooledSegmentReader
-from kvstore.transfer_manifest import DTYPE_BYTES, KvLayoutSpec, TransferManifest
+from kvstore.transfer_manifest import (DTYPE_BYTES, KvLayoutSpec, TransferManifest, TransferRejected,
+                                       check_trailer_digests)
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ class CacheRead:
     """One transfer's read of a sender's cache segment (from open_cache): copy_into / copy_records, then close."""
 
     def __init__(self, reader: PooledSegmentReader, entry, manifest: TransferManifest, layout: KvLayoutSpec) -> None:
+        self._manifest = manifest
         self._reader = reader
         self._entry = entry
         self._view = entry.buf[HEADER_BYTES:]
@@ -192,6 +194,27 @@ class CacheRead:
         # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]
         view = memoryview(kv_cache.reshape(-1).view(torch.uint8).numpy())
         return self._copy(view, [b * self._piece for b in block_ids], kv_cache.shape[2] * self._piece)
+
+    def check_landed(self, landed: Sequence[bytes], sent: Sequence[bytes]) -> None:
+        """TransferRejected naming the first block whose landed bytes do not match the sender's digest."""
+        manifest = self._manifest
+        check_trailer_digests(manifest, sent)
+        for k, (got, want) in enumerate(zip(landed, sent, strict=True)):
+            if got != want:
+                raise TransferRejected(f"block {k} (destination block {manifest.block_ids[k]}, source block "
+                                       f"{manifest.src_block_ids[k]}) does not match its digest",
+                                       f"block_digests[{k}]")
+
+    def copy_verified(self, kv_cache: torch.Tensor, block_ids: Sequence[int],
+                      sender_digests: Callable[[], Sequence[bytes]]) -> None:
+        """copy_into, then every landed block must match `sender_digests()` (the trailer, waited for only after
+        the copy); on any failure the destination blocks are zeroed before the error goes on."""
+        # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]
+        try:
+            self.check_landed(self.copy_into(kv_cache, block_ids), sender_digests())
+        except BaseException:  # nothing of a rejected transfer stays in the cache
+            kv_cache[:, :, torch.as_tensor(list(block_ids), dtype=torch.int64)] = 0
+            raise
 
     def copy_records(self, out: torch.Tensor) -> list[bytes]:
         """Source block i -> raw record i of `out` ([n * block_bytes] uint8 CPU, kvstore.transfer's layout)."""

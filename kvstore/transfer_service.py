@@ -55,8 +55,8 @@ from kvstore.shm_cache import SharedKvCache, block_digests_in_place, open_cache
 from kvstore.shm_pool import PooledSegmentReader, SegmentPool, SegmentPoolExhausted, is_pooled_name
 from kvstore.transfer import BufferPool, DecodedBlocks, PayloadAssembler, iter_chunks, write_records
 from kvstore.transfer_manifest import (CODECS, DEFAULT_CHUNK_BYTES, INVALID_ARGUMENT, TRANSPORTS, KvLayoutSpec,
-                                       TransferManifest, TransferRejected, check_chunk_bytes, check_trailer_digests,
-                                       num_chunks, validate_manifest)
+                                       TransferManifest, TransferRejected, check_chunk_bytes, num_chunks,
+                                       validate_manifest)
 from kvstore.transfer_slices import KvSlices, decode_slices, merge_slices, record_bounds, verify_payload
 from protos.convert import manifest_from_pb, manifest_to_pb
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
@@ -199,14 +199,6 @@ def _trailer_of(data_chunks: Iterator[bytes | TrailerDigests]) -> tuple[bytes, .
     return trailer
 
 
-def _check_landed(manifest: TransferManifest, landed: Sequence[bytes], sent: Sequence[bytes]) -> None:
-    check_trailer_digests(manifest, sent)
-    for k, (got, want) in enumerate(zip(landed, sent, strict=True)):
-        if got != want:
-            raise TransferRejected(f"block {k} (destination block {manifest.block_ids[k]}, source block "
-                                   f"{manifest.src_block_ids[k]}) does not match its digest", f"block_digests[{k}]")
-
-
 def _receive_cache(manifest: TransferManifest, data_chunks: Iterator[bytes | TrailerDigests],
                    target: ReceiveTarget, plan: KvReshardPlan, segments: PooledSegmentReader,
                    buffers: BufferPool) -> None:
@@ -221,16 +213,12 @@ def _receive_cache(manifest: TransferManifest, data_chunks: Iterator[bytes | Tra
     cache = target.kv_cache
     with read:
         if target.write is None and cache.device.type == "cpu" and cache.is_contiguous():
-            try:
-                _check_landed(manifest, read.copy_into(cache, manifest.block_ids), _trailer_of(data_chunks))
-            except BaseException:  # nothing of a rejected transfer stays in the cache
-                cache[:, :, torch.as_tensor(manifest.block_ids, dtype=torch.int64)] = 0
-                raise
+            read.copy_verified(cache, manifest.block_ids, lambda: _trailer_of(data_chunks))
             return
         staging = buffers.take(manifest.payload_bytes)
         try:
             payload = staging[:manifest.payload_bytes]  # [payload_bytes] uint8: raw records, in block order
-            _check_landed(manifest, read.copy_records(payload), _trailer_of(data_chunks))
+            read.check_landed(read.copy_records(payload), _trailer_of(data_chunks))
             _scatter_verified(payload, manifest, target, plan)
             del payload
         finally:
