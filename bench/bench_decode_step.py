@@ -56,10 +56,13 @@ from pdserve.bench.roofline import copy_bandwidth, cpu_model
 from pdserve.cli_args import parse_int_list
 
 KERNELS = ("rms_norm", "rotary_embedding", "write_kv", "paged_attention")
-ENCODINGS = {"float32": {}, "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"},
-             "int8-native": {"quantization": "int8", "cpu_matmul": "native"},
-             "int4-native": {"quantization": "int4", "cpu_matmul": "native"}}
-"""Weight encodings by label: LLM keyword arguments (-native: EngineConfig.cpu_matmul="native")."""
+ENCODINGS = {"float32": {"keep_quantized_weights": False},
+             "int8": {"quantization": "int8", "keep_quantized_weights": True},
+             "int4": {"quantization": "int4", "keep_quantized_weights": True},
+             "int8-native": {"quantization": "int8", "keep_quantized_weights": True, "cpu_matmul": "native"},
+             "int4-native": {"quantization": "int4", "keep_quantized_weights": True, "cpu_matmul": "native"}}
+"""Weight encodings by label: LLM keyword arguments (-native: EngineConfig.cpu_matmul="native"); float32
+dequantizes the GGUF at load, the quantized ones keep its codes."""
 
 
 class Timers:
