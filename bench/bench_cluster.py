@@ -17,12 +17,14 @@ worker's reported bytes / transfer time, beside a plain memory copy of the same 
 --tpot-vs-engine measures issue 16's goal "1P+1D batch-1 TPOT within 1.1x of the one-process engine with the
 same decode threads", for float32 weights and for --keep-quantized-weights: per weights mode one 1P+1D cluster
 (every worker `--threads` threads, prefill always on the prefill worker) and one engine (`LLMEngine` stepped by
-its own thread in this process, no RPC, the same threads), then `--rounds` rounds, each one request to the
+its own thread in a spawned process of its own, as the serving suite runs it, no RPC, the same threads: in
+this process, which has started the cluster and holds gRPC channels, its OpenMP threads spun at 2 threads and
+a token took 5x its CPU), then `--rounds` rounds, each one request to the
 engine, one through the gateway and one calling the workers directly, every request on a prompt of its own.
 TPOT is taken from the stream: (arrival of the last token - arrival of the first) / (tokens - 1); the ratio
 is the median cluster TPOT over the median engine TPOT of the same run (and the median of the per-round
 ratios). Where the time goes: each request also records the CPU milliseconds per token of every process
-("this process" is the engine in its rows and the client in the others; gateway, prefill-0, decode-0, redis)
+("this process" is the client; engine, gateway, prefill-0, decode-0, redis)
 and how many CPUs other jobs kept busy meanwhile (pdserve.bench.cpumeter).
 
 The workers are dialled as the cluster's gateway dials them (`worker_channel`): mutual TLS with the gateway's
@@ -33,8 +35,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import datetime
 import json
+import multiprocessing
 import os
 import statistics
 import time
@@ -218,6 +222,39 @@ def copy_gbps(num_bytes: int) -> float:
     return num_bytes * 10 / (time.perf_counter() - start) / 1e9
 
 
+_ENGINE_PROCESS: dict = {}
+"""In the spawned engine process: its EngineBackend and the event loop that runs its sends."""
+
+
+def _engine_process_start(config: EngineConfig) -> None:
+    backend = EngineBackend(build_engine(config, progress=False), name=ENGINE)
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(backend.start())
+    _ENGINE_PROCESS.update(backend=backend, loop=loop)
+
+
+def _engine_process_send(request: BenchRequest) -> RequestRecord:
+    return _ENGINE_PROCESS["loop"].run_until_complete(_ENGINE_PROCESS["backend"].send(request))
+
+
+class EngineProcess(Backend):
+    """pdserve.bench.inprocess.EngineBackend in a spawned process of its own (pdserve.bench.suite does the same):
+    the records' times are taken there, where each step returns."""
+
+    def __init__(self, config: EngineConfig, name: str = "engine") -> None:
+        self.name = name
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_engine_process_start,
+            initargs=(config,))
+        self.pid = self._pool.submit(os.getpid).result()  # the engine is built once this returns
+
+    async def send(self, request: BenchRequest) -> RequestRecord:
+        return await asyncio.wrap_future(self._pool.submit(_engine_process_send, request))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown()
+
+
 WEIGHT_MODES = {"float32": False, "kept GGUF codes": True}
 """Weights mode -> EngineConfig.keep_quantized_weights (the same in the engine and in every worker)."""
 ENGINE, GATEWAY, DIRECT = "one-process engine", "1P+1D via gateway", "1P+1D workers direct"
@@ -275,12 +312,14 @@ def tpot_vs_engine(model_path: Path, threads: int, num_rounds: int, prompt_len: 
         rounds = [[BenchRequest(f"{mode}-{i}-{j}", tuple(next(prompts)), new_tokens) for j in range(len(systems))]
                   for i in range(num_rounds + 1)]
         with LocalCluster(cluster_config) as cluster:
-            backends = [EngineBackend(build_engine(engine_config, progress=False), name=ENGINE),
-                        PdserveBackend(cluster.gateway_target, name=GATEWAY),
-                        DirectBackend(cluster.workers, cluster.tls_files.get("gateway"), name=DIRECT)]
-            pids = {"this process": os.getpid(), **cluster.pids, "redis": cluster.redis_pid}
-            records = asyncio.run(interleave(backends, rounds, pids))
-            del backends
+            engine = EngineProcess(engine_config, name=ENGINE)
+            try:
+                backends = [engine, PdserveBackend(cluster.gateway_target, name=GATEWAY),
+                            DirectBackend(cluster.workers, cluster.tls_files.get("gateway"), name=DIRECT)]
+                pids = {"this process": os.getpid(), "engine": engine.pid, **cluster.pids, "redis": cluster.redis_pid}
+                records = asyncio.run(interleave(backends, rounds, pids))
+            finally:
+                engine.shutdown()
         rows = {}
         for name, measured in zip(systems, records):
             recs = [r for r, _ in measured]
