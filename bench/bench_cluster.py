@@ -2,7 +2,7 @@
 
     python bench/bench_cluster.py [--prompts 12] [--prompt-len 256] [--out bench/results/cluster.md]
     python bench/bench_cluster.py --tpot-vs-engine [--threads 1] [--rounds 7] [--new-tokens 64]
-                                  [--json bench/figures/1p1d-tpot/DATE.json]
+                                  [--json bench/figures/1p1d-tpot/DATE-threadsN.json]
 
 In one run, one request at a time (so the figures are latencies, not queueing), the same token-id prompts,
 greedy, EOS ignored, 32 new tokens:
@@ -301,6 +301,7 @@ def tpot_vs_engine(model_path: Path, threads: int, num_rounds: int, prompt_len: 
     figures = {"meta": {"date": datetime.date.today().isoformat(), "machine": roofline.machine_info().to_dict(),
                         "model": str(model_path), "threads": threads, "rounds": num_rounds,
                         "prompt_len": prompt_len, "new_tokens": new_tokens,
+                        "openmp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_"))},
                         "command": f"python bench/bench_cluster.py --tpot-vs-engine --threads {threads} --rounds "
                                    f"{num_rounds} --prompt-len {prompt_len} --new-tokens {new_tokens}"},
                "modes": {}}
@@ -347,7 +348,8 @@ def tpot_table(figures: dict) -> str:
     title = (f"1P+1D batch-1 TPOT vs the one-process engine: {meta['machine']['cpu']}, {meta['threads']} decode "
              f"thread(s), {meta['rounds']} rounds interleaved, {meta['prompt_len']}-token prompts, "
              f"{meta['new_tokens']} new tokens, load average {meta['machine']['load_average'][0]:.2f} at the start, "
-             f"{meta['load_average_end'][0]:.2f} at the end")
+             f"{meta['load_average_end'][0]:.2f} at the end"
+             + "".join(f", {k}={v}" for k, v in meta.get("openmp_env", {}).items()))
     header = ("| weights | system | TPOT p50 ms | vs engine (of medians) | vs engine (paired, p50) | TTFT p50 ms "
               "| longest gap p50 ms | CPU ms per token (p50) | other jobs (CPUs) |")
     lines = [title, "", header, "|---|---|---:|---:|---:|---:|---:|---|---:|"]
@@ -374,14 +376,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7, help="--tpot-vs-engine: measured rounds (after one warm-up)")
     parser.add_argument("--new-tokens", type=int, default=64, help="--tpot-vs-engine: tokens per request")
     parser.add_argument("--json", default=None, help="--tpot-vs-engine: where the figures go (default "
-                        "bench/figures/1p1d-tpot/DATE.json)")
+                        "bench/figures/1p1d-tpot/DATE-threadsN.json)")
     args = parser.parse_args()
 
     model_path = fetch_default_model()
     if args.tpot_vs_engine:
         figures = tpot_vs_engine(model_path, args.threads, args.rounds, args.prompt_len, args.new_tokens)
         print(tpot_table(figures))
-        out = Path(args.json or f"bench/figures/1p1d-tpot/{figures['meta']['date']}.json")
+        out = Path(args.json or f"bench/figures/1p1d-tpot/{figures['meta']['date']}-threads{args.threads}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(figures, indent=1) + "\n")
         print(f"figures in {out}")
