@@ -79,7 +79,7 @@ class Timers:
 
 
 def measure(quantization: str | None, num_tokens: int, timers: Timers) -> dict[str, float]:
-    llm = LLM(progress=False, quantization=quantization)
+    llm = LLM(progress=False, quantization=quantization, keep_quantized_weights=quantization is not None)
     ids = llm.tokenizer.encode(PROMPT)
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
     llm.generate([ids], params)  # warm-up
@@ -112,7 +112,8 @@ def compare_compiled(quantization: str | None, batch_sizes: tuple[int, ...], rep
                      bandwidth: float) -> list[dict]:
     """Rows of the compiled table for one weight encoding (module docstring)."""
     start = time.perf_counter()
-    llm = LLM(progress=False, quantization=quantization, compile_decode=True, compile_batch_sizes=batch_sizes,
+    llm = LLM(progress=False, quantization=quantization, keep_quantized_weights=quantization is not None,
+              compile_decode=True, compile_batch_sizes=batch_sizes,
               max_num_seqs=max(batch_sizes), num_kv_blocks=max(batch_sizes) * (CONTEXT_TOKENS // 16 + 1) + 8)
     build_s = time.perf_counter() - start
     runner = llm.engine.runner

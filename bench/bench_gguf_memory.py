@@ -3,8 +3,8 @@
     python bench/bench_gguf_memory.py [--model default] [--threads 2] [--tokens 32] [--prompt-tokens 512]
         [--repeats 3] [--out bench/figures/gguf_memory.json]
 
-Modes: `keep_quantized_weights=True` (the file's codes kept, engine.gguf_blocks, run by engine.quant's
-Int4Linear / Int8Linear), the default (float32 weights, dequantized at load), `quantization="int8"` and
+Modes: the default (`keep_quantized_weights`: the file's codes kept, engine.gguf_blocks, run by engine.quant's
+Int4Linear / Int8Linear), `keep_quantized_weights=False` (float32 weights, dequantized at load), `quantization="int8"` and
 `"int4"`. For each: the loaded model's weight bytes
 (DecoderModel.weight_memory_bytes: every tensor its linears, embedding and norms hold) against the file's tensor
 bytes, the load time, batch-1 greedy decode ms per token over `--tokens` tokens, and the prefill time of one
@@ -31,7 +31,7 @@ from engine.model_fetch import resolve_model_path
 from engine.sampling_params import SamplingParams
 from pdserve.bench.roofline import cpu_model
 
-MODES = {"keep_quantized_weights (file's codes)": {"keep_quantized_weights": True}, "float32 (the default)": {},
+MODES = {"default (file's codes kept)": {}, "float32 (keep_quantized_weights=False)": {"keep_quantized_weights": False},
          "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"}}
 PROMPT = "The history of science is the study of the development of science and scientific knowledge. "
 
@@ -77,7 +77,7 @@ def main() -> None:
             # The first token is the prompt's prefill (5 tokens): decode steps are the rest.
             ms = (time.perf_counter() - start) * 1e3 / len(out.outputs[0].token_ids)
             rows[name]["decode_ms_per_token"] = min(rows[name]["decode_ms_per_token"], ms)
-    base = rows["float32 (the default)"]
+    base = rows["float32 (keep_quantized_weights=False)"]
     for row in rows.values():
         row["decode_vs_float32"] = row["decode_ms_per_token"] / base["decode_ms_per_token"]
         row["prefill_vs_float32"] = row["prefill_ms"] / base["prefill_ms"]

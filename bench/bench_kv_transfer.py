@@ -14,12 +14,21 @@ so that a loaded machine slows them alike; the median of the rounds is reported.
     raw socket     the payload's bytes over one TCP connection to the receiver process (sendall / recv_into a
                    reused buffer, one-byte answer): what any stream transport between these processes can reach
     encode only    the sender's write_records into a reused buffer (kernels gather [+ quantize] + xxh3 digests)
-    shm            KvSender.push with a segment pool (pre-faulted, reused segments; the default of a prefill worker)
+    hash in place  the zero-copy sender's share, alone: xxh3 digests of the blocks where they are in its cache
+    copy + hash    the zero-copy receiver's share, alone, in this process: each block copied out of the cache
+                   segment's mapping into a receiving cache, hashed as it lands (kvstore.shm_cache.CacheRead)
+    block copy     the same blocks copied cache to cache by torch, block by block, nothing hashed: the floor of
+                   any one-copy path in the paged layout (each block is 2 x layers pieces, far apart)
+    shm zero-copy  KvSender.push of blocks of a cache that lives in shared memory (kvstore.shm_cache, the default
+                   of a prefill worker): the receiver copies each block out of the sender's segment into its
+                   cache and hashes it as it lands, while the sender hashes the same blocks in place
+    shm            KvSender.push with a segment pool (pre-faulted, reused segments; a cache not in shared memory)
     shm one-shot   KvSender.push with a fresh segment per transfer (a sender without a pool)
     grpc           KvSender.push over grpc: streamed chunks, digests in the trailer, reused receive buffers
 
 "wire GB/s" is payload bytes per second; "KV GB/s" is the raw float32 KV moved per second (what int8 buys).
-Prints a markdown table with issue 16's goals (shm raw / memcpy, grpc raw / raw socket) and writes it to --out
+Prints a markdown table with issue 16's goals (shm zero-copy and pooled shm / memcpy, grpc raw / raw socket)
+and writes it to --out
 (default bench/results/kv_transfer.md) with the figures as JSON beside it (.json).
 """
 from __future__ import annotations
@@ -167,6 +176,9 @@ def interleaved_ms(paths: dict, repeats: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    from kvstore.shm_cache import SharedKvCache, block_digests_in_place, open_cache
+    from kvstore.shm_pool import PooledSegmentReader
+    from kvstore.transfer_manifest import TransferManifest
     from kvstore.transfer_service import KvSender
 
     ctx = mp.get_context("spawn")
@@ -178,10 +190,15 @@ def run(args: argparse.Namespace) -> list[dict]:
     raw_socket = RawSocketSender(socket_queue.get(timeout=120))
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    src = torch.randn(cache_shape(CACHE_BLOCKS), generator=gen)
+    shared = SharedKvCache(cache_shape(CACHE_BLOCKS), torch.float32)  # the sender's cache, in shared memory
+    src = shared.tensor  # [L, 2, CACHE_BLOCKS, block_size, Hkv, D]
+    src.copy_(torch.randn(cache_shape(CACHE_BLOCKS), generator=gen))
+    receiving = torch.zeros(cache_shape(CACHE_BLOCKS))  # copy + hash: a receiving cache in this process
+    reader = PooledSegmentReader()
     rows = []
     try:
-        with KvSender(shm_pool_bytes=args.shm_pool_bytes) as sender, KvSender() as one_shot:
+        with (KvSender(shm_pool_bytes=args.shm_pool_bytes) as sender, KvSender() as one_shot,
+              KvSender(shared_cache=shared) as zero_copy):
             for num_blocks in args.blocks:
                 src_ids = torch.randperm(CACHE_BLOCKS, generator=gen)[:num_blocks].tolist()
                 dst_ids = torch.randperm(CACHE_BLOCKS, generator=gen)[:num_blocks].tolist()
@@ -194,8 +211,26 @@ def run(args: argparse.Namespace) -> list[dict]:
                 for codec in ("raw", "int8"):
                     out = torch.empty(num_blocks * LAYOUT.block_bytes(codec), dtype=torch.uint8)
                     paths[("encode only", codec)] = functools.partial(write_records, src, src_ids, codec, out)
+                paths[("hash in place", "raw")] = functools.partial(block_digests_in_place, src, src_ids)
+                manifest = TransferManifest("bench", "bench", LAYOUT, tuple(dst_ids), (), "raw", "shm", "", raw_bytes,
+                                            digests_in_trailer=True, cache_segment=shared.name,
+                                            src_block_ids=tuple(src_ids), cache_num_blocks=CACHE_BLOCKS,
+                                            sender_epoch=shared.epoch)
+
+                def copy_and_hash(manifest=manifest, dst_ids=dst_ids):
+                    with open_cache(reader, manifest, LAYOUT) as read:
+                        read.copy_into(receiving, dst_ids)
+
+                paths[("copy + hash", "raw")] = copy_and_hash
+
+                def block_copy(src_ids=src_ids, dst_ids=dst_ids):
+                    for s, d in zip(src_ids, dst_ids):
+                        receiving[:, :, d].copy_(src[:, :, s])  # [L, 2, block_size, Hkv, D]
+
+                paths[("block copy", "raw")] = block_copy
                 for codec in ("raw", "int8"):
-                    for path, who, transport in (("shm", sender, "shm"), ("shm one-shot", one_shot, "shm"),
+                    senders = (("shm zero-copy", zero_copy, "shm"),) if codec == "raw" else ()
+                    for path, who, transport in (*senders, ("shm", sender, "shm"), ("shm one-shot", one_shot, "shm"),
                                                  ("grpc", sender, "grpc")):
                         paths[(path, codec)] = functools.partial(
                             who.push, endpoint, request_id="bench", handle="bench", layout=LAYOUT, kv_cache=src,
@@ -206,6 +241,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                                      wire=num_blocks * LAYOUT.block_bytes(codec), ms=ms))
                     print(f"{num_blocks:4d} blocks {path:12s} {codec:4s} {ms:9.1f} ms", file=sys.stderr)
     finally:
+        reader.close()
+        shared.close()
         raw_socket.close()
         stop_event.set()
         child.join(timeout=30)
@@ -213,14 +250,16 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def goals(rows: list[dict]) -> list[dict]:
-    """Issue 16's KV goals per block count: shm raw >= 0.5x memcpy (64+ blocks), grpc raw >= 0.8x raw socket."""
+    """Issue 16's KV goals per block count: shm raw >= 0.5x memcpy (64+ blocks; judged on the zero-copy path,
+    the one a prefill worker takes on the same host), grpc raw >= 0.8x raw socket."""
     by = {(r["blocks"], r["path"], r["codec"]): r["ms"] for r in rows}
     out = []
     for blocks in sorted({r["blocks"] for r in rows}):
-        shm = by[(blocks, "memcpy", "raw")] / by[(blocks, "shm", "raw")]
+        zero_copy = by[(blocks, "memcpy", "raw")] / by[(blocks, "shm zero-copy", "raw")]
+        pooled = by[(blocks, "memcpy", "raw")] / by[(blocks, "shm", "raw")]
         grpc_ratio = by[(blocks, "raw socket", "raw")] / by[(blocks, "grpc", "raw")]
-        out.append(dict(blocks=blocks, shm_vs_memcpy=shm, shm_goal_met=shm >= 0.5 if blocks >= 64 else None,
-                        grpc_vs_raw_socket=grpc_ratio, grpc_goal_met=grpc_ratio >= 0.8))
+        out.append(dict(blocks=blocks, shm_vs_memcpy=zero_copy, shm_goal_met=zero_copy >= 0.5 if blocks >= 64 else None,
+                        shm_pooled_vs_memcpy=pooled, grpc_vs_raw_socket=grpc_ratio, grpc_goal_met=grpc_ratio >= 0.8))
     return out
 
 
@@ -248,12 +287,12 @@ def report(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         lines.append(f"| {r['blocks']} | {r['path']} | {r['codec']} | {r['wire'] / 1e6:.1f} | {r['ms']:.1f} | "
                      f"{r['wire'] / seconds / 1e9:.2f} | {kv_bytes / seconds / 1e9:.2f} | "
                      f"{memcpy_ms[r['blocks']] / r['ms']:.2f}x |")
-    lines += ["", "| blocks | shm raw / memcpy (goal >= 0.5, 64+ blocks) | grpc raw / raw socket (goal >= 0.8) |",
-              "|---:|---:|---:|"]
+    lines += ["", "| blocks | shm zero-copy raw / memcpy (goal >= 0.5, 64+ blocks) | pooled shm raw / memcpy | "
+              "grpc raw / raw socket (goal >= 0.8) |", "|---:|---:|---:|---:|"]
     for g in goals(rows):
         shm_met = "" if g["shm_goal_met"] is None else (" met" if g["shm_goal_met"] else " not met")
-        lines.append(f"| {g['blocks']} | {g['shm_vs_memcpy']:.2f}x{shm_met} | {g['grpc_vs_raw_socket']:.2f}x "
-                     f"{'met' if g['grpc_goal_met'] else 'not met'} |")
+        lines.append(f"| {g['blocks']} | {g['shm_vs_memcpy']:.2f}x{shm_met} | {g['shm_pooled_vs_memcpy']:.2f}x | "
+                     f"{g['grpc_vs_raw_socket']:.2f}x {'met' if g['grpc_goal_met'] else 'not met'} |")
     return "\n".join(lines) + "\n"
 
 

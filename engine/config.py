@@ -187,25 +187,26 @@ class EngineConfig:
     """Compute and KV-cache dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16."""
     quantization: str | None = None
     """Weight quantization, lossy and part of the model fingerprint (caches never mix encodings); see engine.quant.
-    None keeps the checkpoint's weights as loaded: in `dtype`, or a GGUF's matrices in the file's encoding with
-    keep_quantized_weights. "int8": every linear weight and the LM head as int8, one scale
+    None keeps the checkpoint's weights as loaded: a GGUF's matrices in the file's encoding (keep_quantized_weights),
+    the rest in `dtype`. "int8": every linear weight and the LM head as int8, one scale
     per output channel (W8A16), a quarter of float32's bytes per decode step. "int4": every layer's linear weights
     as 4-bit codes with a bfloat16 scale and offset per 32 inputs (W4A16, llama.cpp's Q4_1 scheme: a Q4_1 GGUF
     keeps its own codes) and the LM head as int8, about a sixth of float32's bytes. On CPU both speed up small
     decode batches (batch 1 on SmolLM2-135M: int8 ~1.4x, int4 ~1.7x float32's tokens/s) and cost time in prefill
     and large batches (int8 from ~32 rows dequantizes into a float GEMM, which rounds differently, so its greedy
     tokens may depend on the batch; int4 takes its int4 kernel for every batch, row by row)."""
-    keep_quantized_weights: bool = False
+    keep_quantized_weights: bool = True
     """Keep a GGUF's quantized and 16-bit matrices in the file's encoding (engine.gguf_blocks) instead of
-    dequantizing them to `dtype` at load: the model's weights then take about the file's tensor bytes (the
-    default model 91 MiB, against 513 MiB in float32). Matmuls read the codes directly (engine.quant): 4-bit
-    groups of 32 (Q4_0, Q4_1, Q4_K) as int4 with their scale and zero rounded to bfloat16, 8-bit groups (Q8_0,
-    and Q5_*, Q6_K held as int8) requantized to int8 with one scale per row, 16-bit weights cast a chunk at a
-    time; on CPU they run on bfloat16 activations (logits within ~1 of float32's). On the default model this
-    decodes in ~0.4x float32's time per token and prefills as fast. Not yet the default: its greedy tokens still
-    depend on the batch (offline, 4 of 32 prompts generated together differ from each alone; 2 of
-    test_gateway_cluster's 36 tests fail with it as the default), a cause not found yet. The fingerprint is the checkpoint's either way.
-    Hugging Face checkpoints are float either way."""
+    dequantizing them to `dtype` at load (the default: the file's codes are the checkpoint): the model's weights
+    then take about the file's tensor bytes (the default model 91 MiB, against 513 MiB in float32). Matmuls read
+    the codes directly (engine.quant): 4-bit groups of 32 (Q4_0, Q4_1, Q4_K) as int4 with their scale and zero
+    rounded to bfloat16, 8-bit groups (Q8_0, and Q5_*, Q6_K held as int8) requantized to int8 with one scale per
+    row, 16-bit weights cast a chunk at a time; on CPU they run on bfloat16 activations (logits within ~1 of
+    float32's). On the default model this decodes in ~0.4x float32's time per token and prefills as fast. Every
+    row is computed on its own, so with one thread per worker a sequence's tokens do not depend on the batch it
+    runs in (tested). False dequantizes everything at load, bit for bit the `gguf` package's values (what
+    transformers computes). The fingerprint is the checkpoint's either way. Hugging Face checkpoints are float
+    either way."""
     device: str = "cpu"
     """Torch device the model runs on ("cpu", "cuda", "cuda:1")."""
     max_model_len: int | None = None

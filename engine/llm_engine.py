@@ -93,8 +93,10 @@ class StepOutput:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, progress: bool = True, loaded: LoadedModel | None = None) -> None:
-        """Load `config.model` (or take an already `loaded` model) and size the KV cache."""
+    def __init__(self, config: EngineConfig, progress: bool = True, loaded: LoadedModel | None = None, *,
+                 kv_cache_in_shm: bool = False) -> None:
+        """Load `config.model` (or take an already `loaded` model) and size the KV cache; `kv_cache_in_shm`: in a
+        named shared-memory segment (engine.model_runner.ModelRunner, the prefill worker's same-host pushes)."""
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -107,7 +109,8 @@ class LLMEngine:
         """Model fingerprint: the checkpoint's, distinct per quantization (it roots the block hashes)."""
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
-        self.runner = ModelRunner(loaded.config, loaded.weights, config, self.max_model_len)
+        self.runner = ModelRunner(loaded.config, loaded.weights, config, self.max_model_len,
+                                  kv_cache_in_shm=kv_cache_in_shm)
         self.weight_memory_bytes = self.runner.model.weight_memory_bytes()
         """Bytes the loaded model's weights occupy (DecoderModel.weight_memory_bytes)."""
         self.file_tensor_bytes = loaded.file_tensor_bytes

@@ -23,6 +23,7 @@ from engine.sampler import RowResult, SamplingRow, choice_seed, sample_rows
 from engine.scheduler import SchedulerOutput
 from engine.sequence import PromptLogprob
 from engine.step_batch import StepBatch, copy_blocks, run_step
+from kvstore.shm_cache import SharedKvCache
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,10 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], config: EngineConfig,
-                 max_model_len: int) -> None:
+                 max_model_len: int, *, kv_cache_in_shm: bool = False) -> None:
+        """`kv_cache_in_shm`: allocate the KV cache over a named shared-memory segment (kvstore.shm_cache; CPU,
+        one rank), so that a decode worker on the same host copies pushed blocks straight out of it. Where
+        /dev/shm cannot hold it, under tensor parallelism or on CUDA it stays private, with a warning."""
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
@@ -99,8 +103,11 @@ class ModelRunner:
         # Zeroed, not empty: attention masks the slots past a sequence's length, but a masked slot still enters
         # the P @ V product with weight 0, and 0 * NaN is NaN. Recycled memory can hold NaN bit patterns;
         # after this every slot only ever holds K/V values.
-        self.kv_cache = torch.zeros(c.num_layers, 2, self.num_blocks, self.block_size, local.num_kv_heads,
-                                    c.head_dim, dtype=self.dtype, device=self.device)
+        shape = (c.num_layers, 2, self.num_blocks, self.block_size, local.num_kv_heads, c.head_dim)
+        self.kv_segment = self._shared_kv_cache(shape) if kv_cache_in_shm else None
+        """The shared-memory segment the cache lives in (kv_cache_in_shm), or None."""
+        self.kv_cache = (self.kv_segment.tensor if self.kv_segment is not None
+                         else torch.zeros(shape, dtype=self.dtype, device=self.device))
         """This rank's heads: [L, 2, blocks, block_size, kv_heads of rank 0, D] (all of them without TP)."""
         self.compiled: CompiledDecodeStep | None = None
         """The compiled decode step (EngineConfig.compile_decode), compiled here at start-up, or None."""
@@ -113,6 +120,19 @@ class ModelRunner:
                 sizes = tuple(n for n in config.compile_batch_sizes if n <= config.max_num_seqs) or (1,)
                 self.compiled = CompiledDecodeStep(self.model, self.kv_cache, sizes, max_model_len)
                 self.compiled.warm_up()
+
+    def _shared_kv_cache(self, shape: tuple[int, ...]) -> SharedKvCache | None:
+        if self.tp is not None or self.device.type != "cpu":
+            log.warning("kv_cache_in_shm is off for this worker: %s (KV pushes use the pooled segments)",
+                        "tensor parallelism" if self.tp is not None else f"device {self.device}")
+            return None
+        try:
+            segment = SharedKvCache(shape, self.dtype)  # zeroed, like the private cache
+        except OSError as exc:
+            log.warning("KV cache not in shared memory (%s): KV pushes use the pooled segments", exc)
+            return None
+        log.info("KV cache in shared-memory segment %s (zero-copy same-host pushes)", segment.name)
+        return segment
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks, every layer, source -> destination (a forked choice's partial prompt block), on
@@ -197,6 +217,9 @@ class ModelRunner:
         self.tp.scatter_kv(self.kv_cache, list(block_ids), plan, slices)
 
     def close(self) -> None:
-        """End the tensor-parallel ranks (nothing to do without them); the runner cannot step after."""
+        """End the tensor-parallel ranks and unlink the shared-memory KV cache (if any); the runner cannot step
+        after."""
         if self.tp is not None:
             self.tp.close()
+        if self.kv_segment is not None:  # the name goes; the pages stay mapped until this process exits
+            self.kv_segment.close()

@@ -57,7 +57,13 @@ INT8_MAX = 127
 #   M=16: 40 vs 74 / 9.9 vs 17.7;  M=24: 62 vs 79 / 14.5 vs 19.1;  M=32: 78 vs 80 / 18.9 vs 20.0;
 #   M=48: 111 vs 96 / 29.7 vs 25.1;  M=64: 145 vs 109 / 37.9 vs 31.7.
 INT8PACK_MAX_ROWS = 32
-"""Largest number of rows of x the CPU int8pack_mm path takes."""
+"""Largest number of rows of x the CPU int8pack_mm path takes in a layer (Int8Linear.forward)."""
+
+INT8PACK_HEAD_MAX_ROWS = sys.maxsize
+"""Largest number of rows the int8pack_mm path takes as an LM head (Int8Linear.logits): every batch. Its rows are
+one per sequence of a step, so that a sequence's logits do not depend on how many others the step holds (the
+GEMM path rounds differently; at 64 rows it would save ~16% of the head's time). Tests lower it to reach the GEMM
+path."""
 
 LOGITS_EXACT_TOP_K = 16
 """Logits per row an int8 LM head recomputes in float32 after int8pack_mm (Int8Linear.logits)."""
@@ -189,12 +195,13 @@ class Int8Linear:
         w = torch.empty(q.shape, dtype=dtype, device=q.device) if out is None else out
         return w.copy_(q).mul_(self.scale[rows, None].to(dtype))
 
-    def _takes_int8pack(self, x: torch.Tensor) -> bool:
-        return self.use_int8pack and x.shape[0] <= INT8PACK_MAX_ROWS
+    def _takes_int8pack(self, x: torch.Tensor, max_rows: int = INT8PACK_MAX_ROWS) -> bool:
+        return self.use_int8pack and x.shape[0] <= max_rows
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [M, in] -> [M, out] in x.dtype
-        if self._takes_int8pack(x):
+    def forward(self, x: torch.Tensor, max_rows: int | None = None) -> torch.Tensor:
+        """x: [M, in] -> [M, out] in x.dtype; int8pack_mm up to `max_rows` rows (INT8PACK_MAX_ROWS), else the
+        dequantize + GEMM path."""
+        if self._takes_int8pack(x, INT8PACK_MAX_ROWS if max_rows is None else max_rows):
             # Aligned loads (see _INT8PACK_K_MULTIPLE): always a fresh tensor, which the allocator aligns (a check
             # of data_ptr would stop torch.compile's graph here).
             xb = (x.clone(memory_format=torch.contiguous_format) if x.dtype == torch.bfloat16
@@ -215,13 +222,16 @@ class Int8Linear:
         coarse and near ties exact ones (argmax then takes the lower token id). So the LOGITS_EXACT_TOP_K largest
         logits of each row are recomputed in float32 from the same int8 weights and float32 x, as the GEMM path
         computes every logit: greedy picks the true maximum unless more than that many logits crowd within the
-        rounding of the first."""
-        out = self.forward(x).float()
-        if not self._takes_int8pack(x):
+        rounding of the first. Up to INT8PACK_HEAD_MAX_ROWS (every batch) take that path: int8pack_mm computes
+        each row on its own, so a row's logits do not depend on how many sequences the step holds."""
+        out = self.forward(x, max_rows=INT8PACK_HEAD_MAX_ROWS).float()
+        if not self._takes_int8pack(x, INT8PACK_HEAD_MAX_ROWS):
             return out
         top = out.topk(min(LOGITS_EXACT_TOP_K, out.shape[-1]), dim=-1).indices        # [M, k]
         rows = self.dequantize(torch.float32, top.flatten()).view(*top.shape, -1)     # [M, k, in]
-        exact = (rows @ x.float()[:, :, None]).squeeze(-1)                             # [M, k]
+        # Products summed along `in` row by row (not a bmm, whose kernel and so rounding depend on M): a row's
+        # logits do not depend on the batch it is in.
+        exact = (rows * x.float()[:, None, :]).sum(-1)                                 # [M, k]
         if self.bias is not None:
             exact += self.bias.float()[top]
         return out.scatter_(1, top, exact)

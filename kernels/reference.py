@@ -65,23 +65,15 @@ def _decode_attention_batched(query: torch.Tensor, k_cache: torch.Tensor, v_cach
                               block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
                               scale: float, sliding_window: int | None = None,
                               softcap: float | None = None) -> torch.Tensor:
-    """One query token per sequence: gather K/V padded to max_seq_len, mask by length (and window), one SDPA call."""
+    """One query token per sequence: gather K/V padded to max_seq_len, mask by length (and window), one SDPA call.
+
+    A batch of one takes the same path: with a mask, torch's CPU flash kernel gives a row the same bits whatever
+    the padding and the other rows (on one thread; tested), where an unmasked call over the exact length rounds
+    differently. So a sequence's attention does not depend on the batch it decodes in."""
     # query: [n, Hq, D]; block_tables: [n, max_blocks]; seq_lens: [n] (each >= 1)
     n, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    if n == 1:  # batch-1 decode (latency-bound): the sequence's own blocks, cut to its length, no mask
-        # 4-D operands: torch's CPU flash kernel (3-D ones take its slower math path)
-        first = _first_visible_block(max_seq_len, 1, sliding_window, block_size)
-        start = first * block_size
-        if sliding_window is not None and max_seq_len - start > sliding_window:
-            start = max_seq_len - sliding_window
-        k = _gather_seq_kv(k_cache, block_tables[0, first:], max_seq_len - first * block_size)
-        v = _gather_seq_kv(v_cache, block_tables[0, first:], max_seq_len - first * block_size)
-        k = k[start - first * block_size:].transpose(0, 1)[None]  # [1, Hkv, visible, D]
-        v = v[start - first * block_size:].transpose(0, 1)[None]
-        q = query.view(1, num_kv_heads, group, head_dim).float()  # [1, Hkv, G, D]
-        return _attend(q, k, v, None, scale, softcap).reshape(1, num_heads, head_dim)
     num_blocks_max = _cdiv(max_seq_len, block_size)
     seq_lens = seq_lens.to(torch.long)
     # Table entries past a sequence's last block are padding with any value: point them at block 0.

@@ -31,6 +31,7 @@ Receiver: only names of the pooled form; on every transfer the file checks of kv
 link, our uid, mode 0600, no symlink, no FIFO), then the header must carry this reservation's token and the
 manifest's payload_bytes (else SegmentRefused naming why). Mappings are private and never written, never
 unlinked, kept per (name, inode) in a small LRU; one whose name is gone or now names another file is unmapped.
+The same reader keeps the mappings of senders' KV cache segments (kvstore.shm_cache, through attach()).
 """
 from __future__ import annotations
 
@@ -278,6 +279,7 @@ class _Mapping:
         self.mmap = mapping
         self.buf = memoryview(mapping)
         self.readers = 0
+        self.stamp = b""
 
     def close(self) -> None:
         try:
@@ -301,21 +303,7 @@ class PooledSegmentReader:
         the module doc. SegmentRefused with the reason; FileNotFoundError when there is no such segment."""
         if not is_pooled_name(name):
             raise SegmentRefused(f"invalid pooled segment name {name!r}: expected {POOLED_NAME_PATTERN.pattern}")
-        fd, st = open_checked(name)
-        try:
-            with self._lock:
-                self._prune()
-                entry = self._mappings.pop(name, None)
-                if entry is not None and entry.key != (st.st_dev, st.st_ino):
-                    self._drop(entry)
-                    entry = None
-                if entry is None:
-                    entry = _Mapping(name, st, mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY))
-                    self.num_mapped += 1
-                self._mappings[name] = entry
-                entry.readers += 1
-        finally:
-            os.close(fd)
+        entry = self.attach(name)
         try:
             magic, token, announced = _HEADER.unpack_from(entry.buf)
             if magic != MAGIC:
@@ -326,9 +314,31 @@ class PooledSegmentReader:
                 raise SegmentRefused(f"segment {name!r} refused: holds {announced} payload bytes in "
                                      f"{len(entry.buf) - HEADER_BYTES}, the manifest announces {payload_bytes}")
         except BaseException:
-            self._done(entry)
+            self.done(entry)
             raise
         return PooledPayload(self, entry, payload_bytes)
+
+    def attach(self, name: str, stamp: bytes = b"") -> _Mapping:
+        """The kept mapping of segment `name` (of a form the caller checked), after the file checks of
+        kvstore.shm, mapped again when the name now means another file or the caller's `stamp` (what it read in
+        the header last time, e.g. kvstore.shm_cache's epoch) changed. The caller reads it, then calls done()."""
+        fd, st = open_checked(name)
+        try:
+            with self._lock:
+                self._prune()
+                entry = self._mappings.pop(name, None)
+                if entry is not None and (entry.key != (st.st_dev, st.st_ino) or entry.stamp != stamp):
+                    self._drop(entry)
+                    entry = None
+                if entry is None:
+                    entry = _Mapping(name, st, mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY))
+                    entry.stamp = stamp
+                    self.num_mapped += 1
+                self._mappings[name] = entry
+                entry.readers += 1
+        finally:
+            os.close(fd)
+        return entry
 
     def prune(self) -> None:
         """Unmap the mappings of segments that are gone (their pages stay allocated while mapped)."""
@@ -355,7 +365,8 @@ class PooledSegmentReader:
         if entry.readers == 0:
             entry.close()
 
-    def _done(self, entry: _Mapping) -> None:
+    def done(self, entry: _Mapping) -> None:
+        """The end of one read of `entry` (from attach)."""
         with self._lock:
             entry.readers -= 1
             if entry.readers == 0 and self._mappings.get(entry.name) is not entry:
@@ -385,7 +396,7 @@ class PooledPayload:
             self.buf.release()
         except BufferError:  # a tensor still views it (an exception's traceback): the mapping stays cached
             pass
-        self._reader._done(self._entry)
+        self._reader.done(self._entry)
 
     def __enter__(self) -> PooledPayload:
         return self

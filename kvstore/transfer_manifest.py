@@ -105,7 +105,16 @@ class TransferManifest:
     """A tensor-parallel sender's KV heads per rank; () for one rank holding every head (see payload_slices)."""
     # --- streamed transfers (issue 16) ---
     digests_in_trailer: bool = False
-    """block_digests is empty: the digests follow the data in the trailer (grpc only)."""
+    """block_digests is empty: the digests follow the data in the trailer (grpc, or shm with cache_segment)."""
+    # --- zero-copy same-host transfers (issue 16): blocks copied straight out of the sender's cache ---
+    cache_segment: str = ""
+    """The sender's KV cache segment (kvstore.shm_cache); "" for every other data path."""
+    src_block_ids: tuple[int, ...] = ()
+    """Blocks of that cache to copy, one per block_ids entry."""
+    cache_num_blocks: int = 0
+    """Blocks of the segment's cache tensor."""
+    sender_epoch: str = ""
+    """The segment's epoch, as its header holds it."""
 
     def payload_slices(self) -> tuple[range, ...]:
         """The KV heads of each payload slice, in payload order (one slice of every head without sender ranks).
@@ -125,7 +134,9 @@ def validate_manifest(manifest: TransferManifest, expected_layout: KvLayoutSpec,
     if manifest.transport not in TRANSPORTS:
         raise TransferRejected(f"unknown transport {manifest.transport!r}, expected one of {TRANSPORTS}",
                                "transport", INVALID_ARGUMENT)
-    if (manifest.transport == "shm") != bool(manifest.shm_name):
+    if manifest.cache_segment:
+        _check_cache_path(manifest)
+    elif (manifest.transport == "shm") != bool(manifest.shm_name):
         raise TransferRejected(f"shm_name {manifest.shm_name!r} with transport {manifest.transport!r}: required "
                                "for shm and only for shm", "shm_name", INVALID_ARGUMENT)
     mismatch = manifest.layout.first_mismatch(expected_layout)
@@ -170,12 +181,29 @@ def _check_digests(manifest: TransferManifest, digests: Sequence[bytes]) -> None
 
 # --- streamed transfers (issue 16): the digests follow the data, in a trailer ---
 def _check_streamed(manifest: TransferManifest) -> None:
-    if manifest.transport != "grpc":
-        raise TransferRejected(f"digests_in_trailer with transport {manifest.transport!r}: only grpc streams a "
-                               "trailer", "digests_in_trailer", INVALID_ARGUMENT)
+    if manifest.transport != "grpc" and not manifest.cache_segment:
+        raise TransferRejected(f"digests_in_trailer with transport {manifest.transport!r}: only grpc and the "
+                               "shm cache path stream a trailer", "digests_in_trailer", INVALID_ARGUMENT)
     if manifest.block_digests:
         raise TransferRejected(f"{len(manifest.block_digests)} digests in a manifest that announces them in the "
                                "trailer", "block_digests", INVALID_ARGUMENT)
+
+
+def _check_cache_path(manifest: TransferManifest) -> None:
+    """The fields of a zero-copy manifest (cache_segment set); the segment itself is checked when mapped."""
+    for ok, field, why in (
+            (manifest.transport == "shm", "transport", f"{manifest.transport!r}: the cache path is shm only"),
+            (not manifest.shm_name, "shm_name", f"{manifest.shm_name!r} next to cache_segment: one data path"),
+            (manifest.codec == "raw", "codec", f"{manifest.codec!r}: the cache path copies raw blocks"),
+            (not manifest.sender_kv_heads, "sender_kv_heads", "the cache path is one sender rank"),
+            (manifest.digests_in_trailer, "digests_in_trailer", "the cache path sends the digests in the trailer"),
+            (len(manifest.src_block_ids) == len(manifest.block_ids), "src_block_ids",
+             f"{len(manifest.src_block_ids)} source blocks for {len(manifest.block_ids)} destination blocks"),
+            (all(0 <= b < manifest.cache_num_blocks for b in manifest.src_block_ids), "src_block_ids",
+             f"ids outside the sender's cache of {manifest.cache_num_blocks} blocks"),
+            (bool(manifest.sender_epoch), "sender_epoch", "required with cache_segment")):
+        if not ok:
+            raise TransferRejected(why, field, INVALID_ARGUMENT)
 
 
 def check_trailer_digests(manifest: TransferManifest, digests: Sequence[bytes]) -> None:

@@ -13,6 +13,11 @@ Receiving (``KvTransferServicer``, thin; the flow is ``receive_transfer``):
              on the mapped bytes
              ─▶ decode + scatter into kv_cache straight from the buffer or the mapping (only after every digest
                 passed) ─▶ receiver.commit
+    shm, zero copy (manifest.cache_segment, kvstore.shm_cache): map the sender's KV cache segment once (kept
+             while name and epoch stay), copy each source block into its destination hashing it as it lands, then
+             the trailer's digests must all match (else the destination blocks are zeroed and it is rejected)
+             ─▶ receiver.commit. A probe (cache_segment without a request) is answered OK when the segment maps:
+             that is how a sender learns this receiver has the path (an older one refuses it at check).
     any failure after check ─▶ receiver.reject(request_id, handle, reason), once; the RPC fails with the
                    rejection's code (FAILED_PRECONDITION: layout/fingerprint, digest, size, shm segment;
                    INVALID_ARGUMENT: bounds, reservation ids, codec/transport, malformed stream; INTERNAL:
@@ -24,7 +29,10 @@ carries them (kvstore.transfer.write_records) and hashed there. grpc: manifest (
 chunks cut from a reused staging buffer as each group is gathered, then the trailer with the digests. shm: the
 groups land in a segment (from the sender's SegmentPool when it has one: pre-faulted and reused; else a fresh
 one-shot segment), then the manifest with the digests names it; the segment goes back to the pool only after a
-committed Push, and is unlinked on every other outcome.
+committed Push, and is unlinked on every other outcome. Zero copy (KvSender.data_path decides, in one place):
+when the blocks are those of the engine's shared cache (raw codec) and the receiver answered the probe, the
+manifest names the cache segment and the source block ids and goes at once; the sender hashes the blocks in
+place meanwhile and sends the digests in the trailer. The caller holds the blocks until push returns.
 
 Servers hosting the servicer should be created with ``GRPC_OPTIONS`` (4 MiB chunks exceed grpc's default
 4 MiB message limit once framed); the default 2 MiB chunks work without.
@@ -43,6 +51,7 @@ import torch
 
 from kvstore.reshard_plan import KvReshardPlan, plan_reshard
 from kvstore.shm import OutgoingSegment, SegmentRefused, take_segment
+from kvstore.shm_cache import SharedKvCache, block_digests_in_place, open_cache
 from kvstore.shm_pool import PooledSegmentReader, SegmentPool, SegmentPoolExhausted, is_pooled_name
 from kvstore.transfer import BufferPool, DecodedBlocks, PayloadAssembler, iter_chunks, write_records
 from kvstore.transfer_manifest import (CODECS, DEFAULT_CHUNK_BYTES, INVALID_ARGUMENT, TRANSPORTS, KvLayoutSpec,
@@ -168,6 +177,68 @@ def _receive_grpc(manifest: TransferManifest, data_chunks: Iterator[bytes | Trai
         buffers.give_back(staging)
 
 
+def _cache_segment_error(manifest: TransferManifest, exc: FileNotFoundError) -> TransferRejected:
+    if isinstance(exc, SegmentRefused):
+        return TransferRejected(str(exc), "cache_segment")
+    return TransferRejected(f"no shared-memory segment {manifest.cache_segment!r} on this host (sender on another "
+                            "host, or it exited)", "cache_segment")
+
+
+def _trailer_of(data_chunks: Iterator[bytes | TrailerDigests]) -> tuple[bytes, ...]:
+    """The one message after a cache-path manifest: its trailer."""
+    trailer = None
+    for item in data_chunks:
+        if not isinstance(item, TrailerDigests):
+            raise TransferRejected("data chunks on an shm transfer", "data", INVALID_ARGUMENT)
+        if trailer is not None:
+            raise TransferRejected("a message after the trailer", "trailer", INVALID_ARGUMENT)
+        trailer = item.digests
+    if trailer is None:
+        raise TransferRejected("the stream ended without the trailer its manifest announced", "trailer",
+                               INVALID_ARGUMENT)
+    return trailer
+
+
+def _receive_cache(manifest: TransferManifest, data_chunks: Iterator[bytes | TrailerDigests],
+                   target: ReceiveTarget, plan: KvReshardPlan, segments: PooledSegmentReader,
+                   buffers: BufferPool) -> None:
+    """The zero-copy path (kvstore.shm_cache): copy each block out of the sender's mapped cache into its
+    destination, hashing it as it lands; then the trailer's digests must all match. A cache of this process
+    (CPU, contiguous, one rank) is the destination itself; any other goes through a staging buffer and the
+    usual scatter."""
+    try:
+        read = open_cache(segments, manifest, target.layout)
+    except FileNotFoundError as exc:
+        raise _cache_segment_error(manifest, exc) from None
+    cache = target.kv_cache
+    with read:
+        if target.write is None and cache.device.type == "cpu" and cache.is_contiguous():
+            read.copy_verified(cache, manifest.block_ids, lambda: _trailer_of(data_chunks))
+            return
+        staging = buffers.take(manifest.payload_bytes)
+        try:
+            payload = staging[:manifest.payload_bytes]  # [payload_bytes] uint8: raw records, in block order
+            read.check_landed(read.copy_records(payload), _trailer_of(data_chunks))
+            _scatter_verified(payload, manifest, target, plan)
+            del payload
+        finally:
+            buffers.give_back(staging)
+
+
+def answer_probe(manifest: TransferManifest, segments: PooledSegmentReader) -> None:
+    """A sender's probe (a cache-path manifest without a request): TransferRejected unless this receiver can
+    map the cache segment it names; its mapping is kept for the pushes that follow."""
+    try:
+        with open_cache(segments, manifest, manifest.layout):
+            pass
+    except FileNotFoundError as exc:
+        raise _cache_segment_error(manifest, exc) from None
+
+
+def is_probe(manifest: TransferManifest) -> bool:
+    return bool(manifest.cache_segment) and not manifest.request_id and not manifest.handle
+
+
 @dataclass(frozen=True)
 class TrailerDigests:
     """The trailer of a streamed transfer, as the servicer hands it on after the data chunks."""
@@ -190,6 +261,9 @@ def receive_transfer(manifest: TransferManifest, data_chunks: Iterator[bytes | T
         plan = plan_reshard(manifest.sender_kv_heads or every_head, target.rank_kv_heads or every_head)
         if manifest.transport == "grpc":
             _receive_grpc(manifest, data_chunks, target, plan, buffers or BufferPool(0))
+        elif manifest.cache_segment:
+            _receive_cache(manifest, data_chunks, target, plan, segments or PooledSegmentReader(0),
+                           buffers or BufferPool(0))
         else:
             if next(data_chunks, None) is not None:
                 raise TransferRejected("data chunks on an shm transfer", "data", INVALID_ARGUMENT)
@@ -267,6 +341,14 @@ def add_kv_transfer_servicer(servicer: KvTransferServicer, server: grpc.Server) 
 
 
 def _data_of(request_iterator: Iterator[kv_transfer_pb2.KvChunk | memoryview]) -> Iterator[bytes | TrailerDigests]:
+    try:
+        yield from _messages_of(request_iterator)
+    except grpc.RpcError:  # grpc's own error here has no message
+        raise TransferRejected("the Push stream was cut before its end (the sender cancelled, timed out or "
+                               "died)", "data", "CANCELLED") from None
+
+
+def _messages_of(request_iterator):
     for message in request_iterator:
         if isinstance(message, memoryview):
             yield message
@@ -292,6 +374,9 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
     def Push(self, request_iterator, context):
         try:
             manifest = _read_manifest(request_iterator)
+            if is_probe(manifest):
+                answer_probe(manifest, self.segments)
+                return kv_transfer_pb2.PushResult()
             sender = peer_identity(context.auth_context())
             received = receive_transfer(manifest, _data_of(request_iterator), self._receiver,
                                         sender.role if sender is not None else None, buffers=self.buffers,
@@ -325,6 +410,7 @@ class TransferStats:
     num_blocks: int
     reshard_bytes: int = 0  # the receiver's report (PushResult.reshard_bytes); 0 from a receiver without it
     reshard_slices: int = 0
+    data_path: str = ""  # how the bytes travelled (KvSender.data_path): "grpc", "cache", "pooled", "one-shot"
 
 
 class TransferFailed(Exception):
@@ -340,14 +426,19 @@ class KvSender:
     """Pushes blocks of a local cache to decode workers' KvTransfer services. One cached channel per endpoint;
     thread-safe. With `tls` (the prefill worker's cluster files, read once) every channel is mutual TLS and
     accepts only a server certificate of role decode. `shm_pool_bytes` > 0: shm transfers use a SegmentPool of
-    that many bytes (pre-faulted, reused; closed with the sender); 0: a fresh segment per transfer."""
+    that many bytes (pre-faulted, reused; closed with the sender); 0: a fresh segment per transfer.
+    `shared_cache`: the engine's KV cache when it lives in shared memory (kvstore.shm_cache; not closed here):
+    shm pushes of its blocks to a receiver that answered the probe take the zero-copy path."""
 
     def __init__(self, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, group_bytes: int = DEFAULT_GROUP_BYTES,
-                 tls: TlsFiles | None = None, shm_pool_bytes: int = 0) -> None:
+                 tls: TlsFiles | None = None, shm_pool_bytes: int = 0,
+                 shared_cache: SharedKvCache | None = None) -> None:
         check_chunk_bytes(chunk_bytes)
         self.chunk_bytes = chunk_bytes
         self.group_bytes = group_bytes
         self.segment_pool = SegmentPool(shm_pool_bytes) if shm_pool_bytes else None
+        self.shared_cache = shared_cache
+        self._cache_peers: dict[str, bool] = {}  # endpoint -> whether it answered the zero-copy probe
         self.staging = BufferPool(4 * group_bytes)
         self._credentials = channel_credentials(tls) if tls is not None else None
         self._stubs: dict[str, tuple[grpc.Channel, grpc.StreamUnaryMultiCallable]] = {}
@@ -408,13 +499,24 @@ class KvSender:
             raise ValueError(f"corrupt_chunk_index {fault.corrupt_chunk_index} outside the payload's "
                              f"{num_chunks(payload_bytes, self.chunk_bytes)} chunks")
 
-        def manifest(shm_name: str = "", digests: tuple[bytes, ...] = ()) -> kv_transfer_pb2.KvChunk:
+        def manifest(shm_name: str = "", digests: tuple[bytes, ...] = (), **cache_fields) -> kv_transfer_pb2.KvChunk:
             return kv_transfer_pb2.KvChunk(manifest=manifest_to_pb(TransferManifest(
                 request_id, handle, layout, tuple(dst_block_ids), digests, codec, transport, shm_name,
-                payload_bytes, sender_kv_heads, digests_in_trailer=transport == "grpc")))
+                payload_bytes, sender_kv_heads, digests_in_trailer=transport == "grpc" or bool(cache_fields),
+                **cache_fields)))
 
         stub = self._stub(endpoint)
-        if transport == "grpc":
+        path = self.data_path(endpoint, kv_cache, layout, transport, codec, deadline)
+        if path == "cache":
+            try:
+                result = self._push_cache(stub, manifest, src_block_ids, layout.block_bytes(codec), fault, deadline)
+            except TransferFailed as exc:
+                if exc.code == grpc.StatusCode.INVALID_ARGUMENT and exc.details.startswith(("shm_name: ",
+                                                                                            "transport: ")):
+                    with self._lock:  # the receiver was replaced by one without the cache path: probe again
+                        self._cache_peers.pop(endpoint, None)
+                raise
+        elif transport == "grpc":
             errors: list[BaseException] = []
             messages = self._grpc_messages(manifest(), units, codec, fault, errors)
             try:
@@ -431,7 +533,73 @@ class KvSender:
             raise TransferFailed(grpc.StatusCode.INTERNAL, f"receiver reports {result.num_blocks} blocks / "
                                  f"{result.bytes} bytes, sent {len(dst_block_ids)} / {payload_bytes}")
         return TransferStats(payload_bytes, (time.perf_counter() - start) * 1e3, transport, codec,
-                             len(dst_block_ids), result.reshard_bytes, result.reshard_slices)
+                             len(dst_block_ids), result.reshard_bytes, result.reshard_slices, path)
+
+    def data_path(self, endpoint: str, kv_cache, layout: KvLayoutSpec, transport: str, codec: str,
+                  deadline: float) -> str:
+        """The one place that decides how a push's bytes travel: "grpc" (transport grpc); "cache" (shm, raw
+        codec, blocks of the shared cache, a receiver that answered the probe: zero copy, kvstore.shm_cache);
+        else "pooled" (shm through the segment pool) or "one-shot" (shm without a pool). The probe goes once
+        per endpoint; a transport failure of the probe is not remembered."""
+        if transport == "grpc":
+            return "grpc"
+        segment_path = "pooled" if self.segment_pool is not None else "one-shot"
+        cache = self.shared_cache
+        if cache is None or codec != "raw" or not cache.holds(kv_cache):
+            return segment_path
+        with self._lock:
+            known = self._cache_peers.get(endpoint)
+        if known is None:
+            probe = kv_transfer_pb2.KvChunk(manifest=manifest_to_pb(TransferManifest(
+                "", "", layout, (), (), "raw", "shm", "", 0, digests_in_trailer=True, cache_segment=cache.name,
+                cache_num_blocks=cache.num_blocks, sender_epoch=cache.epoch)))
+            try:
+                self._call(self._stub(endpoint), iter([probe]), deadline, [])
+                known = True
+            except TransferFailed as exc:
+                if exc.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                grpc.StatusCode.CANCELLED):
+                    return segment_path
+                log.info("KV receiver %s refused the zero-copy probe (%s): shm pushes there use the %s path",
+                         endpoint, exc, segment_path)
+                known = False
+            with self._lock:
+                self._cache_peers[endpoint] = known
+        return "cache" if known else segment_path
+
+    def _push_cache(self, stub, manifest, src_block_ids: list[int], block_bytes: int, fault: FaultInjection,
+                    deadline: float) -> kv_transfer_pb2.PushResult:
+        # The manifest goes first, so that the receiver copies while this thread hashes the same blocks in place;
+        # the digests follow in the trailer. The caller holds the blocks until this returns.
+        cache = self.shared_cache
+        head = manifest(cache_segment=cache.name, src_block_ids=tuple(src_block_ids),
+                        cache_num_blocks=cache.num_blocks, sender_epoch=cache.epoch)
+        flipped: list[int] = []
+        errors: list[BaseException] = []
+
+        def messages() -> Iterator[kv_transfer_pb2.KvChunk]:
+            try:
+                if fault.corrupt_chunk_index is None:
+                    yield head
+                    digests = list(block_digests_in_place(cache.tensor, src_block_ids))
+                else:  # test hook: the digests, then the corruption of the source block, then the manifest
+                    digests = list(block_digests_in_place(cache.tensor, src_block_ids))
+                    flipped.append(src_block_ids[fault.corrupt_chunk_index * self.chunk_bytes // block_bytes])
+                    cache.flip_byte(flipped[0])
+                    yield head
+                if fault.corrupt_trailer_digest is not None:
+                    i = fault.corrupt_trailer_digest
+                    digests[i] = bytes([digests[i][0] ^ 0xFF]) + digests[i][1:]
+                yield kv_transfer_pb2.KvChunk(trailer=kv_transfer_pb2.KvTrailer(block_digests=digests))
+            except Exception as exc:  # grpc would only report "Exception iterating requests"
+                errors.append(exc)
+                raise
+
+        try:
+            return self._call(stub, messages(), deadline, errors)
+        finally:
+            for block_id in flipped:  # the hook corrupts what the receiver reads, never the sender's own KV
+                cache.flip_byte(block_id)
 
     def _push_shm(self, stub, manifest, units, codec, payload_bytes, fault, request_id, handle,
                   deadline) -> kv_transfer_pb2.PushResult:

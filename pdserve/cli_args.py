@@ -124,7 +124,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
              "layers, 32-input groups; LM head int8) (default: none, weights in --dtype)", choices=QUANTIZATIONS),
         _arg(g, E, "keep_quantized_weights", "keep a GGUF's quantized matrices in the file's encoding in memory, "
              "multiplied straight from its codes (about 1/5 the memory of float32 for a Q4 file, faster batch-1 "
-             "decode on CPU, bfloat16 activations); the default dequantizes them to --dtype at load", action=argparse.BooleanOptionalAction),
+             "decode on CPU, bfloat16 activations; the default); --no-keep-quantized-weights dequantizes them to "
+             "--dtype at load", action=argparse.BooleanOptionalAction),
         _arg(g, E, "device", "torch device: cpu, cuda, cuda:1"),
         _arg(g, E, "max_model_len", "longest prompt + completion in tokens (default: the model's)", type=int),
         _arg(g, E, "kv_cache_memory", "KV-cache budget in bytes, e.g. 512M or 2G "

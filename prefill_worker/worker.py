@@ -13,9 +13,12 @@ One request (DESIGN section 3, step 5):
 The push runs on the gRPC handler's thread while the engine keeps stepping other requests; it reads only
 blocks this request's lease holds, and only while it holds the lease's pin (engine.block_lease): an Abort
 that arrives before the pin releases the blocks and the pin is refused (no push); one that arrives during the
-push is deferred until the push ends. The sender gathers each group of blocks straight into what carries it (a
-pooled, pre-faulted shared-memory segment, or chunks of a streamed grpc Push whose digests follow in a
-trailer); sending layer by layer during the forward pass is not done (see BENCHMARKS.md, issue 16).
+push is deferred until the push ends. On the same host the engine's KV cache itself lives in shared memory
+(LLMEngine(kv_cache_in_shm=True), which the server asks for unless the transport is grpc) and the decode
+worker copies the blocks straight out of it (kvstore.shm_cache: one copy; the pin is what keeps them from being
+reused under the reader, and the digests of what landed catch a push that ended early); else the sender
+gathers each group of blocks straight into what carries it (a pooled, pre-faulted shared-memory segment, or
+chunks of a streamed grpc Push whose digests follow in a trailer); sending layer by layer during the forward pass is not done (see BENCHMARKS.md, issue 16).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class PrefillWorker:
         engine = loop.engine
         self.layout = KvLayoutSpec.from_cache(engine.runner.transfer_cache(), engine.fingerprint)
         self.sender = KvSender(chunk_bytes=config.chunk_bytes, tls=config.tls_files,
-                               shm_pool_bytes=config.shm_pool_bytes)
+                               shm_pool_bytes=config.shm_pool_bytes, shared_cache=engine.runner.kv_segment)
         self.host_id = host_id()
         self._lock = threading.Lock()
         self._faults_left = config.fault_corrupt_transfers
@@ -132,8 +135,11 @@ class PrefillWorker:
         return self.loop.abort(request_id)
 
     def close(self) -> None:
-        """Close the sender: its channels, and its shared-memory segments (unlinked)."""
+        """Close the sender (its channels, its pooled segments) and unlink the engine's shared-memory KV cache:
+        the worker is shutting down, the engine loop has stopped."""
         self.sender.close()
+        if self.loop.engine.runner.kv_segment is not None:
+            self.loop.engine.runner.kv_segment.close()
 
     def stats(self) -> EngineStats:
         return self.loop.call(lambda e: e.stats())

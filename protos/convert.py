@@ -212,7 +212,8 @@ def layout_to_pb(layout: KvLayoutSpec) -> kv_transfer_pb2.KvLayout:
 def manifest_from_pb(pb: kv_transfer_pb2.KvManifest) -> TransferManifest:
     return TransferManifest(pb.request_id, pb.handle, layout_from_pb(pb.layout), tuple(pb.block_ids),
                             tuple(pb.block_digests), pb.codec, pb.transport, pb.shm_name, pb.payload_bytes,
-                            tuple(range(h.start, h.stop) for h in pb.sender_kv_heads), pb.digests_in_trailer)
+                            tuple(range(h.start, h.stop) for h in pb.sender_kv_heads), pb.digests_in_trailer,
+                            pb.cache_segment, tuple(pb.src_block_ids), pb.cache_num_blocks, pb.sender_epoch)
 
 
 def manifest_to_pb(m: TransferManifest) -> kv_transfer_pb2.KvManifest:
@@ -221,4 +222,6 @@ def manifest_to_pb(m: TransferManifest) -> kv_transfer_pb2.KvManifest:
                                       transport=m.transport, shm_name=m.shm_name, payload_bytes=m.payload_bytes,
                                       sender_kv_heads=[kv_transfer_pb2.KvRankHeads(start=h.start, stop=h.stop)
                                                        for h in m.sender_kv_heads],
-                                      digests_in_trailer=m.digests_in_trailer)
+                                      digests_in_trailer=m.digests_in_trailer, cache_segment=m.cache_segment,
+                                      src_block_ids=m.src_block_ids, cache_num_blocks=m.cache_num_blocks,
+                                      sender_epoch=m.sender_epoch)

@@ -2,10 +2,11 @@
 
 Decoding one token for one sequence reads every weight once (the KV cache of a short context is small beside
 them), so tokens/s <= memory bandwidth / weight bytes read per token. Bytes per token depend on how a system
-stores the weights: llama.cpp reads the GGUF's quantized blocks as they are; pdserve with
-keep_quantized_weights reads the file's 4-bit codes with a bfloat16 scale and zero per 32 weights (Q4_0/Q4_1/Q4_K,
-on the int4 kernel) and 8-bit types as int8 with a scale per row (engine.quant); pdserve by default and
-transformers on CPU read float32 copies, pdserve with quantization="int8" one byte per matrix weight plus a bf16 scale per row, with
+stores the weights: llama.cpp reads the GGUF's quantized blocks as they are; pdserve by default
+(keep_quantized_weights) reads the file's 4-bit codes with a bfloat16 scale and zero per 32 weights (Q4_0/Q4_1/Q4_K,
+on the int4 kernel), 8-bit types as int8 with a scale per row and 16-bit ones as they are (engine.quant); pdserve
+with float weights (--no-keep-quantized-weights) and transformers on CPU read float32 copies, pdserve with
+quantization="int8" one byte per matrix weight plus a bf16 scale per row, with
 quantization="int4" half a byte per layer weight plus a bf16 scale and offset per 32 (its LM head is int8).
 The bandwidth is that of a large tensor copy (read + write bytes), a practical ceiling for streaming reads on
 this machine.
@@ -32,6 +33,8 @@ class WeightBytes:
     int4: int
     """Bytes read per token by pdserve's int4 path: layer matrices as 4-bit codes + a bf16 scale and offset per
     32 inputs (int8 where the shape does not allow it), the LM head as int8, vectors as float32."""
+    kept: int
+    """Bytes read per token by pdserve's default, the file's codes kept (EngineConfig.keep_quantized_weights)."""
     num_params: int
     """Parameters read per token."""
 
@@ -47,18 +50,33 @@ def weight_bytes_per_token(gguf_path: Path) -> WeightBytes:
     num_params = sum(int(t.n_elements) for t in read)
     return WeightBytes(stored=sum(int(t.n_bytes) for t in read), float32=4 * num_params,
                        int8=sum(_quantized_bytes(t, "int8") for t in read),
-                       int4=sum(_quantized_bytes(t, "int4") for t in read), num_params=num_params)
+                       int4=sum(_quantized_bytes(t, "int4") for t in read),
+                       kept=sum(_kept_bytes(t) for t in read), num_params=num_params)
 
 
-def _quantized_bytes(tensor, quantization: str) -> int:
-    """Bytes of one GGUF tensor as engine.quant stores it (shape: GGUF order, inputs first)."""
+def _kept_bytes(tensor) -> int:
+    """Bytes of one GGUF tensor as the default load keeps it (engine.gguf_loader.read_tensor, quant.make_linear):
+    4-bit groups as int4, 8-bit groups (and 5/6-bit ones) as per-row int8, 16-bit as is, the rest float32."""
+    from engine.gguf_blocks import KEPT_TYPES
+
+    name = tensor.tensor_type.name
+    if len(tensor.shape) < 2 or tensor.shape[-1] <= 1 or tensor.tensor_type not in KEPT_TYPES:
+        return 4 * int(tensor.n_elements)
+    if name in ("F16", "BF16"):
+        return 2 * int(tensor.n_elements)
+    return _quantized_bytes(tensor, "int4" if name in ("Q4_0", "Q4_1", "Q4_K") else "int8", head_as_is=True)
+
+
+def _quantized_bytes(tensor, quantization: str, head_as_is: bool = False) -> int:
+    """Bytes of one GGUF tensor as engine.quant stores it (shape: GGUF order, inputs first); `head_as_is`: the
+    embedding / LM head in `quantization` too (else as lm_head_quantization gives it)."""
     from engine.quant import INT4_GROUP_SIZE, Int4Linear, lm_head_quantization
 
     n = int(tensor.n_elements)
     if len(tensor.shape) < 2 or tensor.shape[-1] <= 1:
         return 4 * n  # norms stay float32
     in_features, out_features = int(tensor.shape[0]), int(tensor.shape[-1])
-    if tensor.name in ("token_embd.weight", "output.weight"):
+    if tensor.name in ("token_embd.weight", "output.weight") and not head_as_is:
         quantization = lm_head_quantization(quantization)
     if quantization == "int4" and Int4Linear.supports_shape(out_features, in_features):
         return n // 2 + 2 * 2 * (n // INT4_GROUP_SIZE)

@@ -4,7 +4,7 @@ Systems (each gets the same `threads`; the disaggregated shapes divide them amon
 `pdserve up` does):
     llama-server          llama.cpp's server on the same GGUF, --parallel <streams>, continuous batching
     transformers          AutoModelForCausalLM on the same GGUF (dequantized to float32), static batches
-    pdserve-engine        pdserve's engine in a process of its own (no RPC)
+    pdserve-engine        pdserve's engine in a process of its own (no RPC), by default: the GGUF's codes kept
     pdserve-engine-int8   the same with int8 weight-only quantization (EngineConfig.quantization="int8")
     pdserve-engine-int4   the same with int4 weight-only quantization (the GGUF's Q4_1 codes, int8 LM head)
     pdserve-1p1d          LocalCluster: 1 prefill + 1 decode worker + gateway + Redis (gRPC client)
@@ -331,6 +331,7 @@ def _engine_runs(cfg: SuiteConfig, model_path: Path, system: str, key: str,
     quantized = f", quantization={quantization!r}" if quantization else ""
     peer = (f"`LLMEngine(EngineConfig(model, num_threads={cfg.threads}, kv_cache_memory={cfg.kv_cache_memory}"
             f"{quantized}))` in a process of its own (no RPC), dtype {config.dtype} (float32 on CPU), "
+            f"{'the GGUF codes kept' if config.keep_quantized_weights and not quantization else 'weights requantized'}, "
             f"max_num_seqs {config.max_num_seqs}, prefix caching on")
     runs = {}
     for scenario in todo:

@@ -9,8 +9,8 @@ from engine.loader import LoadedModel, load_model
 
 @pytest.fixture(scope="session")
 def default_model(default_model_path) -> LoadedModel:
-    """The checkpoint read once (float32 weights, as engines load a GGUF by default: bit for bit what
-    transformers' GGUF loader computes), shared by the engines below but llm_kept."""
+    """The checkpoint read once as float32 weights (keep_quantized=False: bit for bit what transformers' GGUF
+    loader computes), shared by the engines below but llm_kept."""
     return load_model(default_model_path, torch.float32, progress=False, keep_quantized=False)
 
 
@@ -22,8 +22,8 @@ def llm(default_model_path, default_model) -> LLM:
 
 @pytest.fixture(scope="session")
 def llm_kept(default_model_path) -> LLM:
-    """keep_quantized_weights: the file's codes kept (Q4_1 layers as int4, the Q8_0 embedding / LM head as
-    int8), loaded by the engine itself."""
+    """The default load (keep_quantized_weights): the file's codes kept (Q4_1 layers as int4, the Q8_0
+    embedding / LM head as int8), loaded by the engine itself."""
     return LLM(model=str(default_model_path), dtype="float32", kv_cache_memory=64 * 2**20, progress=False,
                keep_quantized_weights=True)
 

@@ -153,6 +153,25 @@ def test_kept_codes_hold_the_files_bytes_and_still_answer_paris(llm_kept, defaul
     assert out.outputs[0].finish_reason == "stop"
 
 
+def test_kept_codes_give_a_sequence_the_same_tokens_and_logprobs_alone_as_in_a_batch(llm_kept):
+    """With one thread, a sequence's greedy tokens and logprobs do not depend on what it is batched with: every
+    int4 layer, the int8 head and decode attention compute each row on its own (bfloat16 activations would turn
+    any batch-dependent last bit into a different token on a near tie: "def fibonacci(n):" has one, its top two
+    0.04 apart, and batched with others it used to go another way at its 14th token)."""
+    prompts = ["def fibonacci(n):", "The capital of France is", "def fibonacci(n):", "Water boils at"]
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = {p: llm_kept.generate(p, params)[0].outputs[0] for p in set(prompts)}
+        together = [o.outputs[0] for o in llm_kept.generate(prompts, params)]
+    finally:
+        torch.set_num_threads(threads)
+    for prompt, out in zip(prompts, together):
+        assert out.token_ids == alone[prompt].token_ids, prompt
+        assert out.logprobs == alone[prompt].logprobs, prompt  # values and top alternatives, bit for bit
+
+
 # --- weight-only quantization ----------------------------------------------------------------------------------
 LONG_PROMPT = ("The history of science is the study of the development of science and scientific knowledge, "
                "including both the natural and social sciences. ") * 3  # 73 tokens: prefill takes the GEMM path

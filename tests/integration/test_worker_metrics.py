@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import socket
+import time
 import urllib.request
 
 import grpc
@@ -80,7 +81,7 @@ def served(cluster, gateway):
         name = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=RPC_TIMEOUT_S).models[0].name
     assert chunks[-1].finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
     assert chunks[-1].timings.transport in ("grpc", "shm")          # the KV went from p0 to d0
-    assert_idle(cluster.wait_idle())       # the load gauges are published within a housekeeping interval of this
+    assert_idle(cluster.wait_idle())       # the load gauges follow between the loop's steps (scrape_settled)
     return name
 
 
@@ -140,8 +141,21 @@ def test_every_worker_metric_is_exposed_with_model_name_and_role(cluster, served
     assert naming_violations(text) == []
 
 
+def scrape_settled(port: int, timeout_s: float = 10.0) -> str:
+    """The exposition once its load gauges show no request and no block: the loop thread publishes them between
+    steps, so the first scrape after the Stats RPC reported idle can still show the last step's load."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = scrape(port)
+        load = [value(text, name) for name in ("pdserve_num_requests_running", "pdserve_num_requests_waiting",
+                                               "pdserve_kv_blocks_used")]
+        if not any(load) or time.monotonic() > deadline:
+            return text
+        time.sleep(0.05)
+
+
 def test_worker_metrics_count_what_the_request_did(cluster, served):
-    p, d = scrape(cluster.ports["p0"][0]), scrape(cluster.ports["d0"][0])
+    p, d = scrape_settled(cluster.ports["p0"][0]), scrape_settled(cluster.ports["d0"][0])
     assert value(p, "pdserve_prompt_tokens_total") > 0             # p0 computed the prompt ...
     assert value(d, "pdserve_prompt_tokens_total") == 0            # ... d0 received it
     sent, received = value(p, "pdserve_kv_transfer_bytes_total"), value(d, "pdserve_kv_transfer_bytes_total")

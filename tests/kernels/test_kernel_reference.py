@@ -25,6 +25,33 @@ def test_paged_attention_ref_matches_dense(block_size, num_heads, num_kv_heads, 
     torch.testing.assert_close(out.double(), naive_attention(case), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("sliding_window", [None, 24])
+def test_paged_attention_ref_decode_row_does_not_depend_on_the_batch(sliding_window):
+    """A decoding sequence's output is bit for bit the same alone as in any batch (one thread): every decode
+    batch, of one sequence or many, takes the same masked, padded kernel, whose result does not depend on the
+    padding. Quantized weights round activations to bfloat16 and so turn a last-bit difference here into a
+    different token on a near tie: the cluster's tokens would then depend on what else its decode worker runs."""
+    seq_lens = [17, 1, 160, 33, 64, 5]
+    case = make_paged_case(seq_lens, [1] * len(seq_lens), num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            batched = ref.paged_attention_ref(case.query, case.k_cache, case.v_cache, case.block_tables,
+                                              case.seq_lens, case.query_start_loc, case.scale, sliding_window)
+            for b in range(len(seq_lens)):
+                for others in ([], [2], [0, 3, 5]):  # alone, next to a longer one, among shorter ones
+                    rows = [b] + [o for o in others if o != b]
+                    sel = torch.tensor(rows)
+                    out = ref.paged_attention_ref(case.query[sel], case.k_cache, case.v_cache,
+                                                  case.block_tables[sel], case.seq_lens[sel],
+                                                  torch.arange(len(rows) + 1, dtype=torch.int32), case.scale,
+                                                  sliding_window)
+                    assert torch.equal(out[0], batched[b]), (b, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_paged_attention_ref_empty_query():
     case = make_paged_case([5], [0], 4, 2, 8, 8)
     out = ref.paged_attention_ref(case.query, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,

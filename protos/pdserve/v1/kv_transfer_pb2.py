@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#protos/pdserve/v1/kv_transfer.proto\x12\npdserve.v1\"\x84\x01\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\"\x99\x02\n\nKvManifest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\t\x12$\n\x06layout\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KvLayout\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x15\n\rblock_digests\x18\x05 \x03(\x0c\x12\r\n\x05\x63odec\x18\x06 \x01(\t\x12\x11\n\ttransport\x18\x07 \x01(\t\x12\x10\n\x08shm_name\x18\x08 \x01(\t\x12\x15\n\rpayload_bytes\x18\t \x01(\x04\x12\x30\n\x0fsender_kv_heads\x18\r \x03(\x0b\x32\x17.pdserve.v1.KvRankHeads\x12\x1a\n\x12\x64igests_in_trailer\x18\n \x01(\x08\"*\n\x0bKvRankHeads\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0c\n\x04stop\x18\x02 \x01(\r\"\"\n\tKvTrailer\x12\x15\n\rblock_digests\x18\x01 \x03(\x0c\"w\n\x07KvChunk\x12*\n\x08manifest\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.KvManifestH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12(\n\x07trailer\x18\x03 \x01(\x0b\x32\x15.pdserve.v1.KvTrailerH\x00\x42\x06\n\x04\x62ody\"^\n\nPushResult\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x15\n\rreshard_bytes\x18\x05 \x01(\x04\x12\x16\n\x0ereshard_slices\x18\x06 \x01(\r2C\n\nKvTransfer\x12\x35\n\x04Push\x12\x13.pdserve.v1.KvChunk\x1a\x16.pdserve.v1.PushResult(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#protos/pdserve/v1/kv_transfer.proto\x12\npdserve.v1\"\x84\x01\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x06 \x01(\t\"\xf7\x02\n\nKvManifest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\t\x12$\n\x06layout\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KvLayout\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x15\n\rblock_digests\x18\x05 \x03(\x0c\x12\r\n\x05\x63odec\x18\x06 \x01(\t\x12\x11\n\ttransport\x18\x07 \x01(\t\x12\x10\n\x08shm_name\x18\x08 \x01(\t\x12\x15\n\rpayload_bytes\x18\t \x01(\x04\x12\x30\n\x0fsender_kv_heads\x18\r \x03(\x0b\x32\x17.pdserve.v1.KvRankHeads\x12\x1a\n\x12\x64igests_in_trailer\x18\n \x01(\x08\x12\x15\n\rcache_segment\x18\x11 \x01(\t\x12\x15\n\rsrc_block_ids\x18\x12 \x03(\r\x12\x18\n\x10\x63\x61\x63he_num_blocks\x18\x13 \x01(\r\x12\x14\n\x0csender_epoch\x18\x14 \x01(\t\"*\n\x0bKvRankHeads\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0c\n\x04stop\x18\x02 \x01(\r\"\"\n\tKvTrailer\x12\x15\n\rblock_digests\x18\x01 \x03(\x0c\"w\n\x07KvChunk\x12*\n\x08manifest\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.KvManifestH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12(\n\x07trailer\x18\x03 \x01(\x0b\x32\x15.pdserve.v1.KvTrailerH\x00\x42\x06\n\x04\x62ody\"^\n\nPushResult\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x15\n\rreshard_bytes\x18\x05 \x01(\x04\x12\x16\n\x0ereshard_slices\x18\x06 \x01(\r2C\n\nKvTransfer\x12\x35\n\x04Push\x12\x13.pdserve.v1.KvChunk\x1a\x16.pdserve.v1.PushResult(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVLAYOUT']._serialized_start=52
   _globals['_KVLAYOUT']._serialized_end=184
   _globals['_KVMANIFEST']._serialized_start=187
-  _globals['_KVMANIFEST']._serialized_end=468
-  _globals['_KVRANKHEADS']._serialized_start=470
-  _globals['_KVRANKHEADS']._serialized_end=512
-  _globals['_KVTRAILER']._serialized_start=514
-  _globals['_KVTRAILER']._serialized_end=548
-  _globals['_KVCHUNK']._serialized_start=550
-  _globals['_KVCHUNK']._serialized_end=669
-  _globals['_PUSHRESULT']._serialized_start=671
-  _globals['_PUSHRESULT']._serialized_end=765
-  _globals['_KVTRANSFER']._serialized_start=767
-  _globals['_KVTRANSFER']._serialized_end=834
+  _globals['_KVMANIFEST']._serialized_end=562
+  _globals['_KVRANKHEADS']._serialized_start=564
+  _globals['_KVRANKHEADS']._serialized_end=606
+  _globals['_KVTRAILER']._serialized_start=608
+  _globals['_KVTRAILER']._serialized_end=642
+  _globals['_KVCHUNK']._serialized_start=644
+  _globals['_KVCHUNK']._serialized_end=763
+  _globals['_PUSHRESULT']._serialized_start=765
+  _globals['_PUSHRESULT']._serialized_end=859
+  _globals['_KVTRANSFER']._serialized_start=861
+  _globals['_KVTRANSFER']._serialized_end=928
 # @@protoc_insertion_point(module_scope)

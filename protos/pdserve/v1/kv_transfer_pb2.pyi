@@ -23,7 +23,7 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class KvManifest(_message.Message):
-    __slots__ = ("request_id", "handle", "layout", "block_ids", "block_digests", "codec", "transport", "shm_name", "payload_bytes", "sender_kv_heads", "digests_in_trailer")
+    __slots__ = ("request_id", "handle", "layout", "block_ids", "block_digests", "codec", "transport", "shm_name", "payload_bytes", "sender_kv_heads", "digests_in_trailer", "cache_segment", "src_block_ids", "cache_num_blocks", "sender_epoch")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,10 @@ class KvManifest(_message.Message):
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     SENDER_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     DIGESTS_IN_TRAILER_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SENDER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     handle: str
     layout: KvLayout
@@ -46,7 +50,11 @@ class KvManifest(_message.Message):
     payload_bytes: int
     sender_kv_heads: _containers.RepeatedCompositeFieldContainer[KvRankHeads]
     digests_in_trailer: bool
-    def __init__(self, request_id: _Optional[str] = ..., handle: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_digests: _Optional[_Iterable[bytes]] = ..., codec: _Optional[str] = ..., transport: _Optional[str] = ..., shm_name: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., sender_kv_heads: _Optional[_Iterable[_Union[KvRankHeads, _Mapping]]] = ..., digests_in_trailer: _Optional[bool] = ...) -> None: ...
+    cache_segment: str
+    src_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    cache_num_blocks: int
+    sender_epoch: str
+    def __init__(self, request_id: _Optional[str] = ..., handle: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_digests: _Optional[_Iterable[bytes]] = ..., codec: _Optional[str] = ..., transport: _Optional[str] = ..., shm_name: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., sender_kv_heads: _Optional[_Iterable[_Union[KvRankHeads, _Mapping]]] = ..., digests_in_trailer: _Optional[bool] = ..., cache_segment: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., cache_num_blocks: _Optional[int] = ..., sender_epoch: _Optional[str] = ...) -> None: ...
 
 class KvRankHeads(_message.Message):
     __slots__ = ("start", "stop")

@@ -26,6 +26,7 @@ def rel_error(got, expected):
 def gemm_only(monkeypatch):
     """Force the dequantize + GEMM path whatever the number of rows."""
     monkeypatch.setattr(quant, "INT8PACK_MAX_ROWS", 0)
+    monkeypatch.setattr(quant, "INT8PACK_HEAD_MAX_ROWS", 0)
     monkeypatch.setattr(quant, "INT4PACK_MAX_ROWS", 0)
 
 
@@ -275,3 +276,16 @@ def test_int8_head_breaks_a_bfloat16_tie_by_the_float32_logit():
     x = torch.full((1, 64), 0.8)
     assert head.forward(x)[0, 0] == head.forward(x)[0, 1]  # tied after rounding: argmax would take row 0
     assert head.logits(x).argmax().item() == 1
+
+
+def test_int8_head_logits_of_a_row_do_not_depend_on_the_batch():
+    """Each row's logits, the float32-recomputed top ones included, are bit for bit the same alone as in a batch
+    (hidden states as the engine makes them, under inference_mode): a batch-dependent last bit would flip a
+    near-tie's greedy token with the batch a sequence decodes in."""
+    head = Int8Linear.quantize(random_weight(2048, 576), torch.randn(2048) * 0.1)
+    with torch.inference_mode():
+        x = torch.randn(quant.INT8PACK_MAX_ROWS + 8, 576) * 4  # more rows than a layer's int8pack path takes
+        batched = head.logits(x)
+        for i in range(0, x.shape[0], 5):
+            assert torch.equal(head.logits(x[i:i + 1]), batched[i:i + 1]), i
+            assert torch.equal(head.logits(x[i:i + 3]), batched[i:i + 3][:x.shape[0] - i]), i

@@ -13,6 +13,7 @@ from kvstore.transfer import (BufferPool, PayloadAssembler, block_digest, decode
 from kvstore.transfer_manifest import (DEFAULT_CHUNK_BYTES, FAILED_PRECONDITION, INVALID_ARGUMENT, MAX_CHUNK_BYTES,
                                        MIN_CHUNK_BYTES, KvLayoutSpec, TransferManifest, TransferRejected,
                                        validate_manifest)
+from protos.convert import manifest_from_pb, manifest_to_pb
 
 # 48 KiB fp32 blocks: 40 of them make a 1.875 MiB payload, i.e. two 1 MiB chunks with block 21 split across them.
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 3, 2, 64, 16
@@ -321,3 +322,31 @@ def test_round_trip_between_cuda_caches(codec):
     else:
         half_step = sent.abs().amax(dim=(3, 5), keepdim=True) / 254
         assert ((got - sent).abs() <= half_step * (1 + 1e-5) + 1e-7).all()
+
+
+# --- the zero-copy path's manifest (kvstore.shm_cache): the blocks are named in the sender's cache segment ---
+CACHE_PUSH = dataclasses.replace(GOOD, transport="shm", block_digests=(), digests_in_trailer=True,
+                                 cache_segment="pdkv_1_cache_0123abcd", src_block_ids=(7, 0, 3), cache_num_blocks=8,
+                                 sender_epoch="0123456789abcdef")
+
+
+def test_a_consistent_zero_copy_manifest_passes_and_round_trips_through_protobuf():
+    validate_manifest(CACHE_PUSH, LAYOUT, *RESERVATION)
+    assert manifest_from_pb(manifest_to_pb(CACHE_PUSH)) == CACHE_PUSH
+    assert manifest_from_pb(manifest_to_pb(GOOD)).cache_segment == ""   # absent fields: every other path
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"transport": "grpc"}, "transport"),
+    ({"shm_name": "pdkv_1_ab"}, "shm_name"),
+    ({"codec": "int8", "payload_bytes": 3 * LAYOUT.block_bytes("int8")}, "codec"),
+    ({"sender_kv_heads": (range(0, 2),)}, "sender_kv_heads"),
+    ({"digests_in_trailer": False, "block_digests": (b"\x00" * 16,) * 3}, "digests_in_trailer"),
+    ({"src_block_ids": (7, 0)}, "src_block_ids"),
+    ({"src_block_ids": (7, 0, 8)}, "src_block_ids"),              # outside the sender's cache of 8 blocks
+    ({"sender_epoch": ""}, "sender_epoch"),
+])
+def test_every_zero_copy_manifest_rejection_names_its_field(changes, field):
+    with pytest.raises(TransferRejected) as info:
+        validate_manifest(dataclasses.replace(CACHE_PUSH, **changes), LAYOUT, *RESERVATION)
+    assert (info.value.field, info.value.code) == (field, INVALID_ARGUMENT)

@@ -15,7 +15,7 @@ from pdserve import cli, cli_args
 from pdserve.launcher import LocalClusterConfig
 from prefill_worker.config import PrefillWorkerConfig
 
-ENGINE_FLAGS = ["--model", "/models/x.gguf", "--dtype", "bfloat16", "--quantization", "int8", "--keep-quantized-weights",
+ENGINE_FLAGS = ["--model", "/models/x.gguf", "--dtype", "bfloat16", "--quantization", "int8", "--no-keep-quantized-weights",
                 "--device", "cuda:1",
                 "--max-model-len", "4096", "--kv-cache-memory", "256M", "--kv-cache-memory-fraction", "0.5",
                 "--num-kv-blocks", "300", "--block-size", "32", "--max-num-seqs", "8",
@@ -23,7 +23,7 @@ ENGINE_FLAGS = ["--model", "/models/x.gguf", "--dtype", "bfloat16", "--quantizat
                 "--no-prefix-caching", "--threads", "3",
                 "--seed", "7", "--tensor-parallel-size", "2", "--tensor-parallel-timeout", "30", "--compile-decode",
                 "--compile-batch-sizes", "1,4"]
-ENGINE = EngineConfig(model="/models/x.gguf", dtype="bfloat16", quantization="int8", keep_quantized_weights=True,
+ENGINE = EngineConfig(model="/models/x.gguf", dtype="bfloat16", quantization="int8", keep_quantized_weights=False,
                       device="cuda:1",
                       max_model_len=4096, kv_cache_memory=256 * 2**20, kv_cache_memory_fraction=0.5, num_kv_blocks=300,
                       block_size=32, max_num_seqs=8, max_num_batched_tokens=512, long_prefill_token_threshold=128, max_waiting=10,
