@@ -1,6 +1,8 @@
 """The cost of disaggregation on this machine: the cluster vs the offline engine, and what the gateway adds.
 
     python bench/bench_cluster.py [--prompts 12] [--prompt-len 256] [--out bench/results/cluster.md]
+    python bench/bench_cluster.py --tpot-vs-engine [--threads 1] [--rounds 7] [--new-tokens 64]
+                                  [--json bench/figures/1p1d-tpot/DATE-threadsN.json]
 
 In one run, one request at a time (so the figures are latencies, not queueing), the same token-id prompts,
 greedy, EOS ignored, 32 new tokens:
@@ -11,12 +13,33 @@ greedy, EOS ignored, 32 new tokens:
 TTFT is the time to the first token, TPOT = (E2EL - TTFT) / (tokens - 1). The gateway's added latency is the
 median E2EL via the gateway minus the median E2EL calling the workers directly. KV transfer GB/s is the prefill
 worker's reported bytes / transfer time, beside a plain memory copy of the same bytes.
+
+--tpot-vs-engine measures issue 16's goal "1P+1D batch-1 TPOT within 1.1x of the one-process engine with the
+same decode threads", for float32 weights and for --keep-quantized-weights: per weights mode one 1P+1D cluster
+(every worker `--threads` threads, prefill always on the prefill worker) and one engine (`LLMEngine` stepped by
+its own thread in a spawned process of its own, as the serving suite runs it, no RPC, the same threads: in
+this process, which has started the cluster and holds gRPC channels, its OpenMP threads spun at 2 threads and
+a token took 5x its CPU), then `--rounds` rounds, each one request to the
+engine, one through the gateway and one calling the workers directly, every request on a prompt of its own.
+TPOT is taken from the stream: (arrival of the last token - arrival of the first) / (tokens - 1); the ratio
+is the median cluster TPOT over the median engine TPOT of the same run (and the median of the per-round
+ratios). Where the time goes: each request also records the CPU milliseconds per token of every process
+("this process" is the client; engine, gateway, prefill-0, decode-0, redis)
+and how many CPUs other jobs kept busy meanwhile (pdserve.bench.cpumeter).
+
+The workers are dialled as the cluster's gateway dials them (`worker_channel`): mutual TLS with the gateway's
+certificate of the run, or plaintext for a cluster started with insecure_internal.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import concurrent.futures
 import datetime
+import json
+import multiprocessing
+import os
 import statistics
 import time
 from pathlib import Path
@@ -25,14 +48,21 @@ import grpc
 import torch
 
 from engine.config import EngineConfig
+from engine.engine_loop import build_engine
 from engine.llm import LLM
 from engine.loader import load_model
 from engine.model_fetch import fetch_default_model
 from engine.sampling_params import SamplingParams
+from pdserve.bench import cpumeter, roofline
+from pdserve.bench.backends import Backend, PdserveBackend, new_record
+from pdserve.bench.inprocess import EngineBackend
+from pdserve.bench.metrics import RequestRecord
+from pdserve.bench.workloads import BenchRequest
 from pdserve.client import Client
 from pdserve.launcher import LocalCluster, LocalClusterConfig
 from protos.convert import sampling_to_pb
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from protos.tls import TlsFiles, channel_credentials, channel_options
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -40,7 +70,8 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 def make_prompts(model_path: Path, n: int, length: int) -> list[list[int]]:
     tokenizer = load_model(model_path, with_weights=False).tokenizer
-    words = ("river stone lantern orbit maple quartz violet ember harbor cedar falcon meadow ").split()
+    words = ["river", "stone", "lantern", "orbit", "maple", "quartz", "violet", "ember", "harbor", "cedar", "falcon",
+             "meadow"]
     prompts = []
     for i in range(n):
         text = " ".join(words[(i * 7 + j * 3) % len(words)] + str(i * 131 + j) for j in range(length))
@@ -93,24 +124,92 @@ def run_gateway(target: str, prompts, salt: str) -> tuple[dict[str, float], list
     return summarize(samples), timings
 
 
-def run_direct(workers: dict[str, str], prompts, salt: str) -> dict[str, float]:
-    prefill = worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(
-        next(e for w, e in workers.items() if w.startswith("prefill"))))
-    decode = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(
-        next(e for w, e in workers.items() if w.startswith("decode"))))
+def worker_channel(endpoint: str, role: str, tls: TlsFiles | None) -> grpc.Channel:
+    """A channel to a worker of `role` ("prefill" or "decode") the way the cluster's gateway opens it
+    (gateway.worker_client): mutual TLS with `tls`, the gateway's certificate (the one identity the workers let
+    call Reserve / Prefill / Decode), the server required to hold a certificate of `role`; plaintext when `tls`
+    is None (a cluster with insecure_internal). For a LocalCluster: `cluster.tls_files.get("gateway")`."""
+    if tls is None:
+        return grpc.insecure_channel(endpoint)
+    return grpc.secure_channel(endpoint, channel_credentials(tls), options=channel_options(role))
+
+
+class DirectWorkers:
+    """Reserve / Prefill / Decode called on one prefill and one decode worker from this process (no gateway)."""
+
+    def __init__(self, workers: dict[str, str], tls: TlsFiles | None) -> None:
+        self._channels = [worker_channel(next(e for w, e in workers.items() if w.startswith(role)), role, tls)
+                          for role in ("prefill", "decode")]
+        self.prefill = worker_pb2_grpc.PrefillWorkerStub(self._channels[0])
+        self.decode = worker_pb2_grpc.DecodeWorkerStub(self._channels[1])
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+
+    def generate(self, request_id: str, prompt: list[int], params: SamplingParams, salt: str,
+                 on_tokens=lambda token_ids: None) -> None:
+        """One request to its end; `on_tokens(token_ids)` as each piece of output arrives (the first token with
+        the prefill worker's answer). Raises grpc.RpcError."""
+        req = worker_pb2.WorkerRequest(request_id=request_id, prompt_token_ids=prompt,
+                                       sampling=sampling_to_pb(params), cache_salt=salt, seed=0)
+        res = self.decode.Reserve(worker_pb2.ReserveRequest(request=req, lease_ms=30_000), timeout=60)
+        pre = self.prefill.Prefill(worker_pb2.PrefillRequest(request=req, target=res.target), timeout=60)
+        on_tokens([pre.first_token_id])
+        for msg in self.decode.Decode(worker_pb2.DecodeRequest(request_id=request_id, handle=res.target.handle,
+                                                               first_token_id=pre.first_token_id), timeout=600):
+            if msg.token_ids:
+                on_tokens(list(msg.token_ids))
+
+
+def run_direct(workers: dict[str, str], tls: TlsFiles | None, prompts, salt: str) -> dict[str, float]:
+    direct = DirectWorkers(workers, tls)
     samples = []
-    for i, p in enumerate(prompts):
-        req = worker_pb2.WorkerRequest(request_id=f"direct-{salt}-{i}", prompt_token_ids=p,
-                                       sampling=sampling_to_pb(GREEDY), cache_salt=salt, seed=0)
-        start = time.perf_counter()
-        res = decode.Reserve(worker_pb2.ReserveRequest(request=req, lease_ms=30_000))
-        pre = prefill.Prefill(worker_pb2.PrefillRequest(request=req, target=res.target))
-        first = time.perf_counter()
-        for _ in decode.Decode(worker_pb2.DecodeRequest(request_id=req.request_id, handle=res.target.handle,
-                                                        first_token_id=pre.first_token_id)):
-            pass
-        samples.append((first - start, time.perf_counter() - start))
+    try:
+        for i, p in enumerate(prompts):
+            start = time.perf_counter()
+            arrivals: list[float] = []
+            direct.generate(f"direct-{salt}-{i}", p, GREEDY, salt,
+                            lambda token_ids, arrivals=arrivals: arrivals.append(time.perf_counter()))
+            samples.append((arrivals[0] - start, time.perf_counter() - start))
+    finally:
+        direct.close()
     return summarize(samples)
+
+
+class DirectBackend(Backend):
+    """`DirectWorkers` as a benchmark backend (pdserve.bench.backends): the cluster without its gateway."""
+
+    def __init__(self, workers: dict[str, str], tls: TlsFiles | None, name: str = "workers direct") -> None:
+        self.workers, self.tls, self.name = workers, tls, name
+        self._direct: DirectWorkers | None = None
+        self._ids = 0
+
+    async def start(self) -> None:
+        self._direct = DirectWorkers(self.workers, self.tls)
+
+    async def close(self) -> None:
+        if self._direct is not None:
+            self._direct.close()
+            self._direct = None
+
+    async def send(self, request: BenchRequest) -> RequestRecord:
+        assert self._direct is not None, "start() the backend first"
+        record = new_record(request)
+        self._ids += 1
+        params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True)
+
+        def arrived(token_ids: list[int]) -> None:
+            record.chunk_times_s.append(time.perf_counter())
+            record.output_len += len(token_ids)
+        try:
+            await asyncio.to_thread(self._direct.generate, f"direct-{self._ids}", list(request.prompt_ids), params,
+                                    "direct", arrived)
+        except grpc.RpcError as exc:
+            record.error = f"{exc.code().name}: {exc.details()}"
+            return record
+        record.success = bool(record.chunk_times_s)
+        return record
 
 
 def copy_gbps(num_bytes: int) -> float:
@@ -123,14 +222,172 @@ def copy_gbps(num_bytes: int) -> float:
     return num_bytes * 10 / (time.perf_counter() - start) / 1e9
 
 
+_ENGINE_PROCESS: dict = {}
+"""In the spawned engine process: its EngineBackend and the event loop that runs its sends."""
+
+
+def _engine_process_start(config: EngineConfig) -> None:
+    backend = EngineBackend(build_engine(config, progress=False), name=ENGINE)
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(backend.start())
+    _ENGINE_PROCESS.update(backend=backend, loop=loop)
+
+
+def _engine_process_send(request: BenchRequest) -> RequestRecord:
+    return _ENGINE_PROCESS["loop"].run_until_complete(_ENGINE_PROCESS["backend"].send(request))
+
+
+class EngineProcess(Backend):
+    """pdserve.bench.inprocess.EngineBackend in a spawned process of its own (pdserve.bench.suite does the same):
+    the records' times are taken there, where each step returns."""
+
+    def __init__(self, config: EngineConfig, name: str = "engine") -> None:
+        self.name = name
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_engine_process_start,
+            initargs=(config,))
+        self.pid = self._pool.submit(os.getpid).result()  # the engine is built once this returns
+
+    async def send(self, request: BenchRequest) -> RequestRecord:
+        return await asyncio.wrap_future(self._pool.submit(_engine_process_send, request))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown()
+
+
+WEIGHT_MODES = {"float32": False, "kept GGUF codes": True}
+"""Weights mode -> EngineConfig.keep_quantized_weights (the same in the engine and in every worker)."""
+ENGINE, GATEWAY, DIRECT = "one-process engine", "1P+1D via gateway", "1P+1D workers direct"
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system, all threads) each process has used so far."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    return {name: cpumeter.parse_pid_stat(Path(f"/proc/{pid}/stat").read_text()) / ticks
+            for name, pid in pids.items()}
+
+
+async def interleave(backends: list[Backend], rounds: list[list[BenchRequest]],
+                     pids: dict[str, int]) -> list[list[tuple[RequestRecord, dict[str, float]]]]:
+    """rounds[i][j]: round i's request for backends[j], sent one at a time, the backends' order rotating by
+    round. Round 0 warms every backend up and is left out of the records (per backend, in round order), each
+    with the CPU seconds every process of `pids` used during it and "other jobs": the CPUs that processes
+    outside `pids` kept busy on average (pdserve.bench.cpumeter)."""
+    for backend in backends:
+        await backend.start()
+    records: list[list[tuple[RequestRecord, dict[str, float]]]] = [[] for _ in backends]
+    try:
+        for i, requests in enumerate(rounds):
+            for k in range(len(backends)):
+                j = (i + k) % len(backends)
+                cpu_before, machine_before = cpu_seconds(pids), cpumeter.sample(pids.values())
+                record = await backends[j].send(requests[j])
+                cpu_after, machine_after = cpu_seconds(pids), cpumeter.sample(pids.values())
+                if not record.success:
+                    raise RuntimeError(f"{backends[j].name}: {record.error}")
+                cpu = {name: cpu_after[name] - cpu_before[name] for name in pids}
+                cpu["other jobs"] = cpumeter.others_cores(machine_before, machine_after)
+                records[j].append((record, cpu))
+    finally:
+        for backend in backends:
+            await backend.close()
+    return [r[1:] for r in records]
+
+
+def tpot_vs_engine(model_path: Path, threads: int, num_rounds: int, prompt_len: int, new_tokens: int) -> dict:
+    """Issue 16's 1P+1D batch-1 TPOT goal, per weights mode (module docstring). Returns the figures."""
+    systems = (ENGINE, GATEWAY, DIRECT)
+    prompts = iter(make_prompts(model_path, (num_rounds + 1) * len(systems) * len(WEIGHT_MODES), prompt_len))
+    figures = {"meta": {"date": datetime.date.today().isoformat(), "machine": roofline.machine_info().to_dict(),
+                        "model": str(model_path), "threads": threads, "rounds": num_rounds,
+                        "prompt_len": prompt_len, "new_tokens": new_tokens,
+                        "openmp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_"))},
+                        "command": f"python bench/bench_cluster.py --tpot-vs-engine --threads {threads} --rounds "
+                                   f"{num_rounds} --prompt-len {prompt_len} --new-tokens {new_tokens}"},
+               "modes": {}}
+    for mode, keep in WEIGHT_MODES.items():
+        engine_config = EngineConfig(model=str(model_path), dtype="float32", num_threads=threads,
+                                     kv_cache_memory=256 * 2**20, keep_quantized_weights=keep)
+        cluster_config = LocalClusterConfig(num_prefill=1, num_decode=1, port=0, http_port=-1,
+                                            engine=engine_config, gateway_args=("--local-prefill-threshold", "0"))
+        rounds = [[BenchRequest(f"{mode}-{i}-{j}", tuple(next(prompts)), new_tokens) for j in range(len(systems))]
+                  for i in range(num_rounds + 1)]
+        with LocalCluster(cluster_config) as cluster:
+            engine = EngineProcess(engine_config, name=ENGINE)
+            try:
+                backends = [engine, PdserveBackend(cluster.gateway_target, name=GATEWAY),
+                            DirectBackend(cluster.workers, cluster.tls_files.get("gateway"), name=DIRECT)]
+                pids = {"this process": os.getpid(), "engine": engine.pid, **cluster.pids, "redis": cluster.redis_pid}
+                records = asyncio.run(interleave(backends, rounds, pids))
+            finally:
+                engine.shutdown()
+        rows = {}
+        for name, measured in zip(systems, records):
+            recs = [r for r, _ in measured]
+            assert all(r.output_len == new_tokens for r in recs), (name, [r.output_len for r in recs])
+            rows[name] = {"tpot_ms": [r.tpot_s * 1000 for r in recs], "ttft_ms": [r.ttft_s * 1000 for r in recs],
+                          "tpot_p50_ms": statistics.median(r.tpot_s * 1000 for r in recs),
+                          "ttft_p50_ms": statistics.median(r.ttft_s * 1000 for r in recs),
+                          "max_itl_p50_ms": statistics.median(max(r.itls_s) * 1000 for r in recs),
+                          "other_jobs_cpus_p50": statistics.median(cpu["other jobs"] for _, cpu in measured),
+                          "cpu_ms_per_token_p50": {process: statistics.median(cpu[process] * 1000 / new_tokens
+                                                                              for _, cpu in measured)
+                                                   for process in pids}}
+        base = rows[ENGINE]["tpot_p50_ms"]
+        for name in (GATEWAY, DIRECT):
+            rows[name]["tpot_ratio"] = rows[name]["tpot_p50_ms"] / base
+            rows[name]["tpot_ratio_paired_p50"] = statistics.median(
+                c / e for c, e in zip(rows[name]["tpot_ms"], rows[ENGINE]["tpot_ms"]))
+        figures["modes"][mode] = rows
+    figures["meta"]["load_average_end"] = list(roofline.machine_info().load_average)
+    return figures
+
+
+def tpot_table(figures: dict) -> str:
+    meta = figures["meta"]
+    title = (f"1P+1D batch-1 TPOT vs the one-process engine: {meta['machine']['cpu']}, {meta['threads']} decode "
+             f"thread(s), {meta['rounds']} rounds interleaved, {meta['prompt_len']}-token prompts, "
+             f"{meta['new_tokens']} new tokens, load average {meta['machine']['load_average'][0]:.2f} at the start, "
+             f"{meta['load_average_end'][0]:.2f} at the end"
+             + "".join(f", {k}={v}" for k, v in meta.get("openmp_env", {}).items()))
+    header = ("| weights | system | TPOT p50 ms | vs engine (of medians) | vs engine (paired, p50) | TTFT p50 ms "
+              "| longest gap p50 ms | CPU ms per token (p50) | other jobs (CPUs) |")
+    lines = [title, "", header, "|---|---|---:|---:|---:|---:|---:|---|---:|"]
+    for mode, rows in figures["modes"].items():
+        for name, r in rows.items():
+            ratio = f"{r['tpot_ratio']:.3f}x" if "tpot_ratio" in r else "1"
+            paired = f"{r['tpot_ratio_paired_p50']:.3f}x" if "tpot_ratio_paired_p50" in r else "1"
+            cpu = ", ".join(f"{process} {ms:.1f}" for process, ms in r["cpu_ms_per_token_p50"].items() if ms >= 0.05)
+            lines.append(f"| {mode} | {name} | {r['tpot_p50_ms']:.2f} | {ratio} | {paired} | "
+                         f"{r['ttft_p50_ms']:.1f} | {r['max_itl_p50_ms']:.1f} | {cpu} | "
+                         f"{r['other_jobs_cpus_p50']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--out", default="bench/results/cluster.md")
+    parser.add_argument("--tpot-vs-engine", action="store_true",
+                        help="measure 1P+1D batch-1 TPOT against the one-process engine instead (module docstring)")
+    parser.add_argument("--threads", type=int, default=1, help="--tpot-vs-engine: threads of the engine and of "
+                        "each worker")
+    parser.add_argument("--rounds", type=int, default=7, help="--tpot-vs-engine: measured rounds (after one warm-up)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="--tpot-vs-engine: tokens per request")
+    parser.add_argument("--json", default=None, help="--tpot-vs-engine: where the figures go (default "
+                        "bench/figures/1p1d-tpot/DATE-threadsN.json)")
     args = parser.parse_args()
 
     model_path = fetch_default_model()
+    if args.tpot_vs_engine:
+        figures = tpot_vs_engine(model_path, args.threads, args.rounds, args.prompt_len, args.new_tokens)
+        print(tpot_table(figures))
+        out = Path(args.json or f"bench/figures/1p1d-tpot/{figures['meta']['date']}-threads{args.threads}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(figures, indent=1) + "\n")
+        print(f"figures in {out}")
+        return
     prompts = make_prompts(model_path, args.prompts, args.prompt_len)
     rows = {"offline engine (1 thread)": run_offline(model_path, prompts)}
     transfer = {}
@@ -140,15 +397,16 @@ def main() -> None:
             engine=EngineConfig(model=str(model_path), dtype="float32", kv_cache_memory=256 * 2**20),
             gateway_args=("--local-prefill-threshold", "0"))
         with LocalCluster(config) as cluster:
-            rows[f"cluster 1P+1D {transport}, workers direct"] = run_direct(cluster.workers, prompts, f"d-{transport}")
+            rows[f"cluster 1P+1D {transport}, workers direct"] = run_direct(
+                cluster.workers, cluster.tls_files.get("gateway"), prompts, f"d-{transport}")
             stats, timings = run_gateway(cluster.gateway_target, prompts, f"g-{transport}")
             rows[f"cluster 1P+1D {transport}, via gateway"] = stats
         moved = [t for t in timings if t.transport == transport and t.transfer_ms > 0]
         num_bytes = statistics.median(t.transfer_bytes for t in moved)
         transfer[transport] = (num_bytes, statistics.median(t.transfer_bytes / t.transfer_ms / 1e6 for t in moved))
 
-    lines = [f"### Cost of disaggregation ({datetime.date.today()}, {args.prompts} prompts of {args.prompt_len} "
-             f"tokens, {NEW_TOKENS} new tokens, one request at a time)", "",
+    lines = [(f"### Cost of disaggregation ({datetime.date.today()}, {args.prompts} prompts of {args.prompt_len} "
+              f"tokens, {NEW_TOKENS} new tokens, one request at a time)"), "",
              "Command: `python bench/bench_cluster.py`", "",
              "| shape | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | E2EL p50 ms |",
              "|---|---:|---:|---:|---:|---:|"]

@@ -8,12 +8,14 @@ probe, and an outsider with no certificate or another CA's.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import threading
 import time
 import uuid
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
@@ -44,6 +46,7 @@ IDENTITIES = [("gateway", "gw0"), ("gateway", "gw1"), ("prefill", "p0"), ("prefi
               ("decode", "d1"), ("decode", "d2"), ("probe", "probe0")]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 MAX_LEASE_MS = 60_000
+BENCH_CLUSTER = Path(__file__).resolve().parents[2] / "bench" / "bench_cluster.py"
 
 
 @pytest.fixture(scope="module")
@@ -268,6 +271,32 @@ class RecordingReceiver:
     def check(self, manifest):
         self.manifests.append(manifest)
         raise AssertionError("no KV should ever arrive here")
+
+
+def test_bench_cluster_calls_the_workers_as_the_gateway_does(cluster, pki):
+    """bench/bench_cluster.py runs Reserve / Prefill / Decode itself (its "workers direct" rows): against mutual-TLS
+    workers, as every cluster starts by default, it must dial with the gateway's certificate (it once dialled
+    plaintext, which such workers refuse) and then gets the offline engine's greedy tokens."""
+    spec = importlib.util.spec_from_file_location("bench_cluster", BENCH_CLUSTER)
+    bench_cluster = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_cluster)
+    workers = {"prefill-0": cluster.endpoint("p0"), "decode-0": cluster.endpoint("d0")}
+    prompt = chat_prompt(cluster, "Name a colour.")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    direct = bench_cluster.DirectWorkers(workers, pki["gw0"])
+    pieces: list[list[int]] = []
+    try:
+        direct.generate(new_id("bench"), prompt, params, "bench", pieces.append)
+    finally:
+        direct.close()
+    assert [t for piece in pieces for t in piece] == cluster.llm.generate([prompt], params)[0].outputs[0].token_ids
+    plaintext = bench_cluster.DirectWorkers(workers, None)
+    try:
+        assert code_of(lambda: plaintext.generate(new_id("bench"), prompt, params, "bench"))[0] == \
+            grpc.StatusCode.UNAVAILABLE
+    finally:
+        plaintext.close()
+    assert_nothing_held(cluster, pki)
 
 
 def test_prefill_to_an_arbitrary_listener_is_refused_and_the_listener_gets_nothing(cluster, pki):

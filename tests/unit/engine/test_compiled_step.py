@@ -5,7 +5,7 @@ batch 1 runs padded to 2, batch 2 exactly, larger batches and prefill steps eage
 import pytest
 import torch
 from test_engine_tiny import prompts
-from tiny_model import TINY, run, tiny_engine, tiny_weights
+from tiny_model import run, tiny_engine, tiny_hf_model
 
 import kernels
 from engine.compiled_step import CompiledDecodeStep
@@ -41,14 +41,7 @@ class _Counting:
 
 
 def _hf_greedy(ids: list[int], n: int) -> list[int]:
-    c = TINY
-    config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=True)
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.load_state_dict({**tiny_weights(), "lm_head.weight": tiny_weights()["model.embed_tokens.weight"]})
+    model = tiny_hf_model()
     out = list(ids)
     with torch.inference_mode():
         for _ in range(n):

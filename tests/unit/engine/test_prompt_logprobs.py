@@ -4,10 +4,10 @@ prefix-cached prompt and a preemption."""
 
 import pytest
 import torch
+from tiny_model import TINY, tiny_engine, tiny_hf_model
 
 from engine.prompt_logprobs import compute_prompt_logprobs
 from engine.sampling_params import SamplingParams
-from tiny_model import TINY, tiny_engine, tiny_weights
 
 transformers = pytest.importorskip("transformers", reason="the dev extra provides transformers")
 
@@ -17,18 +17,8 @@ PROMPT = [(7 * i + 3) % TINY.vocab_size for i in range(37)]
 @pytest.fixture(scope="module")
 def reference() -> torch.Tensor:
     """transformers' log-softmax of the logits at each position of PROMPT: [len(PROMPT), vocab]."""
-    c = TINY
-    config = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=True)
-    model = transformers.LlamaForCausalLM(config).eval()
-    missing, unexpected = model.load_state_dict(tiny_weights(), strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    model.tie_weights()
     with torch.no_grad():
-        logits = model(torch.tensor([PROMPT])).logits[0].float()
+        logits = tiny_hf_model()(torch.tensor([PROMPT])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)
 
 

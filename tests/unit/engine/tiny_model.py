@@ -1,4 +1,4 @@
-"""A tiny random-weight Llama for engine tests that need no checkpoint."""
+"""A tiny random-weight Llama for engine tests that need no checkpoint, and its transformers twin."""
 
 import torch
 
@@ -32,6 +32,25 @@ def tiny_weights(config: ModelConfig = TINY, seed: int = 0) -> dict[str, torch.T
         w[p + "mlp.up_proj.weight"] = rand(c.intermediate_size, c.hidden_size)
         w[p + "mlp.down_proj.weight"] = rand(c.hidden_size, c.intermediate_size)
     return w
+
+
+def tiny_hf_model(seed: int = 0):
+    """TINY as a transformers LlamaForCausalLM (eval mode) holding tiny_weights(seed=seed), its LM head the
+    embedding: the reference tiny_engine()'s logits and tokens are checked against. Callers importorskip
+    transformers first (the dev extra); it is imported here, not at the top, so that the tests using only
+    tiny_engine() do not pay for it."""
+    import transformers
+
+    c = TINY
+    config = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(config).eval()
+    weights = tiny_weights(seed=seed)
+    model.load_state_dict({**weights, "lm_head.weight": weights["model.embed_tokens.weight"]})
+    return model
 
 
 def tiny_loaded() -> LoadedModel:
