@@ -400,6 +400,13 @@ class FaultInjection:
     corrupt_chunk_index: int | None = None
     corrupt_trailer_digest: int | None = None
 
+    def trailer(self, digests: list[bytes]) -> kv_transfer_pb2.KvChunk:
+        """The trailer message of a push with these block digests (one of them corrupted, if asked)."""
+        i = self.corrupt_trailer_digest
+        if i is not None:
+            digests = digests[:i] + [bytes([digests[i][0] ^ 0xFF]) + digests[i][1:]] + digests[i + 1:]
+        return kv_transfer_pb2.KvChunk(trailer=kv_transfer_pb2.KvTrailer(block_digests=digests))
+
 
 @dataclass(frozen=True)
 class TransferStats:
@@ -587,10 +594,7 @@ class KvSender:
                     flipped.append(src_block_ids[fault.corrupt_chunk_index * self.chunk_bytes // block_bytes])
                     cache.flip_byte(flipped[0])
                     yield head
-                if fault.corrupt_trailer_digest is not None:
-                    i = fault.corrupt_trailer_digest
-                    digests[i] = bytes([digests[i][0] ^ 0xFF]) + digests[i][1:]
-                yield kv_transfer_pb2.KvChunk(trailer=kv_transfer_pb2.KvTrailer(block_digests=digests))
+                yield fault.trailer(digests)
             except Exception as exc:  # grpc would only report "Exception iterating requests"
                 errors.append(exc)
                 raise
@@ -649,10 +653,7 @@ class KvSender:
                     yield encode_data_chunk(data)
             finally:
                 self.staging.give_back(staging)
-            if fault.corrupt_trailer_digest is not None:
-                i = fault.corrupt_trailer_digest
-                digests[i] = bytes([digests[i][0] ^ 0xFF]) + digests[i][1:]
-            yield kv_transfer_pb2.KvChunk(trailer=kv_transfer_pb2.KvTrailer(block_digests=digests))
+            yield fault.trailer(digests)
         except Exception as exc:  # grpc would only report "Exception iterating requests"
             errors.append(exc)
             raise

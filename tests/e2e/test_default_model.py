@@ -6,6 +6,7 @@ import torch
 from engine.errors import InvalidRequestError
 from engine.model import AttentionMetadata
 from engine.sampling_params import SamplingParams
+from tests.batching import assert_same_alone_as_batched
 
 PROMPTS = [
     "The capital of France is",
@@ -158,18 +159,7 @@ def test_kept_codes_give_a_sequence_the_same_tokens_and_logprobs_alone_as_in_a_b
     int4 layer, the int8 head and decode attention compute each row on its own (bfloat16 activations would turn
     any batch-dependent last bit into a different token on a near tie: "def fibonacci(n):" has one, its top two
     0.04 apart, and batched with others it used to go another way at its 14th token)."""
-    prompts = ["def fibonacci(n):", "The capital of France is", "def fibonacci(n):", "Water boils at"]
-    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=2)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        alone = {p: llm_kept.generate(p, params)[0].outputs[0] for p in set(prompts)}
-        together = [o.outputs[0] for o in llm_kept.generate(prompts, params)]
-    finally:
-        torch.set_num_threads(threads)
-    for prompt, out in zip(prompts, together):
-        assert out.token_ids == alone[prompt].token_ids, prompt
-        assert out.logprobs == alone[prompt].logprobs, prompt  # values and top alternatives, bit for bit
+    assert_same_alone_as_batched(llm_kept, max_tokens=16)
 
 
 # --- weight-only quantization ----------------------------------------------------------------------------------

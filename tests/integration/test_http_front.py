@@ -846,10 +846,6 @@ def offline_prompt_logprobs(reference, token_ids: list[int]) -> list[float | Non
     return [None] + [lp.logprob for lp in out.prompt_logprobs[1:]]
 
 
-def openai_client(gateway) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url(gateway, "/v1"), api_key="unused", max_retries=0, timeout=RPC_TIMEOUT_S)
-
-
 def test_openai_echo_logprobs_score_the_prompt_also_when_its_prefix_is_cached(gateway, reference, cluster):
     client, name = openai_client(gateway), cluster.model[0].name
     token_ids = reference.llm.tokenizer.encode(SCORED)

@@ -22,8 +22,7 @@ from kvstore.shm import SHM_DIR, SegmentRefused
 from kvstore.shm_pool import PooledSegmentReader, is_pooled_name
 from kvstore.transfer import block_digest, encode_records, iter_chunks
 from kvstore.transfer_manifest import TransferManifest
-from kvstore.transfer_service import (GRPC_OPTIONS, FaultInjection, KvSender, KvTransferServicer, TransferFailed,
-                                      add_kv_transfer_servicer)
+from kvstore.transfer_service import GRPC_OPTIONS, FaultInjection, KvSender, KvTransferServicer, TransferFailed
 from protos.convert import manifest_to_pb
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from tests.integration.test_kv_transfer import TIMEOUT_S, CacheReceiver, layout_of, source_cache
@@ -44,25 +43,6 @@ def src(layout):
     return source_cache(layout, 64)
 
 
-@pytest.fixture
-def served():
-    """served(receiver) -> (endpoint, servicer) of a started in-process KvTransfer server."""
-    servers = []
-
-    def start(receiver):
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
-        servicer = KvTransferServicer(receiver)
-        add_kv_transfer_servicer(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        servers.append(server)
-        return f"127.0.0.1:{port}", servicer
-
-    yield start
-    for server in servers:
-        server.stop(None)
-
-
 def push(sender, endpoint, receiver, src, layout, request_id, transport, **kw):
     handle = receiver.reserve(request_id, DST_IDS)
     return sender.push(endpoint, request_id=request_id, handle=handle, layout=layout, kv_cache=src,
@@ -75,9 +55,9 @@ def landed(receiver, src) -> bool:
     return torch.equal(gather_blocks(receiver.kv_cache, dst), gather_blocks(src, torch.tensor(SRC_IDS)))
 
 
-def test_grpc_push_streams_the_digests_in_a_trailer_into_reused_receive_buffers(served, layout, src):
+def test_grpc_push_streams_the_digests_in_a_trailer_into_reused_receive_buffers(kv_served, layout, src):
     receiver = CacheReceiver(layout, 100)
-    endpoint, servicer = served(receiver)
+    endpoint, servicer = kv_served(receiver)
     with KvSender() as sender:
         for i in range(2):
             push(sender, endpoint, receiver, src, layout, f"req-{i}", "grpc")
@@ -87,10 +67,10 @@ def test_grpc_push_streams_the_digests_in_a_trailer_into_reused_receive_buffers(
     assert servicer.buffers.num_allocated == 1      # the second transfer landed in the first one's buffer
 
 
-def test_corrupted_trailer_digest_rejects_the_whole_transfer_and_releases_once(served, layout, src):
+def test_corrupted_trailer_digest_rejects_the_whole_transfer_and_releases_once(kv_served, layout, src):
     receiver = CacheReceiver(layout, 100)
     before = receiver.kv_cache.clone()
-    endpoint, _ = served(receiver)
+    endpoint, _ = kv_served(receiver)
     with KvSender() as sender, pytest.raises(TransferFailed) as info:
         push(sender, endpoint, receiver, src, layout, "req-1", "grpc", fault=FaultInjection(corrupt_trailer_digest=7))
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
@@ -99,9 +79,9 @@ def test_corrupted_trailer_digest_rejects_the_whole_transfer_and_releases_once(s
     assert receiver.committed == [] and [r[:2] for r in receiver.rejected] == [("req-1", "h-req-1")]
 
 
-def test_a_sender_with_the_digests_in_the_manifest_still_lands_and_a_missing_trailer_is_refused(served, layout, src):
+def test_a_sender_with_the_digests_in_the_manifest_still_lands_and_a_missing_trailer_is_refused(kv_served, layout, src):
     receiver = CacheReceiver(layout, 100)
-    endpoint, _ = served(receiver)
+    endpoint, _ = kv_served(receiver)
     payload = encode_records(src, SRC_IDS, "raw")
     bb = layout.block_bytes("raw")
     digests = tuple(block_digest(payload[i * bb:(i + 1) * bb].numpy()) for i in range(len(SRC_IDS)))
@@ -124,9 +104,9 @@ def test_a_sender_with_the_digests_in_the_manifest_still_lands_and_a_missing_tra
     assert [r[0] for r in receiver.committed] == ["old"] and [r[0] for r in receiver.rejected] == ["cut"]
 
 
-def test_shm_pool_reuses_one_prefaulted_segment_and_the_receiver_one_mapping(served, layout):
+def test_shm_pool_reuses_one_prefaulted_segment_and_the_receiver_one_mapping(kv_served, layout):
     receiver = CacheReceiver(layout, 100)
-    endpoint, servicer = served(receiver)
+    endpoint, servicer = kv_served(receiver)
     with KvSender(shm_pool_bytes=POOL_BYTES) as sender:
         for i in range(3):  # different bytes each time: the kept mapping must show the new ones
             src = source_cache(layout, 64, seed=i)
@@ -149,9 +129,9 @@ def test_shm_pool_reuses_one_prefaulted_segment_and_the_receiver_one_mapping(ser
     assert servicer.segments.num_mappings() == 0
 
 
-def test_shm_pool_unlinks_the_segment_of_a_rejected_or_timed_out_push(served, layout, src):
+def test_shm_pool_unlinks_the_segment_of_a_rejected_or_timed_out_push(kv_served, layout, src):
     receiver = CacheReceiver(layout, 100)
-    endpoint, _ = served(receiver)
+    endpoint, _ = kv_served(receiver)
     with KvSender(shm_pool_bytes=POOL_BYTES) as sender:
         with pytest.raises(TransferFailed) as info:
             push(sender, endpoint, receiver, src, layout, "bad", "shm", fault=FaultInjection(corrupt_chunk_index=0))
@@ -175,10 +155,10 @@ def test_shm_pool_unlinks_the_segment_of_a_rejected_or_timed_out_push(served, la
     assert not any(SHM_DIR.glob(f"pdkv_{os.getpid():x}_*"))
 
 
-def test_a_payload_the_pool_cannot_hold_fails_the_push_as_resource_exhausted(served):
+def test_a_payload_the_pool_cannot_hold_fails_the_push_as_resource_exhausted(kv_served):
     layout = layout_of(head_dim=128)   # 128 KiB blocks: 40 of them need an 8 MiB segment
     receiver = CacheReceiver(layout, 100)
-    endpoint, _ = served(receiver)
+    endpoint, _ = kv_served(receiver)
     with KvSender(shm_pool_bytes=(4 << 20) + 4096) as sender, pytest.raises(TransferFailed) as info:
         push(sender, endpoint, receiver, source_cache(layout, 64), layout, "big", "shm")
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_bytes" in info.value.details

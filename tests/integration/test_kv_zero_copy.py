@@ -12,7 +12,6 @@ import sys
 import textwrap
 import threading
 import time
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -26,8 +25,7 @@ from kernels import gather_blocks
 from kvstore.shm import SHM_DIR
 from kvstore.shm_cache import SharedKvCache, block_digests_in_place, is_cache_name
 from kvstore.transfer import block_digest, encode_records
-from kvstore.transfer_service import (GRPC_OPTIONS, FaultInjection, KvSender, KvTransferServicer, TransferFailed,
-                                      add_kv_transfer_servicer)
+from kvstore.transfer_service import FaultInjection, KvSender, KvTransferServicer, TransferFailed
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.server import start_server as start_prefill
 from tests.integration.test_kv_transfer import TIMEOUT_S, CacheReceiver, RankedReceiver, layout_of, source_cache
@@ -44,25 +42,6 @@ NEW_FIELDS = ("cache_segment", "src_block_ids", "cache_num_blocks", "sender_epoc
 @pytest.fixture(scope="module")
 def layout():
     return layout_of()
-
-
-@pytest.fixture
-def served():
-    """served(receiver, servicer_class) -> (endpoint, servicer) of a started in-process KvTransfer server."""
-    servers = []
-
-    def start(receiver, servicer_class=KvTransferServicer):
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
-        servicer = servicer_class(receiver)
-        add_kv_transfer_servicer(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        servers.append(server)
-        return f"127.0.0.1:{port}", servicer
-
-    yield start
-    for server in servers:
-        server.stop(None)
 
 
 @pytest.fixture
@@ -85,14 +64,14 @@ def landed(receiver, src, dst_ids=DST_IDS) -> bool:
                        gather_blocks(src, torch.tensor(SRC_IDS)))
 
 
-def test_blocks_are_copied_out_of_the_senders_cache_through_one_kept_mapping(served, layout, shared):
+def test_blocks_are_copied_out_of_the_senders_cache_through_one_kept_mapping(kv_served, layout, shared):
     # Hashing the blocks where they are gives exactly the digests of their records (the definition is kept).
     shared.tensor.copy_(source_cache(layout, CACHE_BLOCKS))
     records = encode_records(shared.tensor, SRC_IDS, "raw").view(len(SRC_IDS), -1)
     assert block_digests_in_place(shared.tensor, SRC_IDS) == tuple(block_digest(r.numpy()) for r in records)
 
     receiver = CacheReceiver(layout, 100)
-    endpoint, servicer = served(receiver)
+    endpoint, servicer = kv_served(receiver)
     with KvSender(shm_pool_bytes=64 << 20, shared_cache=shared) as sender:
         for i in range(3):  # new bytes in the same blocks each time: the kept mapping must show them
             shared.tensor.copy_(source_cache(layout, CACHE_BLOCKS, seed=i))
@@ -113,10 +92,10 @@ def test_blocks_are_copied_out_of_the_senders_cache_through_one_kept_mapping(ser
     assert [r[0] for r in receiver.committed] == ["req-0", "req-1", "req-2", "private"] and receiver.rejected == []
 
 
-def test_a_tensor_parallel_receiver_gets_the_blocks_through_a_staging_buffer_and_its_plan(served, layout, shared):
+def test_a_tensor_parallel_receiver_gets_the_blocks_through_a_staging_buffer_and_its_plan(kv_served, layout, shared):
     shared.tensor.copy_(source_cache(layout, CACHE_BLOCKS))
     receiver = RankedReceiver(layout, 100, 2)  # one KV head per rank: not one cache to copy into
-    endpoint, servicer = served(receiver)
+    endpoint, servicer = kv_served(receiver)
     with KvSender(shared_cache=shared) as sender:
         assert push(sender, endpoint, receiver, shared.tensor, layout, "tp").data_path == "cache"
     sent = gather_blocks(shared.tensor, torch.tensor(SRC_IDS))  # [n, L, 2, block_size, Hkv, D]
@@ -125,12 +104,12 @@ def test_a_tensor_parallel_receiver_gets_the_blocks_through_a_staging_buffer_and
     assert servicer.buffers.idle_bytes() > 0 and [r[0] for r in receiver.committed] == ["tp"]
 
 
-def test_a_corrupted_source_block_rejects_the_whole_transfer_and_leaves_nothing(served, layout, shared):
+def test_a_corrupted_source_block_rejects_the_whole_transfer_and_leaves_nothing(kv_served, layout, shared):
     shared.tensor.copy_(source_cache(layout, CACHE_BLOCKS))
     before = shared.tensor.clone()
     receiver = CacheReceiver(layout, 100)
     untouched = receiver.kv_cache.clone()
-    endpoint, _ = served(receiver)
+    endpoint, _ = kv_served(receiver)
     with KvSender(shared_cache=shared) as sender:
         with pytest.raises(TransferFailed) as info:  # chunk 1 starts in block 32 (2 MiB / 64 KiB)
             push(sender, endpoint, receiver, shared.tensor, layout, "bad", fault=FaultInjection(corrupt_chunk_index=1))
@@ -146,12 +125,12 @@ def test_a_corrupted_source_block_rejects_the_whole_transfer_and_leaves_nothing(
     assert len(receiver.rejected) == 1                               # released once
 
 
-def test_blocks_reused_after_a_push_timed_out_are_caught_by_the_digests_of_what_landed(served, layout, shared):
+def test_blocks_reused_after_a_push_timed_out_are_caught_by_the_digests_of_what_landed(kv_served, layout, shared):
     # The sender holds the blocks until its push returns; one that times out frees them while the receiver may
     # still copy. Blocks rewritten then must not be committed: the receiver hashes what landed.
     shared.tensor.copy_(source_cache(layout, CACHE_BLOCKS))
     receiver = CacheReceiver(layout, 100)
-    endpoint, _ = served(receiver)
+    endpoint, _ = kv_served(receiver)
     gate, check = threading.Event(), receiver.check
     receiver.check = lambda manifest: (gate.wait(TIMEOUT_S) if manifest.request_id else None, check(manifest))[1]
     with KvSender(shared_cache=shared) as sender:
@@ -226,10 +205,10 @@ class OldServicer(KvTransferServicer):
         return super().Push(as_before(), context)
 
 
-def test_an_old_receiver_refuses_the_probe_and_keeps_the_pooled_path(served, layout, shared):
+def test_an_old_receiver_refuses_the_probe_and_keeps_the_pooled_path(kv_served, layout, shared):
     shared.tensor.copy_(source_cache(layout, CACHE_BLOCKS))
     receiver = CacheReceiver(layout, 100)
-    endpoint, _ = served(receiver, OldServicer)
+    endpoint, _ = kv_served(receiver, OldServicer)
     with KvSender(shm_pool_bytes=64 << 20, shared_cache=shared) as sender:
         for i in range(2):
             assert push(sender, endpoint, receiver, shared.tensor, layout, f"old-{i}").data_path == "pooled"
@@ -275,10 +254,10 @@ def _wait(condition, timeout_s: float = 60.0) -> None:
     assert condition()
 
 
-def test_a_sender_killed_mid_push_and_a_restarted_one(served, layout):
+def test_a_sender_killed_mid_push_and_a_restarted_one(kv_served, layout):
     receiver = CacheReceiver(layout, 100)
     noise = receiver.kv_cache.clone()
-    endpoint, servicer = served(receiver)
+    endpoint, servicer = kv_served(receiver)
     for rid in ("ok-1", "ok-2", "victim", "ok-after-restart"):
         receiver.reserve(rid, dst_ids_for(rid))
     arrived, gate = threading.Event(), threading.Event()

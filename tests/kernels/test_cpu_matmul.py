@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from engine.quant import Int4Linear
 from engine.sampling_params import SamplingParams
 from kernels import cpu_matmul as cm
+from tests.batching import assert_same_alone_as_batched
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not cm.available(), reason="native CPU matmul kernels could not be built here")
@@ -186,18 +187,7 @@ def test_engine_with_native_kernels_answers_paris(llm):
 def test_native_engine_gives_a_sequence_the_same_tokens_and_logprobs_alone_as_in_a_batch(llm):
     """As with torch's kernels (tests/e2e/test_default_model.py), one thread: the native linears compute each row
     on its own, so a sequence's tokens and logprobs do not depend on what it is batched with."""
-    prompts = ["def fibonacci(n):", "The capital of France is", "def fibonacci(n):", "Water boils at"]
-    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        alone = {p: llm.generate(p, params)[0].outputs[0] for p in set(prompts)}
-        together = [o.outputs[0] for o in llm.generate(prompts, params)]
-    finally:
-        torch.set_num_threads(threads)
-    for prompt, out in zip(prompts, together):
-        assert out.token_ids == alone[prompt].token_ids, prompt
-        assert out.logprobs == alone[prompt].logprobs, prompt
+    assert_same_alone_as_batched(llm, max_tokens=12)
 
 
 def test_no_compiler_falls_back_to_torch_kernels(tmp_path):
