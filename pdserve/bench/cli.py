@@ -26,13 +26,14 @@ from pathlib import Path
 WORKLOADS = ("random", "shared-prefix", "multi-turn")
 
 
-def _rate(text: str) -> float:
+def _positive_float(text: str) -> float:
+    """A number > 0 (a request rate may be inf)."""
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a rate: {text!r} (requests per second, or inf)") from None
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not value > 0:
-        raise argparse.ArgumentTypeError(f"the request rate must be > 0 (or inf), got {text}")
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 
@@ -55,16 +56,6 @@ def _length_range(text: str) -> tuple[int, int]:
     if not 1 <= pair[0] <= pair[1]:
         raise argparse.ArgumentTypeError(f"need 1 <= LOW <= HIGH, got {text!r}")
     return pair
-
-
-def _scale(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -102,7 +93,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     w.add_argument("--seed", type=int, default=0)
 
     a = p.add_argument_group("arrivals")
-    a.add_argument("--request-rate", type=_rate, default=math.inf,
+    a.add_argument("--request-rate", type=_positive_float, default=math.inf,
                    help="Poisson arrivals per second; inf sends all at once")
     a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
     a.add_argument("--max-concurrency", type=_positive, default=None, help="most requests in flight")
@@ -126,7 +117,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="run only these scenario families: batch1 streams prefix_cache shared_prefix sweep goodput "
                    "(default: all); systems none of them uses are not started")
     g = p.add_argument_group("suite: goodput, disaggregated vs colocated (defaults: pdserve.bench.suite.SuiteConfig)")
-    g.add_argument("--goodput-rates", nargs="+", type=_rate, default=None, metavar="R",
+    g.add_argument("--goodput-rates", nargs="+", type=_positive_float, default=None, metavar="R",
                    help="Poisson rates (req/s); default 0.1 0.2 0.3 0.4")
     g.add_argument("--goodput-requests", type=_positive, default=None, metavar="N", help="requests per rate (24)")
     g.add_argument("--goodput-long-len", type=_length_range, default=None, metavar="LOW-HIGH",
@@ -134,9 +125,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    "scale it down, e.g. 256-1024, and the report says which range ran")
     g.add_argument("--goodput-long-fraction", type=float, default=None, metavar="F", help="share of long prompts "
                    "(0.25)")
-    g.add_argument("--goodput-ttft-scale", type=_scale, default=None, metavar="K",
+    g.add_argument("--goodput-ttft-scale", type=_positive_float, default=None, metavar="K",
                    help="TTFT SLO = K x the idle TTFT of the prompt's class (3)")
-    g.add_argument("--goodput-tpot-scale", type=_scale, default=None, metavar="K", help="TPOT SLO = K x idle TPOT (3)")
+    g.add_argument("--goodput-tpot-scale", type=_positive_float, default=None, metavar="K", help="TPOT SLO = K x idle TPOT (3)")
     g.add_argument("--goodput-batched-tokens", type=_positive, default=None, metavar="N",
                    help="pdserve-colocated's chunked-prefill budget per step (default: the engine's)")
     g.add_argument("--goodput-long-prefill-token-threshold", type=_positive, default=None, metavar="N",

@@ -221,7 +221,7 @@ def test_receiver_death_mid_stream_fails_the_push_and_returns_its_buffers(layout
         endpoint = f"127.0.0.1:{child.stdout.readline().strip()}"
         outcome: list = []
         with KvSender() as sender:
-            pushing = threading.Thread(target=lambda: outcome.append(_push_catching(sender, endpoint, layout, src)))
+            pushing = threading.Thread(target=lambda: outcome.append(push_outcome(sender, endpoint, layout, src, "grpc")))
             pushing.start()
             assert child.stdout.readline().strip() == "mid-stream"
             child.send_signal(signal.SIGKILL)
@@ -239,13 +239,13 @@ def test_receiver_death_mid_stream_fails_the_push_and_returns_its_buffers(layout
         child.wait()
 
 
-def _push_catching(sender, endpoint, layout, src):
+def push_outcome(sender, endpoint, layout, kv_cache, transport, request_id="r"):
+    """sender.push of SRC_IDS into DST_IDS: its result, or the TransferFailed it raised."""
     try:
-        sender.push(endpoint, request_id="r", handle="h", layout=layout, kv_cache=src, src_block_ids=SRC_IDS,
-                    dst_block_ids=DST_IDS, transport="grpc", timeout_s=TIMEOUT_S)
+        return sender.push(endpoint, request_id=request_id, handle="h", layout=layout, kv_cache=kv_cache,
+                           src_block_ids=SRC_IDS, dst_block_ids=DST_IDS, transport=transport, timeout_s=TIMEOUT_S)
     except TransferFailed as exc:
         return exc
-    return None
 
 
 @pytest.mark.parametrize("size", [0, 1, 127, 128, 16383, 16384, 2 << 20])

@@ -28,14 +28,13 @@ from kvstore.transfer import block_digest, encode_records
 from kvstore.transfer_service import FaultInjection, KvSender, KvTransferServicer, TransferFailed
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.server import start_server as start_prefill
+from tests.integration.test_kv_streaming import DST_IDS, SRC_IDS, push_outcome
 from tests.integration.test_kv_transfer import TIMEOUT_S, CacheReceiver, RankedReceiver, layout_of, source_cache
 from tests.integration.test_workers import ENGINE, GREEDY, PROMPT, disaggregated, stubs, wait_idle
 from tests.unit.engine.tiny_model import run, tiny_engine, tiny_loaded
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE_BLOCKS = 64
-SRC_IDS = list(range(40, 0, -1))           # 40 blocks of 64 KiB
-DST_IDS = [i * 2 + 1 for i in range(40)]
 NEW_FIELDS = ("cache_segment", "src_block_ids", "cache_num_blocks", "sender_epoch")
 
 
@@ -170,7 +169,7 @@ def test_a_receiver_killed_mid_push_fails_it_promptly(layout, shared):
         endpoint = f"127.0.0.1:{child.stdout.readline().strip()}"
         with KvSender(shared_cache=shared) as sender:
             result: list = []
-            thread = threading.Thread(target=lambda: result.append(_push_catching(sender, endpoint, layout, shared)))
+            thread = threading.Thread(target=lambda: result.append(push_outcome(sender, endpoint, layout, shared.tensor, "shm", "victim")))
             thread.start()
             assert child.stdout.readline().strip() == "checked"
             child.send_signal(signal.SIGKILL)
@@ -181,14 +180,6 @@ def test_a_receiver_killed_mid_push_fails_it_promptly(layout, shared):
     finally:
         child.kill()
         child.wait()
-
-
-def _push_catching(sender, endpoint, layout, shared):
-    try:
-        return sender.push(endpoint, request_id="victim", handle="h", layout=layout, kv_cache=shared.tensor,
-                           src_block_ids=SRC_IDS, dst_block_ids=DST_IDS, transport="shm", timeout_s=TIMEOUT_S)
-    except TransferFailed as exc:
-        return exc
 
 
 class OldServicer(KvTransferServicer):
