@@ -30,7 +30,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import Q4_K
 
-from engine.quant import GroupedWeight, HalfWeight, PackedWeight
+from engine.packed_weight import GroupedWeight, HalfWeight, PackedWeight
 
 KEPT_TYPES = (T.Q4_0, T.Q4_1, T.Q4_K, T.Q8_0, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.F16, T.BF16)
 """GGML types whose matrices stay in their encoding (module docstring); the others are dequantized at load."""

@@ -5,7 +5,7 @@ Mixtral's experts as stacked ffn_*_exps tensors), `mistral` (same layout under i
 (q/k/v biases), `qwen3` (q/k norms), `gemma2`, `gemma3` (text) and `phi3` (fused attn_qkv and gate/up in ffn_up,
 LongRoPE factors as rope_factors_long/short tensors). Tensor types: every type `gguf.quants` dequantizes
 (F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, Q2_K-Q6_K, IQ*, TQ*, MXFP4, ...). By default (`keep_quantized`) the
-matrices of the common types stay in their file's encoding, as engine.quant.GroupedWeight / HalfWeight
+matrices of the common types stay in their file's encoding, as engine.packed_weight.GroupedWeight / HalfWeight
 (engine.gguf_blocks lists what each type becomes; every one loses nothing); the others, and every vector
 (norms, biases), are dequantized to the load dtype. With keep_quantized=False everything is dequantized.
 
@@ -42,7 +42,7 @@ from engine.arch import check_weights, split_fused_phi3
 from engine.config import ModelConfig, RopeScaling
 from engine.gguf_blocks import KEPT_TYPES, packed_weight
 from engine.loaded_model import LoadedModel, ModelLoadError
-from engine.quant import PackedWeight
+from engine.packed_weight import PackedWeight
 from engine.tokenizer import Tokenizer
 
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)

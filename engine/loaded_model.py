@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import ModelConfig
-from engine.quant import PackedWeight
+from engine.packed_weight import PackedWeight
 from engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ class LoadedModel:
     """Hyperparameters read from the checkpoint."""
     weights: dict[str, torch.Tensor | PackedWeight | GPTQWeight]
     """Hugging Face parameter name -> tensor on CPU in the requested dtype, or a matrix kept in its file's
-    encoding (engine.quant.GroupedWeight / HalfWeight: a GGUF loaded with keep_quantized), or a GPTQ checkpoint's
+    encoding (engine.packed_weight.GroupedWeight / HalfWeight: a GGUF loaded with keep_quantized), or a GPTQ checkpoint's
     quantized linear as stored (engine.gptq_format.GPTQWeight, packed) (names and shapes: engine.arch)."""
     tokenizer: Tokenizer
     """The checkpoint's tokenizer and chat template."""

@@ -38,7 +38,8 @@ from engine.config import ModelConfig
 from engine.gptq_format import GPTQWeight
 from engine.gptq_linear import GPTQLinear
 from engine.moe import SparseMoE
-from engine.quant import DequantWorkspace, Linear, cat_rows, held_bytes, lm_head_quantization, make_linear
+from engine.packed_weight import cat_rows
+from engine.quant import DequantWorkspace, Linear, held_bytes, lm_head_quantization, make_linear
 from engine.rope import rope_cos_sin_cache
 
 __all__ = ["AttentionMetadata", "DecoderModel", "LlamaModel"]

@@ -88,7 +88,7 @@ def shard_weights(config: ModelConfig, weights: dict[str, torch.Tensor], shard: 
         elif module in rows:
             tensor = tensor[rows[module]]
         elif module in cols and name.endswith(".weight"):
-            # A packed GGUF matrix (engine.quant.GroupedWeight) slices by rows only: its input columns as float.
+            # A packed GGUF matrix (engine.packed_weight.GroupedWeight) slices by rows only: its input columns as float.
             tensor = (tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize(torch.float32))[:, cols[module]]
         out[name] = tensor.contiguous()
     return out

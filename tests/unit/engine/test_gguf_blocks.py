@@ -12,8 +12,8 @@ from gguf import GGMLQuantizationType as Q
 
 from engine.gguf_blocks import KEPT_TYPES, packed_weight
 from engine.gguf_loader import unpermute_qk
-from engine.quant import (DequantWorkspace, GroupedWeight, HalfWeight, Int4Linear, Int8Linear, PackedLinear,
-                          cat_rows, held_bytes, make_linear)
+from engine.packed_weight import GroupedWeight, HalfWeight, cat_rows
+from engine.quant import DequantWorkspace, Int4Linear, Int8Linear, PackedLinear, held_bytes, make_linear
 
 OUT, IN = 48, 512  # 2 K-quant super-blocks per row
 

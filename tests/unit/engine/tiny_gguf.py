@@ -19,7 +19,7 @@ _WORDS = ["the", "hello", "world", "in", "and", "token", "12", "ing", "er", "on"
 
 
 def as_float(weight):
-    """A loaded weight as a float32 tensor: itself, or a packed one (engine.quant.GroupedWeight) dequantized."""
+    """A loaded weight as a float32 tensor: itself, or a packed one (engine.packed_weight.GroupedWeight) dequantized."""
     import torch
 
     return weight if isinstance(weight, torch.Tensor) else weight.dequantize(torch.float32)
