@@ -1,11 +1,8 @@
 """Native CPU matmuls over 4-bit and int8 weights with int8-quantized activations (kernels/cpu_matmul.c).
 
-The C source (its header comment is the exact arithmetic) is compiled on first use with the system C compiler
-(`$CC`, else `cc`/`gcc` on PATH; -O3 -fopenmp, one ISA per function picked at run time: AVX512-VNNI, AVX2,
-scalar) into `$XDG_CACHE_HOME/pdserve/kernels/cpu_matmul-<sha256 of source, flags, compiler>.so` (or
-~/.cache/...), written under a temporary name and renamed into place, so that worker processes starting together
-never load a half-written file. No compiler, a failed build or a failed load logs one warning and `available()`
-is False: engine.quant then keeps the torch kernels.
+The C source (its header comment is the exact arithmetic) is compiled on first use by kernels.native_build
+(-O3 -fopenmp; one ISA per function picked at run time: AVX512-VNNI, AVX2, scalar). No compiler, a failed build
+or a failed load logs one warning and `available()` is False: engine.quant then keeps the torch kernels.
 
     q4_matmul(x, codes, scale_zero)   x [M, K] float32, codes [N, K // 2] uint8 (GGML Q4 order per 32),
                                       scale_zero [N, K // 32, 2] bfloat16 (scale, zero) -> [M, N] float32
@@ -22,20 +19,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from kernels import native_build
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_matmul.c")
-CFLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 GROUP = 32
 """Inputs per activation (and 4-bit weight) scale."""
 
@@ -44,50 +37,11 @@ ISA_NAMES = {ISA_SCALAR: "scalar", ISA_AVX2: "avx2", ISA_AVX512_VNNI: "avx512-vn
 ISA_BEST = -1
 
 
-def _compiler() -> str | None:
-    cc = os.environ.get("CC")
-    if cc:
-        return shutil.which(cc)
-    return shutil.which("cc") or shutil.which("gcc")
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pdserve" / "kernels"
-
-
-def _build(cc: str) -> Path:
-    """The shared library for this source, flags and compiler, built unless cached."""
-    version = subprocess.run([cc, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
-    digest = hashlib.sha256(SOURCE.read_bytes() + repr((CFLAGS, cc, version)).encode()).hexdigest()[:20]
-    target = _cache_dir() / f"cpu_matmul-{digest}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE), "-lm"], check=False, capture_output=True,
-                              text=True, timeout=120)
-        if done.returncode:
-            raise RuntimeError(f"{cc} exited {done.returncode}: {done.stderr.strip()[-500:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, built on first call; None (after one warning) when it cannot be."""
-    cc = _compiler()
-    try:
-        if cc is None:
-            raise RuntimeError(f"no C compiler (CC={os.environ.get('CC')!r}, no cc or gcc on PATH)")
-        lib = ctypes.CDLL(str(_build(cc)))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:  # the torch kernels stay
-        log.warning("native CPU matmul kernels unavailable, using torch's: %s", exc)
+    lib = native_build.load(SOURCE, "matmul")
+    if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.pd_best_isa.restype = ctypes.c_int
