@@ -22,10 +22,11 @@ predicted_per_token_ms, wall time: compare with the wall column).
 
 Breakdown table:
 
-Wraps the model's kernel calls (`kernels.rms_norm`, `rotary_embedding`, `write_kv`, `paged_attention`) and every
+Wraps the model's kernel calls (`kernels.rms_norm`, `rotary_embedding`, `write_kv`, `paged_attention`, `silu_mul`:
+native C or torch's, as kernels.dispatch picks them; PDSERVE_KERNEL_BACKEND=torch pins torch's) and every
 linear's `forward` with a wall-clock timer, generates `--tokens` greedy tokens for one short prompt after a
 warm-up, and prints the milliseconds per token of each (the LM head, an int8 `logits` call, is counted in
-"LM head", not in "linear layers"); "other" is the rest of the step (embedding, SiLU, the runner's batch building, sampling). Each
+"LM head", not in "linear layers"); "other" is the rest of the step (embedding, the runner's batch building, sampling). Each
 engine is built and stepped on one thread, as a worker does. The timers add a few microseconds per call.
 """
 
@@ -55,7 +56,7 @@ from pdserve.bench.peers import LlamaServer, LlamaServerConfig, find_llama_serve
 from pdserve.bench.roofline import copy_bandwidth, cpu_model
 from pdserve.cli_args import parse_int_list
 
-KERNELS = ("rms_norm", "rotary_embedding", "write_kv", "paged_attention")
+KERNELS = ("rms_norm", "rotary_embedding", "write_kv", "paged_attention", "silu_mul")
 ENCODINGS = {"float32": {"keep_quantized_weights": False},
              "int8": {"quantization": "int8", "keep_quantized_weights": True},
              "int4": {"quantization": "int4", "keep_quantized_weights": True},
@@ -184,7 +185,8 @@ def eager_table(rows: list[dict], args, bandwidth: float, llama_ms: float | None
     """--eager-only: eager steps per encoding and batch size, as ratios to llama-server's batch-1 step."""
     lines = [(f"### Eager decode step, ms per token ({datetime.date.today()}, {cpu_model()}, {args.threads} threads, "
               f"torch {torch.__version__}, SmolLM2-135M, {CONTEXT_TOKENS}-token context, copy bandwidth "
-              f"{bandwidth / 1e9:.1f} GB/s, load average {os.getloadavg()[0]:.1f})"), "",
+              f"{bandwidth / 1e9:.1f} GB/s, load average {os.getloadavg()[0]:.1f}, kernel backend "
+              f"{kernels.get_backend()})"), "",
              (f"Command: `python bench/bench_decode_step.py --eager-only --threads {args.threads} "
               f"--compiled-batch-sizes {','.join(map(str, args.compiled_batch_sizes))} --quantizations "
               f"{','.join(args.quantizations)} --repeats {args.repeats}"
@@ -303,8 +305,9 @@ def main() -> None:
     thread.join()
 
     columns = ["step", "linear layers", "LM head", *KERNELS, "other"]
-    lines = [f"### Batch-1 decode step, ms per token ({datetime.date.today()}, {platform.machine()}, "
-             f"{args.threads} threads, torch {torch.__version__}, SmolLM2-135M)", "",
+    lines = [(f"### Batch-1 decode step, ms per token ({datetime.date.today()}, {platform.machine()}, "
+              f"{args.threads} threads, torch {torch.__version__}, SmolLM2-135M, kernel backend "
+              f"{kernels.get_backend()})"), "",
              (f"Command: `python bench/bench_decode_step.py --threads {args.threads} --tokens {args.tokens} "
               f"--quantizations {','.join(args.quantizations)}`"), "",
              "| weights | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]

@@ -3,7 +3,8 @@ Phi-3 and Mixtral, each a set of `ModelConfig` switches on one layer loop.
 
 The model is a flat batch of tokens from many sequences ("varlen"): no padding, no per-sequence tensors.
 Attention metadata says where each sequence's tokens are and which KV blocks hold its context. Every
-kernel call goes through `kernels`, which picks Triton on CUDA and the torch reference elsewhere.
+kernel call goes through `kernels`, which picks Triton on CUDA, native C ops on CPU and the torch reference
+for the rest.
 
 Weights use Hugging Face names (engine.arch lists them) and the HF "rotate_half" RoPE layout (the GGUF loader
 un-permutes q/k). q/k/v and gate/up are fused into single matrices at load time: one GEMM each instead of three
@@ -66,7 +67,10 @@ class DenseMLP:
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up.forward(x).chunk(2, dim=-1)  # [T, intermediate] each
+        gate_up = self.gate_up.forward(x)  # [T, 2 * intermediate]
+        if self.act is F.silu:
+            return self.down.forward(kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, intermediate] each
         return self.down.forward(self.act(gate) * up)
 
     @property

@@ -1,8 +1,11 @@
-"""KV-cache kernels: Triton on CUDA, pure-torch reference elsewhere (the CPU production path).
+"""KV-cache and small-op kernels: Triton on CUDA, native C on CPU, the pure-torch reference as the definition.
 
 Every public function below dispatches through `kernels.dispatch`: Triton when the tensors are CUDA and triton
-imports, `kernels.reference` otherwise. Each Triton kernel has a launcher that validates shapes, dtypes and strides
-(ValueError naming the argument) and a parametrized test against its reference (tests/kernels).
+imports; on CPU tensors the native C ops of `kernels.cpu_ops` (rms_norm, rotary_embedding, write_kv, decode
+paged_attention, silu_mul; built on first use when a C compiler exists) for the layouts they take;
+`kernels.reference` otherwise. `set_backend` / PDSERVE_KERNEL_BACKEND (auto | torch | native | triton) override
+the choice. Each Triton launcher and native wrapper validates shapes, dtypes and strides (ValueError naming the
+argument) and has a parametrized test against its reference (tests/kernels).
 
 Layouts:
     kv_cache      [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]   (one tensor per worker)
@@ -19,6 +22,7 @@ head h // (num_heads // num_kv_heads). Sequences with q_len 0 are skipped.
 Numerics: storage in bf16, fp16 or fp32; every reduction (QK^T, softmax, PV accumulation, RMS, rotary products,
 int8 absmax) is done in fp32 and only the result is rounded to the storage dtype. rms_norm with a residual rounds
 x + residual to x.dtype first (that is the returned residual) and normalizes that rounded sum, as HF does.
+silu_mul: silu(gate) * up of a fused [T, 2 I] gate/up projection (the first half is the gate) -> [T, I].
 gptq_gemm: x @ W.T over a GPTQ checkpoint's packed int32 qweight/qzeros, scales and g_idx (engine.gptq_format).
 int8 quantization: scale = absmax / 127, q = round_half_to_even(x * (1 / scale)), all-zero heads get scale 0.
 
@@ -27,11 +31,12 @@ is chosen per linear at load time by engine.quant (EngineConfig.cpu_matmul), sin
 """
 
 from kernels.dispatch import (dequantize_blocks_int8, gather_blocks, gather_blocks_int8, get_backend,
-                              gptq_gemm, paged_attention, quantize_blocks_int8, rms_norm, rotary_embedding,
-                              scatter_blocks, scatter_blocks_int8, set_backend, triton_available, write_kv)
+                              gptq_gemm, native_available, paged_attention, quantize_blocks_int8, rms_norm,
+                              rotary_embedding, scatter_blocks, scatter_blocks_int8, set_backend, silu_mul,
+                              triton_available, write_kv)
 
 __all__ = [
     "write_kv", "paged_attention", "rms_norm", "rotary_embedding", "gather_blocks", "scatter_blocks",
     "quantize_blocks_int8", "dequantize_blocks_int8", "gather_blocks_int8", "scatter_blocks_int8",
-    "gptq_gemm", "set_backend", "get_backend", "triton_available",
+    "gptq_gemm", "silu_mul", "set_backend", "get_backend", "triton_available", "native_available",
 ]

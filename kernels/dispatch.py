@@ -1,26 +1,47 @@
-"""The one dispatch point: Triton kernels for CUDA tensors when triton imports, the torch reference otherwise.
+"""The one dispatch point: Triton kernels for CUDA tensors when triton imports, the native C ops
+(kernels.cpu_ops) for CPU tensors when they build, the torch reference otherwise.
 
-`set_backend("torch")` pins the reference everywhere (debugging, A/B); `set_backend("triton")` forces the
-Triton kernels even on CPU tensors (only meaningful under TRITON_INTERPRET=1, which the kernel tests use).
+Backends: "auto" (the default: as just said), "torch" (the reference everywhere: debugging, A/B, tests that
+compare against it), "native" (the native C ops on CPU, RuntimeError when they cannot be built; the ops they do
+not cover, and layouts they do not take, still run the reference), "triton" (the Triton kernels even on CPU
+tensors: only meaningful under TRITON_INTERPRET=1, which the kernel tests use). The environment variable
+PDSERVE_KERNEL_BACKEND, read once at import, sets the initial backend; `set_backend` changes it.
+
+Inside a torch.compile trace (engine.compiled_step) the CPU ops run the reference, which the compiler fuses.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from kernels import reference as ref
 
-_BACKENDS = ("auto", "torch", "triton")
-_backend = "auto"
+_BACKENDS = ("auto", "torch", "native", "triton")
+ENV_VAR = "PDSERVE_KERNEL_BACKEND"
+
+
+def _initial_backend() -> str:
+    name = os.environ.get(ENV_VAR, "auto") or "auto"
+    if name not in _BACKENDS:
+        raise ValueError(f"{ENV_VAR} must be one of {_BACKENDS}, got {name!r}")
+    return name
+
+
+_backend = _initial_backend()
 
 
 def set_backend(name: str) -> None:
-    """Select "auto" (default: Triton on CUDA), "torch" (reference always) or "triton" (Triton always)."""
+    """Select "auto", "torch", "native" or "triton" (module docstring); "native" raises RuntimeError when the
+    native ops cannot be built."""
     global _backend
     if name not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {name!r}")
+    if name == "native" and not native_available():
+        raise RuntimeError("kernel backend 'native': the native CPU op kernels cannot be built (see the warning "
+                           "logged by kernels.native_build)")
     _backend = name
 
 
@@ -41,12 +62,30 @@ def triton_available() -> bool:
     return True
 
 
+@functools.cache
+def native_available() -> bool:
+    """True when kernels.cpu_ops' library builds and loads (checked once; a failure logs one warning)."""
+    from kernels import cpu_ops
+    return cpu_ops.available()
+
+
 def _use_triton(t: torch.Tensor) -> bool:
-    if _backend == "torch":
+    if _backend == "torch" or _backend == "native":
         return False
     if _backend == "triton":
         return True
     return t.is_cuda and triton_available()
+
+
+def _native_ops(t: torch.Tensor):
+    """kernels.cpu_ops when `t` is a CPU tensor the native backend serves now, else None."""
+    if (_backend == "auto" or _backend == "native") and t.is_cpu and not torch.compiler.is_compiling():
+        if _backend == "native" and not native_available():
+            raise RuntimeError("kernel backend 'native': the native CPU op kernels cannot be built")
+        if native_available():
+            from kernels import cpu_ops
+            return cpu_ops
+    return None
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -55,6 +94,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     if _use_triton(key):
         from kernels.triton_kv_write import write_kv_triton
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    elif (native := _native_ops(key)) is not None:
+        native.write_kv(key, value, k_cache, v_cache, slot_mapping)
     else:
         ref.write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
@@ -70,6 +111,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     # query: [num_query_tokens, Hq, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]
     # block_tables: [B, max_blocks_per_seq] int32; seq_lens: [B] int32; query_start_loc: [B+1] int32
     if not _use_triton(query):
+        if (native := _native_ops(query)) is not None:
+            return native.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                          sliding_window, softcap)
         return ref.paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                        sliding_window, softcap)
     batch = seq_lens.shape[0]
@@ -91,6 +135,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if _use_triton(x):
         from kernels.triton_norm_rope import rms_norm_triton
         return rms_norm_triton(x, weight, eps, residual)
+    if (native := _native_ops(x)) is not None:
+        return native.rms_norm(x, weight, eps, residual)
     return ref.rms_norm_ref(x, weight, eps, residual)
 
 
@@ -100,8 +146,17 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
     if _use_triton(query):
         from kernels.triton_norm_rope import rotary_embedding_triton
         rotary_embedding_triton(positions, query, key, cos_sin_cache)
+    elif (native := _native_ops(query)) is not None:
+        native.rotary_embedding(positions, query, key, cos_sin_cache)
     else:
         ref.rotary_embedding_ref(positions, query, key, cos_sin_cache)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused gate/up projection [T, 2 I] -> [T, I] (Llama's MLP activation)."""
+    if (native := _native_ops(gate_up)) is not None:
+        return native.silu_mul(gate_up)
+    return ref.silu_mul_ref(gate_up)
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

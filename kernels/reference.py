@@ -223,6 +223,13 @@ def rotary_embedding_ref(positions: torch.Tensor, query: torch.Tensor, key: torc
     _rotate_in_place(key, cos, sin)
 
 
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused gate/up projection (the first half of the last dim is the gate)."""
+    # gate_up: [T, 2 * I] -> [T, I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 # --------------------------------------------------------------------------------------------------- blocks
 def gather_blocks_ref(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Copy the given blocks of every layer into one contiguous staging buffer (the wire format). With `out`

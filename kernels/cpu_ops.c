@@ -1,0 +1,293 @@
+/* The decode step's small ops on CPU (kernels/cpu_ops.py builds and loads this file; its docstring is the
+ * contract, kernels/reference.py the semantics). Plain C11, no torch headers, fp32 arithmetic throughout: results
+ * differ from the reference only in rounding order. Each entry point is compiled three times (target_clones:
+ * AVX512F, AVX2 + FMA, portable) and the loader picks the best the CPU runs; the loops are written in 16
+ * independent lanes (fixed order, no -ffast-math), which the compiler vectorizes on every path. The clones are the
+ * per-row / per-work-item functions, not the entry points: OpenMP outlines a parallel loop's body into a function
+ * of its own, which would not inherit an entry point's target.
+ *
+ * Rows (tokens) and decode-attention work items (one sequence and kv head) are independent: a row's result does not
+ * depend on the batch it is in or on the thread count. Work is split over `nthreads` OpenMP threads (the process's
+ * libgomp: torch's own when torch is loaded) only when there is enough of it; one thread runs no parallel region.
+ *
+ * Tensors are passed as data pointers with their strides in elements; the last dim is always contiguous.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define PD_CLONES __attribute__((target_clones("avx512f", "arch=haswell", "default")))
+#else
+#define PD_CLONES
+#endif
+/* Lets the vectorizer if-convert float compares (exp_fast's clamps, max); no result changes: nothing here traps. */
+#pragma GCC optimize("no-trapping-math")
+#define PD_INLINE static inline __attribute__((always_inline))
+#define LANES 16
+
+/* ------------------------------------------------------------------------------------------------ helpers */
+PD_INLINE float bf16_to_f32(uint16_t h) { union { uint32_t u; float f; } c = {(uint32_t)h << 16}; return c.f; }
+
+/* Round to nearest even, NaN kept quiet: c10::BFloat16's conversion. */
+PD_INLINE uint16_t f32_to_bf16(float f) {
+    union { float f; uint32_t u; } c = {f};
+    if (f != f) return (uint16_t)((c.u >> 16) | 0x40);
+    return (uint16_t)((c.u + 0x7FFFu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+/* sum_i a[i] * b[i] in LANES partial sums, then a fixed tree. */
+PD_INLINE float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += a[i + l] * b[i + l];
+    for (int l = 0; i < n; i++, l++) acc[l] += a[i] * b[i];
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) acc[l] += acc[l + w];
+    return acc[0];
+}
+
+PD_INLINE float sum_sq(const float *restrict a, int64_t n) { return dot(a, a, n); }
+
+/* exp(x) without branches (Cephes' expf: range reduction by ln 2 in two parts, degree-6 polynomial, 2^n from the
+ * exponent bits), within 2 ulp of expf on [-87.3, 88.7]; below that it returns 0, above it clamps at exp(88.7). */
+PD_INLINE float exp_fast(float x) {
+    x = x > 88.72283935546875f ? 88.72283935546875f : x;
+    float zero = (float)(x >= -87.33654f);
+    x = x < -87.33654f ? -87.33654f : x;
+    /* n = round(x / ln 2) by the 1.5 * 2^23 trick (no floorf: it is a libm call without SSE4.1) */
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    /* 2^n as two factors: n reaches 128 at the top of the range, one past the largest float exponent */
+    int32_t e = (int32_t)n;
+    int32_t e1 = e >> 1, e2 = e - e1;
+    union { uint32_t u; float f; } s1 = {(uint32_t)(e1 + 127) << 23}, s2 = {(uint32_t)(e2 + 127) << 23};
+    return p * s1.f * s2.f * zero;
+}
+
+/* A cache row (D values) as fp32: the row itself, or converted into tmp. */
+PD_INLINE const float *cache_row(const void *cache, int bf16, int64_t index, int64_t D, float *restrict tmp) {
+    if (!bf16) return (const float *)cache + index * D;
+    const uint16_t *src = (const uint16_t *)cache + index * D;
+    for (int64_t d = 0; d < D; d++) tmp[d] = bf16_to_f32(src[d]);
+    return tmp;
+}
+
+/* ------------------------------------------------------------------------------------------------ RMSNorm */
+/* out[t] = x[t] * (1 / sqrt(mean(x[t]^2) + eps)) * w. With residual (res != NULL): x[t] + res[t] is written to
+ * res_out[t] first and normalized. x, res: rows of stride x_s / r_s; out, res_out: contiguous [T, H]. */
+PD_CLONES
+static void rms_row(const float *restrict xr, const float *restrict rr, const float *restrict w, int64_t H,
+                    float eps, float *restrict o, float *restrict s) {
+    if (rr) {
+        for (int64_t i = 0; i < H; i++) s[i] = xr[i] + rr[i];
+        xr = s;
+    }
+    float inv = 1.0f / sqrtf(sum_sq(xr, H) / (float)H + eps);
+    for (int64_t i = 0; i < H; i++) o[i] = xr[i] * inv * w[i];
+}
+
+void pd_rms_norm(const float *x, int64_t x_s, const float *res, int64_t r_s, const float *w, int64_t T, int64_t H,
+                 float eps, float *out, float *res_out, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T * H >= 65536)
+    for (int64_t t = 0; t < T; t++)
+        rms_row(x + t * x_s, res ? res + t * r_s : NULL, w, H, eps, out + t * H, res ? res_out + t * H : NULL);
+}
+
+/* ------------------------------------------------------------------------------------------------ rotary */
+/* NeoX / rotate_half RoPE in place on the first rot_dim dims of every head: x1 = x[:half], x2 = x[half:rot],
+ * x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, (cos, sin) = cache[pos, :half], cache[pos, half:]. q, k: token
+ * stride *_s0, head stride *_s1. Returns 0, or -1 when a position is outside [0, max_position). */
+PD_CLONES
+static void rotate_heads(float *x, int64_t s0, int64_t s1, int64_t heads, int64_t t, const float *cs,
+                            int64_t half) {
+    for (int64_t h = 0; h < heads; h++) {
+        float *restrict x1 = x + t * s0 + h * s1;
+        float *restrict x2 = x1 + half;
+        for (int64_t i = 0; i < half; i++) {
+            float a = x1[i], b = x2[i], c = cs[i], s = cs[half + i];
+            x1[i] = a * c - b * s;
+            x2[i] = b * c + a * s;
+        }
+    }
+}
+
+int pd_rotary(const int64_t *positions, int64_t T, float *q, int64_t q_s0, int64_t q_s1, int64_t Hq, float *k,
+              int64_t k_s0, int64_t k_s1, int64_t Hk, const float *cache, int64_t max_position, int64_t rot_dim,
+              int nthreads) {
+    for (int64_t t = 0; t < T; t++)
+        if (positions[t] < 0 || positions[t] >= max_position) return -1;
+    int64_t half = rot_dim / 2;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T >= 64)
+    for (int64_t t = 0; t < T; t++) {
+        const float *cs = cache + positions[t] * rot_dim;
+        rotate_heads(q, q_s0, q_s1, Hq, t, cs, half);
+        rotate_heads(k, k_s0, k_s1, Hk, t, cs, half);
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------ KV write */
+/* key/value [T, Hkv, D] fp32 (token stride *_s0, head stride *_s1) into the caches' slot rows ([num_slots, Hkv, D],
+ * fp32 or bf16); slot -1 is skipped. Returns 0, or -1 when a slot is outside [-1, num_slots). */
+PD_CLONES
+static void write_row(const float *restrict src, int64_t D, void *cache, int bf16, int64_t row) {
+    if (bf16) {
+        uint16_t *restrict dst = (uint16_t *)cache + row;
+        for (int64_t d = 0; d < D; d++) dst[d] = f32_to_bf16(src[d]);
+    } else {
+        memcpy((float *)cache + row, src, (size_t)D * sizeof(float));
+    }
+}
+
+int pd_write_kv(const float *key, int64_t k_s0, int64_t k_s1, const float *value, int64_t v_s0, int64_t v_s1,
+                int64_t T, int64_t Hkv, int64_t D, void *k_cache, void *v_cache, int bf16, int64_t num_slots,
+                const int64_t *slots) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < -1 || slots[t] >= num_slots) return -1;
+    for (int64_t t = 0; t < T; t++) {
+        int64_t slot = slots[t];
+        if (slot < 0) continue;
+        for (int64_t h = 0; h < Hkv; h++) {
+            int64_t row = (slot * Hkv + h) * D;
+            write_row(key + t * k_s0 + h * k_s1, D, k_cache, bf16, row);
+            write_row(value + t * v_s0 + h * v_s1, D, v_cache, bf16, row);
+        }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------ SiLU * up */
+/* out[t, i] = silu(gu[t, i]) * gu[t, I + i], silu(g) = g / (1 + exp(-g)); gu rows of stride gu_s, out [T, I]. */
+PD_CLONES
+static void silu_row(const float *restrict g, const float *restrict u, int64_t I, float *restrict o) {
+    for (int64_t i = 0; i < I; i++) o[i] = g[i] / (1.0f + exp_fast(-g[i])) * u[i];
+}
+
+void pd_silu_mul(const float *gu, int64_t gu_s, int64_t T, int64_t I, float *out, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T * I >= 65536)
+    for (int64_t t = 0; t < T; t++) silu_row(gu + t * gu_s, gu + t * gu_s + I, I, out + t * I);
+}
+
+/* ------------------------------------------------------------------------------------------------ attention */
+/* The thread-local scratch of one work item (scores, a converted row, the output accumulator): grown, never
+ * shrunk. */
+static __thread float *scratch = NULL;
+static __thread size_t scratch_floats = 0;
+
+static float *get_scratch(size_t floats) {
+    if (floats > scratch_floats) {
+        free(scratch);
+        scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        scratch_floats = scratch ? floats : 0;
+    }
+    return scratch;
+}
+
+struct attn {
+    const float *q; int64_t q_s0, q_s1, Hq, D;
+    const void *k_cache, *v_cache; int bf16; int64_t num_blocks, block_size, Hkv;
+    const int32_t *tables; int64_t table_s0; const int32_t *seq_lens;
+    float scale, softcap; int64_t window;
+    float *out;
+};
+
+/* Sequence b, kv head h: its G = Hq / Hkv query heads against positions first .. len - 1 (scores, max, exp, sum,
+ * PV, each in position order). Returns 0, or -1 when a block id is outside [0, num_blocks). */
+PD_CLONES
+static int attend_item(const struct attn *a, int64_t b, int64_t h) {
+    const int64_t D = a->D, G = a->Hq / a->Hkv, bs = a->block_size, len = a->seq_lens[b];
+    const int64_t first = a->window > 0 && len > a->window ? len - a->window : 0;
+    const int64_t n = len - first;
+    float *scores = get_scratch((size_t)(G * n + D + G * D));
+    if (!scores) return -2;
+    float *tmp = scores + G * n, *acc = tmp + D;
+    const int32_t *table = a->tables + b * a->table_s0;
+    const float *qb = a->q + b * a->q_s0 + h * G * a->q_s1;
+    for (int64_t p = first; p < len; p++) {
+        int32_t block = table[p / bs];
+        if (block < 0 || block >= a->num_blocks) return -1;
+        const float *kr = cache_row(a->k_cache, a->bf16, (block * bs + p % bs) * a->Hkv + h, D, tmp);
+        for (int64_t g = 0; g < G; g++) {
+            float s = dot(qb + g * a->q_s1, kr, D) * a->scale;
+            if (a->softcap > 0.0f) s = tanhf(s / a->softcap) * a->softcap;
+            scores[g * n + p - first] = s;
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *s = scores + g * n;
+        float mx[LANES], sm[LANES];
+        for (int l = 0; l < LANES; l++) { mx[l] = -INFINITY; sm[l] = 0.0f; }
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES)
+            for (int l = 0; l < LANES; l++) mx[l] = s[i + l] > mx[l] ? s[i + l] : mx[l];
+        for (int l = 0; i < n; i++, l++) mx[l] = s[i] > mx[l] ? s[i] : mx[l];
+        float m = mx[0];
+        for (int l = 1; l < LANES; l++) m = mx[l] > m ? mx[l] : m;
+        for (i = 0; i + LANES <= n; i += LANES)
+            for (int l = 0; l < LANES; l++) { s[i + l] = exp_fast(s[i + l] - m); sm[l] += s[i + l]; }
+        for (int l = 0; i < n; i++, l++) { s[i] = exp_fast(s[i] - m); sm[l] += s[i]; }
+        for (int w = LANES / 2; w > 0; w /= 2)
+            for (int l = 0; l < w; l++) sm[l] += sm[l + w];
+        float inv = 1.0f / sm[0];
+        for (i = 0; i < n; i++) s[i] *= inv;
+    }
+    memset(acc, 0, (size_t)(G * D) * sizeof(float));
+    for (int64_t p = first; p < len; p++) {
+        int32_t block = table[p / bs];  /* checked above */
+        const float *vr = cache_row(a->v_cache, a->bf16, (block * bs + p % bs) * a->Hkv + h, D, tmp);
+        for (int64_t g = 0; g < G; g++) {
+            float w = scores[g * n + p - first];
+            float *restrict o = acc + g * D;
+            for (int64_t d = 0; d < D; d++) o[d] += w * vr[d];
+        }
+    }
+    for (int64_t g = 0; g < G; g++)
+        memcpy(a->out + (b * a->Hq + h * G + g) * D, acc + g * D, (size_t)D * sizeof(float));
+    return 0;
+}
+
+/* One new token per sequence (query row b is sequence b: query_start_loc must be 0, 1, .., B). q [B, Hq, D] fp32
+ * (stride q_s0, q_s1); caches [num_blocks, block_size, Hkv, D] fp32 or bf16; tables [B, max_blocks] int32 (row
+ * stride table_s0); window 0 = none, softcap 0 = none; out [B, Hq, D] contiguous fp32.
+ * Returns 0; 1 when this is not such a batch (a query_start_loc or a seq_len < 1: the caller's general path);
+ * -1 a block id out of range; -2 out of memory; -3 a seq_len beyond its block table. */
+int pd_decode_attention(const float *q, int64_t q_s0, int64_t q_s1, int64_t B, int64_t Hq, int64_t D,
+                        const void *k_cache, const void *v_cache, int bf16, int64_t num_blocks, int64_t block_size,
+                        int64_t Hkv, const int32_t *tables, int64_t table_s0, int64_t max_blocks,
+                        const int32_t *seq_lens, const int32_t *query_start_loc, float scale, int64_t window,
+                        float softcap, float *out, int nthreads) {
+    for (int64_t b = 0; b <= B; b++)
+        if (query_start_loc[b] != b) return 1;
+    for (int64_t b = 0; b < B; b++) {
+        if (seq_lens[b] < 1) return 1;
+        if ((seq_lens[b] + block_size - 1) / block_size > max_blocks) return -3;
+    }
+    struct attn a = {q, q_s0, q_s1, Hq, D, k_cache, v_cache, bf16, num_blocks, block_size, Hkv, tables, table_s0,
+                     seq_lens, scale, softcap, window, out};
+    int status = 0;
+    int64_t items = B * Hkv;
+    if (nthreads > 1 && items > 1) {
+        #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+        for (int64_t i = 0; i < items; i++) {
+            int rc = attend_item(&a, i / Hkv, i % Hkv);
+            if (rc) {
+                #pragma omp atomic write
+                status = rc;
+            }
+        }
+    } else {
+        for (int64_t i = 0; i < items && !status; i++) status = attend_item(&a, i / Hkv, i % Hkv);
+    }
+    return status;
+}

@@ -1,0 +1,219 @@
+"""Native CPU kernels for the decode step's small ops (kernels/cpu_ops.c): RMSNorm (with its residual add),
+rotary embedding, KV write, single-token paged attention and SiLU * up.
+
+Each function has its kernels.reference twin's contract (same arguments, same results up to float rounding order,
+~1e-6 relative: fp32 arithmetic throughout, nothing quantized) and is reached through kernels.dispatch (backend
+"auto" on CPU tensors, or "native"). The C source is compiled on first use by kernels.native_build (one ISA per
+function picked at load: AVX512F, AVX2 + FMA, portable); no compiler, a failed build or a failed load logs one
+warning and `available()` is False, and dispatch keeps the reference.
+
+Layouts taken (anything else runs the reference, so every call is served):
+    rms_norm           x, residual [T, H] float32 with rows of any stride; weight [H] float32
+    rotary_embedding   query [T, Hq, D], key [T, Hkv, D] float32 views (any token and head strides, e.g. slices of
+                       the fused qkv output), positions int64 [T], cos_sin_cache [max_position, rot_dim] float32
+    write_kv           key, value [T, Hkv, D] float32 views; caches contiguous float32 or bfloat16; slots int64
+    paged_attention    pure decode batches only (query_start_loc = 0, 1, .., B; every seq_len >= 1): query
+                       [B, Hq, D] float32 view, caches contiguous float32 or bfloat16, block_tables, seq_lens and
+                       query_start_loc int32; prefill and mixed batches run the reference
+    silu_mul           gate_up [T, 2 I] float32 with rows of any stride -> [T, I]
+Bad arguments (shapes that do not match, a slot, position or block id out of range) raise ValueError naming the
+argument. Decode attention works per (sequence, kv head) with a fixed reduction order, so a row's result is the
+same alone or in any batch and on any number of threads (torch.get_num_threads() OpenMP threads, the process's
+libgomp).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from kernels import native_build
+from kernels import reference as ref
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.c")
+_F32, _BF16 = torch.float32, torch.bfloat16
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, built on first call; None (after one warning) when it cannot be."""
+    lib = native_build.load(SOURCE, "op")
+    if lib is None:
+        return None
+    i64, ptr, f32, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    signatures = {
+        "pd_rms_norm": (None, [ptr, i64, ptr, i64, ptr, i64, i64, f32, ptr, ptr, cint]),
+        "pd_rotary": (cint, [ptr, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, cint]),
+        "pd_write_kv": (cint, [ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, ptr, cint, i64, ptr]),
+        "pd_silu_mul": (None, [ptr, i64, i64, i64, ptr, cint]),
+        "pd_decode_attention": (cint, [ptr, i64, i64, i64, i64, i64, ptr, ptr, cint, i64, i64, i64, ptr, i64, i64,
+                                       ptr, ptr, f32, i64, f32, ptr, cint]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+def available() -> bool:
+    """Whether the native kernels are built and loaded."""
+    return library() is not None
+
+
+def _lib() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError("native CPU op kernels are unavailable (see the warning logged at first use)")
+    return lib
+
+
+def _rows_ok(t: torch.Tensor, dtype: torch.dtype = _F32) -> bool:
+    """A CPU tensor of `dtype` whose last dim is contiguous (any other strides)."""
+    return t.dtype is dtype and t.is_cpu and (t.stride(-1) == 1 or t.shape[-1] <= 1)
+
+
+def _shape_error(name: str, t: torch.Tensor, want) -> ValueError:
+    return ValueError(f"{name} must have shape {list(want)}, got {list(t.shape)}")
+
+
+# --------------------------------------------------------------------------------------------------- RMSNorm
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """kernels.reference.rms_norm_ref: x [T, H], weight [H]; with residual [T, H], (normed, x + residual)."""
+    if not (x.dim() == 2 and _rows_ok(x) and weight.dtype is _F32 and weight.is_cpu and weight.is_contiguous()
+            and (residual is None or (residual.dim() == 2 and _rows_ok(residual)))):
+        return ref.rms_norm_ref(x, weight, eps, residual)
+    num_tokens, hidden = x.shape
+    if weight.shape != (hidden,):
+        raise _shape_error("weight", weight, (hidden,))
+    if residual is not None and residual.shape != x.shape:
+        raise _shape_error("residual", residual, x.shape)
+    out = torch.empty(num_tokens, hidden)
+    new_residual = None if residual is None else torch.empty(num_tokens, hidden)
+    if num_tokens:
+        _lib().pd_rms_norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                           0 if residual is None else residual.stride(0), weight.data_ptr(), num_tokens, hidden,
+                           eps, out.data_ptr(), None if residual is None else new_residual.data_ptr(),
+                           torch.get_num_threads())
+    return out if residual is None else (out, new_residual)
+
+
+# --------------------------------------------------------------------------------------------------- rotary
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> None:
+    """kernels.reference.rotary_embedding_ref, in place on query [T, Hq, D] and key [T, Hkv, D]."""
+    if not (query.dim() == 3 and key.dim() == 3 and _rows_ok(query) and _rows_ok(key) and positions.dtype is torch.int64
+            and positions.is_cpu and positions.is_contiguous() and cos_sin_cache.dtype is _F32
+            and cos_sin_cache.is_cpu and cos_sin_cache.is_contiguous() and cos_sin_cache.dim() == 2):
+        ref.rotary_embedding_ref(positions, query, key, cos_sin_cache)
+        return
+    num_tokens, num_heads, head_dim = query.shape
+    max_position, rot_dim = cos_sin_cache.shape
+    if positions.shape != (num_tokens,):
+        raise _shape_error("positions", positions, (num_tokens,))
+    if key.shape[0] != num_tokens or key.shape[2] != head_dim:
+        raise _shape_error("key", key, (num_tokens, "Hkv", head_dim))
+    if rot_dim % 2 or rot_dim > head_dim:
+        raise ValueError(f"cos_sin_cache's rot_dim must be even and <= head_dim {head_dim}, got {rot_dim}")
+    if num_tokens and _lib().pd_rotary(positions.data_ptr(), num_tokens, query.data_ptr(), query.stride(0),
+                                       query.stride(1), num_heads, key.data_ptr(), key.stride(0), key.stride(1),
+                                       key.shape[1], cos_sin_cache.data_ptr(), max_position, rot_dim,
+                                       torch.get_num_threads()):
+        raise ValueError(f"positions must be in [0, {max_position}) (cos_sin_cache's rows)")
+
+
+# --------------------------------------------------------------------------------------------------- KV write
+def _cache_ok(cache: torch.Tensor) -> bool:
+    return cache.dim() == 4 and cache.dtype in (_F32, _BF16) and cache.is_cpu and cache.is_contiguous()
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """kernels.reference.write_kv_ref: key, value [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D]."""
+    if not (key.dim() == 3 and value.dim() == 3 and _rows_ok(key) and _rows_ok(value) and _cache_ok(k_cache)
+            and _cache_ok(v_cache) and k_cache.dtype is v_cache.dtype and slot_mapping.dtype is torch.int64
+            and slot_mapping.is_cpu and slot_mapping.is_contiguous()):
+        ref.write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+        return
+    num_tokens, num_kv_heads, head_dim = key.shape
+    num_blocks, block_size = k_cache.shape[:2]
+    if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
+        raise _shape_error("k_cache", k_cache, (num_blocks, block_size, num_kv_heads, head_dim))
+    if v_cache.shape != k_cache.shape:
+        raise _shape_error("v_cache", v_cache, k_cache.shape)
+    if value.shape != key.shape:
+        raise _shape_error("value", value, key.shape)
+    if slot_mapping.shape != (num_tokens,):
+        raise _shape_error("slot_mapping", slot_mapping, (num_tokens,))
+    num_slots = num_blocks * block_size
+    if num_tokens and _lib().pd_write_kv(key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(),
+                                         value.stride(0), value.stride(1), num_tokens, num_kv_heads, head_dim,
+                                         k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype is _BF16),
+                                         num_slots, slot_mapping.data_ptr()):
+        raise ValueError(f"slot_mapping entries must be -1 (padding) or in [0, {num_slots})")
+
+
+# --------------------------------------------------------------------------------------------------- attention
+def _index_ok(t: torch.Tensor) -> bool:
+    return t.dtype is torch.int32 and t.is_cpu and t.is_contiguous()
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                    sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """kernels.reference.paged_attention_ref; a pure decode batch runs natively, anything else the reference."""
+    batch = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    if not (query.dim() == 3 and query.shape[0] == batch > 0 and _rows_ok(query) and _cache_ok(k_cache)
+            and _cache_ok(v_cache) and k_cache.dtype is v_cache.dtype and block_tables.dim() == 2
+            and block_tables.dtype is torch.int32 and block_tables.is_cpu and block_tables.stride(1) == 1
+            and _index_ok(seq_lens) and _index_ok(query_start_loc) and query_start_loc.shape == (batch + 1,)):
+        return ref.paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                       sliding_window, softcap)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    _, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
+    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"k_cache {list(k_cache.shape)} does not fit query {list(query.shape)} (head_dim, and "
+                         "query heads a multiple of kv heads)")
+    if v_cache.shape != k_cache.shape:
+        raise _shape_error("v_cache", v_cache, k_cache.shape)
+    if block_tables.shape[0] != batch:
+        raise _shape_error("block_tables", block_tables, (batch, "max_blocks"))
+    out = torch.empty(batch, num_heads, head_dim)
+    rc = _lib().pd_decode_attention(
+        query.data_ptr(), query.stride(0), query.stride(1), batch, num_heads, head_dim, k_cache.data_ptr(),
+        v_cache.data_ptr(), int(k_cache.dtype is _BF16), num_blocks, block_size, num_kv_heads,
+        block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(),
+        query_start_loc.data_ptr(), scale, sliding_window or 0, softcap or 0.0, out.data_ptr(),
+        torch.get_num_threads())
+    if rc == 1:  # not one new token per sequence: prefill, chunks, mixed batches
+        return ref.paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                       sliding_window, softcap)
+    if rc == -1:
+        raise ValueError(f"block_tables entries in use must be in [0, {num_blocks})")
+    if rc == -2:
+        raise MemoryError("native decode attention: out of memory for its scores")
+    if rc == -3:
+        raise ValueError(f"seq_lens exceed block_tables' {block_tables.shape[1]} blocks of {block_size}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- SiLU * up
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """kernels.reference.silu_mul_ref: gate_up [T, 2 I] -> silu(gate) * up [T, I]."""
+    if not (gate_up.dim() == 2 and _rows_ok(gate_up) and gate_up.shape[1] % 2 == 0):
+        return ref.silu_mul_ref(gate_up)
+    num_tokens, width = gate_up.shape
+    out = torch.empty(num_tokens, width // 2)
+    if num_tokens:
+        _lib().pd_silu_mul(gate_up.data_ptr(), gate_up.stride(0), num_tokens, width // 2, out.data_ptr(),
+                           torch.get_num_threads())
+    return out

@@ -1,0 +1,220 @@
+"""The native CPU small ops (kernels/cpu_ops.c) against the torch reference, on the default model's shapes (hidden
+576, 9 query / 3 KV heads, head_dim 64, intermediate 1536) and the views engine.model passes them: differences
+are float rounding order only; KV writes are exact; decode attention is batch and thread-count invariant."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kernels
+from engine.rope import rope_cos_sin_cache
+from kernels import cpu_ops
+from kernels import reference as ref
+from kvstore.block_pool import BlockPool
+
+ROOT = Path(__file__).resolve().parents[2]
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, BLOCK = 576, 9, 3, 64, 1536, 16
+Q_SIZE, KV_SIZE = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C compiler: native ops unavailable")
+
+
+@pytest.fixture(autouse=True)
+def _inference():
+    with torch.inference_mode():
+        yield
+
+
+def qkv_views(num_tokens: int):
+    """q [T, 9, 64], k and v [T, 3, 64]: views into one fused projection output, as DecoderModel._qkv makes."""
+    qkv = torch.randn(num_tokens, Q_SIZE + 2 * KV_SIZE)
+    return (qkv[:, :Q_SIZE].view(num_tokens, HEADS, HEAD_DIM),
+            qkv[:, Q_SIZE:Q_SIZE + KV_SIZE].view(num_tokens, KV_HEADS, HEAD_DIM),
+            qkv[:, Q_SIZE + KV_SIZE:].view(num_tokens, KV_HEADS, HEAD_DIM))
+
+
+# --------------------------------------------------------------------------------------------------- RMSNorm
+@pytest.mark.parametrize("num_tokens", [1, 7, 64])
+def test_rms_norm_matches_reference(num_tokens):
+    weight = torch.rand(HIDDEN) + 0.5
+    x = torch.randn(num_tokens, HIDDEN) * 3
+    torch.testing.assert_close(cpu_ops.rms_norm(x, weight, 1e-5), ref.rms_norm_ref(x, weight, 1e-5),
+                               rtol=2e-6, atol=2e-6)
+    residual = torch.randn(num_tokens, HIDDEN)
+    normed, new_residual = cpu_ops.rms_norm(x, weight, 1e-5, residual)
+    want, want_residual = ref.rms_norm_ref(x, weight, 1e-5, residual)
+    assert torch.equal(new_residual, want_residual)  # one fp32 add either way
+    torch.testing.assert_close(normed, want, rtol=2e-6, atol=2e-6)
+
+
+def test_rms_norm_per_head_rows_and_strided_input():
+    # qk_norm's [T * heads, head_dim] rows, and an x whose rows are a slice of a wider tensor
+    weight = torch.rand(HEAD_DIM) + 0.5
+    q, _, _ = qkv_views(5)
+    rows = q.reshape(-1, HEAD_DIM)
+    torch.testing.assert_close(cpu_ops.rms_norm(rows, weight, 1e-6), ref.rms_norm_ref(rows, weight, 1e-6),
+                               rtol=2e-6, atol=2e-6)
+    wide = torch.randn(3, HIDDEN + 64)[:, 7:7 + HIDDEN]
+    assert not wide.is_contiguous()
+    weight = torch.rand(HIDDEN)
+    torch.testing.assert_close(cpu_ops.rms_norm(wide, weight, 1e-5), ref.rms_norm_ref(wide, weight, 1e-5),
+                               rtol=2e-6, atol=2e-6)
+
+
+def test_rms_norm_rejects_and_falls_back():
+    x = torch.randn(2, HIDDEN)
+    with pytest.raises(ValueError, match="weight"):
+        cpu_ops.rms_norm(x, torch.ones(HIDDEN - 1), 1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        cpu_ops.rms_norm(x, torch.ones(HIDDEN), 1e-5, torch.randn(3, HIDDEN))
+    xb = x.to(torch.bfloat16)  # a dtype the C code does not take: the reference, same results
+    assert torch.equal(cpu_ops.rms_norm(xb, torch.ones(HIDDEN, dtype=torch.bfloat16), 1e-5),
+                       ref.rms_norm_ref(xb, torch.ones(HIDDEN, dtype=torch.bfloat16), 1e-5))
+
+
+# --------------------------------------------------------------------------------------------------- rotary
+@pytest.mark.parametrize("rot_dim", [HEAD_DIM, 32])
+def test_rotary_matches_reference_on_qkv_views(rot_dim):
+    cache = rope_cos_sin_cache(rot_dim, 4096, 100000.0, None)
+    q, k, _ = qkv_views(9)
+    q2, k2 = q.clone(), k.clone()
+    positions = torch.tensor([0, 1, 15, 16, 17, 511, 2047, 4000, 4095])
+    cpu_ops.rotary_embedding(positions, q, k, cache)
+    ref.rotary_embedding_ref(positions, q2, k2, cache)
+    torch.testing.assert_close(q, q2, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(k, k2, rtol=2e-6, atol=2e-6)
+    with pytest.raises(ValueError, match="positions"):
+        cpu_ops.rotary_embedding(torch.tensor([0, 4096, 1, 2, 3, 4, 5, 6, 7]), q, k, cache)
+
+
+# --------------------------------------------------------------------------------------------------- KV write
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_is_exact_and_skips_padding(dtype):
+    _, k, v = qkv_views(6)
+    kv = torch.randn(2, 10, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
+    kv2 = kv.clone()
+    slots = torch.tensor([0, 15, -1, 16, 159, 77])  # block boundaries, a padding slot, the last slot
+    cpu_ops.write_kv(k, v, kv[0], kv[1], slots)
+    ref.write_kv_ref(k, v, kv2[0], kv2[1], slots)
+    assert torch.equal(kv, kv2)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        cpu_ops.write_kv(k, v, kv[0], kv[1], torch.tensor([0, 1, 2, 3, 4, 160]))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        cpu_ops.write_kv(k, v, kv[0], kv[1], torch.tensor([0, 1, 2, 3, 4, -2]))
+
+
+# --------------------------------------------------------------------------------------------------- attention
+def decode_case(seq_lens: list[int], dtype=torch.float32, extra_blocks: int = 4):
+    """A decode step's attention inputs laid out as the engine lays them: blocks from a real BlockPool, tables
+    padded with block 0 to the longest (ModelRunner.execute), K/V already written, query a view into qkv."""
+    blocks_per_seq = [-(-n // BLOCK) for n in seq_lens]
+    pool = BlockPool(sum(blocks_per_seq) + extra_blocks, enable_caching=False)
+    pool.allocate(extra_blocks // 2)  # blocks of other requests: the batch's ids do not start at 0
+    tables = [pool.allocate(n) for n in blocks_per_seq]
+    width = max(blocks_per_seq)
+    kv = torch.randn(2, pool.num_blocks, BLOCK, KV_HEADS, HEAD_DIM).to(dtype)
+    q, _, _ = qkv_views(len(seq_lens))
+    return (q, kv[0], kv[1], torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            torch.tensor(seq_lens, dtype=torch.int32), torch.arange(len(seq_lens) + 1, dtype=torch.int32))
+
+
+LENS = [1, 2, 15, 16, 17, 33, 127, 128, 129, 300]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap", [(None, None), (32, None), (17, None), (None, 50.0)])
+def test_decode_attention_matches_reference(dtype, window, softcap):
+    case = decode_case(LENS, dtype)
+    got = cpu_ops.paged_attention(*case, HEAD_DIM ** -0.5, window, softcap)
+    want = ref.paged_attention_ref(*case, HEAD_DIM ** -0.5, window, softcap)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+def test_decode_attention_is_batch_and_thread_invariant():
+    lens = [int(n) for n in torch.randint(1, 700, (32,))]
+    lens[5] = 129
+    q, k_cache, v_cache, tables, seq_lens, qsl = decode_case(lens)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_ops.paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, 0.125)
+        alone = cpu_ops.paged_attention(q[5:6], k_cache, v_cache, tables[5:6, :9], seq_lens[5:6], qsl[:2], 0.125)
+        torch.set_num_threads(2)
+        two = cpu_ops.paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    assert torch.equal(one[5:6], alone)
+
+
+def test_decode_attention_other_batches_take_the_reference():
+    case = decode_case([5, 40])
+    q = torch.randn(4, HEADS, HEAD_DIM)  # a prefill of 3 tokens and one decode token
+    qsl = torch.tensor([0, 3, 4], dtype=torch.int32)
+    assert torch.equal(cpu_ops.paged_attention(q, *case[1:5], qsl, 0.125),
+                       ref.paged_attention_ref(q, *case[1:5], qsl, 0.125))
+
+
+def test_decode_attention_rejects_bad_tables():
+    q, k_cache, v_cache, tables, seq_lens, qsl = decode_case([20, 3])
+    bad = tables.clone()
+    bad[0, 1] = k_cache.shape[0]
+    with pytest.raises(ValueError, match="block_tables"):
+        cpu_ops.paged_attention(q, k_cache, v_cache, bad, seq_lens, qsl, 0.125)
+    with pytest.raises(ValueError, match="seq_lens"):
+        cpu_ops.paged_attention(q, k_cache, v_cache, tables, torch.tensor([20, 40], dtype=torch.int32), qsl, 0.125)
+
+
+# --------------------------------------------------------------------------------------------------- SiLU * up
+def test_silu_mul_matches_reference():
+    gate_up = torch.randn(5, 2 * INTERMEDIATE) * 4
+    gate_up[0, :6] = torch.tensor([0.0, -100.0, 100.0, -87.5, 88.0, 1e-30])
+    torch.testing.assert_close(cpu_ops.silu_mul(gate_up), ref.silu_mul_ref(gate_up), rtol=1e-6, atol=1e-6)
+    wide = torch.randn(3, 2 * INTERMEDIATE + 32)[:, :2 * INTERMEDIATE]
+    torch.testing.assert_close(cpu_ops.silu_mul(wide), ref.silu_mul_ref(wide), rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------- dispatch
+def test_dispatch_picks_native_on_cpu_and_torch_pins_the_reference():
+    x, weight = torch.randn(3, HIDDEN), torch.rand(HIDDEN)
+    gate_up = torch.randn(3, 2 * INTERMEDIATE)
+    previous = kernels.get_backend()
+    try:
+        for backend in ("auto", "native"):
+            kernels.set_backend(backend)
+            assert torch.equal(kernels.rms_norm(x, weight, 1e-5), cpu_ops.rms_norm(x, weight, 1e-5))
+            assert torch.equal(kernels.silu_mul(gate_up), cpu_ops.silu_mul(gate_up))
+        kernels.set_backend("torch")
+        assert torch.equal(kernels.rms_norm(x, weight, 1e-5), ref.rms_norm_ref(x, weight, 1e-5))
+        assert torch.equal(kernels.silu_mul(gate_up), ref.silu_mul_ref(gate_up))
+    finally:
+        kernels.set_backend(previous)
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_env_var_sets_backend_and_no_compiler_falls_back(tmp_path):
+    code = ("import logging, torch; logging.basicConfig(level=logging.WARNING)\n"
+            "import kernels; from kernels import reference as ref\n"
+            "print(kernels.get_backend(), kernels.native_available())\n"
+            "x, w = torch.randn(2, 576), torch.rand(576)\n"
+            "assert torch.equal(kernels.rms_norm(x, w, 1e-5), ref.rms_norm_ref(x, w, 1e-5))\n"
+            "try:\n    kernels.set_backend('native')\nexcept RuntimeError as e:\n    print('refused')\n")
+    done = _python(code, CC="/nonexistent/cc", XDG_CACHE_HOME=str(tmp_path), PDSERVE_KERNEL_BACKEND="auto")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["auto", "False", "refused"]
+    warnings = [line for line in done.stderr.splitlines() if "native CPU op kernels unavailable" in line]
+    assert len(warnings) == 1 and "/nonexistent/cc" in warnings[0]
+    done = _python("import kernels; print(kernels.get_backend())", PDSERVE_KERNEL_BACKEND="torch")
+    assert done.returncode == 0 and done.stdout.strip() == "torch", done.stderr
+    done = _python("import kernels", PDSERVE_KERNEL_BACKEND="cuda")
+    assert done.returncode != 0 and "PDSERVE_KERNEL_BACKEND" in done.stderr
