@@ -37,8 +37,32 @@ PD_INLINE uint16_t f32_to_bf16(float f) {
     return (uint16_t)((c.u + 0x7FFFu + ((c.u >> 16) & 1u)) >> 16);
 }
 
-/* sum_i a[i] * b[i] in LANES partial sums, then a fixed tree. */
+/* GCC vector extensions: one 16-float vector, lowered to the clone's registers (one zmm, two ymm, four xmm). */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+/* Lanes l and l + 8, then l + 4, l + 2, l + 1 added: the same tree as the array loop in dot's tail case. */
+PD_INLINE float hsum16(const v16f *in) {
+    v16f v = *in;
+    v = v + __builtin_shuffle(v, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v = v + __builtin_shuffle(v, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v = v + __builtin_shuffle(v, (v16i){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v = v + __builtin_shuffle(v, (v16i){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return v[0];
+}
+
+/* sum_i a[i] * b[i] in LANES partial sums, then a fixed tree (in registers when n % 16 == 0). */
 PD_INLINE float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    if (n % LANES == 0) {
+        v16f acc = {0};
+        for (int64_t i = 0; i < n; i += LANES) {
+            v16f x, y;
+            memcpy(&x, a + i, sizeof x);
+            memcpy(&y, b + i, sizeof y);
+            acc += x * y;
+        }
+        return hsum16(&acc);
+    }
     float acc[LANES] = {0};
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES)
@@ -75,11 +99,12 @@ PD_INLINE float exp_fast(float x) {
     return p * s1.f * s2.f * zero;
 }
 
-/* A cache row (D values) as fp32: the row itself, or converted into tmp. */
-PD_INLINE const float *cache_row(const void *cache, int bf16, int64_t index, int64_t D, float *restrict tmp) {
+/* `width` cache values from row `index` (rows of D) on, as fp32: the cache itself, or converted into tmp. */
+PD_INLINE const float *cache_row(const void *cache, int bf16, int64_t index, int64_t width, float *restrict tmp,
+                                 int64_t D) {
     if (!bf16) return (const float *)cache + index * D;
     const uint16_t *src = (const uint16_t *)cache + index * D;
-    for (int64_t d = 0; d < D; d++) tmp[d] = bf16_to_f32(src[d]);
+    for (int64_t d = 0; d < width; d++) tmp[d] = bf16_to_f32(src[d]);
     return tmp;
 }
 
@@ -202,30 +227,35 @@ struct attn {
     float *out;
 };
 
-/* Sequence b, kv head h: its G = Hq / Hkv query heads against positions first .. len - 1 (scores, max, exp, sum,
- * PV, each in position order). Returns 0, or -1 when a block id is outside [0, num_blocks). */
-PD_CLONES
-static int attend_item(const struct attn *a, int64_t b, int64_t h) {
-    const int64_t D = a->D, G = a->Hq / a->Hkv, bs = a->block_size, len = a->seq_lens[b];
+/* Sequence b, kv heads h0 .. h1 - 1, each with its G = Hq / Hkv query heads, against positions first .. len - 1:
+ * scores, max, exp, sum and PV, each in position order. A position's K (V) rows of all kv heads are one
+ * contiguous slot row, read once for all the item's heads; each head's arithmetic is the same whatever h0 and h1,
+ * so the split into items changes no bit. Returns 0; -1 a block id outside [0, num_blocks); -2 out of memory. */
+PD_INLINE int attend_body(const struct attn *a, int64_t b, int64_t h0, int64_t h1, const int64_t D) {
+    const int64_t Hkv = a->Hkv, G = a->Hq / Hkv, bs = a->block_size, len = a->seq_lens[b];
     const int64_t first = a->window > 0 && len > a->window ? len - a->window : 0;
-    const int64_t n = len - first;
-    float *scores = get_scratch((size_t)(G * n + D + G * D));
+    const int64_t n = len - first, rows = (h1 - h0) * G;  /* query heads of the item */
+    float *scores = get_scratch((size_t)(rows * n + Hkv * D + rows * D));
     if (!scores) return -2;
-    float *tmp = scores + G * n, *acc = tmp + D;
+    float *tmp = scores + rows * n, *acc = tmp + Hkv * D;
     const int32_t *table = a->tables + b * a->table_s0;
-    const float *qb = a->q + b * a->q_s0 + h * G * a->q_s1;
-    for (int64_t p = first; p < len; p++) {
-        int32_t block = table[p / bs];
+    const float *qb = a->q + b * a->q_s0 + h0 * G * a->q_s1;
+    const int64_t row_width = (h1 - h0) * D;  /* the item's part of a slot row */
+    for (int64_t blk = first / bs, p = first; p < len; blk++) {
+        int32_t block = table[blk];
         if (block < 0 || block >= a->num_blocks) return -1;
-        const float *kr = cache_row(a->k_cache, a->bf16, (block * bs + p % bs) * a->Hkv + h, D, tmp);
-        for (int64_t g = 0; g < G; g++) {
-            float s = dot(qb + g * a->q_s1, kr, D) * a->scale;
-            if (a->softcap > 0.0f) s = tanhf(s / a->softcap) * a->softcap;
-            scores[g * n + p - first] = s;
+        for (int64_t off = p - blk * bs; off < bs && p < len; off++, p++) {
+            const float *kr = cache_row(a->k_cache, a->bf16, (block * bs + off) * Hkv + h0, row_width, tmp, D);
+            for (int64_t h = 0, r = 0; h < h1 - h0; h++)
+                for (int64_t g = 0; g < G; g++, r++) {
+                    float s = dot(qb + r * a->q_s1, kr + h * D, D) * a->scale;
+                    if (a->softcap > 0.0f) s = tanhf(s / a->softcap) * a->softcap;
+                    scores[r * n + p - first] = s;
+                }
         }
     }
-    for (int64_t g = 0; g < G; g++) {
-        float *s = scores + g * n;
+    for (int64_t r = 0; r < rows; r++) {
+        float *s = scores + r * n;
         float mx[LANES], sm[LANES];
         for (int l = 0; l < LANES; l++) { mx[l] = -INFINITY; sm[l] = 0.0f; }
         int64_t i = 0;
@@ -242,19 +272,30 @@ static int attend_item(const struct attn *a, int64_t b, int64_t h) {
         float inv = 1.0f / sm[0];
         for (i = 0; i < n; i++) s[i] *= inv;
     }
-    memset(acc, 0, (size_t)(G * D) * sizeof(float));
-    for (int64_t p = first; p < len; p++) {
-        int32_t block = table[p / bs];  /* checked above */
-        const float *vr = cache_row(a->v_cache, a->bf16, (block * bs + p % bs) * a->Hkv + h, D, tmp);
-        for (int64_t g = 0; g < G; g++) {
-            float w = scores[g * n + p - first];
-            float *restrict o = acc + g * D;
-            for (int64_t d = 0; d < D; d++) o[d] += w * vr[d];
+    memset(acc, 0, (size_t)(rows * D) * sizeof(float));
+    for (int64_t blk = first / bs, p = first; p < len; blk++) {
+        int32_t block = table[blk];  /* checked above */
+        for (int64_t off = p - blk * bs; off < bs && p < len; off++, p++) {
+            const float *vr = cache_row(a->v_cache, a->bf16, (block * bs + off) * Hkv + h0, row_width, tmp, D);
+            for (int64_t h = 0, r = 0; h < h1 - h0; h++)
+                for (int64_t g = 0; g < G; g++, r++) {
+                    const float w = scores[r * n + p - first], *restrict v = vr + h * D;
+                    float *restrict o = acc + r * D;
+                    for (int64_t d = 0; d < D; d++) o[d] += w * v[d];
+                }
         }
     }
-    for (int64_t g = 0; g < G; g++)
-        memcpy(a->out + (b * a->Hq + h * G + g) * D, acc + g * D, (size_t)D * sizeof(float));
+    for (int64_t r = 0; r < rows; r++)
+        memcpy(a->out + (b * a->Hq + h0 * G + r) * D, acc + r * D, (size_t)D * sizeof(float));
     return 0;
+}
+
+/* attend_body with the common head dims as compile-time constants (unrolled dot products). */
+PD_CLONES
+static int attend_item(const struct attn *a, int64_t b, int64_t h0, int64_t h1) {
+    if (a->D == 64) return attend_body(a, b, h0, h1, 64);
+    if (a->D == 128) return attend_body(a, b, h0, h1, 128);
+    return attend_body(a, b, h0, h1, a->D);
 }
 
 /* One new token per sequence (query row b is sequence b: query_start_loc must be 0, 1, .., B). q [B, Hq, D] fp32
@@ -275,19 +316,25 @@ int pd_decode_attention(const float *q, int64_t q_s0, int64_t q_s1, int64_t B, i
     }
     struct attn a = {q, q_s0, q_s1, Hq, D, k_cache, v_cache, bf16, num_blocks, block_size, Hkv, tables, table_s0,
                      seq_lens, scale, softcap, window, out};
+    /* Items: one sequence's kv heads all together (each slot row read once) when there are sequences enough for
+     * the threads, else one kv head each (a batch of 1 still spreads over Hkv threads). */
     int status = 0;
-    int64_t items = B * Hkv;
+    const int64_t per_item = B >= 2 * (int64_t)nthreads ? Hkv : 1, items = B * (Hkv / per_item);
     if (nthreads > 1 && items > 1) {
         #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
         for (int64_t i = 0; i < items; i++) {
-            int rc = attend_item(&a, i / Hkv, i % Hkv);
+            int64_t b = i / (Hkv / per_item), h0 = i % (Hkv / per_item) * per_item;
+            int rc = attend_item(&a, b, h0, h0 + per_item);
             if (rc) {
                 #pragma omp atomic write
                 status = rc;
             }
         }
     } else {
-        for (int64_t i = 0; i < items && !status; i++) status = attend_item(&a, i / Hkv, i % Hkv);
+        for (int64_t i = 0; i < items && !status; i++) {
+            int64_t b = i / (Hkv / per_item), h0 = i % (Hkv / per_item) * per_item;
+            status = attend_item(&a, b, h0, h0 + per_item);
+        }
     }
     return status;
 }
