@@ -73,9 +73,18 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def _rows_ok(t: torch.Tensor, dtype: torch.dtype = _F32) -> bool:
-    """A CPU tensor of `dtype` whose last dim is contiguous (any other strides)."""
-    return t.dtype is dtype and t.is_cpu and (t.stride(-1) == 1 or t.shape[-1] <= 1)
+# The wrappers below run ~180 times per batch-1 decode step, so their checks are written for speed: each tensor
+# attribute read costs ~0.1 us, a torch.Size comparison ~0.3 us, the ctypes call ~2-3 us.
+_INT32, _INT64 = torch.int32, torch.int64
+
+
+def _rows_ok(t: torch.Tensor) -> bool:
+    """A CPU float32 tensor whose last dim is contiguous (any other strides)."""
+    return t.dtype is _F32 and t.is_cpu and t.stride(-1) == 1
+
+
+def _dense_ok(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return t.dtype is dtype and t.is_cpu and t.is_contiguous()
 
 
 def _shape_error(name: str, t: torch.Tensor, want) -> ValueError:
@@ -85,115 +94,125 @@ def _shape_error(name: str, t: torch.Tensor, want) -> ValueError:
 # --------------------------------------------------------------------------------------------------- RMSNorm
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """kernels.reference.rms_norm_ref: x [T, H], weight [H]; with residual [T, H], (normed, x + residual)."""
-    if not (x.dim() == 2 and _rows_ok(x) and weight.dtype is _F32 and weight.is_cpu and weight.is_contiguous()
+    if not (x.dim() == 2 and _rows_ok(x) and _dense_ok(weight, _F32)
             and (residual is None or (residual.dim() == 2 and _rows_ok(residual)))):
         return ref.rms_norm_ref(x, weight, eps, residual)
     num_tokens, hidden = x.shape
-    if weight.shape != (hidden,):
+    if weight.numel() != hidden or weight.dim() != 1:
         raise _shape_error("weight", weight, (hidden,))
-    if residual is not None and residual.shape != x.shape:
+    lib = _lib()
+    if residual is None:
+        out = torch.empty(num_tokens, hidden)
+        if num_tokens:
+            lib.pd_rms_norm(x.data_ptr(), x.stride(0), None, 0, weight.data_ptr(), num_tokens, hidden, eps,
+                            out.data_ptr(), None, torch.get_num_threads())
+        return out
+    if residual.shape != x.shape:
         raise _shape_error("residual", residual, x.shape)
-    out = torch.empty(num_tokens, hidden)
-    new_residual = None if residual is None else torch.empty(num_tokens, hidden)
+    both = torch.empty(2, num_tokens, hidden)  # one allocation: [0] the normed rows, [1] the new residual
     if num_tokens:
-        _lib().pd_rms_norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
-                           0 if residual is None else residual.stride(0), weight.data_ptr(), num_tokens, hidden,
-                           eps, out.data_ptr(), None if residual is None else new_residual.data_ptr(),
-                           torch.get_num_threads())
-    return out if residual is None else (out, new_residual)
+        lib.pd_rms_norm(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), weight.data_ptr(),
+                        num_tokens, hidden, eps, both.data_ptr(), both[1].data_ptr(), torch.get_num_threads())
+    return both[0], both[1]
 
 
 # --------------------------------------------------------------------------------------------------- rotary
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                      cos_sin_cache: torch.Tensor) -> None:
     """kernels.reference.rotary_embedding_ref, in place on query [T, Hq, D] and key [T, Hkv, D]."""
-    if not (query.dim() == 3 and key.dim() == 3 and _rows_ok(query) and _rows_ok(key) and positions.dtype is torch.int64
-            and positions.is_cpu and positions.is_contiguous() and cos_sin_cache.dtype is _F32
-            and cos_sin_cache.is_cpu and cos_sin_cache.is_contiguous() and cos_sin_cache.dim() == 2):
+    if not (query.dim() == 3 and key.dim() == 3 and _rows_ok(query) and _rows_ok(key)
+            and _dense_ok(positions, _INT64) and _dense_ok(cos_sin_cache, _F32) and cos_sin_cache.dim() == 2):
         ref.rotary_embedding_ref(positions, query, key, cos_sin_cache)
         return
     num_tokens, num_heads, head_dim = query.shape
+    key_tokens, num_kv_heads, key_dim = key.shape
     max_position, rot_dim = cos_sin_cache.shape
-    if positions.shape != (num_tokens,):
+    if positions.numel() != num_tokens or positions.dim() != 1:
         raise _shape_error("positions", positions, (num_tokens,))
-    if key.shape[0] != num_tokens or key.shape[2] != head_dim:
+    if key_tokens != num_tokens or key_dim != head_dim:
         raise _shape_error("key", key, (num_tokens, "Hkv", head_dim))
     if rot_dim % 2 or rot_dim > head_dim:
         raise ValueError(f"cos_sin_cache's rot_dim must be even and <= head_dim {head_dim}, got {rot_dim}")
-    if num_tokens and _lib().pd_rotary(positions.data_ptr(), num_tokens, query.data_ptr(), query.stride(0),
-                                       query.stride(1), num_heads, key.data_ptr(), key.stride(0), key.stride(1),
-                                       key.shape[1], cos_sin_cache.data_ptr(), max_position, rot_dim,
+    q_strides, k_strides = query.stride(), key.stride()
+    if num_tokens and _lib().pd_rotary(positions.data_ptr(), num_tokens, query.data_ptr(), q_strides[0],
+                                       q_strides[1], num_heads, key.data_ptr(), k_strides[0], k_strides[1],
+                                       num_kv_heads, cos_sin_cache.data_ptr(), max_position, rot_dim,
                                        torch.get_num_threads()):
         raise ValueError(f"positions must be in [0, {max_position}) (cos_sin_cache's rows)")
 
 
 # --------------------------------------------------------------------------------------------------- KV write
-def _cache_ok(cache: torch.Tensor) -> bool:
-    return cache.dim() == 4 and cache.dtype in (_F32, _BF16) and cache.is_cpu and cache.is_contiguous()
+_CACHE_DTYPES = (_F32, _BF16)
+
+
+def _caches_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Both contiguous CPU 4-dim caches of one dtype the C code takes."""
+    return (k_cache.dtype is v_cache.dtype and k_cache.dtype in _CACHE_DTYPES and k_cache.is_cpu and v_cache.is_cpu
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dim() == 4)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """kernels.reference.write_kv_ref: key, value [T, Hkv, D] into caches [num_blocks, block_size, Hkv, D]."""
-    if not (key.dim() == 3 and value.dim() == 3 and _rows_ok(key) and _rows_ok(value) and _cache_ok(k_cache)
-            and _cache_ok(v_cache) and k_cache.dtype is v_cache.dtype and slot_mapping.dtype is torch.int64
-            and slot_mapping.is_cpu and slot_mapping.is_contiguous()):
+    if not (key.dim() == 3 and value.dim() == 3 and _rows_ok(key) and _rows_ok(value) and _caches_ok(k_cache, v_cache)
+            and _dense_ok(slot_mapping, _INT64)):
         ref.write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
         return
     num_tokens, num_kv_heads, head_dim = key.shape
-    num_blocks, block_size = k_cache.shape[:2]
-    if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
+    num_blocks, block_size, cache_heads, cache_dim = k_cache.shape
+    if cache_heads != num_kv_heads or cache_dim != head_dim:
         raise _shape_error("k_cache", k_cache, (num_blocks, block_size, num_kv_heads, head_dim))
     if v_cache.shape != k_cache.shape:
         raise _shape_error("v_cache", v_cache, k_cache.shape)
     if value.shape != key.shape:
         raise _shape_error("value", value, key.shape)
-    if slot_mapping.shape != (num_tokens,):
+    if slot_mapping.numel() != num_tokens or slot_mapping.dim() != 1:
         raise _shape_error("slot_mapping", slot_mapping, (num_tokens,))
     num_slots = num_blocks * block_size
-    if num_tokens and _lib().pd_write_kv(key.data_ptr(), key.stride(0), key.stride(1), value.data_ptr(),
-                                         value.stride(0), value.stride(1), num_tokens, num_kv_heads, head_dim,
-                                         k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype is _BF16),
-                                         num_slots, slot_mapping.data_ptr()):
+    k_strides, v_strides = key.stride(), value.stride()
+    if num_tokens and _lib().pd_write_kv(key.data_ptr(), k_strides[0], k_strides[1], value.data_ptr(), v_strides[0],
+                                         v_strides[1], num_tokens, num_kv_heads, head_dim, k_cache.data_ptr(),
+                                         v_cache.data_ptr(), k_cache.dtype is _BF16, num_slots,
+                                         slot_mapping.data_ptr()):
         raise ValueError(f"slot_mapping entries must be -1 (padding) or in [0, {num_slots})")
 
 
 # --------------------------------------------------------------------------------------------------- attention
-def _index_ok(t: torch.Tensor) -> bool:
-    return t.dtype is torch.int32 and t.is_cpu and t.is_contiguous()
-
-
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                     sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """kernels.reference.paged_attention_ref; a pure decode batch runs natively, anything else the reference."""
-    batch = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
-    if not (query.dim() == 3 and query.shape[0] == batch > 0 and _rows_ok(query) and _cache_ok(k_cache)
-            and _cache_ok(v_cache) and k_cache.dtype is v_cache.dtype and block_tables.dim() == 2
-            and block_tables.dtype is torch.int32 and block_tables.is_cpu and block_tables.stride(1) == 1
-            and _index_ok(seq_lens) and _index_ok(query_start_loc) and query_start_loc.shape == (batch + 1,)):
+    if not (query.dim() == 3 and _rows_ok(query) and _caches_ok(k_cache, v_cache) and block_tables.dim() == 2
+            and _dense_ok(block_tables, _INT32) and _dense_ok(seq_lens, _INT32)
+            and _dense_ok(query_start_loc, _INT32)):
+        return ref.paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                       sliding_window, softcap)
+    batch, num_heads, head_dim = query.shape
+    if not batch or seq_lens.numel() != batch or query_start_loc.numel() != batch + 1:  # not one token each
         return ref.paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                        sliding_window, softcap)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap}")
-    _, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
-    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+    num_blocks, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or num_heads % num_kv_heads:
         raise ValueError(f"k_cache {list(k_cache.shape)} does not fit query {list(query.shape)} (head_dim, and "
                          "query heads a multiple of kv heads)")
     if v_cache.shape != k_cache.shape:
         raise _shape_error("v_cache", v_cache, k_cache.shape)
-    if block_tables.shape[0] != batch:
+    table_rows, max_blocks = block_tables.shape
+    if table_rows != batch:
         raise _shape_error("block_tables", block_tables, (batch, "max_blocks"))
+    q_strides = query.stride()
     out = torch.empty(batch, num_heads, head_dim)
     rc = _lib().pd_decode_attention(
-        query.data_ptr(), query.stride(0), query.stride(1), batch, num_heads, head_dim, k_cache.data_ptr(),
-        v_cache.data_ptr(), int(k_cache.dtype is _BF16), num_blocks, block_size, num_kv_heads,
-        block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1], seq_lens.data_ptr(),
-        query_start_loc.data_ptr(), scale, sliding_window or 0, softcap or 0.0, out.data_ptr(),
-        torch.get_num_threads())
+        query.data_ptr(), q_strides[0], q_strides[1], batch, num_heads, head_dim, k_cache.data_ptr(),
+        v_cache.data_ptr(), k_cache.dtype is _BF16, num_blocks, block_size, num_kv_heads, block_tables.data_ptr(),
+        max_blocks, max_blocks, seq_lens.data_ptr(), query_start_loc.data_ptr(), scale, sliding_window or 0,
+        softcap or 0.0, out.data_ptr(), torch.get_num_threads())
+    if rc == 0:
+        return out
     if rc == 1:  # not one new token per sequence: prefill, chunks, mixed batches
         return ref.paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                        sliding_window, softcap)
@@ -201,17 +220,17 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         raise ValueError(f"block_tables entries in use must be in [0, {num_blocks})")
     if rc == -2:
         raise MemoryError("native decode attention: out of memory for its scores")
-    if rc == -3:
-        raise ValueError(f"seq_lens exceed block_tables' {block_tables.shape[1]} blocks of {block_size}")
-    return out
+    raise ValueError(f"seq_lens exceed block_tables' {max_blocks} blocks of {block_size}")
 
 
 # --------------------------------------------------------------------------------------------------- SiLU * up
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """kernels.reference.silu_mul_ref: gate_up [T, 2 I] -> silu(gate) * up [T, I]."""
-    if not (gate_up.dim() == 2 and _rows_ok(gate_up) and gate_up.shape[1] % 2 == 0):
+    if not (gate_up.dim() == 2 and _rows_ok(gate_up)):
         return ref.silu_mul_ref(gate_up)
     num_tokens, width = gate_up.shape
+    if width % 2:
+        return ref.silu_mul_ref(gate_up)
     out = torch.empty(num_tokens, width // 2)
     if num_tokens:
         _lib().pd_silu_mul(gate_up.data_ptr(), gate_up.stride(0), num_tokens, width // 2, out.data_ptr(),

@@ -144,7 +144,8 @@ def test_decode_attention_is_batch_and_thread_invariant():
     try:
         torch.set_num_threads(1)
         one = cpu_ops.paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, 0.125)
-        alone = cpu_ops.paged_attention(q[5:6], k_cache, v_cache, tables[5:6, :9], seq_lens[5:6], qsl[:2], 0.125)
+        alone = cpu_ops.paged_attention(q[5:6], k_cache, v_cache, tables[5:6, :9].contiguous(), seq_lens[5:6],
+                                        qsl[:2], 0.125)
         torch.set_num_threads(2)
         two = cpu_ops.paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, 0.125)
     finally:
