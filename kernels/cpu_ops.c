@@ -17,7 +17,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+/* -DPD_NO_CLONES builds one path only, for the flags given (tests/kernels/test_cpu_ops.py checks each that way). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(PD_NO_CLONES)
 #define PD_CLONES __attribute__((target_clones("avx512f", "arch=haswell", "default")))
 #else
 #define PD_CLONES

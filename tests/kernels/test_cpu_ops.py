@@ -4,6 +4,7 @@ are float rounding order only; KV writes are exact; decode attention is batch an
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import torch
 
 import kernels
 from engine.rope import rope_cos_sin_cache
-from kernels import cpu_ops
+from kernels import cpu_ops, native_build
 from kernels import reference as ref
 from kvstore.block_pool import BlockPool
 
@@ -179,6 +180,44 @@ def test_silu_mul_matches_reference():
     torch.testing.assert_close(cpu_ops.silu_mul(gate_up), ref.silu_mul_ref(gate_up), rtol=1e-6, atol=1e-6)
     wide = torch.randn(3, 2 * INTERMEDIATE + 32)[:, :2 * INTERMEDIATE]
     torch.testing.assert_close(cpu_ops.silu_mul(wide), ref.silu_mul_ref(wide), rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------- ISAs
+def _cpu_flags() -> set[str]:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":")[1].split()}
+
+
+@pytest.mark.parametrize("flags", [(), ("-march=haswell",)], ids=["portable", "avx2"])
+def test_each_isa_path_matches_the_reference(flags, tmp_path, monkeypatch):
+    """The loader picks the best clone the CPU runs (AVX512 on the CI hosts); the AVX2 and portable ones are built
+    alone here (-DPD_NO_CLONES) and checked on the same cases."""
+    if flags and not {"avx2", "fma"} <= _cpu_flags():
+        pytest.skip("this CPU has no AVX2 + FMA")
+    cc = native_build.compiler()
+    target = tmp_path / "cpu_ops.so"
+    subprocess.run([cc, *native_build.CFLAGS, "-DPD_NO_CLONES", *flags, "-o", str(target), str(cpu_ops.SOURCE),
+                    "-lm"], check=True, capture_output=True, timeout=120)
+    monkeypatch.setattr(native_build, "load", lambda source, what: ctypes.CDLL(str(target)))
+    cpu_ops.library.cache_clear()
+    try:
+        x, weight, residual = torch.randn(3, HIDDEN), torch.rand(HIDDEN), torch.randn(3, HIDDEN)
+        torch.testing.assert_close(cpu_ops.rms_norm(x, weight, 1e-5, residual),
+                                   ref.rms_norm_ref(x, weight, 1e-5, residual), rtol=2e-6, atol=2e-6)
+        gate_up = torch.randn(3, 2 * INTERMEDIATE) * 4
+        torch.testing.assert_close(cpu_ops.silu_mul(gate_up), ref.silu_mul_ref(gate_up), rtol=1e-6, atol=1e-6)
+        q, k, _ = qkv_views(3)
+        q2, k2 = q.clone(), k.clone()
+        cache, positions = rope_cos_sin_cache(HEAD_DIM, 512, 10000.0, None), torch.tensor([0, 17, 511])
+        cpu_ops.rotary_embedding(positions, q, k, cache)
+        ref.rotary_embedding_ref(positions, q2, k2, cache)
+        torch.testing.assert_close((q, k), (q2, k2), rtol=2e-6, atol=2e-6)
+        for dtype in (torch.float32, torch.bfloat16):
+            case = decode_case([1, 17, 129, 40], dtype)
+            torch.testing.assert_close(cpu_ops.paged_attention(*case, 0.125, 50, 30.0),
+                                       ref.paged_attention_ref(*case, 0.125, 50, 30.0), rtol=1e-5, atol=2e-6)
+    finally:
+        cpu_ops.library.cache_clear()
 
 
 # --------------------------------------------------------------------------------------------------- dispatch
