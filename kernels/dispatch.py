@@ -63,10 +63,15 @@ def triton_available() -> bool:
 
 
 @functools.cache
-def native_available() -> bool:
-    """True when kernels.cpu_ops' library builds and loads (checked once; a failure logs one warning)."""
+def _cpu_ops():
+    """kernels.cpu_ops when its library builds and loads, else None (checked once; a failure logs one warning)."""
     from kernels import cpu_ops
-    return cpu_ops.available()
+    return cpu_ops if cpu_ops.available() else None
+
+
+def native_available() -> bool:
+    """True when the native CPU ops (kernels.cpu_ops) build and load."""
+    return _cpu_ops() is not None
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -80,11 +85,10 @@ def _use_triton(t: torch.Tensor) -> bool:
 def _native_ops(t: torch.Tensor):
     """kernels.cpu_ops when `t` is a CPU tensor the native backend serves now, else None."""
     if (_backend == "auto" or _backend == "native") and t.is_cpu and not torch.compiler.is_compiling():
-        if _backend == "native" and not native_available():
+        ops = _cpu_ops()
+        if ops is None and _backend == "native":
             raise RuntimeError("kernel backend 'native': the native CPU op kernels cannot be built")
-        if native_available():
-            from kernels import cpu_ops
-            return cpu_ops
+        return ops
     return None
 
 
