@@ -184,7 +184,7 @@ AVX2_TARGET static void q8_avx2(const int8_t *w, const float *ws, const int8_t *
  * inlining) masks the loads of a last quad of fewer groups (cmask: its code bytes, gmask: its groups). */
 VNNI_TARGET static inline __attribute__((always_inline)) void q4_vnni_quad(
         const uint8_t *c, const uint32_t *t, const int8_t *xq, const float *dx, const float *sx, int64_t i0,
-        const int R, int64_t G, int64_t XS, int64_t q, const int tail, __mmask64 cmask, __mmask8 gmask,
+        const int R, int64_t G, int64_t XS, int64_t q, const int tail, __mmask64 cmask, __mmask16 gmask,
         __m512 *acc, __m128 *bias) {
     const __m512i low = _mm512_set1_epi8(15);
     const __m512i pat = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -292,6 +292,230 @@ VNNI_TARGET static void q8_vnni(const int8_t *w, const float *ws, const int8_t *
 }
 #endif
 
+/* ------------------------------------------------------------------------------------------------ bfloat16 x */
+/* The q4-bf16 / q8-bf16 kernels: what torch's _weight_int4pack_mm_for_cpu / _weight_int8pack_mm compute, from the
+ * layouts above. x is rounded to bfloat16 (round half to even, as x.to(torch.bfloat16)) into scratch float32;
+ * each weight is dequantized exactly in float32 registers (q4: fmaf(q - 8, d, z), one rounding, (q - 8) * d
+ * being exact; q8: w * ws, exact); products are summed by float32 FMA in per-path lanes (below); the output is
+ * rounded to bfloat16 (half to even, a NaN to 0x7FC0), as those ops return it, unless round_out is 0 (tests).
+ *   AVX512 (avx512f/bw): q4 16 lanes, lane l summing group by group inputs 32 g + l (one accumulator) and
+ *       32 g + 16 + l (another), added before the reduction; the 16 dequantized values of a group are a table
+ *       fmadd((0..15) - 8, d, z) read with vpermps by code. q8: lane l sums inputs 16 t + l in order of t, then
+ *       _mm512_reduce_add_ps: int8pack_mm's AVX512 order.
+ *   AVX2 + FMA: q4 8 lanes (inputs 32 g + l, + 8, + 16, + 24 in four accumulators); q8 8 lanes over 8 t + l,
+ *       reduced as int8pack_mm's AVX2 kernel reduces (halves, then pairs 0x4E, then 0xB1).
+ *   scalar: one sum per output over k in order.
+ * vdpbf16ps (avx512_bf16) is not used: it multiplies bfloat16 by bfloat16, and the dequantized weights are not
+ * bfloat16 values, so it would round them. */
+static inline float round_bf16(float v) {
+    union { float f; uint32_t u; } c = {v};
+    if ((c.u & 0x7FFFFFFFu) > 0x7F800000u) { c.u = 0x7FC00000u; return c.f; }
+    c.u = (c.u + 0x7FFFu + ((c.u >> 16) & 1u)) & 0xFFFF0000u;
+    return c.f;
+}
+
+#define NC 2          /* weight rows per tile of the bfloat16 kernels (each code and scale read once per tile) */
+
+static void q4b_scalar(const uint8_t *codes, const uint32_t *sz, const float *xb, int64_t n, int64_t i, int64_t K,
+                       int64_t G, float *y) {
+    const uint8_t *c = codes + n * K / 2;
+    const uint32_t *t = sz + n * G;
+    const float *xr = xb + i * K;
+    float acc = 0.0f;
+    for (int64_t g = 0; g < G; g++) {
+        float d = bf16_lo(t[g]), z = bf16_hi(t[g]);
+        for (int j = 0; j < 32; j++) {
+            int q = j < 16 ? c[16 * g + j] & 15 : c[16 * g + j - 16] >> 4;
+            acc = fmaf(xr[32 * g + j], fmaf((float)(q - 8), d, z), acc);
+        }
+    }
+    *y = acc;
+}
+
+static void q8b_scalar(const int8_t *w, const float *ws, const float *xb, int64_t n, int64_t i, int64_t K,
+                       float *y) {
+    const int8_t *wr = w + n * K;
+    const float *xr = xb + i * K;
+    float acc = 0.0f;
+    for (int64_t k = 0; k < K; k++) acc = fmaf(xr[k], (float)wr[k] * ws[n], acc);
+    *y = acc;
+}
+
+#if PD_X86
+/* int8pack_mm's AVX2 reduction order. */
+AVX2_TARGET static inline float hsum256_pairs(__m256 v) {
+    v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 0x1));
+    v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0x4E));
+    v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0xB1));
+    return _mm256_cvtss_f32(v);
+}
+
+AVX2_TARGET static inline __attribute__((always_inline)) void q4b_avx2_tile(
+        const uint8_t *codes, const uint32_t *sz, const float *xb, int64_t XS, int64_t n, const int C, int64_t i0, const int R,
+        int64_t K, int64_t G, int64_t N, int round_out, float *y) {
+    const __m256i low = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+    __m256 acc[NC][MT][4];
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < 4; h++) acc[c][r][h] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        for (int c = 0; c < C; c++) {
+            const uint8_t *cp = codes + (n + c) * K / 2 + 16 * g;
+            if (!(g & 3)) _mm_prefetch((const char *)cp + PREFETCH_BYTES, _MM_HINT_T0);
+            uint32_t t = sz[(n + c) * G + g];
+            __m256 d = _mm256_set1_ps(bf16_lo(t)), z = _mm256_set1_ps(bf16_hi(t));
+            __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)cp));
+            __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cp + 8)));
+            __m256i q[4] = {_mm256_and_si256(b0, low), _mm256_and_si256(b1, low), _mm256_srli_epi32(b0, 4),
+                            _mm256_srli_epi32(b1, 4)};
+            for (int h = 0; h < 4; h++) {
+                __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q[h], eight)), d, z);
+                for (int r = 0; r < R; r++)
+                    acc[c][r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + (i0 + r) * XS + 32 * g + 8 * h), w,
+                                                   acc[c][r][h]);
+            }
+        }
+    }
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) {
+            __m256 s = _mm256_add_ps(_mm256_add_ps(acc[c][r][0], acc[c][r][1]),
+                                     _mm256_add_ps(acc[c][r][2], acc[c][r][3]));
+            float v = hsum256(s);
+            y[(i0 + r) * N + n + c] = round_out ? round_bf16(v) : v;
+        }
+}
+
+AVX2_TARGET static inline __attribute__((always_inline)) void q8b_avx2_tile(
+        const int8_t *w, const float *ws, const float *xb, int64_t XS, int64_t n, const int C, int64_t i0, const int R,
+        int64_t K, int64_t N, int round_out, float *y) {
+    __m256 acc[NC][MT];
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) acc[c][r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        for (int c = 0; c < C; c++) {
+            const int8_t *wp = w + (n + c) * K + k;
+            if (!(k & 63)) _mm_prefetch((const char *)wp + PREFETCH_BYTES, _MM_HINT_T0);
+            __m256 wv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)wp))),
+                                      _mm256_set1_ps(ws[n + c]));
+            for (int r = 0; r < R; r++)
+                acc[c][r] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + (i0 + r) * XS + k), wv, acc[c][r]);
+        }
+    }
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) {
+            float v = hsum256_pairs(acc[c][r]);
+            y[(i0 + r) * N + n + c] = round_out ? round_bf16(v) : v;
+        }
+}
+
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx2,fma")))
+
+/* C weight rows against R rows of x in the quad layout (round_one), one quad of groups (4 q .. 4 q + 3: 64
+ * code bytes, one load) per step: lane l holds group 4 q + l / 4, code bytes 4 (l % 4) .. + 3 of it; shift b
+ * (0..7) of every 32-bit lane puts nibble b of those 4 bytes (byte b / 2, low for even b), the code of input
+ * 32 (4 q + l / 4) + 4 (l % 4) + b / 2 + 16 (b % 2), in the low 4 bits that vpermps reads, which looks up q - 8
+ * as a float. Per group the sum is factored, d * sum (q - 8) x + z * sum x (the exact real value of the dequantized
+ * weights' sum, every product exact): two float32 accumulators per lane (even / odd b) over the quad, then
+ * acc = fma(s0 + s1, d, acc) and acc = fma(sum x, z, acc) with sum x (round_one) in the group's first lane.
+ * A last quad of fewer groups is loaded masked (codes 0 and tables 0, against zero-filled x). */
+AVX512_TARGET static inline __attribute__((always_inline)) void q4b_avx512_tile(
+        const uint8_t *codes, const uint32_t *sz, const float *xb, int64_t XS, int64_t n, const int C, int64_t i0,
+        const int R, int64_t K, int64_t G, int64_t N, int round_out, float *y) {
+    (void)XS;
+    const __m512 codes_minus_8 = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512 acc[NC][MT];  /* indexed by compile-time c, r only, so that they stay in registers */
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) acc[c][r] = _mm512_setzero_ps();
+    const uint8_t *c0 = codes + n * K / 2;
+    const uint32_t *t0 = sz + n * G;
+    const int64_t full = G / 4, quads = (G + 3) / 4;
+    for (int64_t q = 0; q < quads; q++) {
+        const __mmask64 cmask = q < full ? ~0ull : (1ull << (16 * (G % 4))) - 1;
+        const __mmask16 gmask = q < full ? 0xF : (__mmask16)((1u << (G % 4)) - 1);
+        const float *xq = xb + (i0 / MT * quads + q) * MT * 144;  /* row r at + 144 r */
+        for (int c = 0; c < C; c++) {
+            const uint8_t *cp = c0 + c * K / 2 + 64 * q;
+            const uint32_t *tp = t0 + c * G + 4 * q;
+            _mm_prefetch((const char *)cp + PREFETCH_BYTES, _MM_HINT_T0);
+            if (!(q & 3)) _mm_prefetch((const char *)tp + PREFETCH_BYTES / 4, _MM_HINT_T0);
+            __m512i v = _mm512_maskz_loadu_epi8(cmask, cp);
+            __m512 s0[MT], s1[MT];
+            __m512 m0 = _mm512_permutexvar_ps(v, codes_minus_8);
+            __m512 m1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), codes_minus_8);
+            for (int r = 0; r < R; r++) {
+                s0[r] = _mm512_mul_ps(_mm512_loadu_ps(xq + r * 144), m0);
+                s1[r] = _mm512_mul_ps(_mm512_loadu_ps(xq + r * 144 + 16), m1);
+            }
+            _Pragma("GCC unroll 8")
+            for (int b = 2; b < 8; b += 2) {
+                m0 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4 * b), codes_minus_8);
+                m1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4 * b + 4), codes_minus_8);
+                for (int r = 0; r < R; r++) {
+                    s0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xq + r * 144 + 16 * b), m0, s0[r]);
+                    s1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xq + r * 144 + 16 * b + 16), m1, s1[r]);
+                }
+            }
+            __m512i t = _mm512_permutexvar_epi32(spread, _mm512_maskz_loadu_epi32(gmask, tp));
+            __m512 d = _mm512_castsi512_ps(_mm512_slli_epi32(t, 16)), z = _mm512_castsi512_ps(_mm512_and_si512(t, high));
+            for (int r = 0; r < R; r++) {
+                acc[c][r] = _mm512_fmadd_ps(_mm512_add_ps(s0[r], s1[r]), d, acc[c][r]);
+                acc[c][r] = _mm512_fmadd_ps(_mm512_loadu_ps(xq + r * 144 + 128), z, acc[c][r]);
+            }
+        }
+    }
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) {
+            float v = _mm512_reduce_add_ps(acc[c][r]);
+            y[(i0 + r) * N + n + c] = round_out ? round_bf16(v) : v;
+        }
+}
+
+AVX512_TARGET static inline __attribute__((always_inline)) void q8b_avx512_tile(
+        const int8_t *w, const float *ws, const float *xb, int64_t XS, int64_t n, const int C, int64_t i0, const int R,
+        int64_t K, int64_t N, int round_out, float *y) {
+    __m512 acc[NC][MT];
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) acc[c][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        for (int c = 0; c < C; c++) {
+            const int8_t *wp = w + (n + c) * K + k;
+            if (!(k & 63)) _mm_prefetch((const char *)wp + PREFETCH_BYTES, _MM_HINT_T0);
+            __m512 wv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)wp))),
+                                      _mm512_set1_ps(ws[n + c]));
+            for (int r = 0; r < R; r++)
+                acc[c][r] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + (i0 + r) * XS + k), wv, acc[c][r]);
+        }
+    }
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) {
+            float v = _mm512_reduce_add_ps(acc[c][r]);
+            y[(i0 + r) * N + n + c] = round_out ? round_bf16(v) : v;
+        }
+}
+
+/* The (C, R) variants of each tile, C weight rows and R x rows compile-time constants (registers). */
+#define PD_TILE_CASES(CALL)                                                                                   \
+    case 0: CALL(1, 1); break; case 1: CALL(1, 2); break; case 2: CALL(1, 3); break; case 3: CALL(1, 4); break; \
+    case 4: CALL(2, 1); break; case 5: CALL(2, 2); break; case 6: CALL(2, 3); break; default: CALL(2, 4); break;
+
+#define PD_TILE_FN(name, target, ...)                                                                  \
+    target static void name(const void *w, const void *table, const float *xb, int64_t XS, int64_t n, int C,  \
+                            int64_t i0, int R, int64_t K, int64_t G, int64_t N, int round_out, float *y) {   \
+        (void)G;                                                                                              \
+        switch (4 * (C - 1) + R - 1) { PD_TILE_CASES(__VA_ARGS__) }                                          \
+    }
+#define CALL_Q4B_AVX512(c, r) q4b_avx512_tile(w, table, xb, XS, n, c, i0, r, K, G, N, round_out, y)
+#define CALL_Q4B_AVX2(c, r) q4b_avx2_tile(w, table, xb, XS, n, c, i0, r, K, G, N, round_out, y)
+#define CALL_Q8B_AVX512(c, r) q8b_avx512_tile(w, table, xb, XS, n, c, i0, r, K, N, round_out, y)
+#define CALL_Q8B_AVX2(c, r) q8b_avx2_tile(w, table, xb, XS, n, c, i0, r, K, N, round_out, y)
+PD_TILE_FN(q4b_avx512, AVX512_TARGET, CALL_Q4B_AVX512)
+PD_TILE_FN(q4b_avx2, AVX2_TARGET, CALL_Q4B_AVX2)
+PD_TILE_FN(q8b_avx512, AVX512_TARGET, CALL_Q8B_AVX512)
+PD_TILE_FN(q8b_avx2, AVX2_TARGET, CALL_Q8B_AVX2)
+#endif
+
 /* ------------------------------------------------------------------------------------------------ entry points */
 /* Best ISA this CPU runs (2, 1 or 0, as above). */
 int pd_best_isa(void) {
@@ -306,8 +530,18 @@ int pd_best_isa(void) {
     return 0;
 }
 
-static int clamp_isa(int isa) {
-    int best = pd_best_isa();
+/* Best ISA the bfloat16-activation kernels run on this CPU: 2 with avx512f/bw (no VNNI needed), 1 with
+ * AVX2 + FMA, else 0. */
+int pd_bf16_best_isa(void) {
+#if PD_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+#endif
+    return 0;
+}
+
+static int clamp_isa(int isa, int best) {
     return isa < 0 || isa > best ? best : isa;
 }
 
@@ -315,11 +549,12 @@ static int clamp_isa(int isa) {
 struct job {
     int q8, isa, quads;          /* quads: x in the AVX512 q4 layout (quant_row) */
     const float *x;
-    int64_t M, K, G, N, XS;      /* XS: bytes per quantized x row */
+    int64_t M, K, G, N, XS;      /* XS: x row stride in the scratch (bytes of xq, floats of xb) */
     const void *w, *table;       /* q4: codes, sz; q8: w, ws */
     float *y;
     int8_t *xq; float *dx, *sx;
     int32_t *corr; float *dxp;   /* q8 AVX512 only */
+    float *xb; int round_out;    /* bfloat16 kernels: x rounded to bfloat16, whether y is */
 };
 
 /* Run fn over 0 .. count - 1 on nthreads OpenMP threads; a single thread calls it directly (no parallel region:
@@ -382,7 +617,8 @@ static void run_block(const struct job *j, int64_t b) {
 /* Quantize x into the thread's scratch, then run every block. Returns the ISA used, or -1 when out of memory. */
 static int run(int q8, const float *x, int64_t M, int64_t K, const void *w, const void *table, int64_t N, float *y,
                int nthreads, int isa) {
-    struct job j = {q8, clamp_isa(isa), 0, x, M, K, K / 32, N, K, w, table, y, NULL, NULL, NULL, NULL, NULL};
+    struct job j = {q8, clamp_isa(isa, pd_best_isa()), 0, x, M, K, K / 32, N, K, w, table, y, NULL, NULL, NULL,
+                    NULL, NULL, NULL, 0};
     j.quads = !q8 && j.isa == 2;
     if (j.quads) j.XS = quad_bytes(K);
     int with_corr = q8 && j.isa == 2;
@@ -401,6 +637,91 @@ static int run(int q8, const float *x, int64_t M, int64_t K, const void *w, cons
     for_each(quant_one, &j, M, M >= 8 ? nthreads : 1);
     for_each(run_block, &j, (N + NB - 1) / NB, nthreads);
     return j.isa;
+}
+
+/* Row i of x rounded to bfloat16 into the scratch: natural order, or (quads: the AVX512 q4 path) per quad of
+ * groups 144 floats, the 128 inputs in q4b_avx512_tile's lane order and then each group's sum (in input
+ * order) in lane 4 (g % 4) of 16, the rest 0 (a last partial quad zero-filled); the MT rows of a tile
+ * interleaved per quad ([M / MT][quads][MT][144]), so that a tile's loads are constant offsets from one pointer. */
+static void round_one(const struct job *j, int64_t i) {
+    const float *x = j->x + i * j->K;
+    if (!j->quads) {
+        for (int64_t k = 0; k < j->K; k++) j->xb[i * j->K + k] = round_bf16(x[k]);
+        return;
+    }
+    const int64_t quads = (j->G + 3) / 4;
+    float *xb = j->xb + (i / MT * quads * MT + i % MT) * 144;  /* quad q at + MT * 144 q */
+    for (int64_t q = 0; q < quads; q++) memset(xb + q * MT * 144, 0, 144 * sizeof(float));
+    for (int64_t g = 0; g < j->G; g++) {
+        float *xq = xb + g / 4 * MT * 144, sum = 0.0f;
+        for (int e = 0; e < 32; e++) {  /* input e of group g: byte e % 16, nibble e / 16 */
+            int lane = 4 * (g % 4) + (e % 16) / 4, b = 2 * (e % 4) + e / 16;
+            float v = round_bf16(x[32 * g + e]);
+            xq[16 * b + lane] = v;
+            sum += v;
+        }
+        xq[128 + 4 * (g % 4)] = sum;
+    }
+}
+
+/* The bfloat16 kernels over weight rows b * NB .. (b + 1) * NB - 1: MT rows of x per pass, NC weight rows per
+ * tile. */
+static void run_block_bf16(const struct job *j, int64_t b) {
+    const int64_t M = j->M, K = j->K, G = j->G, N = j->N;
+    const int64_t n1 = (b + 1) * NB < N ? (b + 1) * NB : N;
+    for (int64_t i0 = 0; i0 < M; i0 += MT) {
+        int R = M - i0 < MT ? (int)(M - i0) : MT;
+        int C;
+        for (int64_t n = b * NB; n < n1; n += C) {
+            C = n1 - n < NC ? (int)(n1 - n) : NC;
+#if PD_X86
+
+            if (j->isa == 2) {
+                (j->q8 ? q8b_avx512 : q4b_avx512)(j->w, j->table, j->xb, j->XS, n, C, i0, R, K, G, N, j->round_out,
+                                                  j->y);
+                continue;
+            }
+            if (j->isa == 1) {
+                (j->q8 ? q8b_avx2 : q4b_avx2)(j->w, j->table, j->xb, j->XS, n, C, i0, R, K, G, N, j->round_out, j->y);
+                continue;
+            }
+#endif
+            for (int c = 0; c < C; c++)
+                for (int r = 0; r < R; r++) {
+                    float *out = j->y + (i0 + r) * N + n + c;
+                    if (j->q8) q8b_scalar(j->w, j->table, j->xb, n + c, i0 + r, K, out);
+                    else q4b_scalar(j->w, j->table, j->xb, n + c, i0 + r, K, G, out);
+                    if (j->round_out) *out = round_bf16(*out);
+                }
+        }
+    }
+}
+
+static int run_bf16(int q8, const float *x, int64_t M, int64_t K, const void *w, const void *table, int64_t N,
+                    float *y, int nthreads, int isa, int round_out) {
+    struct job j = {q8, clamp_isa(isa, pd_bf16_best_isa()), 0, x, M, K, K / 32, N, K, w, table, y, NULL, NULL, NULL,
+                    NULL, NULL, NULL, round_out};
+    j.quads = !q8 && j.isa == 2;
+    size_t floats = j.quads ? (size_t)((M + MT - 1) / MT * MT * (j.G + 3) / 4 * 144) : (size_t)(M * K);
+    j.xb = get_scratch((floats + 16) * sizeof(float));
+    if (!j.xb) return -1;
+    for_each(round_one, &j, M, M >= 8 ? nthreads : 1);
+    for_each(run_block_bf16, &j, (N + NB - 1) / NB, nthreads);
+    return j.isa;
+}
+
+/* y [M, N] float32 = bf16(x) @ W.T for the q4 weights above (codes [N, K / 2], sz [N, K / 32]), rounded to
+ * bfloat16 values when round_out; K % 32 == 0. Returns the ISA used, or -1 when out of memory. */
+int pd_q4_bf16_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint32_t *sz, int64_t N,
+                      float *y, int nthreads, int isa, int round_out) {
+    return run_bf16(0, x, M, K, codes, sz, N, y, nthreads, isa, round_out);
+}
+
+/* y [M, N] float32 = bf16(x) @ (w * ws[:, None]).T (w, ws as for pd_q8_matmul), rounded to bfloat16 values
+ * when round_out; K % 32 == 0. Returns the ISA used, or -1 when out of memory. */
+int pd_q8_bf16_matmul(const float *x, int64_t M, int64_t K, const int8_t *w, const float *ws, int64_t N, float *y,
+                      int nthreads, int isa, int round_out) {
+    return run_bf16(1, x, M, K, w, ws, N, y, nthreads, isa, round_out);
 }
 
 /* y [M, N] float32 = x [M, K] float32 @ W.T for the q4 weights above (codes [N, K / 2], sz [N, K / 32]).
