@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8", "int4")
-CPU_MATMULS = ("torch", "native")
+CPU_MATMULS = ("torch", "native", "native-bf16")
 """Values of EngineConfig.quantization besides None."""
 
 

@@ -110,6 +110,10 @@ GEMM over dequantized weights wins from a few hundred rows but would round diffe
 NATIVE_INT8_MAX_ROWS = 128
 """Largest batch the native int8 kernel takes (cpu_matmul="native"); larger ones dequantize into a float GEMM,
 faster there (measured above). Like torch's int8 path, int8 output then depends on the batch size past it."""
+NATIVE_BF16_INT8_MAX_ROWS = 32
+"""Largest batch the bfloat16-activation int8 kernel takes in a layer (cpu_matmul="native-bf16"), as
+INT8PACK_MAX_ROWS for int8pack_mm (the same arithmetic); larger ones take the GEMM path. As an LM head it takes
+every batch (INT8PACK_HEAD_MAX_ROWS)."""
 
 
 class FloatLinear:
@@ -188,7 +192,8 @@ class Int8Linear:
         self.bias = bias                                    # [out] in the model dtype, or None
         in_features = qweight.shape[1]
         self.native = _native_matmul("q8", qweight, self.scale, cpu_matmul)
-        """The native kernel (kernels.cpu_matmul) batches of up to NATIVE_INT8_MAX_ROWS rows take, or None."""
+        """The native kernel (kernels.cpu_matmul) batches of up to native_max_rows rows take, or None."""
+        self.native_max_rows = NATIVE_BF16_INT8_MAX_ROWS if cpu_matmul == "native-bf16" else NATIVE_INT8_MAX_ROWS
         self.use_int8pack = (self.native is None and qweight.device.type == "cpu"
                              and in_features % _INT8PACK_K_MULTIPLE == 0
                              and torch.backends.cpu.get_cpu_capability() in _INT8PACK_CPU_CAPABILITIES)
@@ -218,14 +223,14 @@ class Int8Linear:
     def _takes_int8pack(self, x: torch.Tensor, max_rows: int = INT8PACK_MAX_ROWS) -> bool:
         return self.use_int8pack and x.shape[0] <= max_rows
 
-    def _takes_native(self, x: torch.Tensor, max_rows: int = NATIVE_INT8_MAX_ROWS) -> bool:
+    def _takes_native(self, x: torch.Tensor, max_rows: int) -> bool:
         return self.native is not None and x.shape[0] <= max_rows
 
     def forward(self, x: torch.Tensor, max_rows: int | None = None) -> torch.Tensor:
-        """x: [M, in] -> [M, out] in x.dtype; with cpu_matmul="native" the native kernel up to `max_rows` rows
-        (NATIVE_INT8_MAX_ROWS), else int8pack_mm up to `max_rows` rows (INT8PACK_MAX_ROWS); beyond, the
-        dequantize + GEMM path."""
-        if self._takes_native(x, NATIVE_INT8_MAX_ROWS if max_rows is None else max_rows):
+        """x: [M, in] -> [M, out] in x.dtype; with cpu_matmul="native" / "native-bf16" the native kernel up to
+        `max_rows` rows (NATIVE_INT8_MAX_ROWS / NATIVE_BF16_INT8_MAX_ROWS), else int8pack_mm up to `max_rows` rows
+        (INT8PACK_MAX_ROWS); beyond, the dequantize + GEMM path."""
+        if self._takes_native(x, self.native_max_rows if max_rows is None else max_rows):
             out = self.native(x)
             out = out if x.dtype == torch.float32 else out.to(x.dtype)
             return out if self.bias is None else out.add_(self.bias)
@@ -552,15 +557,16 @@ def make_linear(weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None, 
 def _native_wanted(weight: torch.Tensor, choice: str) -> bool:
     if choice not in CPU_MATMULS:
         raise ValueError(f"cpu_matmul must be one of {CPU_MATMULS}, got {choice!r}")
-    return choice == "native" and weight.device.type == "cpu" and native_kernels.available()
+    return choice in ("native", "native-bf16") and weight.device.type == "cpu" and native_kernels.available()
 
 
 def _native_matmul(kind: str, weight: torch.Tensor, table: torch.Tensor,
                    choice: str) -> native_kernels.NativeMatmul | None:
-    """The native kernel over a weight in its layout when `choice` asks for it and it runs here, else None."""
+    """The native kernel over a weight in its layout ("q4" or "q8"; int8 activations for "native", bfloat16 for
+    "native-bf16") when `choice` asks for it and it runs here, else None."""
     if not _native_wanted(weight, choice) or weight.shape[-1] * (2 if kind == "q4" else 1) % native_kernels.GROUP:
         return None
-    return native_kernels.NativeMatmul(kind, weight, table)
+    return native_kernels.NativeMatmul(kind + ("-bf16" if choice == "native-bf16" else ""), weight, table)
 
 
 def lm_head_quantization(quantization: str | None) -> str | None:
