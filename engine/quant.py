@@ -36,7 +36,10 @@ CPU, which the GEMM path reads too: half a byte per weight plus 4 bytes per 32, 
 `forward`: on CPU every batch goes through `torch._weight_int4pack_mm_for_cpu` on bfloat16 activations (half a
 byte per weight read; INT4PACK_MAX_ROWS says why every batch); CUDA dequantizes chunks and runs the float GEMM.
 With `cpu_matmul="native"` (EngineConfig.cpu_matmul) both int4 and int8 linears run kernels.cpu_matmul on CPU
-instead: x rounded to int8 per 32 inputs, integer dot products (NATIVE_INT4_MAX_ROWS, NATIVE_INT8_MAX_ROWS). With `quantization="int4"` the LM head (and a tied embedding) stays int8, as llama.cpp's Q4 files keep the
+instead: x rounded to int8 per 32 inputs, integer dot products (NATIVE_INT4_MAX_ROWS, NATIVE_INT8_MAX_ROWS). With
+`cpu_matmul="native-bf16"` they run its bfloat16-activation kernels, torch's arithmetic (bfloat16 x, exact
+weights, float32 sums, bfloat16-rounded output) in the same layout (NATIVE_INT4_MAX_ROWS,
+NATIVE_BF16_INT8_MAX_ROWS). With `quantization="int4"` the LM head (and a tied embedding) stays int8, as llama.cpp's Q4 files keep the
 token embedding at 8 bits or more: it is the largest matrix of a small model and the most sensitive.
 """
 
@@ -104,9 +107,12 @@ _INT4PACK_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs output ch
 #   (int4pack) and 52 (dequantize + float32 GEMM);
 #   int8, M=1: 13.2 vs 28.4 (int8pack);  head M=128: 149 vs 221 (GEMM);  30 layers M=512: 3248 vs 1962 (GEMM).
 NATIVE_INT4_MAX_ROWS = sys.maxsize
-"""Largest batch the native int4 kernel takes (cpu_matmul="native"): every batch, as int4pack does, so that a
-row's output never depends on its batch; it is at least as fast as int4pack at every size measured (a float
-GEMM over dequantized weights wins from a few hundred rows but would round differently)."""
+"""Largest batch the native int4 kernels take (cpu_matmul="native" / "native-bf16"): every batch, as int4pack
+does, so that a row's output never depends on its batch. The int8-activation kernel is at least as fast as
+int4pack at every size measured (a float GEMM over dequantized weights wins from a few hundred rows but would
+round differently); the bfloat16 one is not past a few rows (BENCHMARKS.md, "Native CPU matmuls on bfloat16
+activations"), and is kept for every batch all the same: another kernel for large batches would round
+differently."""
 NATIVE_INT8_MAX_ROWS = 128
 """Largest batch the native int8 kernel takes (cpu_matmul="native"); larger ones dequantize into a float GEMM,
 faster there (measured above). Like torch's int8 path, int8 output then depends on the batch size past it."""
@@ -284,9 +290,10 @@ class Int4Linear:
     too, so a weight takes half a byte plus one bfloat16 (scale, zero) pair per 32 inputs, a Q4_1 file's own
     size. Only where that layout is not the plain one `_int4pack_block_rows` verified (a row count that is not a
     multiple of its block, or CUDA, which has no int4pack path) the codes are kept as `nibbles` (GGML's Q4 order
-    per 32 inputs) instead (CUDA) or as well (CPU). With cpu_matmul="native" (and the kernels built) the codes
-    are only `nibbles` and the table row-major, the layout kernels.cpu_matmul reads, and batches of up to
-    NATIVE_INT4_MAX_ROWS rows run that kernel (x rounded to int8 per 32 inputs), larger ones the GEMM path."""
+    per 32 inputs) instead (CUDA) or as well (CPU). With cpu_matmul="native" or "native-bf16" (and the kernels
+    built) the codes are only `nibbles` and the table row-major, the layout kernels.cpu_matmul reads, and batches
+    of up to NATIVE_INT4_MAX_ROWS rows run its kernel (x rounded to int8 per 32 inputs, or to bfloat16), larger
+    ones the GEMM path."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None,
                  workspace: DequantWorkspace | None = None, cpu_matmul: str = "torch") -> None:
@@ -533,8 +540,8 @@ def make_linear(weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None, 
     """The model's linear layer over a checkpoint weight: a float one in `dtype`, a packed one (GroupedWeight,
     HalfWeight) kept packed, or either quantized from float32 (dequantizing into `workspace`, which the model's
     quantized and packed linears share). An int4 weight whose shape int4 cannot take (Int4Linear.supports_shape)
-    is stored as int8. `cpu_matmul` ("torch" or "native", EngineConfig.cpu_matmul) picks the int4 / int8
-    kernels on CPU."""
+    is stored as int8. `cpu_matmul` (EngineConfig.cpu_matmul: "torch", "native", "native-bf16") picks the int4 /
+    int8 kernels on CPU."""
     bias = None if bias is None else bias.to(device=device, dtype=dtype)
     if isinstance(weight, PackedWeight):
         if quantization in (None, "int4") and Int4Linear.takes(weight):
