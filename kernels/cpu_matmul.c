@@ -3,8 +3,10 @@
  *   2  AVX512-VNNI (avx512f/bw/vl/dq + vnni): vpdpbusd on 64 codes at a time
  *   1  AVX2 + FMA: maddubs / madd on 32 codes at a time
  *   0  portable scalar
+ * The bfloat16-activation kernels (pd_q4_bf16_matmul, pd_q8_bf16_matmul; section "bfloat16 x" below) read the
+ * same weights; their level 2 needs only avx512f/bw (pd_bf16_best_isa).
  *
- * Both kernels quantize each row of x to int8 per 32 inputs first (Q8_0 style, computed identically on every
+ * Both int8-activation kernels quantize each row of x to int8 per 32 inputs first (Q8_0 style, computed identically on every
  * path): dx = absmax / 127, xq = round_half_even(x * (1 / dx)) (dx = 0: xq = 0), sumq = sum of the 32 xq.
  *
  * q4: W[n, 32 g + j] = q * d + m, q in [0, 15] from codes[n, 16 g + (j % 16)] (low nibble for j < 16, high
@@ -675,7 +677,7 @@ static void run_block_bf16(const struct job *j, int64_t b) {
         for (int64_t n = b * NB; n < n1; n += C) {
             C = n1 - n < NC ? (int)(n1 - n) : NC;
 #if PD_X86
-
+            if (j->isa == 2 && !j->q8 && R > 2) C = 1;  /* 2 x 3 and 2 x 4 q4 tiles spill their accumulators */
             if (j->isa == 2) {
                 (j->q8 ? q8b_avx512 : q4b_avx512)(j->w, j->table, j->xb, j->XS, n, C, i0, R, K, G, N, j->round_out,
                                                   j->y);
