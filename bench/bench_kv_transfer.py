@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from kvstore.shm_cache import SharedKvCache, block_digests_in_place, open_cache
     from kvstore.shm_pool import PooledSegmentReader
     from kvstore.transfer_manifest import TransferManifest
-    from kvstore.transfer_service import KvSender
+    from kvstore.kv_sender import KvSender
 
     ctx = mp.get_context("spawn")
     port_queue, socket_queue, stop_event = ctx.Queue(), ctx.Queue(), ctx.Event()

@@ -47,7 +47,7 @@ START_TIMEOUT_S = 300.0
 def bench_transfer(args: argparse.Namespace, pki: dict[str, tls.TlsFiles]) -> list[dict]:
     import torch
 
-    from kvstore.transfer_service import KvSender
+    from kvstore.kv_sender import KvSender
 
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)

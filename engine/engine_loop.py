@@ -17,7 +17,7 @@ once with status EXIT_RANK_FAILED: the ranks are gone, and open RPCs see UNAVAIL
 After `stop()`, `call` and `open_stream` raise LoopStopped.
 
 CPU threads: torch's OpenMP thread count is per calling thread, so the loop thread sets the engine's
-`num_threads` itself. Build an engine the loop will step with `build_engine`, on a thread that then ends: a
+`num_threads` itself (set_thread_torch_threads: so that no other thread's count replaces it). Build an engine the loop will step with `build_engine`, on a thread that then ends: a
 thread that has run a multi-threaded torch op keeps its OpenMP worker threads, and with more of them than
 CPUs libgomp stops spin-waiting between parallel regions, which made every matmul of the loop thread about
 1.4x slower (2 threads, batch-1 decode) when the process's main thread had loaded the model.
@@ -90,10 +90,24 @@ class RequestStream:
                 self._loop.abort(self.request_id)
 
 
+def set_thread_torch_threads(num_threads: int) -> None:
+    """Make `num_threads` the OpenMP team size of torch ops run on the calling thread, whatever other threads set.
+
+    torch.set_num_threads(n) sets the calling thread's count and a process-wide one, and a thread takes the
+    process-wide count at its first parallel op (a thread-local lazy init). So a thread that had only set its
+    count took whatever another thread set last before its first op: the decode worker's loop thread set 2,
+    the gRPC handler threads created afterwards set 1, and the loop then stepped every batch on one thread
+    (measured: no OpenMP worker thread in the process, one CPU busy). torch.get_num_threads() runs that lazy
+    init now; the second set_num_threads makes the count this thread's own for good."""
+    torch.set_num_threads(num_threads)
+    torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+
+
 def use_engine_threads(engine: LLMEngine) -> None:
     """On the thread that will step `engine`: give torch the engine's num_threads (module docstring)."""
     if engine.config.num_threads is not None:
-        torch.set_num_threads(engine.config.num_threads)
+        set_thread_torch_threads(engine.config.num_threads)
 
 
 def build_engine(config: EngineConfig, **kwargs) -> LLMEngine:

@@ -201,7 +201,7 @@ class ModelRunner:
         return torch.empty(shape, dtype=self.kv_cache.dtype, device="meta")
 
     def blocks_to_send(self, block_ids: list[int]):
-        """(source, ids) holding `block_ids` for kvstore.transfer_service.KvSender.push: the cache itself, or
+        """(source, ids) holding `block_ids` for kvstore.kv_sender.KvSender.push: the cache itself, or
         the payload's slices gathered from the ranks (kvstore.transfer_slices.KvSlices; then ids 0..n-1)."""
         if self.tp is None:
             return self.kv_cache, block_ids

@@ -3,7 +3,8 @@ each to a prefill and a decode worker (prefix hits from the Redis index, plus lo
 Prefill -> Decode, and streams detokenized text with stop strings applied.
 
 validation       protobuf request or plain values -> GenerationRequest, errors naming the field (pure)
-openai_protocol  OpenAI JSON bodies -> GenerationRequest, output chunks -> OpenAI response objects (pure)
+openai_protocol  OpenAI JSON bodies -> GenerationRequest (pure)
+openai_response  output chunks -> OpenAI response objects: stream chunks, the whole response (pure)
 routing          which decode / prefill worker, and when the decode worker prefills locally (pure)
 stop_strings     incremental stop-string matching over streamed text (pure)
 auth             API keys (constant-time check, reload), per-key limits, tenant cache namespaces (pure)

@@ -57,7 +57,8 @@ from engine.errors import InvalidRequestError
 from gateway import tokenize_api
 from gateway.auth import Unauthenticated
 from gateway.frontend import Call, Frontend
-from gateway.openai_protocol import OpenAIRequest, ResponseBuilder, parse_chat, parse_completion
+from gateway.openai_protocol import OpenAIRequest, parse_chat, parse_completion
+from gateway.openai_response import ResponseBuilder
 from gateway.structured_request import rename_error
 from gateway.discovery import WorkerDirectory
 from gateway.request_types import RETRY_AFTER_MS, ClientGone, OutputChunk, ShuttingDown, Usage, error_code

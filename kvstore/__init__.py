@@ -12,7 +12,8 @@ transfer_slices a tensor-parallel sender's payload in slices of KV heads, with a
 shm             same-host shared-memory data path and the host identity that decides when it applies
 shm_pool        the sender's bounded pool of pre-faulted, reused segments and the receiver's kept mappings
 shm_cache       zero-copy same-host path: the engine's KV cache in a segment, blocks copied straight out of it
-transfer_service  KvTransfer servicer (decode side) and KvSender (prefill side) over gRPC
+transfer_service  KvTransfer servicer (decode side) over gRPC, and the data chunks' wire form
+kv_sender         KvSender (prefill side): pushes blocks over gRPC or shared memory, zero copy when it can
 
 Nothing is imported here, so ``import kvstore.block_pool`` stays free of redis.
 """

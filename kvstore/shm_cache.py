@@ -16,7 +16,7 @@ record in kvstore.transfer's raw codec is its 2 * num_layers pieces in that (lay
 pieces in place one after the other (xxh3-128 streamed) gives exactly the record's digest: the digest
 definition does not change, and nothing is gathered to compute it.
 
-One push (kvstore.transfer_service):
+One push (kvstore.kv_sender sends, kvstore.transfer_service receives):
 
     sender    Push: manifest {cache_segment, sender_epoch, cache_num_blocks, src_block_ids, block_ids,
               digests_in_trailer}, at once; then hashes the source blocks in place and sends the trailer

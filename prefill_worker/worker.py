@@ -35,7 +35,7 @@ from engine.llm_engine import EngineStats
 from engine.sequence import PromptLogprob, TokenLogprob
 from kvstore.shm import host_id
 from kvstore.transfer_manifest import KvLayoutSpec
-from kvstore.transfer_service import FaultInjection, KvSender, TransferFailed
+from kvstore.kv_sender import FaultInjection, KvSender, TransferFailed
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.destinations import DecodeDestinations
 from protos.convert import TransferTargetData, WorkerRequestData

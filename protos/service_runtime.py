@@ -30,11 +30,10 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
-import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.engine_loop import EngineLoop, LoopStopped
+from engine.engine_loop import EngineLoop, LoopStopped, set_thread_torch_threads
 from engine.errors import (InvalidRequestError, OverloadedError, PermissionDeniedError, PreconditionError,
                            RequestAborted, RequestFailedError)
 from engine.llm_engine import LLMEngine
@@ -85,7 +84,7 @@ def _single_threaded_torch() -> None:
     scatter received KV, the transfer producer that gathers it): their copies are memory-bound, and an OpenMP
     team of their own would compete with the loop thread for its cores and, once it exists, leave more OpenMP
     threads than CPUs, which slows every matmul of the loop (engine.engine_loop's module docstring)."""
-    torch.set_num_threads(1)
+    set_thread_torch_threads(1)
 
 
 def _refuse_draining(request, context) -> None:

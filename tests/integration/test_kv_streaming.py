@@ -22,7 +22,8 @@ from kvstore.shm import SHM_DIR, SegmentRefused
 from kvstore.shm_pool import PooledSegmentReader, is_pooled_name
 from kvstore.transfer import block_digest, encode_records, iter_chunks
 from kvstore.transfer_manifest import TransferManifest
-from kvstore.transfer_service import GRPC_OPTIONS, FaultInjection, KvSender, KvTransferServicer, TransferFailed
+from kvstore.transfer_service import GRPC_OPTIONS, KvTransferServicer
+from kvstore.kv_sender import FaultInjection, KvSender, TransferFailed
 from protos.convert import manifest_to_pb
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from tests.integration.test_kv_transfer import TIMEOUT_S, CacheReceiver, layout_of, source_cache

@@ -14,8 +14,8 @@ from kernels import gather_blocks
 from kvstore.reshard_plan import payload_slices
 from kvstore.shm import SHM_DIR
 from kvstore.transfer_manifest import DEFAULT_CHUNK_BYTES, KvLayoutSpec, TransferManifest, TransferRejected
-from kvstore.transfer_service import (GRPC_OPTIONS, FaultInjection, KvSender, KvTransferServicer, ReceiveTarget,
-                                      ReceivedBlocks, TransferFailed)
+from kvstore.transfer_service import GRPC_OPTIONS, KvTransferServicer, ReceiveTarget, ReceivedBlocks
+from kvstore.kv_sender import FaultInjection, KvSender, TransferFailed
 from kvstore.transfer_slices import KvSlices, merge_slices, take_heads
 from protos.convert import layout_to_pb
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc

@@ -25,7 +25,8 @@ from kernels import gather_blocks
 from kvstore.shm import SHM_DIR
 from kvstore.shm_cache import SharedKvCache, block_digests_in_place, is_cache_name
 from kvstore.transfer import block_digest, encode_records
-from kvstore.transfer_service import FaultInjection, KvSender, KvTransferServicer, TransferFailed
+from kvstore.transfer_service import KvTransferServicer
+from kvstore.kv_sender import FaultInjection, KvSender, TransferFailed
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.server import start_server as start_prefill
 from tests.integration.test_kv_streaming import DST_IDS, SRC_IDS, push_outcome
@@ -215,7 +216,7 @@ def _sender_process(layout, seed: int, request_ids: list[str], endpoint: str) ->
     code = f"""
         import sys, torch
         from kvstore.shm_cache import SharedKvCache
-        from kvstore.transfer_service import KvSender
+        from kvstore.kv_sender import KvSender
         from tests.integration.test_kv_transfer import layout_of, source_cache
         CACHE_BLOCKS, SRC_IDS, DST = {CACHE_BLOCKS}, {SRC_IDS!r}, { {r: dst_ids_for(r) for r in request_ids}!r}
         layout = layout_of()

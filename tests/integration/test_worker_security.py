@@ -33,7 +33,8 @@ from kvstore.embedded_redis import EmbeddedRedis
 from kvstore.index import PrefixIndex, WorkerInfo
 from kvstore.shm import SHM_DIR, OutgoingSegment, host_id
 from kvstore.transfer_manifest import KvLayoutSpec, TransferManifest
-from kvstore.transfer_service import GRPC_OPTIONS, KvSender, KvTransferServicer, ReceivedBlocks, TransferFailed
+from kvstore.transfer_service import GRPC_OPTIONS, KvTransferServicer, ReceivedBlocks
+from kvstore.kv_sender import KvSender, TransferFailed
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.server import start_server as start_prefill
 from protos import tls

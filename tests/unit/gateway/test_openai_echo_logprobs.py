@@ -9,7 +9,8 @@ from word_tokenizer import WORDS, word_tokenizer
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, PromptLogprob, TokenLogprob
-from gateway.openai_protocol import ResponseBuilder, parse_chat, parse_completion
+from gateway.openai_protocol import parse_chat, parse_completion
+from gateway.openai_response import ResponseBuilder
 from gateway.output_stream import OutputStream
 from gateway.request_types import OutputChunk, Usage
 from gateway.validation import GenerationRequest, ModelSpec

@@ -10,7 +10,8 @@ from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, TokenLogprob
 from engine.tokenizer import Tokenizer
-from gateway.openai_protocol import ResponseBuilder, parse_chat, parse_completion
+from gateway.openai_protocol import parse_chat, parse_completion
+from gateway.openai_response import ResponseBuilder
 from gateway.request_types import OutputChunk, Usage
 from gateway.validation import ModelSpec
 from word_tokenizer import WORDS, word_tokenizer

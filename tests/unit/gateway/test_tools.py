@@ -11,7 +11,8 @@ import pytest
 
 from engine.errors import InvalidRequestError
 from engine.sequence import FinishReason
-from gateway.openai_protocol import ResponseBuilder, parse_chat, parse_messages
+from gateway.openai_protocol import parse_chat, parse_messages
+from gateway.openai_response import ResponseBuilder
 from gateway.request_types import OutputChunk, Usage
 from gateway.server import validate_chat
 from gateway.tools import (DEFAULT_TOOL_PROMPT, ChatMessage, Tool, ToolCall, ToolChoice, constraint,
