@@ -38,8 +38,8 @@ byte per weight read; INT4PACK_MAX_ROWS says why every batch); CUDA dequantizes 
 With `cpu_matmul="native"` (EngineConfig.cpu_matmul) both int4 and int8 linears run kernels.cpu_matmul on CPU
 instead: x rounded to int8 per 32 inputs, integer dot products (NATIVE_INT4_MAX_ROWS, NATIVE_INT8_MAX_ROWS). With
 `cpu_matmul="native-bf16"` they run its bfloat16-activation kernels, torch's arithmetic (bfloat16 x, exact
-weights, float32 sums, bfloat16-rounded output) in the same layout (NATIVE_INT4_MAX_ROWS,
-NATIVE_BF16_INT8_MAX_ROWS). With `quantization="int4"` the LM head (and a tied embedding) stays int8, as llama.cpp's Q4 files keep the
+weights, float32 sums, bfloat16-rounded output) over torch's int4 layout and the int8 one above, int4pack_mm's
+values bit for bit and int8pack_mm's where its order is (NATIVE_INT4_MAX_ROWS, NATIVE_BF16_INT8_MAX_ROWS). With `quantization="int4"` the LM head (and a tied embedding) stays int8, as llama.cpp's Q4 files keep the
 token embedding at 8 bits or more: it is the largest matrix of a small model and the most sensitive.
 """
 
@@ -108,11 +108,9 @@ _INT4PACK_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs output ch
 #   int8, M=1: 13.2 vs 28.4 (int8pack);  head M=128: 149 vs 221 (GEMM);  30 layers M=512: 3248 vs 1962 (GEMM).
 NATIVE_INT4_MAX_ROWS = sys.maxsize
 """Largest batch the native int4 kernels take (cpu_matmul="native" / "native-bf16"): every batch, as int4pack
-does, so that a row's output never depends on its batch. The int8-activation kernel is at least as fast as
-int4pack at every size measured (a float GEMM over dequantized weights wins from a few hundred rows but would
-round differently); the bfloat16 one is not past a few rows (BENCHMARKS.md, "Native CPU matmuls on bfloat16
-activations"), and is kept for every batch all the same: another kernel for large batches would round
-differently."""
+does, so that a row's output never depends on its batch; both are at least as fast as int4pack at every size
+measured (a float GEMM over dequantized weights wins from a few hundred rows but would round differently;
+BENCHMARKS.md, "Native CPU matmuls on bfloat16 activations")."""
 NATIVE_INT8_MAX_ROWS = 128
 """Largest batch the native int8 kernel takes (cpu_matmul="native"); larger ones dequantize into a float GEMM,
 faster there (measured above). Like torch's int8 path, int8 output then depends on the batch size past it."""
@@ -290,10 +288,10 @@ class Int4Linear:
     too, so a weight takes half a byte plus one bfloat16 (scale, zero) pair per 32 inputs, a Q4_1 file's own
     size. Only where that layout is not the plain one `_int4pack_block_rows` verified (a row count that is not a
     multiple of its block, or CUDA, which has no int4pack path) the codes are kept as `nibbles` (GGML's Q4 order
-    per 32 inputs) instead (CUDA) or as well (CPU). With cpu_matmul="native" or "native-bf16" (and the kernels
-    built) the codes are only `nibbles` and the table row-major, the layout kernels.cpu_matmul reads, and batches
-    of up to NATIVE_INT4_MAX_ROWS rows run its kernel (x rounded to int8 per 32 inputs, or to bfloat16), larger
-    ones the GEMM path."""
+    per 32 inputs) instead (CUDA) or as well (CPU). With cpu_matmul="native" (and the kernels built) the codes
+    are only `nibbles` and the table row-major, the layout kernels.cpu_matmul's int8-activation kernel reads;
+    with "native-bf16" they stay in int4pack's layout, which its bfloat16 kernel reads (int4pack_mm's values,
+    bit for bit). Batches of up to NATIVE_INT4_MAX_ROWS rows run the native kernel, larger ones the GEMM path."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None,
                  workspace: DequantWorkspace | None = None, cpu_matmul: str = "torch") -> None:
@@ -311,14 +309,15 @@ class Int4Linear:
         self.packed: torch.Tensor | None = None   # [out, in // 2] uint8 in int4pack's layout (CPU)
         self.nibbles: torch.Tensor | None = None  # [out, in // 2] uint8: per 32 inputs, j low and j + 16 high
         self.native = None
-        """The native kernel (kernels.cpu_matmul) over `nibbles` and the row-major table, or None."""
-        if _native_wanted(codes, cpu_matmul):
+        """The native kernel (kernels.cpu_matmul): over `nibbles` and the row-major table ("native"), over
+        int4pack's `packed` and table ("native-bf16"), or None."""
+        if cpu_matmul == "native" and _native_wanted(codes, cpu_matmul):
             self.nibbles = _ggml_nibbles(codes)
             # [out, groups, 2] bfloat16 (scale, zero), row-major as the native kernel streams it.
             self.scale_zero = torch.stack([scale, zero], dim=-1).to(torch.bfloat16).contiguous()
             self.native = _native_matmul("q4", self.nibbles, self.scale_zero, cpu_matmul)
         self.table_by_rows = self.native is not None
-        """Whether scale_zero is [out, groups, 2] (the native kernel's) rather than [groups, out, 2] (int4pack's)."""
+        """Whether scale_zero is [out, groups, 2] ("native"'s) rather than [groups, out, 2] (int4pack's)."""
         if self.native is None:
             # [groups, out, 2] bfloat16 (scale, zero): the int4pack kernel's table, and the GEMM path's values.
             self.scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
@@ -329,6 +328,9 @@ class Int4Linear:
         if self.native is None and (self.block_rows is None or out_features % self.block_rows):
             self.block_rows = None
             self.nibbles = _ggml_nibbles(codes)
+        if cpu_matmul == "native-bf16" and self.block_rows is not None and _native_wanted(codes, cpu_matmul):
+            self.native = native_kernels.NativeMatmul("q4-bf16", self.packed, self.scale_zero,
+                                                      block_rows=self.block_rows)
         self.workspace = workspace if workspace is not None else DequantWorkspace()
         chunk_rows = self.workspace.rows_per_chunk(in_features)
         block = self.block_rows or 1

@@ -6,7 +6,8 @@
  * The bfloat16-activation kernels (pd_q4_bf16_matmul, pd_q8_bf16_matmul; section "bfloat16 x" below) read the
  * same weights; their level 2 needs only avx512f/bw (pd_bf16_best_isa).
  *
- * Both int8-activation kernels quantize each row of x to int8 per 32 inputs first (Q8_0 style, computed identically on every
+ * Both int8-activation kernels quantize each row of x to int8 per 32 inputs first (Q8_0 style, computed
+ * identically on every
  * path): dx = absmax / 127, xq = round_half_even(x * (1 / dx)) (dx = 0: xq = 0), sumq = sum of the 32 xq.
  *
  * q4: W[n, 32 g + j] = q * d + m, q in [0, 15] from codes[n, 16 g + (j % 16)] (low nibble for j < 16, high
@@ -295,20 +296,25 @@ VNNI_TARGET static void q8_vnni(const int8_t *w, const float *ws, const int8_t *
 #endif
 
 /* ------------------------------------------------------------------------------------------------ bfloat16 x */
-/* The q4-bf16 / q8-bf16 kernels: what torch's _weight_int4pack_mm_for_cpu / _weight_int8pack_mm compute, from the
- * layouts above. x is rounded to bfloat16 (round half to even, as x.to(torch.bfloat16)) into scratch float32;
- * each weight is dequantized exactly in float32 registers (q4: fmaf(q - 8, d, z), one rounding, (q - 8) * d
- * being exact; q8: w * ws, exact); products are summed by float32 FMA in per-path lanes (below); the output is
- * rounded to bfloat16 (half to even, a NaN to 0x7FC0), as those ops return it, unless round_out is 0 (tests).
- *   AVX512 (avx512f/bw): q4 16 lanes, lane l summing group by group inputs 32 g + l (one accumulator) and
- *       32 g + 16 + l (another), added before the reduction; the 16 dequantized values of a group are a table
- *       fmadd((0..15) - 8, d, z) read with vpermps by code. q8: lane l sums inputs 16 t + l in order of t, then
- *       _mm512_reduce_add_ps: int8pack_mm's AVX512 order.
- *   AVX2 + FMA: q4 8 lanes (inputs 32 g + l, + 8, + 16, + 24 in four accumulators); q8 8 lanes over 8 t + l,
- *       reduced as int8pack_mm's AVX2 kernel reduces (halves, then pairs 0x4E, then 0xB1).
- *   scalar: one sum per output over k in order.
+/* The q4-bf16 / q8-bf16 kernels: what torch's _weight_int4pack_mm_for_cpu / _weight_int8pack_mm compute. x is
+ * rounded to bfloat16 (round half to even, as x.to(torch.bfloat16)) into scratch float32; each weight is
+ * dequantized exactly in float32 registers (q4: fmaf(q - 8, d, z), one rounding, (q - 8) * d being exact; q8:
+ * w * ws, exact); products are summed by float32 FMA; the output is rounded to bfloat16 (half to even, a NaN to
+ * 0x7FC0), as those ops return it, unless round_out is 0 (tests).
+ * q4 reads int4pack_mm's own layout (the codes held once, shared with torch's kernel and the GEMM path): blocks
+ * of B (64 with torch's AVX512 packing, 32 with its AVX2 one) output channels, codes [N / B][K][B / 2] bytes,
+ * byte (k, d) holding channel d of the block in its low nibble and channel B / 2 + d in its high one; tab
+ * [G][N] (d | z << 16, bfloat16 each). Lanes are output channels and each output sums k = 0 .. K - 1 in order,
+ * acc = fmaf(x_k, w_k, acc): int4pack_mm's AVX512 arithmetic, bit for bit, on every path here. From
+ * Q4P_DEQUANT_ROWS rows of x the AVX512 path dequantizes a block's weights once per call into an L1/L2 tile and
+ * runs the FMAs from it (the same values in the same order).
+ * q8 (w int8 [N, K], ws [N]) lane orders: AVX512 lane l sums inputs 16 t + l in order of t, then
+ * _mm512_reduce_add_ps (int8pack_mm's AVX512 order); AVX2 8 lanes over 8 t + l, reduced as int8pack_mm's AVX2
+ * kernel reduces (halves, then pairs 0x4E, then 0xB1); scalar one sum over k in order.
  * vdpbf16ps (avx512_bf16) is not used: it multiplies bfloat16 by bfloat16, and the dequantized weights are not
  * bfloat16 values, so it would round them. */
+#define Q4P_DEQUANT_ROWS 32
+
 static inline float round_bf16(float v) {
     union { float f; uint32_t u; } c = {v};
     if ((c.u & 0x7FFFFFFFu) > 0x7F800000u) { c.u = 0x7FC00000u; return c.f; }
@@ -316,20 +322,18 @@ static inline float round_bf16(float v) {
     return c.f;
 }
 
-#define NC 2          /* weight rows per tile of the bfloat16 kernels (each code and scale read once per tile) */
+#define NC 2          /* weight rows per tile of the q8 bfloat16 kernels (each weight read once per tile) */
 
-static void q4b_scalar(const uint8_t *codes, const uint32_t *sz, const float *xb, int64_t n, int64_t i, int64_t K,
-                       int64_t G, float *y) {
-    const uint8_t *c = codes + n * K / 2;
-    const uint32_t *t = sz + n * G;
-    const float *xr = xb + i * K;
+static void q4p_scalar(const uint8_t *codes, const uint32_t *tab, const float *xb, int64_t K, int64_t N, int B,
+                       int64_t n, int64_t i, float *y) {
+    const int64_t half = B / 2, c = n % B;
+    const uint8_t *cb = codes + n / B * K * half + c % half;
+    const int hi = c >= half;
     float acc = 0.0f;
-    for (int64_t g = 0; g < G; g++) {
-        float d = bf16_lo(t[g]), z = bf16_hi(t[g]);
-        for (int j = 0; j < 32; j++) {
-            int q = j < 16 ? c[16 * g + j] & 15 : c[16 * g + j - 16] >> 4;
-            acc = fmaf(xr[32 * g + j], fmaf((float)(q - 8), d, z), acc);
-        }
+    for (int64_t k = 0; k < K; k++) {
+        uint8_t b = cb[k * half];
+        uint32_t t = tab[k / 32 * N + n];
+        acc = fmaf(xb[i * K + k], fmaf((float)((hi ? b >> 4 : b & 15) - 8), bf16_lo(t), bf16_hi(t)), acc);
     }
     *y = acc;
 }
@@ -352,39 +356,52 @@ AVX2_TARGET static inline float hsum256_pairs(__m256 v) {
     return _mm256_cvtss_f32(v);
 }
 
-AVX2_TARGET static inline __attribute__((always_inline)) void q4b_avx2_tile(
-        const uint8_t *codes, const uint32_t *sz, const float *xb, int64_t XS, int64_t n, const int C, int64_t i0, const int R,
-        int64_t K, int64_t G, int64_t N, int round_out, float *y) {
+/* Channels n0 .. n0 + 15 (n0 % 16 == 0) of a q4 block against rows i0 .. i0 + R - 1: two 8-lane slices. */
+AVX2_TARGET static inline __attribute__((always_inline)) void q4p_avx2_tile(
+        const uint8_t *codes, const uint32_t *tab, const float *xb, int64_t K, int64_t N, int B, int64_t n0,
+        int64_t i0, const int R, int round_out, float *y) {
+    const int64_t half = B / 2, c0 = n0 % B;
+    const uint8_t *cb = codes + n0 / B * K * half;
+    const int64_t off[2] = {c0 % half, (c0 + 8) % half};
+    const int hi[2] = {c0 >= half, c0 + 8 >= half};
     const __m256i low = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
-    __m256 acc[NC][MT][4];
-    for (int c = 0; c < C; c++)
-        for (int r = 0; r < R; r++)
-            for (int h = 0; h < 4; h++) acc[c][r][h] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        for (int c = 0; c < C; c++) {
-            const uint8_t *cp = codes + (n + c) * K / 2 + 16 * g;
-            if (!(g & 3)) _mm_prefetch((const char *)cp + PREFETCH_BYTES, _MM_HINT_T0);
-            uint32_t t = sz[(n + c) * G + g];
-            __m256 d = _mm256_set1_ps(bf16_lo(t)), z = _mm256_set1_ps(bf16_hi(t));
-            __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)cp));
-            __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cp + 8)));
-            __m256i q[4] = {_mm256_and_si256(b0, low), _mm256_and_si256(b1, low), _mm256_srli_epi32(b0, 4),
-                            _mm256_srli_epi32(b1, 4)};
-            for (int h = 0; h < 4; h++) {
-                __m256 w = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q[h], eight)), d, z);
-                for (int r = 0; r < R; r++)
-                    acc[c][r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + (i0 + r) * XS + 32 * g + 8 * h), w,
-                                                   acc[c][r][h]);
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256 acc[MT][2], d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, z[2] = {d[0], d[0]};
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        if (!(k & 31))
+            for (int j = 0; j < 2; j++) {
+                __m256i t = _mm256_loadu_si256((const __m256i *)(tab + k / 32 * N + n0 + 8 * j));
+                d[j] = _mm256_castsi256_ps(_mm256_slli_epi32(t, 16));
+                z[j] = _mm256_castsi256_ps(_mm256_and_si256(t, high));
             }
+        const uint8_t *bp = cb + k * half;
+        if (!(k & 3)) _mm_prefetch((const char *)bp + PREFETCH_BYTES, _MM_HINT_T0);
+        __m256 w[2];
+        for (int j = 0; j < 2; j++) {
+            __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bp + off[j])));
+            v = hi[j] ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, low);
+            w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(v, eight)), d[j], z[j]);
+        }
+        for (int r = 0; r < R; r++) {
+            __m256 xv = _mm256_set1_ps(xb[(i0 + r) * K + k]);
+            acc[r][0] = _mm256_fmadd_ps(xv, w[0], acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xv, w[1], acc[r][1]);
         }
     }
-    for (int c = 0; c < C; c++)
-        for (int r = 0; r < R; r++) {
-            __m256 s = _mm256_add_ps(_mm256_add_ps(acc[c][r][0], acc[c][r][1]),
-                                     _mm256_add_ps(acc[c][r][2], acc[c][r][3]));
-            float v = hsum256(s);
-            y[(i0 + r) * N + n + c] = round_out ? round_bf16(v) : v;
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 2; j++) {
+            float out[8];
+            _mm256_storeu_ps(out, acc[r][j]);
+            for (int l = 0; l < 8; l++) y[(i0 + r) * N + n0 + 8 * j + l] = round_out ? round_bf16(out[l]) : out[l];
         }
+}
+
+#define CALL_Q4P_AVX2(r) q4p_avx2_tile(codes, tab, xb, K, N, B, n0, i0, r, round_out, y)
+AVX2_TARGET static void q4p_avx2(const uint8_t *codes, const uint32_t *tab, const float *xb, int64_t K, int64_t N,
+                                 int B, int64_t n0, int64_t i0, int R, int round_out, float *y) {
+    switch (R) { case 1: CALL_Q4P_AVX2(1); break; case 2: CALL_Q4P_AVX2(2); break;
+                 case 3: CALL_Q4P_AVX2(3); break; default: CALL_Q4P_AVX2(4); break; }
 }
 
 AVX2_TARGET static inline __attribute__((always_inline)) void q8b_avx2_tile(
@@ -412,66 +429,94 @@ AVX2_TARGET static inline __attribute__((always_inline)) void q8b_avx2_tile(
 
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx2,fma")))
 
-/* C weight rows against R rows of x in the quad layout (round_one), one quad of groups (4 q .. 4 q + 3: 64
- * code bytes, one load) per step: lane l holds group 4 q + l / 4, code bytes 4 (l % 4) .. + 3 of it; shift b
- * (0..7) of every 32-bit lane puts nibble b of those 4 bytes (byte b / 2, low for even b), the code of input
- * 32 (4 q + l / 4) + 4 (l % 4) + b / 2 + 16 (b % 2), in the low 4 bits that vpermps reads, which looks up q - 8
- * as a float. Per group the sum is factored, d * sum (q - 8) x + z * sum x (the exact real value of the dequantized
- * weights' sum, every product exact): two float32 accumulators per lane (even / odd b) over the quad, then
- * acc = fma(s0 + s1, d, acc) and acc = fma(sum x, z, acc) with sum x (round_one) in the group's first lane.
- * A last quad of fewer groups is loaded masked (codes 0 and tables 0, against zero-filled x). */
-AVX512_TARGET static inline __attribute__((always_inline)) void q4b_avx512_tile(
-        const uint8_t *codes, const uint32_t *sz, const float *xb, int64_t XS, int64_t n, const int C, int64_t i0,
-        const int R, int64_t K, int64_t G, int64_t N, int round_out, float *y) {
-    (void)XS;
+AVX512_TARGET static inline __m512 round_bf16_512(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(r), _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
+}
+
+/* The dequantized weights of channels n0 + 16 j .. + 15 (j < B / 16) at input k, from its code bytes. */
+AVX512_TARGET static inline __attribute__((always_inline)) void q4p_avx512_weights(
+        const uint8_t *bp, const int B, const __m512 *d, const __m512 *z, __m512 *w) {
     const __m512 codes_minus_8 = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);
-    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
-    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    __m512 acc[NC][MT];  /* indexed by compile-time c, r only, so that they stay in registers */
-    for (int c = 0; c < C; c++)
-        for (int r = 0; r < R; r++) acc[c][r] = _mm512_setzero_ps();
-    const uint8_t *c0 = codes + n * K / 2;
-    const uint32_t *t0 = sz + n * G;
-    const int64_t full = G / 4, quads = (G + 3) / 4;
-    for (int64_t q = 0; q < quads; q++) {
-        const __mmask64 cmask = q < full ? ~0ull : (1ull << (16 * (G % 4))) - 1;
-        const __mmask16 gmask = q < full ? 0xF : (__mmask16)((1u << (G % 4)) - 1);
-        const float *xq = xb + (i0 / MT * quads + q) * MT * 144;  /* row r at + 144 r */
-        for (int c = 0; c < C; c++) {
-            const uint8_t *cp = c0 + c * K / 2 + 64 * q;
-            const uint32_t *tp = t0 + c * G + 4 * q;
-            _mm_prefetch((const char *)cp + PREFETCH_BYTES, _MM_HINT_T0);
-            if (!(q & 3)) _mm_prefetch((const char *)tp + PREFETCH_BYTES / 4, _MM_HINT_T0);
-            __m512i v = _mm512_maskz_loadu_epi8(cmask, cp);
-            __m512 s0[MT], s1[MT];
-            __m512 m0 = _mm512_permutexvar_ps(v, codes_minus_8);
-            __m512 m1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), codes_minus_8);
-            for (int r = 0; r < R; r++) {
-                s0[r] = _mm512_mul_ps(_mm512_loadu_ps(xq + r * 144), m0);
-                s1[r] = _mm512_mul_ps(_mm512_loadu_ps(xq + r * 144 + 16), m1);
-            }
-            _Pragma("GCC unroll 8")
-            for (int b = 2; b < 8; b += 2) {
-                m0 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4 * b), codes_minus_8);
-                m1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4 * b + 4), codes_minus_8);
-                for (int r = 0; r < R; r++) {
-                    s0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xq + r * 144 + 16 * b), m0, s0[r]);
-                    s1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xq + r * 144 + 16 * b + 16), m1, s1[r]);
-                }
-            }
-            __m512i t = _mm512_permutexvar_epi32(spread, _mm512_maskz_loadu_epi32(gmask, tp));
-            __m512 d = _mm512_castsi512_ps(_mm512_slli_epi32(t, 16)), z = _mm512_castsi512_ps(_mm512_and_si512(t, high));
-            for (int r = 0; r < R; r++) {
-                acc[c][r] = _mm512_fmadd_ps(_mm512_add_ps(s0[r], s1[r]), d, acc[c][r]);
-                acc[c][r] = _mm512_fmadd_ps(_mm512_loadu_ps(xq + r * 144 + 128), z, acc[c][r]);
-            }
+    __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bp));
+    if (B == 64) {
+        __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bp + 16)));
+        w[0] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v0, codes_minus_8), d[0], z[0]);
+        w[1] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v1, codes_minus_8), d[1], z[1]);
+        w[2] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), codes_minus_8), d[2], z[2]);
+        w[3] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), codes_minus_8), d[3], z[3]);
+    } else {
+        w[0] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v0, codes_minus_8), d[0], z[0]);
+        w[1] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), codes_minus_8), d[1], z[1]);
+    }
+}
+
+AVX512_TARGET static inline __attribute__((always_inline)) void q4p_avx512_table(
+        const uint32_t *tp, const int S, __m512 *d, __m512 *z) {
+    for (int j = 0; j < S; j++) {
+        __m512i t = _mm512_loadu_si512((const void *)(tp + 16 * j));
+        d[j] = _mm512_castsi512_ps(_mm512_slli_epi32(t, 16));
+        z[j] = _mm512_castsi512_ps(_mm512_and_si512(t, _mm512_set1_epi32((int)0xFFFF0000u)));
+    }
+}
+
+/* Block n0 (B channels) against rows i0 .. i0 + R - 1; W (when not NULL): the block's weights dequantized
+ * earlier, [K][B] float32, read instead of the codes. */
+AVX512_TARGET static inline __attribute__((always_inline)) void q4p_avx512_tile(
+        const uint8_t *codes, const uint32_t *tab, const float *W, const float *xb, int64_t K, int64_t N,
+        const int B, int64_t n0, int64_t i0, const int R, int round_out, float *y) {
+    const int S = B / 16;
+    const int64_t half = B / 2;
+    const uint8_t *cb = codes + n0 / B * K * half;
+    __m512 acc[MT][4], d[4], z[4], w[4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < S; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        if (W) {
+            for (int j = 0; j < S; j++) w[j] = _mm512_loadu_ps(W + k * B + 16 * j);
+        } else {
+            if (!(k & 31)) q4p_avx512_table(tab + k / 32 * N + n0, S, d, z);
+            if (!(k & 1)) _mm_prefetch((const char *)(cb + k * half) + PREFETCH_BYTES, _MM_HINT_T0);
+            q4p_avx512_weights(cb + k * half, B, d, z, w);
+        }
+        for (int r = 0; r < R; r++) {
+            __m512 xv = _mm512_set1_ps(xb[(i0 + r) * K + k]);
+            for (int j = 0; j < S; j++) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
         }
     }
-    for (int c = 0; c < C; c++)
-        for (int r = 0; r < R; r++) {
-            float v = _mm512_reduce_add_ps(acc[c][r]);
-            y[(i0 + r) * N + n + c] = round_out ? round_bf16(v) : v;
-        }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < S; j++)
+            _mm512_storeu_ps(y + (i0 + r) * N + n0 + 16 * j, round_out ? round_bf16_512(acc[r][j]) : acc[r][j]);
+}
+
+AVX512_TARGET static void q4p_avx512_dequant(const uint8_t *codes, const uint32_t *tab, int64_t K, int64_t N,
+                                             const int B, int64_t n0, float *W) {
+    const int S = B / 16;
+    const int64_t half = B / 2;
+    const uint8_t *cb = codes + n0 / B * K * half;
+    __m512 d[4], z[4], w[4];
+    for (int64_t k = 0; k < K; k++) {
+        if (!(k & 31)) q4p_avx512_table(tab + k / 32 * N + n0, S, d, z);
+        q4p_avx512_weights(cb + k * half, B, d, z, w);
+        for (int j = 0; j < S; j++) _mm512_storeu_ps(W + k * B + 16 * j, w[j]);
+    }
+}
+
+#define CALL_Q4P(b, r) q4p_avx512_tile(codes, tab, W, xb, K, N, b, n0, i0, r, round_out, y)
+AVX512_TARGET static void q4p_avx512(const uint8_t *codes, const uint32_t *tab, const float *W, const float *xb,
+                                     int64_t K, int64_t N, int B, int64_t n0, int64_t i0, int R, int round_out,
+                                     float *y) {
+    if (B == 64) {
+        switch (R) { case 1: CALL_Q4P(64, 1); break; case 2: CALL_Q4P(64, 2); break;
+                     case 3: CALL_Q4P(64, 3); break; default: CALL_Q4P(64, 4); break; }
+    } else {
+        switch (R) { case 1: CALL_Q4P(32, 1); break; case 2: CALL_Q4P(32, 2); break;
+                     case 3: CALL_Q4P(32, 3); break; default: CALL_Q4P(32, 4); break; }
+    }
 }
 
 AVX512_TARGET static inline __attribute__((always_inline)) void q8b_avx512_tile(
@@ -497,23 +542,18 @@ AVX512_TARGET static inline __attribute__((always_inline)) void q8b_avx512_tile(
         }
 }
 
-/* The (C, R) variants of each tile, C weight rows and R x rows compile-time constants (registers). */
+/* The (C, R) variants of a q8 tile, C weight rows and R x rows compile-time constants (registers). */
 #define PD_TILE_CASES(CALL)                                                                                   \
     case 0: CALL(1, 1); break; case 1: CALL(1, 2); break; case 2: CALL(1, 3); break; case 3: CALL(1, 4); break; \
     case 4: CALL(2, 1); break; case 5: CALL(2, 2); break; case 6: CALL(2, 3); break; default: CALL(2, 4); break;
 
-#define PD_TILE_FN(name, target, ...)                                                                  \
-    target static void name(const void *w, const void *table, const float *xb, int64_t XS, int64_t n, int C,  \
-                            int64_t i0, int R, int64_t K, int64_t G, int64_t N, int round_out, float *y) {   \
-        (void)G;                                                                                              \
+#define PD_TILE_FN(name, target, ...)                                                                        \
+    target static void name(const int8_t *w, const float *ws, const float *xb, int64_t n, int C, int64_t i0,   \
+                            int R, int64_t K, int64_t N, int round_out, float *y) {                          \
         switch (4 * (C - 1) + R - 1) { PD_TILE_CASES(__VA_ARGS__) }                                          \
     }
-#define CALL_Q4B_AVX512(c, r) q4b_avx512_tile(w, table, xb, XS, n, c, i0, r, K, G, N, round_out, y)
-#define CALL_Q4B_AVX2(c, r) q4b_avx2_tile(w, table, xb, XS, n, c, i0, r, K, G, N, round_out, y)
-#define CALL_Q8B_AVX512(c, r) q8b_avx512_tile(w, table, xb, XS, n, c, i0, r, K, N, round_out, y)
-#define CALL_Q8B_AVX2(c, r) q8b_avx2_tile(w, table, xb, XS, n, c, i0, r, K, N, round_out, y)
-PD_TILE_FN(q4b_avx512, AVX512_TARGET, CALL_Q4B_AVX512)
-PD_TILE_FN(q4b_avx2, AVX2_TARGET, CALL_Q4B_AVX2)
+#define CALL_Q8B_AVX512(c, r) q8b_avx512_tile(w, ws, xb, K, n, c, i0, r, K, N, round_out, y)
+#define CALL_Q8B_AVX2(c, r) q8b_avx2_tile(w, ws, xb, K, n, c, i0, r, K, N, round_out, y)
 PD_TILE_FN(q8b_avx512, AVX512_TARGET, CALL_Q8B_AVX512)
 PD_TILE_FN(q8b_avx2, AVX2_TARGET, CALL_Q8B_AVX2)
 #endif
@@ -557,6 +597,7 @@ struct job {
     int8_t *xq; float *dx, *sx;
     int32_t *corr; float *dxp;   /* q8 AVX512 only */
     float *xb; int round_out;    /* bfloat16 kernels: x rounded to bfloat16, whether y is */
+    int B;                       /* q4-bf16: output channels per block of int4pack's layout */
 };
 
 /* Run fn over 0 .. count - 1 on nthreads OpenMP threads; a single thread calls it directly (no parallel region:
@@ -620,7 +661,7 @@ static void run_block(const struct job *j, int64_t b) {
 static int run(int q8, const float *x, int64_t M, int64_t K, const void *w, const void *table, int64_t N, float *y,
                int nthreads, int isa) {
     struct job j = {q8, clamp_isa(isa, pd_best_isa()), 0, x, M, K, K / 32, N, K, w, table, y, NULL, NULL, NULL,
-                    NULL, NULL, NULL, 0};
+                    NULL, NULL, NULL, 0, 0};
     j.quads = !q8 && j.isa == 2;
     if (j.quads) j.XS = quad_bytes(K);
     int with_corr = q8 && j.isa == 2;
@@ -641,35 +682,13 @@ static int run(int q8, const float *x, int64_t M, int64_t K, const void *w, cons
     return j.isa;
 }
 
-/* Row i of x rounded to bfloat16 into the scratch: natural order, or (quads: the AVX512 q4 path) per quad of
- * groups 144 floats, the 128 inputs in q4b_avx512_tile's lane order and then each group's sum (in input
- * order) in lane 4 (g % 4) of 16, the rest 0 (a last partial quad zero-filled); the MT rows of a tile
- * interleaved per quad ([M / MT][quads][MT][144]), so that a tile's loads are constant offsets from one pointer. */
 static void round_one(const struct job *j, int64_t i) {
-    const float *x = j->x + i * j->K;
-    if (!j->quads) {
-        for (int64_t k = 0; k < j->K; k++) j->xb[i * j->K + k] = round_bf16(x[k]);
-        return;
-    }
-    const int64_t quads = (j->G + 3) / 4;
-    float *xb = j->xb + (i / MT * quads * MT + i % MT) * 144;  /* quad q at + MT * 144 q */
-    for (int64_t q = 0; q < quads; q++) memset(xb + q * MT * 144, 0, 144 * sizeof(float));
-    for (int64_t g = 0; g < j->G; g++) {
-        float *xq = xb + g / 4 * MT * 144, sum = 0.0f;
-        for (int e = 0; e < 32; e++) {  /* input e of group g: byte e % 16, nibble e / 16 */
-            int lane = 4 * (g % 4) + (e % 16) / 4, b = 2 * (e % 4) + e / 16;
-            float v = round_bf16(x[32 * g + e]);
-            xq[16 * b + lane] = v;
-            sum += v;
-        }
-        xq[128 + 4 * (g % 4)] = sum;
-    }
+    for (int64_t k = 0; k < j->K; k++) j->xb[i * j->K + k] = round_bf16(j->x[i * j->K + k]);
 }
 
-/* The bfloat16 kernels over weight rows b * NB .. (b + 1) * NB - 1: MT rows of x per pass, NC weight rows per
- * tile. */
-static void run_block_bf16(const struct job *j, int64_t b) {
-    const int64_t M = j->M, K = j->K, G = j->G, N = j->N;
+/* q8-bf16 over weight rows b * NB .. (b + 1) * NB - 1: MT rows of x per pass, NC weight rows per tile. */
+static void run_block_q8b(const struct job *j, int64_t b) {
+    const int64_t M = j->M, K = j->K, N = j->N;
     const int64_t n1 = (b + 1) * NB < N ? (b + 1) * NB : N;
     for (int64_t i0 = 0; i0 < M; i0 += MT) {
         int R = M - i0 < MT ? (int)(M - i0) : MT;
@@ -677,53 +696,86 @@ static void run_block_bf16(const struct job *j, int64_t b) {
         for (int64_t n = b * NB; n < n1; n += C) {
             C = n1 - n < NC ? (int)(n1 - n) : NC;
 #if PD_X86
-            if (j->isa == 2 && !j->q8 && R > 2) C = 1;  /* 2 x 3 and 2 x 4 q4 tiles spill their accumulators */
-            if (j->isa == 2) {
-                (j->q8 ? q8b_avx512 : q4b_avx512)(j->w, j->table, j->xb, j->XS, n, C, i0, R, K, G, N, j->round_out,
-                                                  j->y);
-                continue;
-            }
-            if (j->isa == 1) {
-                (j->q8 ? q8b_avx2 : q4b_avx2)(j->w, j->table, j->xb, j->XS, n, C, i0, R, K, G, N, j->round_out, j->y);
-                continue;
-            }
+            if (j->isa == 2) { q8b_avx512(j->w, j->table, j->xb, n, C, i0, R, K, N, j->round_out, j->y); continue; }
+            if (j->isa == 1) { q8b_avx2(j->w, j->table, j->xb, n, C, i0, R, K, N, j->round_out, j->y); continue; }
 #endif
             for (int c = 0; c < C; c++)
                 for (int r = 0; r < R; r++) {
                     float *out = j->y + (i0 + r) * N + n + c;
-                    if (j->q8) q8b_scalar(j->w, j->table, j->xb, n + c, i0 + r, K, out);
-                    else q4b_scalar(j->w, j->table, j->xb, n + c, i0 + r, K, G, out);
+                    q8b_scalar(j->w, j->table, j->xb, n + c, i0 + r, K, out);
                     if (j->round_out) *out = round_bf16(*out);
                 }
         }
     }
 }
 
-static int run_bf16(int q8, const float *x, int64_t M, int64_t K, const void *w, const void *table, int64_t N,
+/* The thread's tile of dequantized q4 weights (q4p_avx512_dequant): grown, never shrunk. */
+static __thread float *wtile = NULL;
+static __thread size_t wtile_size = 0;
+
+/* q4-bf16 over block b (channels b * B .. + B - 1) against every row of x, MT rows per pass. */
+static void run_block_q4p(const struct job *j, int64_t b) {
+    const int64_t M = j->M, K = j->K, N = j->N, n0 = b * j->B;
+    const uint8_t *codes = j->w;
+    const uint32_t *tab = j->table;
+    for (int64_t i0 = 0; i0 < M; i0 += MT) {
+        int R = M - i0 < MT ? (int)(M - i0) : MT;
+#if PD_X86
+        if (j->isa == 2) {
+            const float *W = NULL;
+            if (M >= Q4P_DEQUANT_ROWS) {
+                size_t need = (size_t)(K * j->B) * sizeof(float);
+                if (need > wtile_size) {
+                    free(wtile);
+                    wtile = aligned_alloc(64, (need + 63) / 64 * 64);
+                    wtile_size = wtile ? need : 0;
+                }
+                if (wtile && i0 == 0) q4p_avx512_dequant(codes, tab, K, N, j->B, n0, wtile);
+                W = wtile;  /* NULL when out of memory: the codes are read instead (the same values) */
+            }
+            q4p_avx512(codes, tab, W, j->xb, K, N, j->B, n0, i0, R, j->round_out, j->y);
+            continue;
+        }
+        if (j->isa == 1) {
+            for (int64_t n = n0; n < n0 + j->B; n += 16)
+                q4p_avx2(codes, tab, j->xb, K, N, j->B, n, i0, R, j->round_out, j->y);
+            continue;
+        }
+#endif
+        for (int r = 0; r < R; r++)
+            for (int64_t n = n0; n < n0 + j->B; n++) {
+                float *out = j->y + (i0 + r) * N + n;
+                q4p_scalar(codes, tab, j->xb, K, N, j->B, n, i0 + r, out);
+                if (j->round_out) *out = round_bf16(*out);
+            }
+    }
+}
+
+static int run_bf16(int q8, const float *x, int64_t M, int64_t K, const void *w, const void *table, int64_t N, int B,
                     float *y, int nthreads, int isa, int round_out) {
     struct job j = {q8, clamp_isa(isa, pd_bf16_best_isa()), 0, x, M, K, K / 32, N, K, w, table, y, NULL, NULL, NULL,
-                    NULL, NULL, NULL, round_out};
-    j.quads = !q8 && j.isa == 2;
-    size_t floats = j.quads ? (size_t)((M + MT - 1) / MT * MT * (j.G + 3) / 4 * 144) : (size_t)(M * K);
-    j.xb = get_scratch((floats + 16) * sizeof(float));
+                    NULL, NULL, NULL, round_out, B};
+    j.xb = get_scratch((size_t)(M * K + 16) * sizeof(float));
     if (!j.xb) return -1;
     for_each(round_one, &j, M, M >= 8 ? nthreads : 1);
-    for_each(run_block_bf16, &j, (N + NB - 1) / NB, nthreads);
+    if (q8) for_each(run_block_q8b, &j, (N + NB - 1) / NB, nthreads);
+    else for_each(run_block_q4p, &j, N / B, nthreads);
     return j.isa;
 }
 
-/* y [M, N] float32 = bf16(x) @ W.T for the q4 weights above (codes [N, K / 2], sz [N, K / 32]), rounded to
- * bfloat16 values when round_out; K % 32 == 0. Returns the ISA used, or -1 when out of memory. */
-int pd_q4_bf16_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint32_t *sz, int64_t N,
-                      float *y, int nthreads, int isa, int round_out) {
-    return run_bf16(0, x, M, K, codes, sz, N, y, nthreads, isa, round_out);
+/* y [M, N] float32 = bf16(x) @ W.T for W[n, k] = (q - 8) * d + z in int4pack_mm's layout (codes [N / B][K][B / 2],
+ * tab [K / 32][N]; section "bfloat16 x"), B 64 or 32, N % B == 0, K % 32 == 0; rounded to bfloat16 values when
+ * round_out. Returns the ISA used, or -1 when out of memory. */
+int pd_q4_bf16_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint32_t *tab, int64_t N,
+                      int B, float *y, int nthreads, int isa, int round_out) {
+    return run_bf16(0, x, M, K, codes, tab, N, B, y, nthreads, isa, round_out);
 }
 
 /* y [M, N] float32 = bf16(x) @ (w * ws[:, None]).T (w, ws as for pd_q8_matmul), rounded to bfloat16 values
  * when round_out; K % 32 == 0. Returns the ISA used, or -1 when out of memory. */
 int pd_q8_bf16_matmul(const float *x, int64_t M, int64_t K, const int8_t *w, const float *ws, int64_t N, float *y,
                       int nthreads, int isa, int round_out) {
-    return run_bf16(1, x, M, K, w, ws, N, y, nthreads, isa, round_out);
+    return run_bf16(1, x, M, K, w, ws, N, 0, y, nthreads, isa, round_out);
 }
 
 /* y [M, N] float32 = x [M, K] float32 @ W.T for the q4 weights above (codes [N, K / 2], sz [N, K / 32]).
