@@ -19,7 +19,7 @@ relative error on the layers, 0.06% on the LM head). Kinds "q4-bf16" / "q8-bf16"
 `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm` compute, from the same weights: x rounded to bfloat16,
 each weight dequantized exactly in float32 ((q - 8) * scale + zero; q * scale), float32 FMA sums, the output
 rounded to bfloat16 values (returned as float32). q4-bf16 reads int4pack_mm's own layout and sums in its AVX512
-order (bit for bit its output on every path); q8-bf16 sums in int8pack_mm's AVX512 / AVX2 order on those paths. Every kind computes each row of the result from that row of x only (batch invariant),
+order (bit for bit that kernel's output, on every path here); q8-bf16 sums in int8pack_mm's AVX512 / AVX2 order on those paths. Every kind computes each row of the result from that row of x only (batch invariant),
 and the same on any number of threads. Threads: torch.get_num_threads() unless `nthreads` is given; `isa`
 forces a path (ISA_SCALAR, ISA_AVX2, ISA_AVX512; a path the CPU lacks falls back to the best it has). ISA_AVX512
 is avx512f/bw/vl/dq + VNNI for the int8-activation kinds, avx512f/bw for the bfloat16 ones (`best_isa(kind)`).
