@@ -473,6 +473,7 @@ AVX512_TARGET static inline __attribute__((always_inline)) void q4p_avx512_tile(
     const int64_t half = B / 2;
     const uint8_t *cb = codes + n0 / B * K * half;
     __m512 acc[MT][4], d[4], z[4], w[4];
+    for (int j = 0; j < 4; j++) d[j] = z[j] = _mm512_setzero_ps();  /* set at k = 0 when read (no W) */
     for (int r = 0; r < R; r++)
         for (int j = 0; j < S; j++) acc[r][j] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
