@@ -58,11 +58,14 @@ from pdserve.cli_args import parse_int_list
 
 KERNELS = ("rms_norm", "rotary_embedding", "write_kv", "paged_attention", "silu_mul")
 ENCODINGS = {"float32": {"keep_quantized_weights": False},
-             "int8": {"quantization": "int8", "keep_quantized_weights": True},
-             "int4": {"quantization": "int4", "keep_quantized_weights": True},
+             "int8": {"quantization": "int8", "keep_quantized_weights": True, "cpu_matmul": "torch"},
+             "int4": {"quantization": "int4", "keep_quantized_weights": True, "cpu_matmul": "torch"},
              "int8-native": {"quantization": "int8", "keep_quantized_weights": True, "cpu_matmul": "native"},
-             "int4-native": {"quantization": "int4", "keep_quantized_weights": True, "cpu_matmul": "native"}}
-"""Weight encodings by label: LLM keyword arguments (-native: EngineConfig.cpu_matmul="native"); float32
+             "int4-native": {"quantization": "int4", "keep_quantized_weights": True, "cpu_matmul": "native"},
+             "int8-native-bf16": {"quantization": "int8", "keep_quantized_weights": True, "cpu_matmul": "native-bf16"},
+             "int4-native-bf16": {"quantization": "int4", "keep_quantized_weights": True, "cpu_matmul": "native-bf16"}}
+"""Weight encodings by label: LLM keyword arguments (int8 / int4: torch's kernels; -native:
+EngineConfig.cpu_matmul="native", int8 activations; -native-bf16: "native-bf16", bfloat16 activations); float32
 dequantizes the GGUF at load, the quantized ones keep its codes."""
 
 

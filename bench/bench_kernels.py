@@ -14,8 +14,9 @@ so and exits 0. `--smoke` runs tiny shapes on CPU through the torch reference to
 `--cpu-matmuls` instead measures, on CPU, the batch-1 matmuls engine.quant runs (issues 15 and 16): every linear of
 SmolLM2-135M's 30 layers (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536) in one pass, and the
 49152x576 LM head, as float32 (F.linear), int8 (Int8Linear: int8pack_mm) and int4 (Int4Linear: int4pack_mm),
-and, where kernels.cpu_matmul builds, int8 and int4 on the native kernels (cpu_matmul="native"); every kind over
-the same weights, timed in interleaved rounds; `--rows 1,32,512` repeats the layer pass at those rows of x;
+and, where kernels.cpu_matmul builds, int8 and int4 on the native kernels (cpu_matmul="native": int8 activations;
+"native-bf16": bfloat16 activations); every kind over the same weights, timed in interleaved rounds; `--rows
+1,32,512` repeats the layer pass at those rows of x, `--kinds` keeps the kinds whose label contains a string;
 each at GB/s = weight bytes read / time and as a % of a large tensor copy (read + write bytes,
 pdserve.bench.roofline.copy_bandwidth) and of a read-only sweep (a float32 sum); the LM head rotates over
 copies whose bytes exceed the last-level cache. Writes bench/results/cpu_matmuls.md and .json (or under $OUT).
@@ -276,9 +277,10 @@ def _row(name: str, m: int, nbytes: int, times: list[float]) -> dict:
             "gbs": nbytes / (best * 1e6)}
 
 
-def bench_cpu_matmuls(repeats: int, batch_rows: tuple[int, ...] = (1,)) -> dict:
+def bench_cpu_matmuls(repeats: int, batch_rows: tuple[int, ...] = (1,), only: tuple[str, ...] = ()) -> dict:
     """Float32 / int8 / int4 linears of SmolLM2-135M on CPU (torch's kernels and the native ones,
-    kernels.cpu_matmul), GB/s against copy and read bandwidth, at each number of rows of x in `batch_rows`."""
+    kernels.cpu_matmul), GB/s against copy and read bandwidth, at each number of rows of x in `batch_rows`;
+    `only`: the kinds whose label contains one of these strings (all when empty)."""
     import functools
 
     from engine import quant
@@ -292,9 +294,11 @@ def bench_cpu_matmuls(repeats: int, batch_rows: tuple[int, ...] = (1,)) -> dict:
     kinds = {"float32 (F.linear)": quant.FloatLinear, "int8 (int8pack_mm)": quant.Int8Linear.quantize,
              "int4 (int4pack_mm)": quant.Int4Linear.quantize}
     if cpu_matmul.available():
-        isa = cpu_matmul.ISA_NAMES[cpu_matmul.best_isa()]
-        kinds[f"int8 (native, {isa})"] = functools.partial(quant.Int8Linear.quantize, cpu_matmul="native")
-        kinds[f"int4 (native, {isa})"] = functools.partial(quant.Int4Linear.quantize, cpu_matmul="native")
+        for choice, kind in (("native", ""), ("native-bf16", "-bf16")):
+            isa = cpu_matmul.ISA_NAMES[cpu_matmul.best_isa("q4" + kind)]
+            kinds[f"int8 ({choice}, {isa})"] = functools.partial(quant.Int8Linear.quantize, cpu_matmul=choice)
+            kinds[f"int4 ({choice}, {isa})"] = functools.partial(quant.Int4Linear.quantize, cpu_matmul=choice)
+    kinds = {kind: make for kind, make in kinds.items() if not only or any(o in kind for o in only)}
     rows = []
     with torch.inference_mode():
         # Every kind over the same weights, timed in interleaved rounds (a loaded machine drifts between kinds):
@@ -328,7 +332,7 @@ def bench_cpu_matmuls(repeats: int, batch_rows: tuple[int, ...] = (1,)) -> dict:
         row["pct_of_read"] = 100 * row["gbs"] / read_gbs
     return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "capability": torch.backends.cpu.get_cpu_capability(), "copy_gbs": copy_gbs, "read_gbs": read_gbs,
-            "repeats": repeats, "batch_rows": list(batch_rows), "rows": rows}
+            "repeats": repeats, "batch_rows": list(batch_rows), "only": list(only), "rows": rows}
 
 
 def lin_in(lin) -> int:
@@ -340,7 +344,8 @@ def lin_in(lin) -> int:
 def cpu_matmuls_report(result: dict) -> str:
     return (f"### Matmuls on CPU ({datetime.datetime.now(datetime.UTC):%Y-%m-%d}, {result['cpu']}, "
             f"{result['threads']} threads, torch {result['torch']}, {result['capability']})\n\n"
-            f"Command: `python bench/bench_kernels.py --cpu-matmuls --threads {result['threads']} --rows {','.join(map(str, result['batch_rows']))}`. Copy {result['copy_gbs']:.1f} GB/s (read + "
+            f"Command: `python bench/bench_kernels.py --cpu-matmuls --threads {result['threads']} --rows {','.join(map(str, result['batch_rows']))}"
+            f"{' --kinds ' + repr(','.join(result['only'])) if result['only'] else ''}`. Copy {result['copy_gbs']:.1f} GB/s (read + "
             f"write), read-only sweep {result['read_gbs']:.1f} GB/s; kinds timed in interleaved rounds ({result['repeats']} "
             f"at M < 64, a fifth of that from 64), median and best pass, GB/s of the best.\n\n"
             + _table(["matmuls", "M", "weight MiB", "ms median", "ms best", "GB/s", "% of copy", "% of read"],
@@ -359,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20, help="--cpu-matmuls: timed passes per row")
     parser.add_argument("--threads", type=int, default=None, help="--cpu-matmuls: torch threads (default: torch's)")
     parser.add_argument("--rows", default="1", help="--cpu-matmuls: rows of x of the layer matmuls, e.g. 1,32,512")
+    parser.add_argument("--kinds", default="", help="--cpu-matmuls: only the kinds whose label contains one of "
+                                                    "these comma-separated strings, e.g. 'int4 (,int8 ('")
     args = parser.parse_args(argv)
 
     if args.cpu_matmuls:
@@ -367,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
 
-        result = bench_cpu_matmuls(args.repeats, tuple(int(m) for m in args.rows.split(",")))
+        result = bench_cpu_matmuls(args.repeats, tuple(int(m) for m in args.rows.split(",")),
+                                   tuple(k for k in args.kinds.split(",") if k))
         report = cpu_matmuls_report(result)
         print("\n" + report)
         base = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench/results"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8", "int4")
-CPU_MATMULS = ("torch", "native")
+CPU_MATMULS = ("torch", "native", "native-bf16")
 """Values of EngineConfig.quantization besides None."""
 
 
@@ -208,12 +208,15 @@ class EngineConfig:
     runs in (tested). False dequantizes everything at load, bit for bit the `gguf` package's values (what
     transformers computes). The fingerprint is the checkpoint's either way. Hugging Face checkpoints are float
     either way."""
-    cpu_matmul: str = "torch"
-    """Kernels of int4 and int8 linears (and an int8 LM head) on CPU: "torch" (int4pack_mm / int8pack_mm on
-    bfloat16 activations) or "native" (kernels.cpu_matmul, compiled on first use with the system C compiler:
-    x rounded to int8 per 32 inputs as llama.cpp does, integer dot products with AVX512-VNNI / AVX2, batch
-    invariant; greedy tokens may differ slightly from torch's). Without a working compiler "native" logs one
-    warning and runs torch's kernels. Float and 16-bit weights are unaffected; tensor-parallel ranks keep torch's
+    cpu_matmul: str = "native-bf16"
+    """Kernels of int4 and int8 linears (and an int8 LM head) on CPU: "native-bf16" (the default:
+    kernels.cpu_matmul, compiled on first use with the system C compiler, computing what torch's kernels compute
+    from the same weights: x rounded to bfloat16, exact float32 weights, float32 sums, the output rounded to
+    bfloat16; the values of int4pack_mm's AVX512 kernel bit for bit, int8pack_mm's where its summation order
+    is (its AVX512 and AVX2 paths); faster at every batch size measured), "torch" (int4pack_mm / int8pack_mm on bfloat16 activations)
+    or "native" (the same library: x rounded to int8 per 32 inputs as llama.cpp does, integer dot products with
+    AVX512-VNNI / AVX2; greedy tokens may differ from torch's). All are batch invariant. Without a working
+    compiler the native choices log one warning and run torch's kernels. Float and 16-bit weights are unaffected; tensor-parallel ranks keep torch's
     kernels; with compile_decode the native linears run as opaque ops inside the graph."""
     device: str = "cpu"
     """Torch device the model runs on ("cpu", "cuda", "cuda:1")."""

@@ -36,7 +36,10 @@ CPU, which the GEMM path reads too: half a byte per weight plus 4 bytes per 32, 
 `forward`: on CPU every batch goes through `torch._weight_int4pack_mm_for_cpu` on bfloat16 activations (half a
 byte per weight read; INT4PACK_MAX_ROWS says why every batch); CUDA dequantizes chunks and runs the float GEMM.
 With `cpu_matmul="native"` (EngineConfig.cpu_matmul) both int4 and int8 linears run kernels.cpu_matmul on CPU
-instead: x rounded to int8 per 32 inputs, integer dot products (NATIVE_INT4_MAX_ROWS, NATIVE_INT8_MAX_ROWS). With `quantization="int4"` the LM head (and a tied embedding) stays int8, as llama.cpp's Q4 files keep the
+instead: x rounded to int8 per 32 inputs, integer dot products (NATIVE_INT4_MAX_ROWS, NATIVE_INT8_MAX_ROWS). With
+`cpu_matmul="native-bf16"` they run its bfloat16-activation kernels, torch's arithmetic (bfloat16 x, exact
+weights, float32 sums, bfloat16-rounded output) over torch's int4 layout and the int8 one above, the values of
+int4pack_mm's AVX512 kernel bit for bit and int8pack_mm's where its order is (NATIVE_INT4_MAX_ROWS, NATIVE_BF16_INT8_MAX_ROWS). With `quantization="int4"` the LM head (and a tied embedding) stays int8, as llama.cpp's Q4 files keep the
 token embedding at 8 bits or more: it is the largest matrix of a small model and the most sensitive.
 """
 
@@ -104,12 +107,17 @@ _INT4PACK_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs output ch
 #   (int4pack) and 52 (dequantize + float32 GEMM);
 #   int8, M=1: 13.2 vs 28.4 (int8pack);  head M=128: 149 vs 221 (GEMM);  30 layers M=512: 3248 vs 1962 (GEMM).
 NATIVE_INT4_MAX_ROWS = sys.maxsize
-"""Largest batch the native int4 kernel takes (cpu_matmul="native"): every batch, as int4pack does, so that a
-row's output never depends on its batch; it is at least as fast as int4pack at every size measured (a float
-GEMM over dequantized weights wins from a few hundred rows but would round differently)."""
+"""Largest batch the native int4 kernels take (cpu_matmul="native" / "native-bf16"): every batch, as int4pack
+does, so that a row's output never depends on its batch; both are at least as fast as int4pack at every size
+measured (a float GEMM over dequantized weights wins from a few hundred rows but would round differently;
+BENCHMARKS.md, "Native CPU matmuls on bfloat16 activations")."""
 NATIVE_INT8_MAX_ROWS = 128
 """Largest batch the native int8 kernel takes (cpu_matmul="native"); larger ones dequantize into a float GEMM,
 faster there (measured above). Like torch's int8 path, int8 output then depends on the batch size past it."""
+NATIVE_BF16_INT8_MAX_ROWS = 32
+"""Largest batch the bfloat16-activation int8 kernel takes in a layer (cpu_matmul="native-bf16"), as
+INT8PACK_MAX_ROWS for int8pack_mm (the same arithmetic); larger ones take the GEMM path. As an LM head it takes
+every batch (INT8PACK_HEAD_MAX_ROWS)."""
 
 
 class FloatLinear:
@@ -188,7 +196,8 @@ class Int8Linear:
         self.bias = bias                                    # [out] in the model dtype, or None
         in_features = qweight.shape[1]
         self.native = _native_matmul("q8", qweight, self.scale, cpu_matmul)
-        """The native kernel (kernels.cpu_matmul) batches of up to NATIVE_INT8_MAX_ROWS rows take, or None."""
+        """The native kernel (kernels.cpu_matmul) batches of up to native_max_rows rows take, or None."""
+        self.native_max_rows = NATIVE_BF16_INT8_MAX_ROWS if cpu_matmul == "native-bf16" else NATIVE_INT8_MAX_ROWS
         self.use_int8pack = (self.native is None and qweight.device.type == "cpu"
                              and in_features % _INT8PACK_K_MULTIPLE == 0
                              and torch.backends.cpu.get_cpu_capability() in _INT8PACK_CPU_CAPABILITIES)
@@ -218,14 +227,14 @@ class Int8Linear:
     def _takes_int8pack(self, x: torch.Tensor, max_rows: int = INT8PACK_MAX_ROWS) -> bool:
         return self.use_int8pack and x.shape[0] <= max_rows
 
-    def _takes_native(self, x: torch.Tensor, max_rows: int = NATIVE_INT8_MAX_ROWS) -> bool:
+    def _takes_native(self, x: torch.Tensor, max_rows: int) -> bool:
         return self.native is not None and x.shape[0] <= max_rows
 
     def forward(self, x: torch.Tensor, max_rows: int | None = None) -> torch.Tensor:
-        """x: [M, in] -> [M, out] in x.dtype; with cpu_matmul="native" the native kernel up to `max_rows` rows
-        (NATIVE_INT8_MAX_ROWS), else int8pack_mm up to `max_rows` rows (INT8PACK_MAX_ROWS); beyond, the
-        dequantize + GEMM path."""
-        if self._takes_native(x, NATIVE_INT8_MAX_ROWS if max_rows is None else max_rows):
+        """x: [M, in] -> [M, out] in x.dtype; with cpu_matmul="native" / "native-bf16" the native kernel up to
+        `max_rows` rows (NATIVE_INT8_MAX_ROWS / NATIVE_BF16_INT8_MAX_ROWS), else int8pack_mm up to `max_rows` rows
+        (INT8PACK_MAX_ROWS); beyond, the dequantize + GEMM path."""
+        if self._takes_native(x, self.native_max_rows if max_rows is None else max_rows):
             out = self.native(x)
             out = out if x.dtype == torch.float32 else out.to(x.dtype)
             return out if self.bias is None else out.add_(self.bias)
@@ -280,8 +289,9 @@ class Int4Linear:
     size. Only where that layout is not the plain one `_int4pack_block_rows` verified (a row count that is not a
     multiple of its block, or CUDA, which has no int4pack path) the codes are kept as `nibbles` (GGML's Q4 order
     per 32 inputs) instead (CUDA) or as well (CPU). With cpu_matmul="native" (and the kernels built) the codes
-    are only `nibbles` and the table row-major, the layout kernels.cpu_matmul reads, and batches of up to
-    NATIVE_INT4_MAX_ROWS rows run that kernel (x rounded to int8 per 32 inputs), larger ones the GEMM path."""
+    are only `nibbles` and the table row-major, the layout kernels.cpu_matmul's int8-activation kernel reads;
+    with "native-bf16" they stay in int4pack's layout, which its bfloat16 kernel reads (the values of
+    int4pack_mm's AVX512 kernel, bit for bit). Batches of up to NATIVE_INT4_MAX_ROWS rows run the native kernel, larger ones the GEMM path."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None,
                  workspace: DequantWorkspace | None = None, cpu_matmul: str = "torch") -> None:
@@ -299,14 +309,15 @@ class Int4Linear:
         self.packed: torch.Tensor | None = None   # [out, in // 2] uint8 in int4pack's layout (CPU)
         self.nibbles: torch.Tensor | None = None  # [out, in // 2] uint8: per 32 inputs, j low and j + 16 high
         self.native = None
-        """The native kernel (kernels.cpu_matmul) over `nibbles` and the row-major table, or None."""
-        if _native_wanted(codes, cpu_matmul):
+        """The native kernel (kernels.cpu_matmul): over `nibbles` and the row-major table ("native"), over
+        int4pack's `packed` and table ("native-bf16"), or None."""
+        if cpu_matmul == "native" and _native_wanted(codes, cpu_matmul):
             self.nibbles = _ggml_nibbles(codes)
             # [out, groups, 2] bfloat16 (scale, zero), row-major as the native kernel streams it.
             self.scale_zero = torch.stack([scale, zero], dim=-1).to(torch.bfloat16).contiguous()
             self.native = _native_matmul("q4", self.nibbles, self.scale_zero, cpu_matmul)
         self.table_by_rows = self.native is not None
-        """Whether scale_zero is [out, groups, 2] (the native kernel's) rather than [groups, out, 2] (int4pack's)."""
+        """Whether scale_zero is [out, groups, 2] ("native"'s) rather than [groups, out, 2] (int4pack's)."""
         if self.native is None:
             # [groups, out, 2] bfloat16 (scale, zero): the int4pack kernel's table, and the GEMM path's values.
             self.scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
@@ -317,6 +328,9 @@ class Int4Linear:
         if self.native is None and (self.block_rows is None or out_features % self.block_rows):
             self.block_rows = None
             self.nibbles = _ggml_nibbles(codes)
+        if cpu_matmul == "native-bf16" and self.block_rows is not None and _native_wanted(codes, cpu_matmul):
+            self.native = native_kernels.NativeMatmul("q4-bf16", self.packed, self.scale_zero,
+                                                      block_rows=self.block_rows)
         self.workspace = workspace if workspace is not None else DequantWorkspace()
         chunk_rows = self.workspace.rows_per_chunk(in_features)
         block = self.block_rows or 1
@@ -528,8 +542,8 @@ def make_linear(weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None, 
     """The model's linear layer over a checkpoint weight: a float one in `dtype`, a packed one (GroupedWeight,
     HalfWeight) kept packed, or either quantized from float32 (dequantizing into `workspace`, which the model's
     quantized and packed linears share). An int4 weight whose shape int4 cannot take (Int4Linear.supports_shape)
-    is stored as int8. `cpu_matmul` ("torch" or "native", EngineConfig.cpu_matmul) picks the int4 / int8
-    kernels on CPU."""
+    is stored as int8. `cpu_matmul` (EngineConfig.cpu_matmul: "torch", "native", "native-bf16") picks the int4 /
+    int8 kernels on CPU."""
     bias = None if bias is None else bias.to(device=device, dtype=dtype)
     if isinstance(weight, PackedWeight):
         if quantization in (None, "int4") and Int4Linear.takes(weight):
@@ -552,15 +566,16 @@ def make_linear(weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None, 
 def _native_wanted(weight: torch.Tensor, choice: str) -> bool:
     if choice not in CPU_MATMULS:
         raise ValueError(f"cpu_matmul must be one of {CPU_MATMULS}, got {choice!r}")
-    return choice == "native" and weight.device.type == "cpu" and native_kernels.available()
+    return choice in ("native", "native-bf16") and weight.device.type == "cpu" and native_kernels.available()
 
 
 def _native_matmul(kind: str, weight: torch.Tensor, table: torch.Tensor,
                    choice: str) -> native_kernels.NativeMatmul | None:
-    """The native kernel over a weight in its layout when `choice` asks for it and it runs here, else None."""
+    """The native kernel over a weight in its layout ("q4" or "q8"; int8 activations for "native", bfloat16 for
+    "native-bf16") when `choice` asks for it and it runs here, else None."""
     if not _native_wanted(weight, choice) or weight.shape[-1] * (2 if kind == "q4" else 1) % native_kernels.GROUP:
         return None
-    return native_kernels.NativeMatmul(kind, weight, table)
+    return native_kernels.NativeMatmul(kind + ("-bf16" if choice == "native-bf16" else ""), weight, table)
 
 
 def lm_head_quantization(quantization: str | None) -> str | None:

@@ -3,8 +3,11 @@
  *   2  AVX512-VNNI (avx512f/bw/vl/dq + vnni): vpdpbusd on 64 codes at a time
  *   1  AVX2 + FMA: maddubs / madd on 32 codes at a time
  *   0  portable scalar
+ * The bfloat16-activation kernels (pd_q4_bf16_matmul, pd_q8_bf16_matmul; section "bfloat16 x" below) read the
+ * same weights; their level 2 needs only avx512f/bw (pd_bf16_best_isa).
  *
- * Both kernels quantize each row of x to int8 per 32 inputs first (Q8_0 style, computed identically on every
+ * Both int8-activation kernels quantize each row of x to int8 per 32 inputs first (Q8_0 style, computed
+ * identically on every
  * path): dx = absmax / 127, xq = round_half_even(x * (1 / dx)) (dx = 0: xq = 0), sumq = sum of the 32 xq.
  *
  * q4: W[n, 32 g + j] = q * d + m, q in [0, 15] from codes[n, 16 g + (j % 16)] (low nibble for j < 16, high
@@ -184,7 +187,7 @@ AVX2_TARGET static void q8_avx2(const int8_t *w, const float *ws, const int8_t *
  * inlining) masks the loads of a last quad of fewer groups (cmask: its code bytes, gmask: its groups). */
 VNNI_TARGET static inline __attribute__((always_inline)) void q4_vnni_quad(
         const uint8_t *c, const uint32_t *t, const int8_t *xq, const float *dx, const float *sx, int64_t i0,
-        const int R, int64_t G, int64_t XS, int64_t q, const int tail, __mmask64 cmask, __mmask8 gmask,
+        const int R, int64_t G, int64_t XS, int64_t q, const int tail, __mmask64 cmask, __mmask16 gmask,
         __m512 *acc, __m128 *bias) {
     const __m512i low = _mm512_set1_epi8(15);
     const __m512i pat = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -292,6 +295,270 @@ VNNI_TARGET static void q8_vnni(const int8_t *w, const float *ws, const int8_t *
 }
 #endif
 
+/* ------------------------------------------------------------------------------------------------ bfloat16 x */
+/* The q4-bf16 / q8-bf16 kernels: what torch's _weight_int4pack_mm_for_cpu / _weight_int8pack_mm compute. x is
+ * rounded to bfloat16 (round half to even, as x.to(torch.bfloat16)) into scratch float32; each weight is
+ * dequantized exactly in float32 registers (q4: fmaf(q - 8, d, z), one rounding, (q - 8) * d being exact; q8:
+ * w * ws, exact); products are summed by float32 FMA; the output is rounded to bfloat16 (half to even, a NaN to
+ * 0x7FC0), as those ops return it, unless round_out is 0 (tests).
+ * q4 reads int4pack_mm's own layout (the codes held once, shared with torch's kernel and the GEMM path): blocks
+ * of B (64 with torch's AVX512 packing, 32 with its AVX2 one) output channels, codes [N / B][K][B / 2] bytes,
+ * byte (k, d) holding channel d of the block in its low nibble and channel B / 2 + d in its high one; tab
+ * [G][N] (d | z << 16, bfloat16 each). Lanes are output channels and each output sums k = 0 .. K - 1 in order,
+ * acc = fmaf(x_k, w_k, acc): int4pack_mm's AVX512 arithmetic, bit for bit, on every path here. From
+ * Q4P_DEQUANT_ROWS rows of x the AVX512 path dequantizes a block's weights once per call into an L1/L2 tile and
+ * runs the FMAs from it (the same values in the same order).
+ * q8 (w int8 [N, K], ws [N]) lane orders: AVX512 lane l sums inputs 16 t + l in order of t, then
+ * _mm512_reduce_add_ps (int8pack_mm's AVX512 order); AVX2 8 lanes over 8 t + l, reduced as int8pack_mm's AVX2
+ * kernel reduces (halves, then pairs 0x4E, then 0xB1); scalar one sum over k in order.
+ * vdpbf16ps (avx512_bf16) is not used: it multiplies bfloat16 by bfloat16, and the dequantized weights are not
+ * bfloat16 values, so it would round them. */
+#define Q4P_DEQUANT_ROWS 32
+
+static inline float round_bf16(float v) {
+    union { float f; uint32_t u; } c = {v};
+    if ((c.u & 0x7FFFFFFFu) > 0x7F800000u) { c.u = 0x7FC00000u; return c.f; }
+    c.u = (c.u + 0x7FFFu + ((c.u >> 16) & 1u)) & 0xFFFF0000u;
+    return c.f;
+}
+
+#define NC 2          /* weight rows per tile of the q8 bfloat16 kernels (each weight read once per tile) */
+
+static void q4p_scalar(const uint8_t *codes, const uint32_t *tab, const float *xb, int64_t K, int64_t N, int B,
+                       int64_t n, int64_t i, float *y) {
+    const int64_t half = B / 2, c = n % B;
+    const uint8_t *cb = codes + n / B * K * half + c % half;
+    const int hi = c >= half;
+    float acc = 0.0f;
+    for (int64_t k = 0; k < K; k++) {
+        uint8_t b = cb[k * half];
+        uint32_t t = tab[k / 32 * N + n];
+        acc = fmaf(xb[i * K + k], fmaf((float)((hi ? b >> 4 : b & 15) - 8), bf16_lo(t), bf16_hi(t)), acc);
+    }
+    *y = acc;
+}
+
+static void q8b_scalar(const int8_t *w, const float *ws, const float *xb, int64_t n, int64_t i, int64_t K,
+                       float *y) {
+    const int8_t *wr = w + n * K;
+    const float *xr = xb + i * K;
+    float acc = 0.0f;
+    for (int64_t k = 0; k < K; k++) acc = fmaf(xr[k], (float)wr[k] * ws[n], acc);
+    *y = acc;
+}
+
+#if PD_X86
+/* int8pack_mm's AVX2 reduction order. */
+AVX2_TARGET static inline float hsum256_pairs(__m256 v) {
+    v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 0x1));
+    v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0x4E));
+    v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0xB1));
+    return _mm256_cvtss_f32(v);
+}
+
+/* Channels n0 .. n0 + 15 (n0 % 16 == 0) of a q4 block against rows i0 .. i0 + R - 1: two 8-lane slices. */
+AVX2_TARGET static inline __attribute__((always_inline)) void q4p_avx2_tile(
+        const uint8_t *codes, const uint32_t *tab, const float *xb, int64_t K, int64_t N, int B, int64_t n0,
+        int64_t i0, const int R, int round_out, float *y) {
+    const int64_t half = B / 2, c0 = n0 % B;
+    const uint8_t *cb = codes + n0 / B * K * half;
+    const int64_t off[2] = {c0 % half, (c0 + 8) % half};
+    const int hi[2] = {c0 >= half, c0 + 8 >= half};
+    const __m256i low = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256 acc[MT][2], d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, z[2] = {d[0], d[0]};
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        if (!(k & 31))
+            for (int j = 0; j < 2; j++) {
+                __m256i t = _mm256_loadu_si256((const __m256i *)(tab + k / 32 * N + n0 + 8 * j));
+                d[j] = _mm256_castsi256_ps(_mm256_slli_epi32(t, 16));
+                z[j] = _mm256_castsi256_ps(_mm256_and_si256(t, high));
+            }
+        const uint8_t *bp = cb + k * half;
+        if (!(k & 3)) _mm_prefetch((const char *)bp + PREFETCH_BYTES, _MM_HINT_T0);
+        __m256 w[2];
+        for (int j = 0; j < 2; j++) {
+            __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bp + off[j])));
+            v = hi[j] ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, low);
+            w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(v, eight)), d[j], z[j]);
+        }
+        for (int r = 0; r < R; r++) {
+            __m256 xv = _mm256_set1_ps(xb[(i0 + r) * K + k]);
+            acc[r][0] = _mm256_fmadd_ps(xv, w[0], acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xv, w[1], acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 2; j++) {
+            float out[8];
+            _mm256_storeu_ps(out, acc[r][j]);
+            for (int l = 0; l < 8; l++) y[(i0 + r) * N + n0 + 8 * j + l] = round_out ? round_bf16(out[l]) : out[l];
+        }
+}
+
+#define CALL_Q4P_AVX2(r) q4p_avx2_tile(codes, tab, xb, K, N, B, n0, i0, r, round_out, y)
+AVX2_TARGET static void q4p_avx2(const uint8_t *codes, const uint32_t *tab, const float *xb, int64_t K, int64_t N,
+                                 int B, int64_t n0, int64_t i0, int R, int round_out, float *y) {
+    switch (R) { case 1: CALL_Q4P_AVX2(1); break; case 2: CALL_Q4P_AVX2(2); break;
+                 case 3: CALL_Q4P_AVX2(3); break; default: CALL_Q4P_AVX2(4); break; }
+}
+
+AVX2_TARGET static inline __attribute__((always_inline)) void q8b_avx2_tile(
+        const int8_t *w, const float *ws, const float *xb, int64_t XS, int64_t n, const int C, int64_t i0, const int R,
+        int64_t K, int64_t N, int round_out, float *y) {
+    __m256 acc[NC][MT];
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) acc[c][r] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        for (int c = 0; c < C; c++) {
+            const int8_t *wp = w + (n + c) * K + k;
+            if (!(k & 63)) _mm_prefetch((const char *)wp + PREFETCH_BYTES, _MM_HINT_T0);
+            __m256 wv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)wp))),
+                                      _mm256_set1_ps(ws[n + c]));
+            for (int r = 0; r < R; r++)
+                acc[c][r] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + (i0 + r) * XS + k), wv, acc[c][r]);
+        }
+    }
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) {
+            float v = hsum256_pairs(acc[c][r]);
+            y[(i0 + r) * N + n + c] = round_out ? round_bf16(v) : v;
+        }
+}
+
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx2,fma")))
+
+AVX512_TARGET static inline __m512 round_bf16_512(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(r), _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
+}
+
+/* The dequantized weights of channels n0 + 16 j .. + 15 (j < B / 16) at input k, from its code bytes. */
+AVX512_TARGET static inline __attribute__((always_inline)) void q4p_avx512_weights(
+        const uint8_t *bp, const int B, const __m512 *d, const __m512 *z, __m512 *w) {
+    const __m512 codes_minus_8 = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);
+    __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bp));
+    if (B == 64) {
+        __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bp + 16)));
+        w[0] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v0, codes_minus_8), d[0], z[0]);
+        w[1] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v1, codes_minus_8), d[1], z[1]);
+        w[2] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), codes_minus_8), d[2], z[2]);
+        w[3] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), codes_minus_8), d[3], z[3]);
+    } else {
+        w[0] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v0, codes_minus_8), d[0], z[0]);
+        w[1] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), codes_minus_8), d[1], z[1]);
+    }
+}
+
+AVX512_TARGET static inline __attribute__((always_inline)) void q4p_avx512_table(
+        const uint32_t *tp, const int S, __m512 *d, __m512 *z) {
+    for (int j = 0; j < S; j++) {
+        __m512i t = _mm512_loadu_si512((const void *)(tp + 16 * j));
+        d[j] = _mm512_castsi512_ps(_mm512_slli_epi32(t, 16));
+        z[j] = _mm512_castsi512_ps(_mm512_and_si512(t, _mm512_set1_epi32((int)0xFFFF0000u)));
+    }
+}
+
+/* Block n0 (B channels) against rows i0 .. i0 + R - 1; W (when not NULL): the block's weights dequantized
+ * earlier, [K][B] float32, read instead of the codes. */
+AVX512_TARGET static inline __attribute__((always_inline)) void q4p_avx512_tile(
+        const uint8_t *codes, const uint32_t *tab, const float *W, const float *xb, int64_t K, int64_t N,
+        const int B, int64_t n0, int64_t i0, const int R, int round_out, float *y) {
+    const int S = B / 16;
+    const int64_t half = B / 2;
+    const uint8_t *cb = codes + n0 / B * K * half;
+    __m512 acc[MT][4], d[4], z[4], w[4];
+    for (int j = 0; j < 4; j++) d[j] = z[j] = _mm512_setzero_ps();  /* set at k = 0 when read (no W) */
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < S; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        if (W) {
+            for (int j = 0; j < S; j++) w[j] = _mm512_loadu_ps(W + k * B + 16 * j);
+        } else {
+            if (!(k & 31)) q4p_avx512_table(tab + k / 32 * N + n0, S, d, z);
+            if (!(k & 1)) _mm_prefetch((const char *)(cb + k * half) + PREFETCH_BYTES, _MM_HINT_T0);
+            q4p_avx512_weights(cb + k * half, B, d, z, w);
+        }
+        for (int r = 0; r < R; r++) {
+            __m512 xv = _mm512_set1_ps(xb[(i0 + r) * K + k]);
+            for (int j = 0; j < S; j++) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < S; j++)
+            _mm512_storeu_ps(y + (i0 + r) * N + n0 + 16 * j, round_out ? round_bf16_512(acc[r][j]) : acc[r][j]);
+}
+
+AVX512_TARGET static void q4p_avx512_dequant(const uint8_t *codes, const uint32_t *tab, int64_t K, int64_t N,
+                                             const int B, int64_t n0, float *W) {
+    const int S = B / 16;
+    const int64_t half = B / 2;
+    const uint8_t *cb = codes + n0 / B * K * half;
+    __m512 d[4], z[4], w[4];
+    for (int64_t k = 0; k < K; k++) {
+        if (!(k & 31)) q4p_avx512_table(tab + k / 32 * N + n0, S, d, z);
+        q4p_avx512_weights(cb + k * half, B, d, z, w);
+        for (int j = 0; j < S; j++) _mm512_storeu_ps(W + k * B + 16 * j, w[j]);
+    }
+}
+
+#define CALL_Q4P(b, r) q4p_avx512_tile(codes, tab, W, xb, K, N, b, n0, i0, r, round_out, y)
+AVX512_TARGET static void q4p_avx512(const uint8_t *codes, const uint32_t *tab, const float *W, const float *xb,
+                                     int64_t K, int64_t N, int B, int64_t n0, int64_t i0, int R, int round_out,
+                                     float *y) {
+    if (B == 64) {
+        switch (R) { case 1: CALL_Q4P(64, 1); break; case 2: CALL_Q4P(64, 2); break;
+                     case 3: CALL_Q4P(64, 3); break; default: CALL_Q4P(64, 4); break; }
+    } else {
+        switch (R) { case 1: CALL_Q4P(32, 1); break; case 2: CALL_Q4P(32, 2); break;
+                     case 3: CALL_Q4P(32, 3); break; default: CALL_Q4P(32, 4); break; }
+    }
+}
+
+AVX512_TARGET static inline __attribute__((always_inline)) void q8b_avx512_tile(
+        const int8_t *w, const float *ws, const float *xb, int64_t XS, int64_t n, const int C, int64_t i0, const int R,
+        int64_t K, int64_t N, int round_out, float *y) {
+    __m512 acc[NC][MT];
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) acc[c][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        for (int c = 0; c < C; c++) {
+            const int8_t *wp = w + (n + c) * K + k;
+            if (!(k & 63)) _mm_prefetch((const char *)wp + PREFETCH_BYTES, _MM_HINT_T0);
+            __m512 wv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)wp))),
+                                      _mm512_set1_ps(ws[n + c]));
+            for (int r = 0; r < R; r++)
+                acc[c][r] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + (i0 + r) * XS + k), wv, acc[c][r]);
+        }
+    }
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) {
+            float v = _mm512_reduce_add_ps(acc[c][r]);
+            y[(i0 + r) * N + n + c] = round_out ? round_bf16(v) : v;
+        }
+}
+
+/* The (C, R) variants of a q8 tile, C weight rows and R x rows compile-time constants (registers). */
+#define PD_TILE_CASES(CALL)                                                                                   \
+    case 0: CALL(1, 1); break; case 1: CALL(1, 2); break; case 2: CALL(1, 3); break; case 3: CALL(1, 4); break; \
+    case 4: CALL(2, 1); break; case 5: CALL(2, 2); break; case 6: CALL(2, 3); break; default: CALL(2, 4); break;
+
+#define PD_TILE_FN(name, target, ...)                                                                        \
+    target static void name(const int8_t *w, const float *ws, const float *xb, int64_t n, int C, int64_t i0,   \
+                            int R, int64_t K, int64_t N, int round_out, float *y) {                          \
+        switch (4 * (C - 1) + R - 1) { PD_TILE_CASES(__VA_ARGS__) }                                          \
+    }
+#define CALL_Q8B_AVX512(c, r) q8b_avx512_tile(w, ws, xb, K, n, c, i0, r, K, N, round_out, y)
+#define CALL_Q8B_AVX2(c, r) q8b_avx2_tile(w, ws, xb, K, n, c, i0, r, K, N, round_out, y)
+PD_TILE_FN(q8b_avx512, AVX512_TARGET, CALL_Q8B_AVX512)
+PD_TILE_FN(q8b_avx2, AVX2_TARGET, CALL_Q8B_AVX2)
+#endif
+
 /* ------------------------------------------------------------------------------------------------ entry points */
 /* Best ISA this CPU runs (2, 1 or 0, as above). */
 int pd_best_isa(void) {
@@ -306,8 +573,18 @@ int pd_best_isa(void) {
     return 0;
 }
 
-static int clamp_isa(int isa) {
-    int best = pd_best_isa();
+/* Best ISA the bfloat16-activation kernels run on this CPU: 2 with avx512f/bw (no VNNI needed), 1 with
+ * AVX2 + FMA, else 0. */
+int pd_bf16_best_isa(void) {
+#if PD_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+#endif
+    return 0;
+}
+
+static int clamp_isa(int isa, int best) {
     return isa < 0 || isa > best ? best : isa;
 }
 
@@ -315,11 +592,13 @@ static int clamp_isa(int isa) {
 struct job {
     int q8, isa, quads;          /* quads: x in the AVX512 q4 layout (quant_row) */
     const float *x;
-    int64_t M, K, G, N, XS;      /* XS: bytes per quantized x row */
+    int64_t M, K, G, N, XS;      /* XS: x row stride in the scratch (bytes of xq, floats of xb) */
     const void *w, *table;       /* q4: codes, sz; q8: w, ws */
     float *y;
     int8_t *xq; float *dx, *sx;
     int32_t *corr; float *dxp;   /* q8 AVX512 only */
+    float *xb; int round_out;    /* bfloat16 kernels: x rounded to bfloat16, whether y is */
+    int B;                       /* q4-bf16: output channels per block of int4pack's layout */
 };
 
 /* Run fn over 0 .. count - 1 on nthreads OpenMP threads; a single thread calls it directly (no parallel region:
@@ -382,7 +661,8 @@ static void run_block(const struct job *j, int64_t b) {
 /* Quantize x into the thread's scratch, then run every block. Returns the ISA used, or -1 when out of memory. */
 static int run(int q8, const float *x, int64_t M, int64_t K, const void *w, const void *table, int64_t N, float *y,
                int nthreads, int isa) {
-    struct job j = {q8, clamp_isa(isa), 0, x, M, K, K / 32, N, K, w, table, y, NULL, NULL, NULL, NULL, NULL};
+    struct job j = {q8, clamp_isa(isa, pd_best_isa()), 0, x, M, K, K / 32, N, K, w, table, y, NULL, NULL, NULL,
+                    NULL, NULL, NULL, 0, 0};
     j.quads = !q8 && j.isa == 2;
     if (j.quads) j.XS = quad_bytes(K);
     int with_corr = q8 && j.isa == 2;
@@ -401,6 +681,102 @@ static int run(int q8, const float *x, int64_t M, int64_t K, const void *w, cons
     for_each(quant_one, &j, M, M >= 8 ? nthreads : 1);
     for_each(run_block, &j, (N + NB - 1) / NB, nthreads);
     return j.isa;
+}
+
+static void round_one(const struct job *j, int64_t i) {
+    for (int64_t k = 0; k < j->K; k++) j->xb[i * j->K + k] = round_bf16(j->x[i * j->K + k]);
+}
+
+/* q8-bf16 over weight rows b * NB .. (b + 1) * NB - 1: MT rows of x per pass, NC weight rows per tile. */
+static void run_block_q8b(const struct job *j, int64_t b) {
+    const int64_t M = j->M, K = j->K, N = j->N;
+    const int64_t n1 = (b + 1) * NB < N ? (b + 1) * NB : N;
+    for (int64_t i0 = 0; i0 < M; i0 += MT) {
+        int R = M - i0 < MT ? (int)(M - i0) : MT;
+        int C;
+        for (int64_t n = b * NB; n < n1; n += C) {
+            C = n1 - n < NC ? (int)(n1 - n) : NC;
+#if PD_X86
+            if (j->isa == 2) { q8b_avx512(j->w, j->table, j->xb, n, C, i0, R, K, N, j->round_out, j->y); continue; }
+            if (j->isa == 1) { q8b_avx2(j->w, j->table, j->xb, n, C, i0, R, K, N, j->round_out, j->y); continue; }
+#endif
+            for (int c = 0; c < C; c++)
+                for (int r = 0; r < R; r++) {
+                    float *out = j->y + (i0 + r) * N + n + c;
+                    q8b_scalar(j->w, j->table, j->xb, n + c, i0 + r, K, out);
+                    if (j->round_out) *out = round_bf16(*out);
+                }
+        }
+    }
+}
+
+/* The thread's tile of dequantized q4 weights (q4p_avx512_dequant): grown, never shrunk. */
+static __thread float *wtile = NULL;
+static __thread size_t wtile_size = 0;
+
+/* q4-bf16 over block b (channels b * B .. + B - 1) against every row of x, MT rows per pass. */
+static void run_block_q4p(const struct job *j, int64_t b) {
+    const int64_t M = j->M, K = j->K, N = j->N, n0 = b * j->B;
+    const uint8_t *codes = j->w;
+    const uint32_t *tab = j->table;
+    for (int64_t i0 = 0; i0 < M; i0 += MT) {
+        int R = M - i0 < MT ? (int)(M - i0) : MT;
+#if PD_X86
+        if (j->isa == 2) {
+            const float *W = NULL;
+            if (M >= Q4P_DEQUANT_ROWS) {
+                size_t need = (size_t)(K * j->B) * sizeof(float);
+                if (need > wtile_size) {
+                    free(wtile);
+                    wtile = aligned_alloc(64, (need + 63) / 64 * 64);
+                    wtile_size = wtile ? need : 0;
+                }
+                if (wtile && i0 == 0) q4p_avx512_dequant(codes, tab, K, N, j->B, n0, wtile);
+                W = wtile;  /* NULL when out of memory: the codes are read instead (the same values) */
+            }
+            q4p_avx512(codes, tab, W, j->xb, K, N, j->B, n0, i0, R, j->round_out, j->y);
+            continue;
+        }
+        if (j->isa == 1) {
+            for (int64_t n = n0; n < n0 + j->B; n += 16)
+                q4p_avx2(codes, tab, j->xb, K, N, j->B, n, i0, R, j->round_out, j->y);
+            continue;
+        }
+#endif
+        for (int r = 0; r < R; r++)
+            for (int64_t n = n0; n < n0 + j->B; n++) {
+                float *out = j->y + (i0 + r) * N + n;
+                q4p_scalar(codes, tab, j->xb, K, N, j->B, n, i0 + r, out);
+                if (j->round_out) *out = round_bf16(*out);
+            }
+    }
+}
+
+static int run_bf16(int q8, const float *x, int64_t M, int64_t K, const void *w, const void *table, int64_t N, int B,
+                    float *y, int nthreads, int isa, int round_out) {
+    struct job j = {q8, clamp_isa(isa, pd_bf16_best_isa()), 0, x, M, K, K / 32, N, K, w, table, y, NULL, NULL, NULL,
+                    NULL, NULL, NULL, round_out, B};
+    j.xb = get_scratch((size_t)(M * K + 16) * sizeof(float));
+    if (!j.xb) return -1;
+    for_each(round_one, &j, M, M >= 8 ? nthreads : 1);
+    if (q8) for_each(run_block_q8b, &j, (N + NB - 1) / NB, nthreads);
+    else for_each(run_block_q4p, &j, N / B, nthreads);
+    return j.isa;
+}
+
+/* y [M, N] float32 = bf16(x) @ W.T for W[n, k] = (q - 8) * d + z in int4pack_mm's layout (codes [N / B][K][B / 2],
+ * tab [K / 32][N]; section "bfloat16 x"), B 64 or 32, N % B == 0, K % 32 == 0; rounded to bfloat16 values when
+ * round_out. Returns the ISA used, or -1 when out of memory. */
+int pd_q4_bf16_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint32_t *tab, int64_t N,
+                      int B, float *y, int nthreads, int isa, int round_out) {
+    return run_bf16(0, x, M, K, codes, tab, N, B, y, nthreads, isa, round_out);
+}
+
+/* y [M, N] float32 = bf16(x) @ (w * ws[:, None]).T (w, ws as for pd_q8_matmul), rounded to bfloat16 values
+ * when round_out; K % 32 == 0. Returns the ISA used, or -1 when out of memory. */
+int pd_q8_bf16_matmul(const float *x, int64_t M, int64_t K, const int8_t *w, const float *ws, int64_t N, float *y,
+                      int nthreads, int isa, int round_out) {
+    return run_bf16(1, x, M, K, w, ws, N, 0, y, nthreads, isa, round_out);
 }
 
 /* y [M, N] float32 = x [M, K] float32 @ W.T for the q4 weights above (codes [N, K / 2], sz [N, K / 32]).

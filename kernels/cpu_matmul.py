@@ -1,18 +1,28 @@
-"""Native CPU matmuls over 4-bit and int8 weights with int8-quantized activations (kernels/cpu_matmul.c).
+"""Native CPU matmuls over 4-bit and int8 weights (kernels/cpu_matmul.c), on int8-quantized or bfloat16 activations.
 
-The C source (its header comment is the exact arithmetic) is compiled on first use by kernels.native_build
-(-O3 -fopenmp; one ISA per function picked at run time: AVX512-VNNI, AVX2, scalar). No compiler, a failed build
+The C source (its header comments are the exact arithmetic) is compiled on first use by kernels.native_build
+(-O3 -fopenmp; one ISA per function picked at run time: AVX512, AVX2, scalar). No compiler, a failed build
 or a failed load logs one warning and `available()` is False: engine.quant then keeps the torch kernels.
 
-    q4_matmul(x, codes, scale_zero)   x [M, K] float32, codes [N, K // 2] uint8 (GGML Q4 order per 32),
-                                      scale_zero [N, K // 32, 2] bfloat16 (scale, zero) -> [M, N] float32
-    q8_matmul(x, qweight, scale)      x [M, K] float32, qweight [N, K] int8, scale [N] float32 -> [M, N] float32
+    q4_matmul(x, codes, scale_zero)       x [M, K] float32, codes [N, K // 2] uint8 (GGML Q4 order per 32),
+                                          scale_zero [N, K // 32, 2] bfloat16 (scale, zero) -> [M, N] float32
+    q8_matmul(x, qweight, scale)          x [M, K] float32, qweight [N, K] int8, scale [N] float32 -> [M, N] float32
+    q4_bf16_matmul(x, packed, scale_zero, block_rows)
+                                          x [M, K] float32, packed [N, K // 2] uint8 in int4pack_mm's layout
+                                          (blocks of block_rows = 64 or 32 output channels), scale_zero
+                                          [K // 32, N, 2] bfloat16 (int4pack_mm's table) -> [M, N] float32
+    q8_bf16_matmul(x, qweight, scale)     q8_matmul's operands, bfloat16 activations
 
-Both quantize each row of x to int8 per 32 inputs inside the kernel (llama.cpp's Q8_0 activations), so results
-differ from the float matmul by that rounding (measured on the default model's layer 0: 0.55-0.6% relative error
-on the layers, 0.06% on the LM head), and each row of the result depends on that
-row of x only (batch invariant). Threads: torch.get_num_threads() unless `nthreads` is given; `isa` forces a
-path (ISA_SCALAR, ISA_AVX2, ISA_AVX512_VNNI; a path the CPU lacks falls back to the best it has).
+Kinds "q4" / "q8" quantize each row of x to int8 per 32 inputs inside the kernel (llama.cpp's Q8_0 activations),
+so results differ from the float matmul by that rounding (measured on the default model's layer 0: 0.55-0.6%
+relative error on the layers, 0.06% on the LM head). Kinds "q4-bf16" / "q8-bf16" compute what torch's
+`_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm` compute, from the same weights: x rounded to bfloat16,
+each weight dequantized exactly in float32 ((q - 8) * scale + zero; q * scale), float32 FMA sums, the output
+rounded to bfloat16 values (returned as float32). q4-bf16 reads int4pack_mm's own layout and sums in its AVX512
+order (bit for bit that kernel's output, on every path here); q8-bf16 sums in int8pack_mm's AVX512 / AVX2 order on those paths. Every kind computes each row of the result from that row of x only (batch invariant),
+and the same on any number of threads. Threads: torch.get_num_threads() unless `nthreads` is given; `isa`
+forces a path (ISA_SCALAR, ISA_AVX2, ISA_AVX512; a path the CPU lacks falls back to the best it has). ISA_AVX512
+is avx512f/bw/vl/dq + VNNI for the int8-activation kinds, avx512f/bw for the bfloat16 ones (`best_isa(kind)`).
 """
 
 from __future__ import annotations
@@ -32,8 +42,11 @@ SOURCE = Path(__file__).with_name("cpu_matmul.c")
 GROUP = 32
 """Inputs per activation (and 4-bit weight) scale."""
 
-ISA_SCALAR, ISA_AVX2, ISA_AVX512_VNNI = 0, 1, 2
-ISA_NAMES = {ISA_SCALAR: "scalar", ISA_AVX2: "avx2", ISA_AVX512_VNNI: "avx512-vnni"}
+KINDS = ("q4", "q8", "q4-bf16", "q8-bf16")
+"""NativeMatmul kinds: 4-bit or int8 weights, int8 (no suffix) or bfloat16 (-bf16) activations."""
+
+ISA_SCALAR, ISA_AVX2, ISA_AVX512 = 0, 1, 2
+ISA_NAMES = {ISA_SCALAR: "scalar", ISA_AVX2: "avx2", ISA_AVX512: "avx512"}
 ISA_BEST = -1
 
 
@@ -44,12 +57,18 @@ def library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.pd_best_isa.restype = ctypes.c_int
-    lib.pd_best_isa.argtypes = []
+    for fn in (lib.pd_best_isa, lib.pd_bf16_best_isa):
+        fn.restype = ctypes.c_int
+        fn.argtypes = []
     for fn in (lib.pd_q4_matmul, lib.pd_q8_matmul):
         fn.restype = ctypes.c_int
         fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
-    log.info("native CPU matmul kernels: %s", ISA_NAMES[lib.pd_best_isa()])
+    lib.pd_q4_bf16_matmul.restype = lib.pd_q8_bf16_matmul.restype = ctypes.c_int
+    lib.pd_q4_bf16_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_int, ptr, ctypes.c_int, ctypes.c_int,
+                                      ctypes.c_int]
+    lib.pd_q8_bf16_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    log.info("native CPU matmul kernels: int8 activations %s, bfloat16 activations %s",
+             ISA_NAMES[lib.pd_best_isa()], ISA_NAMES[lib.pd_bf16_best_isa()])
     return lib
 
 
@@ -58,9 +77,10 @@ def available() -> bool:
     return library() is not None
 
 
-def best_isa() -> int:
-    """The fastest path this CPU runs (ISA_*); RuntimeError when the library is unavailable."""
-    return _lib().pd_best_isa()
+def best_isa(kind: str = "q4") -> int:
+    """The fastest path this CPU runs for `kind` (ISA_*); RuntimeError when the library is unavailable."""
+    lib = _lib()
+    return lib.pd_bf16_best_isa() if kind.endswith("-bf16") else lib.pd_best_isa()
 
 
 def _lib() -> ctypes.CDLL:
@@ -77,28 +97,40 @@ def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...
 
 
 class NativeMatmul:
-    """One weight's matmul, validated once: `(x)` -> [M, N] float32 (the hot path checks only x)."""
+    """One weight's matmul, validated once: `(x)` -> [M, N] float32 (the hot path checks only x). `round_output`
+    (bfloat16 kinds only; default True, what torch's kernels return) rounds the result to bfloat16 values."""
 
-    def __init__(self, kind: str, weight: torch.Tensor, table: torch.Tensor, *, isa: int = ISA_BEST) -> None:
+    def __init__(self, kind: str, weight: torch.Tensor, table: torch.Tensor, *, isa: int = ISA_BEST,
+                 round_output: bool = True, block_rows: int = 0) -> None:
         if kind == "q4":
             out_features, half = weight.shape
             in_features = 2 * half
             shapes = (("codes", torch.uint8, (out_features, half)),
                       ("scale_zero", torch.bfloat16, (out_features, in_features // GROUP, 2)))
-        elif kind == "q8":
+        elif kind == "q4-bf16":
+            out_features, half = weight.shape
+            in_features = 2 * half
+            if block_rows not in (32, 64) or out_features % block_rows:
+                raise ValueError(f"block_rows must be 32 or 64 and divide the {out_features} rows, got {block_rows}")
+            shapes = (("packed", torch.uint8, (out_features, half)),
+                      ("scale_zero", torch.bfloat16, (in_features // GROUP, out_features, 2)))
+        elif kind in ("q8", "q8-bf16"):
             out_features, in_features = weight.shape
             shapes = (("qweight", torch.int8, (out_features, in_features)), ("scale", torch.float32, (out_features,)))
         else:
-            raise ValueError(f"kind must be 'q4' or 'q8', got {kind!r}")
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         if in_features % GROUP:
             raise ValueError(f"{shapes[0][0]}' row width {in_features} is not a multiple of {GROUP}")
         for (name, dtype, shape), t in zip(shapes, (weight, table)):
             _check(name, t, dtype, shape)
         lib = _lib()
-        self._fn = lib.pd_q4_matmul if kind == "q4" else lib.pd_q8_matmul
+        self._fn = {"q4": lib.pd_q4_matmul, "q8": lib.pd_q8_matmul, "q4-bf16": lib.pd_q4_bf16_matmul,
+                    "q8-bf16": lib.pd_q8_bf16_matmul}[kind]
+        self._block = (block_rows,) if kind == "q4-bf16" else ()            # q4-bf16's layout
+        self._extra = (int(round_output),) if kind.endswith("-bf16") else ()  # the bfloat16 kernels' round_out
         self._weight, self._table = weight, table  # kept alive: the kernel reads their memory
         self._ptrs = (weight.data_ptr(), table.data_ptr())
-        self.in_features, self.out_features, self.isa = in_features, out_features, isa
+        self.kind, self.in_features, self.out_features, self.isa = kind, in_features, out_features, isa
 
     def __call__(self, x: torch.Tensor, nthreads: int | None = None) -> torch.Tensor:
         # x: [M, in] (any float dtype; made contiguous float32) -> [M, out] float32. The hot path (a contiguous
@@ -109,9 +141,9 @@ class NativeMatmul:
         if k != self.in_features:
             raise ValueError(f"x must be a CPU [M, {self.in_features}] tensor, got {list(x.shape)}")
         y = torch.empty(m, self.out_features)
-        if m and self._fn(x.data_ptr(), m, k, self._ptrs[0], self._ptrs[1], self.out_features, y.data_ptr(),
-                          nthreads or torch.get_num_threads(), self.isa) < 0:
-            raise MemoryError("native CPU matmul: out of memory for the quantized activations")
+        if m and self._fn(x.data_ptr(), m, k, self._ptrs[0], self._ptrs[1], self.out_features, *self._block,
+                          y.data_ptr(), nthreads or torch.get_num_threads(), self.isa, *self._extra) < 0:
+            raise MemoryError("native CPU matmul: out of memory for the activation scratch")
         return y
 
     def _prepared(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,3 +164,17 @@ def q8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, *, nt
               isa: int = ISA_BEST) -> torch.Tensor:
     """x [M, K] @ (qweight * scale[:, None]).T with int8 qweight in [-127, 127]: [M, N] float32."""
     return NativeMatmul("q8", qweight, scale, isa=isa)(x, nthreads)
+
+
+def q4_bf16_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, block_rows: int, *,
+                   nthreads: int | None = None, isa: int = ISA_BEST, round_output: bool = True) -> torch.Tensor:
+    """bf16(x) [M, K] @ W.T over int4pack_mm's weights (packed, scale_zero, its block_rows): int4pack_mm's
+    values, [M, N] float32 (rounded to bfloat16 values unless round_output is False)."""
+    return NativeMatmul("q4-bf16", packed, scale_zero, isa=isa, round_output=round_output,
+                        block_rows=block_rows)(x, nthreads)
+
+
+def q8_bf16_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, *, nthreads: int | None = None,
+                   isa: int = ISA_BEST, round_output: bool = True) -> torch.Tensor:
+    """bf16(x) [M, K] @ (qweight * scale[:, None]).T, float32 sums, rounded to bfloat16 values: [M, N] float32."""
+    return NativeMatmul("q8-bf16", qweight, scale, isa=isa, round_output=round_output)(x, nthreads)

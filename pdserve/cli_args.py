@@ -126,8 +126,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
              "multiplied straight from its codes (about 1/5 the memory of float32 for a Q4 file, faster batch-1 "
              "decode on CPU, bfloat16 activations; the default); --no-keep-quantized-weights dequantizes them to "
              "--dtype at load", action=argparse.BooleanOptionalAction),
-        _arg(g, E, "cpu_matmul", "CPU kernels of int4/int8 linears: torch (int4pack/int8pack_mm) or native "
-             "(built on first use with the system C compiler; int8 activations per 32, AVX512-VNNI/AVX2)",
+        _arg(g, E, "cpu_matmul", "CPU kernels of int4/int8 linears: torch (int4pack/int8pack_mm), native "
+             "(built on first use with the system C compiler; int8 activations per 32, AVX512-VNNI/AVX2) or "
+             "native-bf16 (the same build; torch's arithmetic: bfloat16 activations, float32 sums)",
              choices=CPU_MATMULS),
         _arg(g, E, "device", "torch device: cpu, cuda, cuda:1"),
         _arg(g, E, "max_model_len", "longest prompt + completion in tokens (default: the model's)", type=int),
