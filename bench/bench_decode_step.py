@@ -5,8 +5,9 @@ compiled decode step (engine.compiled_step) saves against the eager one.
         [--compiled-batch-sizes 1,32] [--quantizations float32,int8,int4] [--repeats 30] [--no-breakdown]
         [--eager-only] [--llama-server PATH]
 
-Encodings: float32, int8, int4, and int8-native / int4-native (the same with EngineConfig.cpu_matmul="native",
-kernels.cpu_matmul). --eager-only skips compiling: the table then has the eager steps only, each batch-1 row
+Encodings (ENCODINGS): float32, int8 / int4 on torch's kernels, int8-native / int4-native
+(EngineConfig.cpu_matmul="native", kernels.cpu_matmul on int8 activations) and int8-native-bf16 /
+int4-native-bf16 ("native-bf16", the default: the same library on bfloat16 activations). --eager-only skips compiling: the table then has the eager steps only, each batch-1 row
 as a ratio to llama-server's (measured before and after pdserve's rows, the best of both).
 
 Compiled table: one engine per weight encoding, compiled for each of --compiled-batch-sizes at start-up (the
