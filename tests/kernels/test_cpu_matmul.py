@@ -40,10 +40,9 @@ def llm(default_model_path):
                keep_quantized_weights=True, cpu_matmul="native")
 
 
-@pytest.fixture(scope="module")
-def layer0(llm):
-    """name -> (linear, rows, x): the default model's real layer shapes over its layer-0 weights, with
-    inference-mode activations (normed embeddings of a real prompt; SiLU(gate) * up of those for down)."""
+def layer0_activations(llm):
+    """(model, layer 0, x [7, 576], x_down [7, 1536]): inference-mode activations of a real prompt at layer 0's
+    inputs (its normed embeddings; SiLU(gate) * up of those, the down projection's input)."""
     model = llm.engine.runner.model
     layer = model.layers[0]
     ids = torch.tensor(llm.tokenizer.encode("The capital of France is Paris, and the river is the Seine."))[:7]
@@ -52,6 +51,14 @@ def layer0(llm):
         x = F.rms_norm(h, (h.shape[1],), eps=1e-5)
         gate, up = (x @ layer.gate_up.dequantize().t()).chunk(2, dim=-1)
         x_down = F.silu(gate) * up                                                   # [7, 1536]
+    return model, layer, x, x_down
+
+
+@pytest.fixture(scope="module")
+def layer0(llm):
+    """name -> (linear, rows, x): the default model's real layer shapes over its layer-0 weights, with
+    inference-mode activations (normed embeddings of a real prompt; SiLU(gate) * up of those for down)."""
+    model, layer, x, x_down = layer0_activations(llm)
     return {"q 576x576": (layer.qkv, slice(0, 576), x), "k 192x576": (layer.qkv, slice(576, 768), x),
             "gate 1536x576": (layer.gate_up, slice(0, 1536), x), "down 576x1536": (layer.down, slice(None), x_down),
             "o 576x576": (layer.o, slice(None), x), "lm_head 49152x576": (model.lm_head, slice(None), x)}

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine.quant import Int4Linear, Int8Linear
 from engine.sampling_params import SamplingParams
 from kernels import cpu_matmul as cm
 from tests.batching import assert_same_alone_as_batched
+from tests.kernels.test_cpu_matmul import layer0_activations
 
 pytestmark = pytest.mark.skipif(not cm.available(), reason="native CPU matmul kernels could not be built here")
 ISAS = [cm.ISA_SCALAR, cm.ISA_AVX2, cm.ISA_AVX512]
@@ -57,14 +57,7 @@ def llm_torch(default_model_path, kept):
 def layer0(llm):
     """name -> (kind, weight, table, x): the default model's real shapes over its layer-0 Q4_1 codes and its Q8_0
     LM head, with inference-mode activations (normed embeddings of a real prompt; SiLU(gate) * up for down)."""
-    model = llm.engine.runner.model
-    layer = model.layers[0]
-    ids = torch.tensor(llm.tokenizer.encode("The capital of France is Paris, and the river is the Seine."))[:7]
-    with torch.inference_mode():
-        h = model.embed.embed(ids)                                                   # [7, 576]
-        x = F.rms_norm(h, (h.shape[1],), eps=1e-5)
-        gate, up = (x @ layer.gate_up.dequantize().t()).chunk(2, dim=-1)
-        x_down = F.silu(gate) * up                                                   # [7, 1536]
+    model, layer, x, x_down = layer0_activations(llm)
 
     def q4(linear, start, stop, x):
         """Rows start .. stop - 1 (whole blocks) of an Int4Linear's int4pack layout, and their float32 weights."""
