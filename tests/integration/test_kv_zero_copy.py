@@ -210,14 +210,25 @@ def test_an_old_receiver_refuses_the_probe_and_keeps_the_pooled_path(kv_served, 
     assert [r[0] for r in receiver.committed] == ["old-0", "old-1"]
 
 
-def _sender_process(layout, seed: int, request_ids: list[str], endpoint: str) -> subprocess.Popen:
+def _sender_process(layout, seed: int, request_ids: list[str], endpoint: str,
+                    stop_before_trailer: str | None = None) -> subprocess.Popen:
     """A prefill worker's sending side in its own process: a shared cache filled with source_cache(seed),
-    pushing SRC_IDS for each request id in turn (dst blocks by request id prefix), printing after each."""
+    pushing SRC_IDS for each request id in turn (dst blocks by request id prefix), printing after each. The push
+    of `stop_before_trailer` sends its manifest and then hangs where it would hash the blocks for its trailer, so
+    that a kill always lands mid-push (a trailer already sent would complete the transfer, rightly)."""
     code = f"""
-        import sys, torch
+        import sys, time, torch
+        import kvstore.kv_sender
         from kvstore.shm_cache import SharedKvCache
         from kvstore.kv_sender import KvSender
         from tests.integration.test_kv_transfer import layout_of, source_cache
+        hashed = kvstore.kv_sender.block_digests_in_place
+        def digests(cache, block_ids, pushes=[0]):
+            pushes[0] += 1
+            if {request_ids!r}[pushes[0] - 1] == {stop_before_trailer!r}:
+                time.sleep(3600)
+            return hashed(cache, block_ids)
+        kvstore.kv_sender.block_digests_in_place = digests
         CACHE_BLOCKS, SRC_IDS, DST = {CACHE_BLOCKS}, {SRC_IDS!r}, { {r: dst_ids_for(r) for r in request_ids}!r}
         layout = layout_of()
         cache = SharedKvCache(source_cache(layout, CACHE_BLOCKS).shape, torch.float32)
@@ -263,7 +274,7 @@ def test_a_sender_killed_mid_push_and_a_restarted_one(kv_served, layout):
 
     receiver.check = gated_check
 
-    first = _sender_process(layout, 1, ["ok-1", "ok-2", "victim"], endpoint)
+    first = _sender_process(layout, 1, ["ok-1", "ok-2", "victim"], endpoint, stop_before_trailer="victim")
     try:
         name = first.stdout.readline().strip()
         assert [first.stdout.readline().strip() for _ in range(2)] == ["cache", "cache"]
