@@ -438,38 +438,42 @@ AVX512_TARGET static inline __m512 round_bf16_512(__m512 v) {
     return _mm512_mask_blend_ps(nan, _mm512_castsi512_ps(r), _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
 }
 
-/* The dequantized weights of channels n0 + 16 j .. + 15 (j < B / 16) at input k, from its code bytes. */
+/* Channels n0 + 16 j .. + 15 of a q4 block are slice j (j < B / 16): for B = 64 the low nibbles of code bytes
+ * 16 (j % 2) .. + 15 for j < 2, their high nibbles for j >= 2; for B = 32 the low (j = 0) or high (j = 1)
+ * nibbles of bytes 0 .. 15. A work unit is slices s0 .. s0 + S - 1 of a block: the whole block, or one half
+ * (the channels of the low or of the high nibbles), so that threads can split a block between them. */
+#define Q4P_OFF(B, j) ((B) == 64 ? 16 * ((j) & 1) : 0)
+#define Q4P_SHIFT(B, j) ((B) == 64 ? 4 * ((j) >> 1) : 4 * (j))
+
+/* The dequantized weights of slices s0 .. s0 + S - 1 at input k (w[j - s0]), from its code bytes bp. */
 AVX512_TARGET static inline __attribute__((always_inline)) void q4p_avx512_weights(
-        const uint8_t *bp, const int B, const __m512 *d, const __m512 *z, __m512 *w) {
+        const uint8_t *bp, const int B, const int s0, const int S, const __m512 *d, const __m512 *z, __m512 *w) {
     const __m512 codes_minus_8 = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);
-    __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)bp));
-    if (B == 64) {
-        __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bp + 16)));
-        w[0] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v0, codes_minus_8), d[0], z[0]);
-        w[1] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v1, codes_minus_8), d[1], z[1]);
-        w[2] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), codes_minus_8), d[2], z[2]);
-        w[3] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), codes_minus_8), d[3], z[3]);
-    } else {
-        w[0] = _mm512_fmadd_ps(_mm512_permutexvar_ps(v0, codes_minus_8), d[0], z[0]);
-        w[1] = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), codes_minus_8), d[1], z[1]);
+    __m512i v[2];  /* the code bytes at offsets 0 and 16, zero-extended to 32 bits (those some slice reads) */
+    for (int o = 0; o < 2; o++)
+        for (int j = s0; j < s0 + S; j++)
+            if (Q4P_OFF(B, j) == 16 * o) { v[o] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bp + 16 * o))); break; }
+    for (int j = s0; j < s0 + S; j++) {
+        __m512i c = v[Q4P_OFF(B, j) / 16];
+        if (Q4P_SHIFT(B, j)) c = _mm512_srli_epi32(c, 4);  /* vpermps reads the low 4 bits of each index */
+        w[j - s0] = _mm512_fmadd_ps(_mm512_permutexvar_ps(c, codes_minus_8), d[j - s0], z[j - s0]);
     }
 }
 
 AVX512_TARGET static inline __attribute__((always_inline)) void q4p_avx512_table(
-        const uint32_t *tp, const int S, __m512 *d, __m512 *z) {
+        const uint32_t *tp, const int s0, const int S, __m512 *d, __m512 *z) {
     for (int j = 0; j < S; j++) {
-        __m512i t = _mm512_loadu_si512((const void *)(tp + 16 * j));
+        __m512i t = _mm512_loadu_si512((const void *)(tp + 16 * (s0 + j)));
         d[j] = _mm512_castsi512_ps(_mm512_slli_epi32(t, 16));
         z[j] = _mm512_castsi512_ps(_mm512_and_si512(t, _mm512_set1_epi32((int)0xFFFF0000u)));
     }
 }
 
-/* Block n0 (B channels) against rows i0 .. i0 + R - 1; W (when not NULL): the block's weights dequantized
- * earlier, [K][B] float32, read instead of the codes. */
+/* Slices s0 .. s0 + S - 1 of block n0 (B channels) against rows i0 .. i0 + R - 1; W (when not NULL): those
+ * slices' weights dequantized earlier, [K][16 S] float32, read instead of the codes. */
 AVX512_TARGET static inline __attribute__((always_inline)) void q4p_avx512_tile(
         const uint8_t *codes, const uint32_t *tab, const float *W, const float *xb, int64_t K, int64_t N,
-        const int B, int64_t n0, int64_t i0, const int R, int round_out, float *y) {
-    const int S = B / 16;
+        const int B, int64_t n0, const int s0, const int S, int64_t i0, const int R, int round_out, float *y) {
     const int64_t half = B / 2;
     const uint8_t *cb = codes + n0 / B * K * half;
     __m512 acc[MT][4], d[4], z[4], w[4];
@@ -478,11 +482,11 @@ AVX512_TARGET static inline __attribute__((always_inline)) void q4p_avx512_tile(
         for (int j = 0; j < S; j++) acc[r][j] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         if (W) {
-            for (int j = 0; j < S; j++) w[j] = _mm512_loadu_ps(W + k * B + 16 * j);
+            for (int j = 0; j < S; j++) w[j] = _mm512_loadu_ps(W + k * 16 * S + 16 * j);
         } else {
-            if (!(k & 31)) q4p_avx512_table(tab + k / 32 * N + n0, S, d, z);
+            if (!(k & 31)) q4p_avx512_table(tab + k / 32 * N + n0, s0, S, d, z);
             if (!(k & 1)) _mm_prefetch((const char *)(cb + k * half) + PREFETCH_BYTES, _MM_HINT_T0);
-            q4p_avx512_weights(cb + k * half, B, d, z, w);
+            q4p_avx512_weights(cb + k * half, B, s0, S, d, z, w);
         }
         for (int r = 0; r < R; r++) {
             __m512 xv = _mm512_set1_ps(xb[(i0 + r) * K + k]);
@@ -491,33 +495,40 @@ AVX512_TARGET static inline __attribute__((always_inline)) void q4p_avx512_tile(
     }
     for (int r = 0; r < R; r++)
         for (int j = 0; j < S; j++)
-            _mm512_storeu_ps(y + (i0 + r) * N + n0 + 16 * j, round_out ? round_bf16_512(acc[r][j]) : acc[r][j]);
+            _mm512_storeu_ps(y + (i0 + r) * N + n0 + 16 * (s0 + j), round_out ? round_bf16_512(acc[r][j]) : acc[r][j]);
 }
 
-AVX512_TARGET static void q4p_avx512_dequant(const uint8_t *codes, const uint32_t *tab, int64_t K, int64_t N,
-                                             const int B, int64_t n0, float *W) {
-    const int S = B / 16;
+AVX512_TARGET static inline __attribute__((always_inline)) void q4p_avx512_dequant_slices(
+        const uint8_t *codes, const uint32_t *tab, int64_t K, int64_t N, const int B, int64_t n0, const int s0,
+        const int S, float *W) {
     const int64_t half = B / 2;
     const uint8_t *cb = codes + n0 / B * K * half;
     __m512 d[4], z[4], w[4];
     for (int64_t k = 0; k < K; k++) {
-        if (!(k & 31)) q4p_avx512_table(tab + k / 32 * N + n0, S, d, z);
-        q4p_avx512_weights(cb + k * half, B, d, z, w);
-        for (int j = 0; j < S; j++) _mm512_storeu_ps(W + k * B + 16 * j, w[j]);
+        if (!(k & 31)) q4p_avx512_table(tab + k / 32 * N + n0, s0, S, d, z);
+        q4p_avx512_weights(cb + k * half, B, s0, S, d, z, w);
+        for (int j = 0; j < S; j++) _mm512_storeu_ps(W + k * 16 * S + 16 * j, w[j]);
     }
 }
 
-#define CALL_Q4P(b, r) q4p_avx512_tile(codes, tab, W, xb, K, N, b, n0, i0, r, round_out, y)
+/* The (B, s0, S) units: u 0 the whole block, 1 its low half, 2 its high half. */
+#define Q4P_UNITS(CALL, b) \
+    switch (u) { case 0: CALL(b, 0, b / 16); break; case 1: CALL(b, 0, b / 32); break; default: CALL(b, b / 32, b / 32); break; }
+
+#define CALL_Q4P_DQ(b, s, n) q4p_avx512_dequant_slices(codes, tab, K, N, b, n0, s, n, W)
+AVX512_TARGET static void q4p_avx512_dequant(const uint8_t *codes, const uint32_t *tab, int64_t K, int64_t N,
+                                             int B, int64_t n0, int u, float *W) {
+    if (B == 64) { Q4P_UNITS(CALL_Q4P_DQ, 64) } else { Q4P_UNITS(CALL_Q4P_DQ, 32) }
+}
+
+#define CALL_Q4P_R(b, s, n) \
+    switch (R) { case 1: CALL_Q4P(b, s, n, 1); break; case 2: CALL_Q4P(b, s, n, 2); break; \
+                 case 3: CALL_Q4P(b, s, n, 3); break; default: CALL_Q4P(b, s, n, 4); break; }
+#define CALL_Q4P(b, s, n, r) q4p_avx512_tile(codes, tab, W, xb, K, N, b, n0, s, n, i0, r, round_out, y)
 AVX512_TARGET static void q4p_avx512(const uint8_t *codes, const uint32_t *tab, const float *W, const float *xb,
-                                     int64_t K, int64_t N, int B, int64_t n0, int64_t i0, int R, int round_out,
-                                     float *y) {
-    if (B == 64) {
-        switch (R) { case 1: CALL_Q4P(64, 1); break; case 2: CALL_Q4P(64, 2); break;
-                     case 3: CALL_Q4P(64, 3); break; default: CALL_Q4P(64, 4); break; }
-    } else {
-        switch (R) { case 1: CALL_Q4P(32, 1); break; case 2: CALL_Q4P(32, 2); break;
-                     case 3: CALL_Q4P(32, 3); break; default: CALL_Q4P(32, 4); break; }
-    }
+                                     int64_t K, int64_t N, int B, int64_t n0, int u, int64_t i0, int R,
+                                     int round_out, float *y) {
+    if (B == 64) { Q4P_UNITS(CALL_Q4P_R, 64) } else { Q4P_UNITS(CALL_Q4P_R, 32) }
 }
 
 AVX512_TARGET static inline __attribute__((always_inline)) void q8b_avx512_tile(
@@ -599,6 +610,7 @@ struct job {
     int32_t *corr; float *dxp;   /* q8 AVX512 only */
     float *xb; int round_out;    /* bfloat16 kernels: x rounded to bfloat16, whether y is */
     int B;                       /* q4-bf16: output channels per block of int4pack's layout */
+    int nthreads;                /* q4-bf16: threads the blocks are split over (run_range_q4p) */
 };
 
 /* Run fn over 0 .. count - 1 on nthreads OpenMP threads; a single thread calls it directly (no parallel region:
@@ -714,9 +726,11 @@ static void run_block_q8b(const struct job *j, int64_t b) {
 static __thread float *wtile = NULL;
 static __thread size_t wtile_size = 0;
 
-/* q4-bf16 over block b (channels b * B .. + B - 1) against every row of x, MT rows per pass. */
-static void run_block_q4p(const struct job *j, int64_t b) {
+/* q4-bf16 over unit u (0: all of block b, 1: its low half, 2: its high half) against every row of x, MT rows
+ * per pass. */
+static void run_unit_q4p(const struct job *j, int64_t b, int u) {
     const int64_t M = j->M, K = j->K, N = j->N, n0 = b * j->B;
+    const int64_t c0 = u == 2 ? n0 + j->B / 2 : n0, c1 = u == 1 ? n0 + j->B / 2 : n0 + j->B;  /* its channels */
     const uint8_t *codes = j->w;
     const uint32_t *tab = j->table;
     for (int64_t i0 = 0; i0 < M; i0 += MT) {
@@ -731,20 +745,20 @@ static void run_block_q4p(const struct job *j, int64_t b) {
                     wtile = aligned_alloc(64, (need + 63) / 64 * 64);
                     wtile_size = wtile ? need : 0;
                 }
-                if (wtile && i0 == 0) q4p_avx512_dequant(codes, tab, K, N, j->B, n0, wtile);
+                if (wtile && i0 == 0) q4p_avx512_dequant(codes, tab, K, N, j->B, n0, u, wtile);
                 W = wtile;  /* NULL when out of memory: the codes are read instead (the same values) */
             }
-            q4p_avx512(codes, tab, W, j->xb, K, N, j->B, n0, i0, R, j->round_out, j->y);
+            q4p_avx512(codes, tab, W, j->xb, K, N, j->B, n0, u, i0, R, j->round_out, j->y);
             continue;
         }
         if (j->isa == 1) {
-            for (int64_t n = n0; n < n0 + j->B; n += 16)
+            for (int64_t n = c0; n < c1; n += 16)
                 q4p_avx2(codes, tab, j->xb, K, N, j->B, n, i0, R, j->round_out, j->y);
             continue;
         }
 #endif
         for (int r = 0; r < R; r++)
-            for (int64_t n = n0; n < n0 + j->B; n++) {
+            for (int64_t n = c0; n < c1; n++) {
                 float *out = j->y + (i0 + r) * N + n;
                 q4p_scalar(codes, tab, j->xb, K, N, j->B, n, i0 + r, out);
                 if (j->round_out) *out = round_bf16(*out);
@@ -752,15 +766,27 @@ static void run_block_q4p(const struct job *j, int64_t b) {
     }
 }
 
+/* Thread t of j->nthreads: half-blocks t * H / T .. (t + 1) * H / T - 1 of the H = 2 N / B, so that every
+ * thread gets the same number of channels (9 blocks on 2 threads: 4.5 each, not 5 and 4); a block wholly in
+ * the range is run as one unit (its codes read once), a half at either end on its own. Each output channel is
+ * computed the same way whichever unit holds it: the result does not depend on the thread count. */
+static void run_range_q4p(const struct job *j, int64_t t) {
+    const int64_t H = 2 * (j->N / j->B);
+    int64_t h = t * H / j->nthreads, h1 = (t + 1) * H / j->nthreads;
+    if (h < h1 && h % 2) { run_unit_q4p(j, h / 2, 2); h++; }
+    for (; h + 2 <= h1; h += 2) run_unit_q4p(j, h / 2, 0);
+    if (h < h1) run_unit_q4p(j, h / 2, 1);
+}
+
 static int run_bf16(int q8, const float *x, int64_t M, int64_t K, const void *w, const void *table, int64_t N, int B,
                     float *y, int nthreads, int isa, int round_out) {
     struct job j = {q8, clamp_isa(isa, pd_bf16_best_isa()), 0, x, M, K, K / 32, N, K, w, table, y, NULL, NULL, NULL,
-                    NULL, NULL, NULL, round_out, B};
+                    NULL, NULL, NULL, round_out, B, nthreads > 1 ? nthreads : 1};
     j.xb = get_scratch((size_t)(M * K + 16) * sizeof(float));
     if (!j.xb) return -1;
     for_each(round_one, &j, M, M >= 8 ? nthreads : 1);
     if (q8) for_each(run_block_q8b, &j, (N + NB - 1) / NB, nthreads);
-    else for_each(run_block_q4p, &j, N / B, nthreads);
+    else for_each(run_range_q4p, &j, j.nthreads, j.nthreads);
     return j.isa;
 }
 

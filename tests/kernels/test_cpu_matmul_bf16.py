@@ -100,12 +100,14 @@ def test_kernel_equals_the_float_reference(layer0, name, isa):
 @pytest.mark.parametrize("isa", [isa_param(i) for i in (cm.ISA_AVX2, cm.ISA_AVX512)])
 @pytest.mark.parametrize("name", ["q 576x576", "down 576x1536", "lm_head 49152x576"])
 def test_rows_are_batch_and_thread_invariant(layer0, name, isa):
-    """A row's result is bit for bit the same alone, in a batch of 7 (tiles of 4 + 3) and on 2 threads."""
+    """A row's result is bit for bit the same alone, in a batch of 7 (tiles of 4 + 3) and on 2 or 4 threads (q4:
+    9 blocks split into halves between threads at both)."""
     kind, args, x, _ = layer0[name]
     together = run(kind, x, args, nthreads=1, isa=isa)
     for i in range(x.shape[0]):
         assert torch.equal(run(kind, x[i:i + 1], args, nthreads=1, isa=isa)[0], together[i])
-    assert torch.equal(run(kind, x, args, nthreads=2, isa=isa), together)
+    for nthreads in (2, 4):
+        assert torch.equal(run(kind, x, args, nthreads=nthreads, isa=isa), together)
     if kind == "q4-bf16":  # from Q4P_DEQUANT_ROWS (32) rows the AVX512 path reads a dequantized tile instead
         many = x.repeat(5, 1)                                                        # [35, in]
         assert torch.equal(run(kind, many, args, nthreads=1, isa=isa), together.repeat(5, 1))
