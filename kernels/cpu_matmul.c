@@ -3,7 +3,7 @@
  *   2  AVX512-VNNI (avx512f/bw/vl/dq + vnni): vpdpbusd on 64 codes at a time
  *   1  AVX2 + FMA: maddubs / madd on 32 codes at a time
  *   0  portable scalar
- * The bfloat16-activation kernels (pd_q4_bf16_matmul, pd_q8_bf16_matmul; section "bfloat16 x" below) read the
+ * The bfloat16-activation kernels (q4_bf16_matmul, q8_bf16_matmul; section "bfloat16 x" below) read the
  * same weights; their level 2 needs only avx512f/bw (pd_bf16_best_isa).
  *
  * Both int8-activation kernels quantize each row of x to int8 per 32 inputs first (Q8_0 style, computed
@@ -17,6 +17,8 @@
  * q8: W[n, k] = w[n, k] * ws[n], w int8 in [-127, 127].
  *     y[i, n] = ws[n] * sum_g dx * isum,   isum = sum_j w * xq  (exact int32).
  * Only the float sums over groups differ between paths (summation order).
+ *
+ * One entry point, pd_matmul, takes a struct pd_weight (the weight and its kind, filled once) for every kind.
  *
  * Rows of x are independent (each is quantized and reduced on its own). Output rows are split over `nthreads`
  * OpenMP threads (the process's libgomp: torch's own when torch is loaded); x rows are taken MT at a time per
@@ -793,28 +795,51 @@ static int run_bf16(int q8, const float *x, int64_t M, int64_t K, const void *w,
 /* y [M, N] float32 = bf16(x) @ W.T for W[n, k] = (q - 8) * d + z in int4pack_mm's layout (codes [N / B][K][B / 2],
  * tab [K / 32][N]; section "bfloat16 x"), B 64 or 32, N % B == 0, K % 32 == 0; rounded to bfloat16 values when
  * round_out. Returns the ISA used, or -1 when out of memory. */
-int pd_q4_bf16_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint32_t *tab, int64_t N,
-                      int B, float *y, int nthreads, int isa, int round_out) {
+static int q4_bf16_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint32_t *tab,
+                          int64_t N, int B, float *y, int nthreads, int isa, int round_out) {
     return run_bf16(0, x, M, K, codes, tab, N, B, y, nthreads, isa, round_out);
 }
 
-/* y [M, N] float32 = bf16(x) @ (w * ws[:, None]).T (w, ws as for pd_q8_matmul), rounded to bfloat16 values
+/* y [M, N] float32 = bf16(x) @ (w * ws[:, None]).T (w, ws as for q8_matmul), rounded to bfloat16 values
  * when round_out; K % 32 == 0. Returns the ISA used, or -1 when out of memory. */
-int pd_q8_bf16_matmul(const float *x, int64_t M, int64_t K, const int8_t *w, const float *ws, int64_t N, float *y,
-                      int nthreads, int isa, int round_out) {
+static int q8_bf16_matmul(const float *x, int64_t M, int64_t K, const int8_t *w, const float *ws, int64_t N,
+                          float *y, int nthreads, int isa, int round_out) {
     return run_bf16(1, x, M, K, w, ws, N, 0, y, nthreads, isa, round_out);
 }
 
 /* y [M, N] float32 = x [M, K] float32 @ W.T for the q4 weights above (codes [N, K / 2], sz [N, K / 32]).
  * K % 32 == 0. Returns the ISA used, or -1 when out of memory. */
-int pd_q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint32_t *sz, int64_t N,
-                 float *y, int nthreads, int isa) {
+static int q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint32_t *sz, int64_t N,
+                     float *y, int nthreads, int isa) {
     return run(0, x, M, K, codes, sz, N, y, nthreads, isa);
 }
 
 /* y [M, N] float32 = x [M, K] float32 @ (w * ws[:, None]).T, w int8 [N, K] in [-127, 127], K % 32 == 0.
  * Returns the ISA used, or -1 when out of memory. */
-int pd_q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *w, const float *ws, int64_t N, float *y,
-                 int nthreads, int isa) {
+static int q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *w, const float *ws, int64_t N, float *y,
+                     int nthreads, int isa) {
     return run(1, x, M, K, w, ws, N, y, nthreads, isa);
+}
+
+/* One weight's operands, filled once by the caller (kernels/cpu_matmul.py mirrors this as a ctypes Structure):
+ * kind 0 q4, 1 q8, 2 q4-bf16, 3 q8-bf16; w, table, K, N (B and round_out for the bfloat16 kinds) as for that
+ * kind's function above; isa as for all of them (out of range: the best this CPU has). */
+struct pd_weight {
+    const void *w, *table;
+    int64_t K, N;
+    int32_t kind, isa, B, round_out;
+};
+
+/* y [M, N] float32 = x [M, K] @ the weight of `wt`, on nthreads threads. Five arguments, not eleven: ctypes
+ * converts each argument on every call, ~0.15 us apiece, and batch-1 decode makes 121 calls a step. Returns
+ * the ISA used, -1 when out of memory, -2 for an unknown kind. */
+int pd_matmul(const struct pd_weight *wt, const float *x, int64_t M, float *y, int nthreads) {
+    switch (wt->kind) {
+        case 0: return q4_matmul(x, M, wt->K, wt->w, wt->table, wt->N, y, nthreads, wt->isa);
+        case 1: return q8_matmul(x, M, wt->K, wt->w, wt->table, wt->N, y, nthreads, wt->isa);
+        case 2: return q4_bf16_matmul(x, M, wt->K, wt->w, wt->table, wt->N, wt->B, y, nthreads, wt->isa,
+                                      wt->round_out);
+        case 3: return q8_bf16_matmul(x, M, wt->K, wt->w, wt->table, wt->N, y, nthreads, wt->isa, wt->round_out);
+        default: return -2;
+    }
 }

@@ -60,13 +60,8 @@ def library() -> ctypes.CDLL | None:
     for fn in (lib.pd_best_isa, lib.pd_bf16_best_isa):
         fn.restype = ctypes.c_int
         fn.argtypes = []
-    for fn in (lib.pd_q4_matmul, lib.pd_q8_matmul):
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
-    lib.pd_q4_bf16_matmul.restype = lib.pd_q8_bf16_matmul.restype = ctypes.c_int
-    lib.pd_q4_bf16_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ctypes.c_int, ptr, ctypes.c_int, ctypes.c_int,
-                                      ctypes.c_int]
-    lib.pd_q8_bf16_matmul.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.pd_matmul.restype = ctypes.c_int
+    lib.pd_matmul.argtypes = [ptr, ptr, i64, ptr, ctypes.c_int]
     log.info("native CPU matmul kernels: int8 activations %s, bfloat16 activations %s",
              ISA_NAMES[lib.pd_best_isa()], ISA_NAMES[lib.pd_bf16_best_isa()])
     return lib
@@ -96,6 +91,13 @@ def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...
                          f"{t.dtype} {list(t.shape)} (contiguous: {t.is_contiguous()}, {t.device})")
 
 
+class _Weight(ctypes.Structure):
+    """struct pd_weight of kernels/cpu_matmul.c: one weight's operands, filled once, passed to every pd_matmul."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("table", ctypes.c_void_p), ("K", ctypes.c_int64), ("N", ctypes.c_int64),
+                ("kind", ctypes.c_int32), ("isa", ctypes.c_int32), ("B", ctypes.c_int32), ("round_out", ctypes.c_int32)]
+
+
 class NativeMatmul:
     """One weight's matmul, validated once: `(x)` -> [M, N] float32 (the hot path checks only x). `round_output`
     (bfloat16 kinds only; default True, what torch's kernels return) rounds the result to bfloat16 values."""
@@ -123,13 +125,11 @@ class NativeMatmul:
             raise ValueError(f"{shapes[0][0]}' row width {in_features} is not a multiple of {GROUP}")
         for (name, dtype, shape), t in zip(shapes, (weight, table)):
             _check(name, t, dtype, shape)
-        lib = _lib()
-        self._fn = {"q4": lib.pd_q4_matmul, "q8": lib.pd_q8_matmul, "q4-bf16": lib.pd_q4_bf16_matmul,
-                    "q8-bf16": lib.pd_q8_bf16_matmul}[kind]
-        self._block = (block_rows,) if kind == "q4-bf16" else ()            # q4-bf16's layout
-        self._extra = (int(round_output),) if kind.endswith("-bf16") else ()  # the bfloat16 kernels' round_out
+        self._fn = _lib().pd_matmul
         self._weight, self._table = weight, table  # kept alive: the kernel reads their memory
-        self._ptrs = (weight.data_ptr(), table.data_ptr())
+        self._operands = _Weight(weight.data_ptr(), table.data_ptr(), in_features, out_features, KINDS.index(kind), isa,
+                                 block_rows, int(round_output))
+        self._operands_ptr = ctypes.addressof(self._operands)
         self.kind, self.in_features, self.out_features, self.isa = kind, in_features, out_features, isa
 
     def __call__(self, x: torch.Tensor, nthreads: int | None = None) -> torch.Tensor:
@@ -141,8 +141,7 @@ class NativeMatmul:
         if k != self.in_features:
             raise ValueError(f"x must be a CPU [M, {self.in_features}] tensor, got {list(x.shape)}")
         y = torch.empty(m, self.out_features)
-        if m and self._fn(x.data_ptr(), m, k, self._ptrs[0], self._ptrs[1], self.out_features, *self._block,
-                          y.data_ptr(), nthreads or torch.get_num_threads(), self.isa, *self._extra) < 0:
+        if m and self._fn(self._operands_ptr, x.data_ptr(), m, y.data_ptr(), nthreads or torch.get_num_threads()) < 0:
             raise MemoryError("native CPU matmul: out of memory for the activation scratch")
         return y
 
