@@ -325,6 +325,7 @@ static inline float round_bf16(float v) {
 }
 
 #define NC 2          /* weight rows per tile of the q8 bfloat16 kernels (each weight read once per tile) */
+#define MT_Q8B 8      /* x rows per pass of the AVX512 q8 bfloat16 tile (each weight dequantized once per pass) */
 
 static void q4p_scalar(const uint8_t *codes, const uint32_t *tab, const float *xb, int64_t K, int64_t N, int B,
                        int64_t n, int64_t i, float *y) {
@@ -536,7 +537,7 @@ AVX512_TARGET static void q4p_avx512(const uint8_t *codes, const uint32_t *tab, 
 AVX512_TARGET static inline __attribute__((always_inline)) void q8b_avx512_tile(
         const int8_t *w, const float *ws, const float *xb, int64_t XS, int64_t n, const int C, int64_t i0, const int R,
         int64_t K, int64_t N, int round_out, float *y) {
-    __m512 acc[NC][MT];
+    __m512 acc[NC][MT_Q8B];
     for (int c = 0; c < C; c++)
         for (int r = 0; r < R; r++) acc[c][r] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
@@ -566,10 +567,20 @@ AVX512_TARGET static inline __attribute__((always_inline)) void q8b_avx512_tile(
                             int R, int64_t K, int64_t N, int round_out, float *y) {                          \
         switch (4 * (C - 1) + R - 1) { PD_TILE_CASES(__VA_ARGS__) }                                          \
     }
-#define CALL_Q8B_AVX512(c, r) q8b_avx512_tile(w, ws, xb, K, n, c, i0, r, K, N, round_out, y)
 #define CALL_Q8B_AVX2(c, r) q8b_avx2_tile(w, ws, xb, K, n, c, i0, r, K, N, round_out, y)
-PD_TILE_FN(q8b_avx512, AVX512_TARGET, CALL_Q8B_AVX512)
 PD_TILE_FN(q8b_avx2, AVX2_TARGET, CALL_Q8B_AVX2)
+
+/* The AVX512 q8 tile takes up to MT_Q8B rows of x: (C, R) = (2, 8) holds 16 accumulators. */
+#define CALL_Q8B_AVX512(c, r) q8b_avx512_tile(w, ws, xb, K, n, c, i0, r, K, N, round_out, y)
+#define CALL_Q8B_AVX512_R(c)                                                                                   \
+    switch (R) { case 1: CALL_Q8B_AVX512(c, 1); break; case 2: CALL_Q8B_AVX512(c, 2); break;                  \
+                 case 3: CALL_Q8B_AVX512(c, 3); break; case 4: CALL_Q8B_AVX512(c, 4); break;                  \
+                 case 5: CALL_Q8B_AVX512(c, 5); break; case 6: CALL_Q8B_AVX512(c, 6); break;                  \
+                 case 7: CALL_Q8B_AVX512(c, 7); break; default: CALL_Q8B_AVX512(c, 8); break; }
+AVX512_TARGET static void q8b_avx512(const int8_t *w, const float *ws, const float *xb, int64_t n, int C, int64_t i0,
+                                     int R, int64_t K, int64_t N, int round_out, float *y) {
+    if (C == 1) { CALL_Q8B_AVX512_R(1) } else { CALL_Q8B_AVX512_R(2) }
+}
 #endif
 
 /* ------------------------------------------------------------------------------------------------ entry points */
@@ -705,8 +716,9 @@ static void round_one(const struct job *j, int64_t i) {
 static void run_block_q8b(const struct job *j, int64_t b) {
     const int64_t M = j->M, K = j->K, N = j->N;
     const int64_t n1 = (b + 1) * NB < N ? (b + 1) * NB : N;
-    for (int64_t i0 = 0; i0 < M; i0 += MT) {
-        int R = M - i0 < MT ? (int)(M - i0) : MT;
+    const int64_t mt = j->isa == 2 ? MT_Q8B : MT;
+    for (int64_t i0 = 0; i0 < M; i0 += mt) {
+        int R = M - i0 < mt ? (int)(M - i0) : (int)mt;
         int C;
         for (int64_t n = b * NB; n < n1; n += C) {
             C = n1 - n < NC ? (int)(n1 - n) : NC;

@@ -108,9 +108,10 @@ def test_rows_are_batch_and_thread_invariant(layer0, name, isa):
         assert torch.equal(run(kind, x[i:i + 1], args, nthreads=1, isa=isa)[0], together[i])
     for nthreads in (2, 4):
         assert torch.equal(run(kind, x, args, nthreads=nthreads, isa=isa), together)
-    if kind == "q4-bf16":  # from Q4P_DEQUANT_ROWS (32) rows the AVX512 path reads a dequantized tile instead
-        many = x.repeat(5, 1)                                                        # [35, in]
-        assert torch.equal(run(kind, many, args, nthreads=1, isa=isa), together.repeat(5, 1))
+    # From Q4P_DEQUANT_ROWS (32) rows the AVX512 q4 path reads a dequantized tile instead; the AVX512 q8 one takes
+    # 8 rows a pass (35: 4 passes of 8 and one of 3).
+    many = x.repeat(5, 1)                                                            # [35, in]
+    assert torch.equal(run(kind, many, args, nthreads=1, isa=isa), together.repeat(5, 1))
 
 
 @pytest.mark.parametrize("name", ["q 576x576", "gate 1536x576", "down 576x1536", "lm_head 49152x576"])
