@@ -18,7 +18,8 @@ and, where kernels.cpu_matmul builds, int8 and int4 on the native kernels (cpu_m
 "native-bf16": bfloat16 activations); every kind over the same weights, timed in interleaved rounds; `--rows
 1,32,512` repeats the layer pass at those rows of x, `--kinds` keeps the kinds whose label contains a string;
 each at GB/s = weight bytes read / time and as a % of a large tensor copy (read + write bytes,
-pdserve.bench.roofline.copy_bandwidth) and of a read-only sweep (a float32 sum); the LM head rotates over
+pdserve.bench.roofline.copy_bandwidth) and of a read-only sweep (a float32 sum), and at GFLOP/s (2 M N K) as a %
+of the float32 FMA peak on the same threads (bench/fma_peak.c; the compute ceiling of the M = 32 rows); the LM head rotates over
 copies whose bytes exceed the last-level cache. Writes bench/results/cpu_matmuls.md and .json (or under $OUT).
 Benchmarks measure and report; they never pass or fail on speed.
 """
@@ -271,10 +272,26 @@ def _interleaved(fns: dict, repeats: int) -> dict[str, list[float]]:
     return times
 
 
-def _row(name: str, m: int, nbytes: int, times: list[float]) -> dict:
+def _row(name: str, m: int, nbytes: int, times: list[float], weights: int) -> dict:
     best = min(times)
     return {"matmuls": name, "m": m, "weight_mib": nbytes / 2**20, "ms": statistics.median(times), "best_ms": best,
-            "gbs": nbytes / (best * 1e6)}
+            "gbs": nbytes / (best * 1e6), "gflops": 2 * m * weights / (best * 1e6)}
+
+
+def fma_peak_gflops(threads: int) -> float | None:
+    """GFLOP/s of float32 FMAs on `threads` threads (bench/fma_peak.c: 12 independent 512-bit / 256-bit chains per
+    thread, best of 5), the compute ceiling the M >= 32 rows are a % of; None without a C compiler."""
+    import ctypes
+
+    from kernels import native_build
+
+    lib = native_build.load(Path(__file__).with_name("fma_peak.c"), "FMA peak")
+    if lib is None:
+        return None
+    lib.pd_fma_peak_gflops.restype = ctypes.c_double
+    lib.pd_fma_peak_gflops.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    sink = (ctypes.c_float * threads)()
+    return lib.pd_fma_peak_gflops(20_000_000, 5, threads, sink) or None
 
 
 def bench_cpu_matmuls(repeats: int, batch_rows: tuple[int, ...] = (1,), only: tuple[str, ...] = ()) -> dict:
@@ -288,6 +305,7 @@ def bench_cpu_matmuls(repeats: int, batch_rows: tuple[int, ...] = (1,), only: tu
     from pdserve.bench.roofline import copy_bandwidth, cpu_model
 
     copy_gbs = copy_bandwidth(2**28) / 1e9
+    fma_peak = fma_peak_gflops(torch.get_num_threads())
     big = torch.ones(2**28 // 4)
     read_gbs = big.numel() * 4 / (_cpu_ms(big.sum, repeats) * 1e6)
     g = torch.Generator().manual_seed(0)
@@ -312,7 +330,8 @@ def bench_cpu_matmuls(repeats: int, batch_rows: tuple[int, ...] = (1,), only: tu
                                  repeats if m < 64 else max(2, repeats // 5))
             for kind, ls in layers.items():
                 nbytes = sum(lin.nbytes for layer in ls for lin in layer)
-                rows.append(_row(f"30 layers x 4 linears, {kind}", m, nbytes, times[kind]))
+                rows.append(_row(f"30 layers x 4 linears, {kind}", m, nbytes, times[kind],
+                                 SMOLLM2_LAYERS * sum(n * k for n, k in SMOLLM2_LINEARS.values())))
                 print("cpu matmuls", rows[-1], flush=True)
         del layers, weights
         x = torch.randn(1, SMOLLM2_HEAD[1], generator=g)
@@ -325,13 +344,16 @@ def bench_cpu_matmuls(repeats: int, batch_rows: tuple[int, ...] = (1,), only: tu
         times = _interleaved({kind: _rotating(copies, calls[kind], x) for kind, copies in heads.items()},
                              max(repeats, 2 * max(len(c) for c in heads.values())))
         for kind, copies in heads.items():
-            rows.append(_row(f"LM head 49152x576 `{calls[kind]}`, {kind}", 1, copies[0].nbytes, times[kind]))
+            rows.append(_row(f"LM head 49152x576 `{calls[kind]}`, {kind}", 1, copies[0].nbytes, times[kind],
+                             SMOLLM2_HEAD[0] * SMOLLM2_HEAD[1]))
             print("cpu matmuls", rows[-1], flush=True)
     for row in rows:
         row["pct_of_copy"] = 100 * row["gbs"] / copy_gbs
         row["pct_of_read"] = 100 * row["gbs"] / read_gbs
+        row["pct_of_fma_peak"] = 100 * row["gflops"] / fma_peak if fma_peak else None
     return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "capability": torch.backends.cpu.get_cpu_capability(), "copy_gbs": copy_gbs, "read_gbs": read_gbs,
+            "fma_peak_gflops": fma_peak,
             "repeats": repeats, "batch_rows": list(batch_rows), "only": list(only), "rows": rows}
 
 
@@ -346,12 +368,14 @@ def cpu_matmuls_report(result: dict) -> str:
             f"{result['threads']} threads, torch {result['torch']}, {result['capability']})\n\n"
             f"Command: `python bench/bench_kernels.py --cpu-matmuls --threads {result['threads']} --rows {','.join(map(str, result['batch_rows']))}"
             f"{' --kinds ' + repr(','.join(result['only'])) if result['only'] else ''}`. Copy {result['copy_gbs']:.1f} GB/s (read + "
-            f"write), read-only sweep {result['read_gbs']:.1f} GB/s; kinds timed in interleaved rounds ({result['repeats']} "
-            f"at M < 64, a fifth of that from 64), median and best pass, GB/s of the best.\n\n"
-            + _table(["matmuls", "M", "weight MiB", "ms median", "ms best", "GB/s", "% of copy", "% of read"],
+            f"write), read-only sweep {result['read_gbs']:.1f} GB/s, float32 FMA peak (bench/fma_peak.c) "
+            f"{_fmt(result['fma_peak_gflops'], 0)} GFLOP/s; kinds timed in interleaved rounds ({result['repeats']} "
+            f"at M < 64, a fifth of that from 64), median and best pass, GB/s and GFLOP/s (2 M N K) of the best.\n\n"
+            + _table(["matmuls", "M", "weight MiB", "ms median", "ms best", "GB/s", "% of copy", "% of read",
+                      "GFLOP/s", "% of FMA peak"],
                      [[r["matmuls"], str(r["m"]), _fmt(r["weight_mib"]), _fmt(r["ms"], 2), _fmt(r["best_ms"], 2),
-                       _fmt(r["gbs"]),
-                       _fmt(r["pct_of_copy"], 0), _fmt(r["pct_of_read"], 0)] for r in result["rows"]]) + "\n")
+                       _fmt(r["gbs"]), _fmt(r["pct_of_copy"], 0), _fmt(r["pct_of_read"], 0), _fmt(r["gflops"]),
+                       _fmt(r["pct_of_fma_peak"], 0)] for r in result["rows"]]) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

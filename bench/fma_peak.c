@@ -1,0 +1,66 @@
+/* The FMA ceiling of bench/bench_kernels.py --cpu-matmuls: float32 FMAs per second on `nthreads` OpenMP threads,
+ * each running 12 independent chains of 512-bit (AVX512F) or 256-bit (AVX2 + FMA) vfmadd, enough to cover the
+ * FMA latency on the CPUs measured (4 cycles, 2 pipes). Built and loaded by kernels.native_build like the kernel
+ * libraries; a benchmark helper only, not used by the engine. */
+#include <stdint.h>
+#include <time.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#define CHAINS 12
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+__attribute__((target("avx512f"), noinline)) static float chains512(int64_t iters, float seed) {
+    __m512 a[CHAINS], b = _mm512_set1_ps(1.0f - seed), c = _mm512_set1_ps(seed);
+    for (int j = 0; j < CHAINS; j++) a[j] = _mm512_set1_ps(seed * (j + 1));
+    for (int64_t i = 0; i < iters; i++)
+        for (int j = 0; j < CHAINS; j++) a[j] = _mm512_fmadd_ps(a[j], b, c);
+    float s = 0.0f;
+    for (int j = 0; j < CHAINS; j++) s += _mm512_reduce_add_ps(a[j]);
+    return s;
+}
+
+__attribute__((target("avx2,fma"), noinline)) static float chains256(int64_t iters, float seed) {
+    __m256 a[CHAINS], b = _mm256_set1_ps(1.0f - seed), c = _mm256_set1_ps(seed);
+    for (int j = 0; j < CHAINS; j++) a[j] = _mm256_set1_ps(seed * (j + 1));
+    for (int64_t i = 0; i < iters; i++)
+        for (int j = 0; j < CHAINS; j++) a[j] = _mm256_fmadd_ps(a[j], b, c);
+    float out[8], s = 0.0f;
+    for (int j = 0; j < CHAINS; j++) {
+        _mm256_storeu_ps(out, a[j]);
+        for (int l = 0; l < 8; l++) s += out[l];
+    }
+    return s;
+}
+
+/* GFLOP/s (an FMA counted as 2) of `iters` rounds of CHAINS FMAs on each of nthreads threads, the best of
+ * `repeats` runs; wide = 1: 512-bit when the CPU has AVX512F, else 256-bit. *sink receives the sums (so that
+ * the loops are not removed). Returns 0 when the CPU has neither AVX512F nor AVX2 + FMA. */
+double pd_fma_peak_gflops(int64_t iters, int repeats, int nthreads, float *sink) {
+    __builtin_cpu_init();
+    int lanes = __builtin_cpu_supports("avx512f") ? 16 : (__builtin_cpu_supports("avx2") &&
+                                                         __builtin_cpu_supports("fma") ? 8 : 0);
+    if (!lanes) return 0.0;
+    double best = 1e30;
+    for (int r = 0; r < repeats; r++) {
+        double t = now();
+        #pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int k = 0; k < nthreads; k++)
+            sink[k] = lanes == 16 ? chains512(iters, 1e-3f * (k + 1)) : chains256(iters, 1e-3f * (k + 1));
+        t = now() - t;
+        if (t < best) best = t;
+    }
+    return 2.0 * lanes * CHAINS * (double)iters * nthreads / best / 1e9;
+}
+#else
+double pd_fma_peak_gflops(int64_t iters, int repeats, int nthreads, float *sink) {
+    (void)iters; (void)repeats; (void)nthreads; (void)sink;
+    return 0.0;
+}
+#endif
