@@ -723,7 +723,8 @@ static void round_one(const struct job *j, int64_t i) {
     for (int64_t k = 0; k < j->K; k++) j->xb[i * j->K + k] = round_bf16(j->x[i * j->K + k]);
 }
 
-/* q8-bf16 over weight rows b * NB .. (b + 1) * NB - 1: MT rows of x per pass, NC weight rows per tile. */
+/* q8-bf16 over weight rows b * NB .. (b + 1) * NB - 1: MT_Q8B (AVX512) or MT rows of x per pass, NC weight rows
+ * per tile. */
 static void run_block_q8b(const struct job *j, int64_t b) {
     const int64_t M = j->M, K = j->K, N = j->N;
     const int64_t n1 = (b + 1) * NB < N ? (b + 1) * NB : N;
