@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from kvstore.malloc_tuning import keep_freed_memory_for_reuse
 from kvstore.paged_records import PagedRecords, RecordDigests, is_paged_cache
 from kvstore.shm import OutgoingSegment
 from kvstore.shm_cache import SharedKvCache, block_digests_in_place
@@ -93,6 +94,7 @@ class KvSender:
                  tls: TlsFiles | None = None, shm_pool_bytes: int = 0,
                  shared_cache: SharedKvCache | None = None) -> None:
         check_chunk_bytes(chunk_bytes)
+        keep_freed_memory_for_reuse()  # grpc's message buffers: no page faults per push (kvstore.malloc_tuning)
         self.chunk_bytes = chunk_bytes
         self.group_bytes = group_bytes
         self.segment_pool = SegmentPool(shm_pool_bytes) if shm_pool_bytes else None

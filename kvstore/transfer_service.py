@@ -39,6 +39,7 @@ from typing import Protocol
 import grpc
 import torch
 
+from kvstore.malloc_tuning import keep_freed_memory_for_reuse
 from kvstore.paged_records import PagedRecords, is_paged_cache
 from kvstore.reshard_plan import KvReshardPlan, plan_reshard
 from kvstore.shm import SegmentRefused, take_segment
@@ -379,6 +380,7 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
     buffers and pooled-segment mappings its transfers reuse."""
 
     def __init__(self, receiver: KvReceiver, *, max_idle_buffer_bytes: int = 1 << 30) -> None:
+        keep_freed_memory_for_reuse()  # grpc's message buffers: no page faults per push (kvstore.malloc_tuning)
         self._receiver = receiver
         self.buffers = BufferPool(max_idle_buffer_bytes)
         self.segments = PooledSegmentReader()
