@@ -2,6 +2,7 @@
 raw socket between the same two processes.
 
     python bench/bench_kv_transfer.py [--blocks 16 64 256] [--repeats 5] [--threads 1] [--shm-pool-bytes N]
+                                      [--paths 'raw socket' grpc ...]
 
 Layout: SmolLM2-135M (30 layers, 3 kv heads of 64, blocks of 16 tokens) in float32, 737,280 bytes per block.
 The receiver (a KvTransferServicer over a permissive in-memory receiver) runs in its own process on 127.0.0.1,
@@ -24,7 +25,8 @@ so that a loaded machine slows them alike; the median of the rounds is reported.
                    cache and hashes it as it lands, while the sender hashes the same blocks in place
     shm            KvSender.push with a segment pool (pre-faulted, reused segments; a cache not in shared memory)
     shm one-shot   KvSender.push with a fresh segment per transfer (a sender without a pool)
-    grpc           KvSender.push over grpc: streamed chunks, digests in the trailer, reused receive buffers
+    grpc           KvSender.push over grpc: chunks joined straight out of the cache, digests in the trailer, each
+                   chunk landed straight in the receiver's destination blocks (kvstore.paged_records)
 
 "wire GB/s" is payload bytes per second; "KV GB/s" is the raw float32 KV moved per second (what int8 buys).
 Prints a markdown table with issue 16's goals (shm zero-copy and pooled shm / memcpy, grpc raw / raw socket)
@@ -59,6 +61,8 @@ from pdserve.bench.roofline import cpu_model  # noqa: E402
 LAYOUT = KvLayoutSpec(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32",
                       model_fingerprint="smollm2-135m-bench")
 CACHE_BLOCKS = 320
+PATHS = ("memcpy", "raw socket", "encode only", "hash in place", "copy + hash", "block copy", "shm zero-copy", "shm",
+         "shm one-shot", "grpc")
 
 
 def cache_shape(num_blocks: int) -> tuple[int, ...]:
@@ -236,6 +240,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                             who.push, endpoint, request_id="bench", handle="bench", layout=LAYOUT, kv_cache=src,
                             src_block_ids=src_ids, dst_block_ids=dst_ids, transport=transport, codec=codec,
                             timeout_s=600.0)
+                if args.paths:
+                    paths = {key: fn for key, fn in paths.items() if key[0] in args.paths}
                 for (path, codec), ms in interleaved_ms(paths, args.repeats).items():
                     rows.append(dict(blocks=num_blocks, path=path, codec=codec,
                                      wire=num_blocks * LAYOUT.block_bytes(codec), ms=ms))
@@ -253,13 +259,19 @@ def goals(rows: list[dict]) -> list[dict]:
     """Issue 16's KV goals per block count: shm raw >= 0.5x memcpy (64+ blocks; judged on the zero-copy path,
     the one a prefill worker takes on the same host), grpc raw >= 0.8x raw socket."""
     by = {(r["blocks"], r["path"], r["codec"]): r["ms"] for r in rows}
+
+    def ratio(blocks, baseline, path):  # None when --paths left either out
+        a, b = by.get((blocks, baseline, "raw")), by.get((blocks, path, "raw"))
+        return None if a is None or b is None else a / b
+
     out = []
     for blocks in sorted({r["blocks"] for r in rows}):
-        zero_copy = by[(blocks, "memcpy", "raw")] / by[(blocks, "shm zero-copy", "raw")]
-        pooled = by[(blocks, "memcpy", "raw")] / by[(blocks, "shm", "raw")]
-        grpc_ratio = by[(blocks, "raw socket", "raw")] / by[(blocks, "grpc", "raw")]
-        out.append(dict(blocks=blocks, shm_vs_memcpy=zero_copy, shm_goal_met=zero_copy >= 0.5 if blocks >= 64 else None,
-                        shm_pooled_vs_memcpy=pooled, grpc_vs_raw_socket=grpc_ratio, grpc_goal_met=grpc_ratio >= 0.8))
+        zero_copy = ratio(blocks, "memcpy", "shm zero-copy")
+        grpc_ratio = ratio(blocks, "raw socket", "grpc")
+        out.append(dict(blocks=blocks, shm_vs_memcpy=zero_copy,
+                        shm_goal_met=zero_copy >= 0.5 if blocks >= 64 and zero_copy is not None else None,
+                        shm_pooled_vs_memcpy=ratio(blocks, "memcpy", "shm"), grpc_vs_raw_socket=grpc_ratio,
+                        grpc_goal_met=None if grpc_ratio is None else grpc_ratio >= 0.8))
     return out
 
 
@@ -277,22 +289,29 @@ def report(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         f"bytes per block raw, {LAYOUT.block_bytes('int8'):,} int8; median of {args.repeats} interleaved rounds "
         "after a warm-up round",
         "",
-        "| blocks | path | codec | wire MB | ms | wire GB/s | KV GB/s | vs memcpy |",
-        "|---:|---|---|---:|---:|---:|---:|---:|",
+        "| blocks | path | codec | wire MB | ms | wire GB/s | KV GB/s | vs memcpy | vs raw socket |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     memcpy_ms = {r["blocks"]: r["ms"] for r in rows if r["path"] == "memcpy"}
+    socket_ms = {r["blocks"]: r["ms"] for r in rows if r["path"] == "raw socket"}
+
+    def vs(baseline, r):
+        return f"{baseline[r['blocks']] / r['ms']:.2f}x" if r["blocks"] in baseline else "-"
+
     for r in rows:
         kv_bytes = r["blocks"] * LAYOUT.block_bytes("raw")
         seconds = r["ms"] / 1e3
         lines.append(f"| {r['blocks']} | {r['path']} | {r['codec']} | {r['wire'] / 1e6:.1f} | {r['ms']:.1f} | "
                      f"{r['wire'] / seconds / 1e9:.2f} | {kv_bytes / seconds / 1e9:.2f} | "
-                     f"{memcpy_ms[r['blocks']] / r['ms']:.2f}x |")
+                     f"{vs(memcpy_ms, r)} | {vs(socket_ms, r)} |")
     lines += ["", "| blocks | shm zero-copy raw / memcpy (goal >= 0.5, 64+ blocks) | pooled shm raw / memcpy | "
               "grpc raw / raw socket (goal >= 0.8) |", "|---:|---:|---:|---:|"]
+    def cell(value, met=None):
+        return "-" if value is None else f"{value:.2f}x" + ("" if met is None else " met" if met else " not met")
+
     for g in goals(rows):
-        shm_met = "" if g["shm_goal_met"] is None else (" met" if g["shm_goal_met"] else " not met")
-        lines.append(f"| {g['blocks']} | {g['shm_vs_memcpy']:.2f}x{shm_met} | {g['shm_pooled_vs_memcpy']:.2f}x | "
-                     f"{g['grpc_vs_raw_socket']:.2f}x {'met' if g['grpc_goal_met'] else 'not met'} |")
+        lines.append(f"| {g['blocks']} | {cell(g['shm_vs_memcpy'], g['shm_goal_met'])} | "
+                     f"{cell(g['shm_pooled_vs_memcpy'])} | {cell(g['grpc_vs_raw_socket'], g['grpc_goal_met'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -301,6 +320,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads in each process")
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=None,
+                        help="run only these rows (default: all), e.g. --paths 'raw socket' grpc")
     parser.add_argument("--shm-pool-bytes", type=int, default=1 << 30,
                         help="the sender's shared-memory segment pool (0: a fresh segment per transfer)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "kv_transfer.md"))
