@@ -29,6 +29,9 @@ so that a loaded machine slows them alike; the median of the rounds is reported.
                    chunk landed straight in the receiver's destination blocks (kvstore.paged_records)
 
 "wire GB/s" is payload bytes per second; "KV GB/s" is the raw float32 KV moved per second (what int8 buys).
+"CPU ms" and "page faults" are per call, of every thread of the sending (this) and the receiving process
+(their CPU-time clocks, /proc/<pid>/stat): what a path costs, much less sensitive than its
+wall time to other load on the machine (a path that runs only here, e.g. memcpy, costs the receiver nothing).
 Prints a markdown table with issue 16's goals (shm zero-copy and pooled shm / memcpy, grpc raw / raw socket)
 and writes it to --out
 (default bench/results/kv_transfer.md) with the figures as JSON beside it (.json).
@@ -36,6 +39,7 @@ and writes it to --out
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import functools
 import json
@@ -166,17 +170,38 @@ def machine() -> str:
             f"Python {platform.python_version()}")
 
 
-def interleaved_ms(paths: dict, repeats: int) -> dict:
+def process_cost(pid: int) -> tuple[float, int]:
+    """(CPU ms so far of every thread the process ever ran, from its CPU-time clock; minor page faults so far,
+    from /proc/<pid>/stat): what a call costs each process whatever else loads the machine (Linux only)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    clock_id, spec = ctypes.c_int(), (ctypes.c_long * 2)()
+    if libc.clock_getcpuclockid(pid, ctypes.byref(clock_id)) or libc.clock_gettime(clock_id, spec):
+        raise OSError(ctypes.get_errno(), f"no CPU-time clock for process {pid}")
+    minflt = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+    return spec[0] * 1e3 + spec[1] / 1e6, minflt
+
+
+def interleaved_ms(paths: dict, repeats: int, pids: tuple[int, int] | None = None) -> dict:
     """Median ms of each callable, run round-robin (one of each per round) so that load on a shared machine
-    hits every path alike; one warm-up round first (channels, allocators, segment pool, page faults)."""
+    hits every path alike; one warm-up round first (channels, allocators, segment pool, page faults). With
+    `pids` (sender, receiver), also each path's mean CPU ms and page faults per call in both processes:
+    {name: (ms, (sender cpu ms, sender faults, receiver cpu ms, receiver faults))}."""
     samples = {name: [] for name in paths}
+    costs = {name: [0.0, 0, 0.0, 0] for name in paths}
     for round_index in range(repeats + 1):
         for name, fn in paths.items():
+            before = [v for pid in pids for v in process_cost(pid)] if pids else None
             start = time.perf_counter()
             fn()
             if round_index:
                 samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(times) * 1e3 for name, times in samples.items()}
+                if pids:
+                    after = [v for pid in pids for v in process_cost(pid)]
+                    costs[name] = [c + a - b for c, a, b in zip(costs[name], after, before, strict=True)]
+    if not pids:
+        return {name: statistics.median(times) * 1e3 for name, times in samples.items()}
+    return {name: (statistics.median(times) * 1e3, tuple(c / repeats for c in costs[name]))
+            for name, times in samples.items()}
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -192,6 +217,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     child.start()
     endpoint = f"127.0.0.1:{port_queue.get(timeout=120)}"
     raw_socket = RawSocketSender(socket_queue.get(timeout=120))
+    pids = (os.getpid(), child.pid)
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     shared = SharedKvCache(cache_shape(CACHE_BLOCKS), torch.float32)  # the sender's cache, in shared memory
@@ -242,10 +268,13 @@ def run(args: argparse.Namespace) -> list[dict]:
                             timeout_s=600.0)
                 if args.paths:
                     paths = {key: fn for key, fn in paths.items() if key[0] in args.paths}
-                for (path, codec), ms in interleaved_ms(paths, args.repeats).items():
+                for (path, codec), (ms, cost) in interleaved_ms(paths, args.repeats, pids).items():
                     rows.append(dict(blocks=num_blocks, path=path, codec=codec,
-                                     wire=num_blocks * LAYOUT.block_bytes(codec), ms=ms))
-                    print(f"{num_blocks:4d} blocks {path:12s} {codec:4s} {ms:9.1f} ms", file=sys.stderr)
+                                     wire=num_blocks * LAYOUT.block_bytes(codec), ms=ms,
+                                     sender_cpu_ms=cost[0], sender_faults=cost[1], receiver_cpu_ms=cost[2],
+                                     receiver_faults=cost[3]))
+                    print(f"{num_blocks:4d} blocks {path:12s} {codec:4s} {ms:9.1f} ms  cpu ms sender {cost[0]:7.1f} "
+                          f"receiver {cost[2]:7.1f}  faults {cost[1]:7.0f} / {cost[3]:7.0f}", file=sys.stderr)
     finally:
         reader.close()
         shared.close()
@@ -289,8 +318,9 @@ def report(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         f"bytes per block raw, {LAYOUT.block_bytes('int8'):,} int8; median of {args.repeats} interleaved rounds "
         "after a warm-up round",
         "",
-        "| blocks | path | codec | wire MB | ms | wire GB/s | KV GB/s | vs memcpy | vs raw socket |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|",
+        "| blocks | path | codec | wire MB | ms | wire GB/s | KV GB/s | vs memcpy | vs raw socket | "
+        "CPU ms sender / receiver | page faults sender / receiver |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     memcpy_ms = {r["blocks"]: r["ms"] for r in rows if r["path"] == "memcpy"}
     socket_ms = {r["blocks"]: r["ms"] for r in rows if r["path"] == "raw socket"}
@@ -303,7 +333,8 @@ def report(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         seconds = r["ms"] / 1e3
         lines.append(f"| {r['blocks']} | {r['path']} | {r['codec']} | {r['wire'] / 1e6:.1f} | {r['ms']:.1f} | "
                      f"{r['wire'] / seconds / 1e9:.2f} | {kv_bytes / seconds / 1e9:.2f} | "
-                     f"{vs(memcpy_ms, r)} | {vs(socket_ms, r)} |")
+                     f"{vs(memcpy_ms, r)} | {vs(socket_ms, r)} | {r['sender_cpu_ms']:.1f} / {r['receiver_cpu_ms']:.1f} | "
+                     f"{r['sender_faults']:.0f} / {r['receiver_faults']:.0f} |")
     lines += ["", "| blocks | shm zero-copy raw / memcpy (goal >= 0.5, 64+ blocks) | pooled shm raw / memcpy | "
               "grpc raw / raw socket (goal >= 0.8) |", "|---:|---:|---:|---:|"]
     def cell(value, met=None):
