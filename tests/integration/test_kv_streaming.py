@@ -22,7 +22,7 @@ from kvstore.shm import SHM_DIR, SegmentRefused
 from kvstore.shm_pool import PooledSegmentReader, is_pooled_name
 from kvstore.transfer import block_digest, encode_records, iter_chunks
 from kvstore.transfer_manifest import TransferManifest
-from kvstore.transfer_service import GRPC_OPTIONS, KvTransferServicer
+from kvstore.transfer_service import GRPC_OPTIONS, KvTransferServicer, add_kv_transfer_servicer
 from kvstore.kv_sender import FaultInjection, KvSender, TransferFailed
 from protos.convert import manifest_to_pb
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
@@ -310,3 +310,28 @@ def test_a_receiver_that_predates_the_trailer_fails_the_push_with_a_clear_error(
     assert info.value.details.startswith("block_digests: 0 digests for 40 blocks")
     assert "predates digests in a trailer" in info.value.details
     assert [r[0] for r in receiver.rejected] == ["r"] and receiver.committed == []
+
+
+def test_a_raw_grpc_push_over_mutual_tls_lands_straight_in_the_cache_with_the_kv_options(tmp_path, layout, src):
+    # The KV options (GRPC_OPTIONS: frame and read sizes) on both ends of a mutual-TLS channel, as a prefill
+    # worker pushes to a decode worker: several chunks, landed without a staging buffer, the trailer checked.
+    from protos import tls
+
+    pki = tls.write_cluster_pki(tmp_path, [("prefill", "p0"), ("decode", "d0")])
+    receiver = CacheReceiver(layout, 100)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS,
+                         interceptors=[tls.RoleInterceptor(tls.cluster_role_table())])
+    servicer = KvTransferServicer(receiver)
+    add_kv_transfer_servicer(servicer, server)
+    port = server.add_secure_port("127.0.0.1:0", tls.server_credentials(pki["d0"]))
+    server.start()
+    try:
+        with KvSender(tls=pki["p0"]) as sender:
+            stats = push(sender, f"127.0.0.1:{port}", receiver, src, layout, "tls", "grpc")
+            assert sender.staging.num_allocated == 0
+    finally:
+        server.stop(None)
+    assert stats.num_bytes == len(SRC_IDS) * layout.block_bytes("raw") > 2 * (1 << 20)
+    assert landed(receiver, src) and servicer.buffers.num_allocated == 0
+    [(request_id, _, blocks)] = receiver.committed
+    assert request_id == "tls" and blocks.sender_role == "prefill" and receiver.rejected == []
