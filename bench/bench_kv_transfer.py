@@ -14,6 +14,9 @@ so that a loaded machine slows them alike; the median of the rounds is reported.
     memcpy         torch uint8 .copy_ of the raw payload's bytes: the physical limit of a memory-to-memory move
     raw socket     the payload's bytes over one TCP connection to the receiver process (sendall / recv_into a
                    reused buffer, one-byte answer): what any stream transport between these processes can reach
+    grpc floor     the payload as ready-made 2 MiB bytes messages over one grpc stream (KvSender's channel
+                   options) to a handler in the receiver process that drops them: Python grpc's own cost, the
+                   ceiling of any KV push over it (no gather, hash, scatter or protobuf)
     encode only    the sender's write_records into a reused buffer (kernels gather [+ quantize] + xxh3 digests)
     hash in place  the zero-copy sender's share, alone: xxh3 digests of the blocks where they are in its cache
     copy + hash    the zero-copy receiver's share, alone, in this process: each block copied out of the cache
@@ -65,7 +68,8 @@ from pdserve.bench.roofline import cpu_model  # noqa: E402
 LAYOUT = KvLayoutSpec(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32",
                       model_fingerprint="smollm2-135m-bench")
 CACHE_BLOCKS = 320
-PATHS = ("memcpy", "raw socket", "encode only", "hash in place", "copy + hash", "block copy", "shm zero-copy", "shm",
+FLOOR_SERVICE = "pdserve.bench.Discard"
+PATHS = ("memcpy", "raw socket", "grpc floor", "encode only", "hash in place", "copy + hash", "block copy", "shm zero-copy", "shm",
          "shm one-shot", "grpc")
 
 
@@ -124,6 +128,12 @@ def serve_receiver(port_queue, stop_event, threads: int, files=None, socket_queu
     interceptors = [tls.RoleInterceptor(tls.cluster_role_table())] if files is not None else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS, interceptors=interceptors)
     add_kv_transfer_servicer(KvTransferServicer(AnyReservation()), server)
+
+    def discard(messages, context):  # the "grpc floor" row: grpc alone, the bytes objects dropped on arrival
+        return struct.pack("<Q", sum(len(m) for m in messages))
+
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        FLOOR_SERVICE, {"Push": grpc.stream_unary_rpc_method_handler(discard)})])
     address = "127.0.0.1:0"
     port_queue.put(server.add_secure_port(address, tls.server_credentials(files)) if files is not None
                    else server.add_insecure_port(address))
@@ -205,10 +215,13 @@ def interleaved_ms(paths: dict, repeats: int, pids: tuple[int, int] | None = Non
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    import grpc
+
+    from kvstore.kv_sender import KvSender
     from kvstore.shm_cache import SharedKvCache, block_digests_in_place, open_cache
     from kvstore.shm_pool import PooledSegmentReader
-    from kvstore.transfer_manifest import TransferManifest
-    from kvstore.kv_sender import KvSender
+    from kvstore.transfer_manifest import DEFAULT_CHUNK_BYTES, TransferManifest
+    from kvstore.transfer_service import GRPC_OPTIONS
 
     ctx = mp.get_context("spawn")
     port_queue, socket_queue, stop_event = ctx.Queue(), ctx.Queue(), ctx.Event()
@@ -218,6 +231,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     endpoint = f"127.0.0.1:{port_queue.get(timeout=120)}"
     raw_socket = RawSocketSender(socket_queue.get(timeout=120))
     pids = (os.getpid(), child.pid)
+    floor_channel = grpc.insecure_channel(endpoint, options=GRPC_OPTIONS)
+    floor = floor_channel.stream_unary(f"/{FLOOR_SERVICE}/Push")
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     shared = SharedKvCache(cache_shape(CACHE_BLOCKS), torch.float32)  # the sender's cache, in shared memory
@@ -236,8 +251,11 @@ def run(args: argparse.Namespace) -> list[dict]:
                 copy_src = torch.ones(raw_bytes, dtype=torch.uint8)
                 copy_dst = torch.empty(raw_bytes, dtype=torch.uint8)
                 socket_payload = memoryview(copy_src.numpy())
+                floor_messages = [bytes(copy_src[i:i + DEFAULT_CHUNK_BYTES].numpy())
+                                  for i in range(0, raw_bytes, DEFAULT_CHUNK_BYTES)]
                 paths = {("memcpy", "raw"): functools.partial(copy_dst.copy_, copy_src),
-                         ("raw socket", "raw"): functools.partial(raw_socket.send, socket_payload)}
+                         ("raw socket", "raw"): functools.partial(raw_socket.send, socket_payload),
+                         ("grpc floor", "raw"): lambda messages=floor_messages: floor(iter(messages), timeout=600.0)}
                 for codec in ("raw", "int8"):
                     out = torch.empty(num_blocks * LAYOUT.block_bytes(codec), dtype=torch.uint8)
                     paths[("encode only", codec)] = functools.partial(write_records, src, src_ids, codec, out)
@@ -279,6 +297,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         reader.close()
         shared.close()
         raw_socket.close()
+        floor_channel.close()
         stop_event.set()
         child.join(timeout=30)
     return rows
