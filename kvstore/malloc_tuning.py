@@ -3,7 +3,7 @@
 Python's grpc hands every received message to Python as a fresh ``bytes`` object and reads the socket into fresh
 buffers of its own; a sender's messages are fresh ``bytes`` too. Each is a 1-8 MiB malloc. glibc serves blocks
 that large with mmap (or trims them off the top of the heap when freed), so every message lands on pages the
-kernel must fault in and zero again: on a 2-core AMD EPYC that was ~1 fault per page received, a quarter of the
+kernel must fault in and zero again: on a 2-core AMD EPYC up to one fault per page received, ~20% of the
 receiving process's time (bench/bench_kv_transfer.py; BENCHMARKS.md "KV over gRPC at socket speed").
 
 ``keep_freed_memory_for_reuse()`` sets glibc's M_MMAP_THRESHOLD to 32 MiB (its maximum: smaller blocks come
