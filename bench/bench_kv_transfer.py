@@ -337,8 +337,8 @@ def report(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         f"bytes per block raw, {LAYOUT.block_bytes('int8'):,} int8; median of {args.repeats} interleaved rounds "
         "after a warm-up round",
         "",
-        "| blocks | path | codec | wire MB | ms | wire GB/s | KV GB/s | vs memcpy | vs raw socket | "
-        "CPU ms sender / receiver | page faults sender / receiver |",
+        ("| blocks | path | codec | wire MB | ms | wire GB/s | KV GB/s | vs memcpy | vs raw socket | "
+         "CPU ms sender / receiver | page faults sender / receiver |"),
         "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     memcpy_ms = {r["blocks"]: r["ms"] for r in rows if r["path"] == "memcpy"}
@@ -352,7 +352,8 @@ def report(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         seconds = r["ms"] / 1e3
         lines.append(f"| {r['blocks']} | {r['path']} | {r['codec']} | {r['wire'] / 1e6:.1f} | {r['ms']:.1f} | "
                      f"{r['wire'] / seconds / 1e9:.2f} | {kv_bytes / seconds / 1e9:.2f} | "
-                     f"{vs(memcpy_ms, r)} | {vs(socket_ms, r)} | {r['sender_cpu_ms']:.1f} / {r['receiver_cpu_ms']:.1f} | "
+                     f"{vs(memcpy_ms, r)} | {vs(socket_ms, r)} | "
+                     f"{r['sender_cpu_ms']:.1f} / {r['receiver_cpu_ms']:.1f} | "
                      f"{r['sender_faults']:.0f} / {r['receiver_faults']:.0f} |")
     lines += ["", "| blocks | shm zero-copy raw / memcpy (goal >= 0.5, 64+ blocks) | pooled shm raw / memcpy | "
               "grpc raw / raw socket (goal >= 0.8) |", "|---:|---:|---:|---:|"]
