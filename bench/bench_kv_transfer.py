@@ -2,6 +2,7 @@
 raw socket between the same two processes.
 
     python bench/bench_kv_transfer.py [--blocks 16 64 256] [--repeats 5] [--threads 1] [--shm-pool-bytes N]
+                                      [--paths 'raw socket' grpc ...]
 
 Layout: SmolLM2-135M (30 layers, 3 kv heads of 64, blocks of 16 tokens) in float32, 737,280 bytes per block.
 The receiver (a KvTransferServicer over a permissive in-memory receiver) runs in its own process on 127.0.0.1,
@@ -13,6 +14,9 @@ so that a loaded machine slows them alike; the median of the rounds is reported.
     memcpy         torch uint8 .copy_ of the raw payload's bytes: the physical limit of a memory-to-memory move
     raw socket     the payload's bytes over one TCP connection to the receiver process (sendall / recv_into a
                    reused buffer, one-byte answer): what any stream transport between these processes can reach
+    grpc floor     the payload as ready-made 2 MiB bytes messages over one grpc stream (KvSender's channel
+                   options) to a handler in the receiver process that drops them: Python grpc's own cost, the
+                   ceiling of any KV push over it (no gather, hash, scatter or protobuf)
     encode only    the sender's write_records into a reused buffer (kernels gather [+ quantize] + xxh3 digests)
     hash in place  the zero-copy sender's share, alone: xxh3 digests of the blocks where they are in its cache
     copy + hash    the zero-copy receiver's share, alone, in this process: each block copied out of the cache
@@ -24,9 +28,13 @@ so that a loaded machine slows them alike; the median of the rounds is reported.
                    cache and hashes it as it lands, while the sender hashes the same blocks in place
     shm            KvSender.push with a segment pool (pre-faulted, reused segments; a cache not in shared memory)
     shm one-shot   KvSender.push with a fresh segment per transfer (a sender without a pool)
-    grpc           KvSender.push over grpc: streamed chunks, digests in the trailer, reused receive buffers
+    grpc           KvSender.push over grpc: chunks joined straight out of the cache, digests in the trailer, each
+                   chunk landed straight in the receiver's destination blocks (kvstore.paged_records)
 
 "wire GB/s" is payload bytes per second; "KV GB/s" is the raw float32 KV moved per second (what int8 buys).
+"CPU ms" and "page faults" are per call, of every thread of the sending (this) and the receiving process
+(their CPU-time clocks, /proc/<pid>/stat): what a path costs, much less sensitive than its
+wall time to other load on the machine (a path that runs only here, e.g. memcpy, costs the receiver nothing).
 Prints a markdown table with issue 16's goals (shm zero-copy and pooled shm / memcpy, grpc raw / raw socket)
 and writes it to --out
 (default bench/results/kv_transfer.md) with the figures as JSON beside it (.json).
@@ -34,6 +42,7 @@ and writes it to --out
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import functools
 import json
@@ -59,6 +68,9 @@ from pdserve.bench.roofline import cpu_model  # noqa: E402
 LAYOUT = KvLayoutSpec(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32",
                       model_fingerprint="smollm2-135m-bench")
 CACHE_BLOCKS = 320
+FLOOR_SERVICE = "pdserve.bench.Discard"
+PATHS = ("memcpy", "raw socket", "grpc floor", "encode only", "hash in place", "copy + hash", "block copy", "shm zero-copy", "shm",
+         "shm one-shot", "grpc")
 
 
 def cache_shape(num_blocks: int) -> tuple[int, ...]:
@@ -116,6 +128,12 @@ def serve_receiver(port_queue, stop_event, threads: int, files=None, socket_queu
     interceptors = [tls.RoleInterceptor(tls.cluster_role_table())] if files is not None else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS, interceptors=interceptors)
     add_kv_transfer_servicer(KvTransferServicer(AnyReservation()), server)
+
+    def discard(messages, context):  # the "grpc floor" row: grpc alone, the bytes objects dropped on arrival
+        return struct.pack("<Q", sum(len(m) for m in messages))
+
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        FLOOR_SERVICE, {"Push": grpc.stream_unary_rpc_method_handler(discard)})])
     address = "127.0.0.1:0"
     port_queue.put(server.add_secure_port(address, tls.server_credentials(files)) if files is not None
                    else server.add_insecure_port(address))
@@ -162,24 +180,48 @@ def machine() -> str:
             f"Python {platform.python_version()}")
 
 
-def interleaved_ms(paths: dict, repeats: int) -> dict:
+def process_cost(pid: int) -> tuple[float, int]:
+    """(CPU ms so far of every thread the process ever ran, from its CPU-time clock; minor page faults so far,
+    from /proc/<pid>/stat): what a call costs each process whatever else loads the machine (Linux only)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    clock_id, spec = ctypes.c_int(), (ctypes.c_long * 2)()
+    if libc.clock_getcpuclockid(pid, ctypes.byref(clock_id)) or libc.clock_gettime(clock_id, spec):
+        raise OSError(ctypes.get_errno(), f"no CPU-time clock for process {pid}")
+    minflt = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+    return spec[0] * 1e3 + spec[1] / 1e6, minflt
+
+
+def interleaved_ms(paths: dict, repeats: int, pids: tuple[int, int] | None = None) -> dict:
     """Median ms of each callable, run round-robin (one of each per round) so that load on a shared machine
-    hits every path alike; one warm-up round first (channels, allocators, segment pool, page faults)."""
+    hits every path alike; one warm-up round first (channels, allocators, segment pool, page faults). With
+    `pids` (sender, receiver), also each path's mean CPU ms and page faults per call in both processes:
+    {name: (ms, (sender cpu ms, sender faults, receiver cpu ms, receiver faults))}."""
     samples = {name: [] for name in paths}
+    costs = {name: [0.0, 0, 0.0, 0] for name in paths}
     for round_index in range(repeats + 1):
         for name, fn in paths.items():
+            before = [v for pid in pids for v in process_cost(pid)] if pids else None
             start = time.perf_counter()
             fn()
             if round_index:
                 samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(times) * 1e3 for name, times in samples.items()}
+                if pids:
+                    after = [v for pid in pids for v in process_cost(pid)]
+                    costs[name] = [c + a - b for c, a, b in zip(costs[name], after, before, strict=True)]
+    if not pids:
+        return {name: statistics.median(times) * 1e3 for name, times in samples.items()}
+    return {name: (statistics.median(times) * 1e3, tuple(c / repeats for c in costs[name]))
+            for name, times in samples.items()}
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    import grpc
+
+    from kvstore.kv_sender import KvSender
     from kvstore.shm_cache import SharedKvCache, block_digests_in_place, open_cache
     from kvstore.shm_pool import PooledSegmentReader
-    from kvstore.transfer_manifest import TransferManifest
-    from kvstore.kv_sender import KvSender
+    from kvstore.transfer_manifest import DEFAULT_CHUNK_BYTES, TransferManifest
+    from kvstore.transfer_service import GRPC_OPTIONS
 
     ctx = mp.get_context("spawn")
     port_queue, socket_queue, stop_event = ctx.Queue(), ctx.Queue(), ctx.Event()
@@ -188,6 +230,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     child.start()
     endpoint = f"127.0.0.1:{port_queue.get(timeout=120)}"
     raw_socket = RawSocketSender(socket_queue.get(timeout=120))
+    pids = (os.getpid(), child.pid)
+    floor_channel = grpc.insecure_channel(endpoint, options=GRPC_OPTIONS)
+    floor = floor_channel.stream_unary(f"/{FLOOR_SERVICE}/Push")
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     shared = SharedKvCache(cache_shape(CACHE_BLOCKS), torch.float32)  # the sender's cache, in shared memory
@@ -206,8 +251,11 @@ def run(args: argparse.Namespace) -> list[dict]:
                 copy_src = torch.ones(raw_bytes, dtype=torch.uint8)
                 copy_dst = torch.empty(raw_bytes, dtype=torch.uint8)
                 socket_payload = memoryview(copy_src.numpy())
+                floor_messages = [bytes(copy_src[i:i + DEFAULT_CHUNK_BYTES].numpy())
+                                  for i in range(0, raw_bytes, DEFAULT_CHUNK_BYTES)]
                 paths = {("memcpy", "raw"): functools.partial(copy_dst.copy_, copy_src),
-                         ("raw socket", "raw"): functools.partial(raw_socket.send, socket_payload)}
+                         ("raw socket", "raw"): functools.partial(raw_socket.send, socket_payload),
+                         ("grpc floor", "raw"): lambda messages=floor_messages: floor(iter(messages), timeout=600.0)}
                 for codec in ("raw", "int8"):
                     out = torch.empty(num_blocks * LAYOUT.block_bytes(codec), dtype=torch.uint8)
                     paths[("encode only", codec)] = functools.partial(write_records, src, src_ids, codec, out)
@@ -236,14 +284,20 @@ def run(args: argparse.Namespace) -> list[dict]:
                             who.push, endpoint, request_id="bench", handle="bench", layout=LAYOUT, kv_cache=src,
                             src_block_ids=src_ids, dst_block_ids=dst_ids, transport=transport, codec=codec,
                             timeout_s=600.0)
-                for (path, codec), ms in interleaved_ms(paths, args.repeats).items():
+                if args.paths:
+                    paths = {key: fn for key, fn in paths.items() if key[0] in args.paths}
+                for (path, codec), (ms, cost) in interleaved_ms(paths, args.repeats, pids).items():
                     rows.append(dict(blocks=num_blocks, path=path, codec=codec,
-                                     wire=num_blocks * LAYOUT.block_bytes(codec), ms=ms))
-                    print(f"{num_blocks:4d} blocks {path:12s} {codec:4s} {ms:9.1f} ms", file=sys.stderr)
+                                     wire=num_blocks * LAYOUT.block_bytes(codec), ms=ms,
+                                     sender_cpu_ms=cost[0], sender_faults=cost[1], receiver_cpu_ms=cost[2],
+                                     receiver_faults=cost[3]))
+                    print(f"{num_blocks:4d} blocks {path:12s} {codec:4s} {ms:9.1f} ms  cpu ms sender {cost[0]:7.1f} "
+                          f"receiver {cost[2]:7.1f}  faults {cost[1]:7.0f} / {cost[3]:7.0f}", file=sys.stderr)
     finally:
         reader.close()
         shared.close()
         raw_socket.close()
+        floor_channel.close()
         stop_event.set()
         child.join(timeout=30)
     return rows
@@ -253,13 +307,19 @@ def goals(rows: list[dict]) -> list[dict]:
     """Issue 16's KV goals per block count: shm raw >= 0.5x memcpy (64+ blocks; judged on the zero-copy path,
     the one a prefill worker takes on the same host), grpc raw >= 0.8x raw socket."""
     by = {(r["blocks"], r["path"], r["codec"]): r["ms"] for r in rows}
+
+    def ratio(blocks, baseline, path):  # None when --paths left either out
+        a, b = by.get((blocks, baseline, "raw")), by.get((blocks, path, "raw"))
+        return None if a is None or b is None else a / b
+
     out = []
     for blocks in sorted({r["blocks"] for r in rows}):
-        zero_copy = by[(blocks, "memcpy", "raw")] / by[(blocks, "shm zero-copy", "raw")]
-        pooled = by[(blocks, "memcpy", "raw")] / by[(blocks, "shm", "raw")]
-        grpc_ratio = by[(blocks, "raw socket", "raw")] / by[(blocks, "grpc", "raw")]
-        out.append(dict(blocks=blocks, shm_vs_memcpy=zero_copy, shm_goal_met=zero_copy >= 0.5 if blocks >= 64 else None,
-                        shm_pooled_vs_memcpy=pooled, grpc_vs_raw_socket=grpc_ratio, grpc_goal_met=grpc_ratio >= 0.8))
+        zero_copy = ratio(blocks, "memcpy", "shm zero-copy")
+        grpc_ratio = ratio(blocks, "raw socket", "grpc")
+        out.append(dict(blocks=blocks, shm_vs_memcpy=zero_copy,
+                        shm_goal_met=zero_copy >= 0.5 if blocks >= 64 and zero_copy is not None else None,
+                        shm_pooled_vs_memcpy=ratio(blocks, "memcpy", "shm"), grpc_vs_raw_socket=grpc_ratio,
+                        grpc_goal_met=None if grpc_ratio is None else grpc_ratio >= 0.8))
     return out
 
 
@@ -277,22 +337,32 @@ def report(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         f"bytes per block raw, {LAYOUT.block_bytes('int8'):,} int8; median of {args.repeats} interleaved rounds "
         "after a warm-up round",
         "",
-        "| blocks | path | codec | wire MB | ms | wire GB/s | KV GB/s | vs memcpy |",
-        "|---:|---|---|---:|---:|---:|---:|---:|",
+        ("| blocks | path | codec | wire MB | ms | wire GB/s | KV GB/s | vs memcpy | vs raw socket | "
+         "CPU ms sender / receiver | page faults sender / receiver |"),
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     memcpy_ms = {r["blocks"]: r["ms"] for r in rows if r["path"] == "memcpy"}
+    socket_ms = {r["blocks"]: r["ms"] for r in rows if r["path"] == "raw socket"}
+
+    def vs(baseline, r):
+        return f"{baseline[r['blocks']] / r['ms']:.2f}x" if r["blocks"] in baseline else "-"
+
     for r in rows:
         kv_bytes = r["blocks"] * LAYOUT.block_bytes("raw")
         seconds = r["ms"] / 1e3
         lines.append(f"| {r['blocks']} | {r['path']} | {r['codec']} | {r['wire'] / 1e6:.1f} | {r['ms']:.1f} | "
                      f"{r['wire'] / seconds / 1e9:.2f} | {kv_bytes / seconds / 1e9:.2f} | "
-                     f"{memcpy_ms[r['blocks']] / r['ms']:.2f}x |")
+                     f"{vs(memcpy_ms, r)} | {vs(socket_ms, r)} | "
+                     f"{r['sender_cpu_ms']:.1f} / {r['receiver_cpu_ms']:.1f} | "
+                     f"{r['sender_faults']:.0f} / {r['receiver_faults']:.0f} |")
     lines += ["", "| blocks | shm zero-copy raw / memcpy (goal >= 0.5, 64+ blocks) | pooled shm raw / memcpy | "
               "grpc raw / raw socket (goal >= 0.8) |", "|---:|---:|---:|---:|"]
+    def cell(value, met=None):
+        return "-" if value is None else f"{value:.2f}x" + ("" if met is None else " met" if met else " not met")
+
     for g in goals(rows):
-        shm_met = "" if g["shm_goal_met"] is None else (" met" if g["shm_goal_met"] else " not met")
-        lines.append(f"| {g['blocks']} | {g['shm_vs_memcpy']:.2f}x{shm_met} | {g['shm_pooled_vs_memcpy']:.2f}x | "
-                     f"{g['grpc_vs_raw_socket']:.2f}x {'met' if g['grpc_goal_met'] else 'not met'} |")
+        lines.append(f"| {g['blocks']} | {cell(g['shm_vs_memcpy'], g['shm_goal_met'])} | "
+                     f"{cell(g['shm_pooled_vs_memcpy'])} | {cell(g['grpc_vs_raw_socket'], g['grpc_goal_met'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -301,6 +371,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads in each process")
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=None,
+                        help="run only these rows (default: all), e.g. --paths 'raw socket' grpc")
     parser.add_argument("--shm-pool-bytes", type=int, default=1 << 30,
                         help="the sender's shared-memory segment pool (0: a fresh segment per transfer)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "kv_transfer.md"))

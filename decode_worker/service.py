@@ -25,7 +25,13 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             res = self.worker.reserve(request_from_pb(request.request), request.lease_ms, caller_of(context))
         target = TransferTargetData(self.endpoint, res.handle, res.num_cached_blocks, res.missing_block_ids,
                                     self.host_id)
-        return worker_pb2.ReserveResponse(target=target_to_pb(target), lease_expiry_unix_ms=res.lease_expiry_unix_ms)
+        return worker_pb2.ReserveResponse(target=target_to_pb(target), lease_expiry_unix_ms=res.lease_expiry_unix_ms,
+                                          lease_ms=res.lease_ms)
+
+    def Renew(self, request, context):
+        with status_on_error(context):
+            res = self.worker.renew(request.request_id, request.handle, request.lease_ms, caller_of(context))
+        return worker_pb2.RenewResponse(lease_expiry_unix_ms=res.lease_expiry_unix_ms, lease_ms=res.lease_ms)
 
     def Decode(self, request, context):
         first_logprob = logprob_from_pb(request.first_logprob) if request.HasField("first_logprob") else None

@@ -7,6 +7,10 @@ Lifecycle of one request (DESIGN section 3, steps 4-6), as states of its blocks'
                    └──decode(prefill locally)──────────────────────────────────────────────────────▶ RUNNING
     lease expiry (RESERVED / COMMITTED), abort, rejected transfer ──▶ released, once, by the engine
 
+A lease runs from Reserve; the gateway renews it (Renew) while the prompt waits for and runs on a prefill worker,
+which can take longer than one lease when prefill queues; a commit starts it afresh, so KV that arrived just
+before the deadline is not released before its Decode comes.
+
 A request with n > 1 choices is reserved, transferred and committed once, for its prompt; Decode hands the prefill
 worker's other first tokens to the engine, which forks the choices on the committed blocks (each choice its own
 lease; engine.llm_engine), and the one stream carries every choice's tokens with its index.
@@ -46,17 +50,24 @@ RETRY_AFTER_MS = 1000
 """Longest retry hint for a caller past its share (sooner when one of its leases ends sooner)."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class Reservation:
-    """A reservation as the gateway knows it: the lease of its blocks, the transfer handle and the deadline."""
+    """A reservation as the gateway knows it: the lease of its blocks, the transfer handle and the deadline.
+    The lease fields change (renew, commit) under DecodeWorker's lock only."""
 
     lease: BlockLease
     handle: str
     block_ids: tuple[int, ...]    # all prompt blocks, in order
     num_cached_blocks: int        # leading blocks this worker already had
+    lease_ms: int                 # granted: the asked lease capped at max_lease_ms
     lease_deadline: float         # time.monotonic()
     lease_expiry_unix_ms: int
     caller: str = ""              # who reserved it (protos.service_runtime.caller_of)
+
+    def extend(self) -> None:
+        """Start the lease afresh from now."""
+        self.lease_deadline = time.monotonic() + self.lease_ms / 1000
+        self.lease_expiry_unix_ms = int(time.time() * 1000) + self.lease_ms
 
     @property
     def missing_block_ids(self) -> list[int]:
@@ -98,14 +109,28 @@ class DecodeWorker:
             with self._lock:
                 self._done_reserving(caller, needed)
             raise
-        lease_ms = min(max(lease_ms, 1), self.max_lease_ms)
         res = Reservation(seq.lease, f"{next(self._handles)}-{secrets.token_hex(8)}", tuple(seq.block_ids),
-                          seq.num_computed_tokens // self.loop.engine.config.block_size,
-                          time.monotonic() + lease_ms / 1000, int(time.time() * 1000) + lease_ms, caller)
+                          seq.num_computed_tokens // self.loop.engine.config.block_size, self._granted(lease_ms),
+                          0.0, 0, caller)
+        res.extend()
         with self._lock:  # one step: from in flight to held, never counted twice
             self._done_reserving(caller, needed)
             self._reservations[req.request_id] = res
         return res
+
+    def renew(self, request_id: str, handle: str, lease_ms: int, caller: str = "") -> Reservation:
+        """Extend a reservation that has not started decoding to `lease_ms` (capped) from now, for the caller that
+        made it. Raises PreconditionError when there is none (expired, aborted, decoding, another caller's)."""
+        with self._lock:
+            res = self._live(request_id, handle)
+            if res is None or res.caller != caller:
+                raise PreconditionError(f"no live reservation {handle!r} for {request_id!r} (expired or aborted)")
+            res.lease_ms = self._granted(lease_ms)
+            res.extend()
+        return res
+
+    def _granted(self, lease_ms: int) -> int:
+        return min(max(lease_ms, 1), self.max_lease_ms)
 
     def _done_reserving(self, caller: str, needed: int) -> None:
         self._reserving[caller] -= needed
@@ -161,6 +186,8 @@ class DecodeWorker:
                 raise TransferRejected(str(exc), f"block_digests[{exc.block_index}]") from None
         if not self.trusts(blocks.sender_role):
             seq.cacheable = False  # the engine does not touch a RECEIVING sequence: safe from this thread
+        with self._lock:  # before COMMITTED makes it expirable: a transfer that began near the deadline
+            res.extend()  # must not lose its KV before the Decode that follows the commit
         if res.lease.unpin(LeaseState.COMMITTED):
             raise TransferRejected("the request was aborted during the transfer", "handle")
 

@@ -9,6 +9,8 @@
                 this gateway releases decode blocks; then Overloaded (RESOURCE_EXHAUSTED, retry hint).
                 NoWorkerAvailable (UNAVAILABLE) only when no decode worker is alive.
     prefill     plan_prefill: remote -> P.Prefill(request, D's TransferTarget) on the best prefill worker;
+                  while it runs, D's lease is renewed every third of it (a prompt may wait on a busy P for
+                  longer than one lease: without this its KV would find the reservation released);
                   on failure: Abort P, Abort D's reservation and wait for the answer (it is gone after a rejected
                   transfer, may be mid-transfer after a crash, and D may lack room for a second one), Reserve
                   again under a fresh worker-side id, try the next P;
@@ -421,6 +423,7 @@ class _Run:
         self.orch.dispatched.start(candidate.worker_id, hashes)
         held = False
         start = time.monotonic()
+        renewing = asyncio.get_running_loop().create_task(self._keep_reserved(res))
         try:
             result = await self.orch.client.prefill(candidate.endpoint, self._job(res.worker_request_id),
                                                     res.target, _remaining(self.deadline))
@@ -436,10 +439,32 @@ class _Run:
         else:
             held = True
         finally:
+            renewing.cancel()
             self._count(candidate.worker_id, -1)
             self.orch.dispatched.finish(candidate.worker_id, hashes, time.monotonic(), held)
         self.prefilling = None
         return result, (time.monotonic() - start) * 1000.0
+
+    async def _keep_reserved(self, res: _Reservation) -> None:
+        """Renew D's lease every third of it until cancelled (when the Prefill returns). A Renew that times out is
+        tried again at once; one that fails otherwise ends the renewals (the reservation or D is gone: the push
+        fails and the prefill is retried, module doc)."""
+        lease_ms = res.target.lease_ms or self.orch.limits.lease_ms
+        delay_s = lease_ms / 3000
+        while True:
+            await asyncio.sleep(delay_s)
+            try:
+                lease_ms = await self.orch.client.renew(res.decode.endpoint, res.worker_request_id, res.target.handle,
+                                                        self.orch.limits.lease_ms,
+                                                        min(CONTROL_TIMEOUT_S, lease_ms / 3000)) or lease_ms
+            except WorkerTimedOut:
+                delay_s = 0.0
+                continue
+            except (WorkerError, InvalidRequestError) as err:
+                log.warning("Renew of %s on decode worker %s failed (%s)", res.worker_request_id,
+                            res.decode.worker_id, err)
+                return
+            delay_s = lease_ms / 3000
 
     async def _decode(self, prefill: tuple[PrefillResult, float] | None) -> AsyncIterator[OutputChunk]:
         """The decode stream as OutputChunks, each choice (n > 1) through its own OutputStream. A choice ends at

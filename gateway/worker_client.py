@@ -23,6 +23,7 @@ request byte is sent: its calls fail UNAVAILABLE (WorkerUnreachable) and its cha
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 
 import grpc
@@ -121,7 +122,16 @@ class ChannelPool:
                                           timeout=timeout)
         except grpc.aio.AioRpcError as err:
             raise _domain_error(err, f"Reserve on {endpoint}") from err
-        return _target_from_pb(response.target)
+        return dataclasses.replace(_target_from_pb(response.target), lease_ms=response.lease_ms)
+
+    async def renew(self, endpoint: str, request_id: str, handle: str, lease_ms: int, timeout: float | None) -> int:
+        stub = worker_pb2_grpc.DecodeWorkerStub(self._channel(endpoint, "decode"))
+        try:
+            response = await stub.Renew(worker_pb2.RenewRequest(request_id=request_id, handle=handle,
+                                                                lease_ms=lease_ms), timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            raise _domain_error(err, f"Renew on {endpoint}") from err
+        return response.lease_ms
 
     async def prefill(self, endpoint: str, job: WorkerJob, target: TransferTarget,
                       timeout: float | None) -> PrefillResult:

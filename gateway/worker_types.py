@@ -57,6 +57,9 @@ class TransferTarget:
     """Leading prompt blocks the decode worker already holds (it needs only the rest)."""
     block_ids: tuple[int, ...] = ()
     host_id: str = ""
+    lease_ms: int = 0
+    """The lease the decode worker granted at Reserve (0: not reported); the gateway renews within it. Not sent
+    to the prefill worker."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,10 @@ class WorkerClient(Protocol):
 
     async def reserve(self, endpoint: str, job: WorkerJob, lease_ms: int,
                       timeout: float | None) -> TransferTarget: ...
+
+    async def renew(self, endpoint: str, request_id: str, handle: str, lease_ms: int,
+                    timeout: float | None) -> int:
+        """Extend a reservation's lease from now; returns the lease granted (ms)."""
 
     async def prefill(self, endpoint: str, job: WorkerJob, target: TransferTarget,
                       timeout: float | None) -> PrefillResult: ...

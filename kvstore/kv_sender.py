@@ -1,15 +1,17 @@
 """KvTransfer over gRPC, the sending side: the prefill worker's KvSender (the receiver is kvstore.transfer_service).
 
-KvSender.push: the transport is the caller's explicit choice and is reported in TransferStats;
-there is no fallback. Blocks are encoded a group (``group_bytes``) at a time straight into the memory that
-carries them (kvstore.transfer.write_records) and hashed there. grpc: manifest (digests_in_trailer), then 2 MiB
-chunks cut from a reused staging buffer as each group is gathered, then the trailer with the digests. shm: the
-groups land in a segment (from the sender's SegmentPool when it has one: pre-faulted and reused; else a fresh
-one-shot segment), then the manifest with the digests names it; the segment goes back to the pool only after a
-committed Push, and is unlinked on every other outcome. Zero copy (KvSender.data_path decides, in one place):
-when the blocks are those of the engine's shared cache (raw codec) and the receiver answered the probe, the
-manifest names the cache segment and the source block ids and goes at once; the sender hashes the blocks in
-place meanwhile and sends the digests in the trailer. The caller holds the blocks until push returns.
+KvSender.push: the transport is the caller's explicit choice and is reported in TransferStats; there is no
+fallback. grpc: manifest (digests_in_trailer), then 2 MiB chunks, then the trailer with the digests; a raw-codec
+push of a contiguous CPU cache joins each chunk's message straight out of the cache's pieces
+(kvstore.paged_records) and hashes it there, any other is encoded a group (``group_bytes``) at a time into a
+reused staging buffer (kvstore.transfer.write_records), hashed there and cut into chunks. shm: the blocks are
+encoded a group at a time straight into a segment (from the sender's SegmentPool when it has one: pre-faulted
+and reused; else a fresh one-shot segment), then the manifest with the digests names it; the segment goes back
+to the pool only after a committed Push, and is unlinked on every other outcome. Zero copy (KvSender.data_path
+decides, in one place): when the blocks are those of the engine's shared cache (raw codec) and the receiver
+answered the probe, the manifest names the cache segment and the source block ids and goes at once; the sender
+hashes the blocks in place meanwhile and sends the digests in the trailer. The caller holds the blocks until
+push returns.
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from kvstore.malloc_tuning import keep_freed_memory_for_reuse
+from kvstore.paged_records import PagedRecords, RecordDigests, is_paged_cache
 from kvstore.shm import OutgoingSegment
 from kvstore.shm_cache import SharedKvCache, block_digests_in_place
 from kvstore.shm_pool import SegmentPool, SegmentPoolExhausted
 from kvstore.transfer import BufferPool, iter_chunks, write_records
 from kvstore.transfer_manifest import (CODECS, DEFAULT_CHUNK_BYTES, TRANSPORTS, KvLayoutSpec, TransferManifest,
                                        check_chunk_bytes, num_chunks)
-from kvstore.transfer_service import GRPC_OPTIONS, encode_data_chunk, serialize_chunk
+from kvstore.transfer_service import GRPC_OPTIONS, encode_data_chunk, encode_data_parts, serialize_chunk
 from kvstore.transfer_slices import KvSlices
 from protos.convert import manifest_to_pb
 from protos.pdserve.v1 import kv_transfer_pb2
@@ -90,6 +94,7 @@ class KvSender:
                  tls: TlsFiles | None = None, shm_pool_bytes: int = 0,
                  shared_cache: SharedKvCache | None = None) -> None:
         check_chunk_bytes(chunk_bytes)
+        keep_freed_memory_for_reuse()  # grpc's message buffers: no page faults per push (kvstore.malloc_tuning)
         self.chunk_bytes = chunk_bytes
         self.group_bytes = group_bytes
         self.segment_pool = SegmentPool(shm_pool_bytes) if shm_pool_bytes else None
@@ -174,7 +179,10 @@ class KvSender:
                 raise
         elif transport == "grpc":
             errors: list[BaseException] = []
-            messages = self._grpc_messages(manifest(), units, codec, fault, errors)
+            if codec == "raw" and not sliced and is_paged_cache(kv_cache):
+                messages = self._paged_messages(manifest(), PagedRecords(kv_cache, src_block_ids), fault, errors)
+            else:
+                messages = self._grpc_messages(manifest(), units, codec, fault, errors)
             try:
                 result = self._call(stub, messages, deadline, errors)
             except TransferFailed as exc:
@@ -279,6 +287,25 @@ class KvSender:
             return result
         finally:
             segment.release(reusable=committed)
+
+    def _paged_messages(self, manifest: kv_transfer_pb2.KvChunk, records: PagedRecords, fault: FaultInjection,
+                        errors: list[BaseException]) -> Iterator[kv_transfer_pb2.KvChunk | bytes]:
+        # Runs in grpc's request-consumer thread: each chunk's message is joined straight out of the cache's
+        # pieces (one copy, no gather into a staging buffer) and its records hashed in the message just built;
+        # after the last one, the trailer.
+        try:
+            yield manifest
+            digests = RecordDigests(records.record_bytes, records.payload_bytes // max(1, records.record_bytes))
+            for index, pieces in enumerate(records.chunks(self.chunk_bytes)):
+                message, header = encode_data_parts(pieces)
+                digests.update(memoryview(message)[header:])
+                if index == fault.corrupt_chunk_index:
+                    message = message[:header] + bytes([message[header] ^ 0xFF]) + message[header + 1:]
+                yield message
+            yield fault.trailer(digests.digests)
+        except Exception as exc:  # grpc would only report "Exception iterating requests"
+            errors.append(exc)
+            raise
 
     def _grpc_messages(self, manifest: kv_transfer_pb2.KvChunk, units: list[tuple[torch.Tensor, list[int], int]],
                        codec: str, fault: FaultInjection,

@@ -20,8 +20,9 @@ writes it), one per block over the record's bytes exactly as sent. The receiver 
 it scatters anything, so a rejected transfer leaves its destination blocks untouched.
 
 Chunks: the grpc transport cuts the payload into pieces of ``chunk_bytes`` (1-4 MiB, default 2 MiB; the last may
-be shorter), ignoring record boundaries. The receiver copies them into one receive staging buffer (reused across
-transfers: ``BufferPool``) and hashes each block as soon as its last byte has arrived.
+be shorter), ignoring record boundaries. The receiver hashes each block as its bytes arrive, and puts them either
+straight into the destination blocks (raw codec into a contiguous CPU cache: kvstore.paged_records) or into one
+receive staging buffer (reused across transfers: ``BufferPool``) that is scattered once every digest passed.
 
 No staging copies, no hashing ahead: ``write_records`` encodes a group of blocks straight into the memory that
 carries it (a pooled shared-memory segment, or the sender's reused grpc staging buffer; the raw codec gathers
@@ -39,6 +40,7 @@ import torch
 import xxhash
 
 from kernels import gather_blocks, gather_blocks_int8, scatter_blocks, scatter_blocks_int8
+from kvstore.paged_records import RecordDigests
 from kvstore.transfer_manifest import (CODECS, DEFAULT_CHUNK_BYTES, INVALID_ARGUMENT, KvLayoutSpec,
                                        TransferManifest, TransferRejected, check_chunk_bytes, check_trailer_digests)
 
@@ -139,58 +141,66 @@ def _reject_block(manifest: TransferManifest, k: int) -> None:
 
 
 class PayloadAssembler:
-    """Reassembles grpc data chunks into one receive staging buffer (`buffer`, e.g. a reused one, at least
-    payload_bytes long; else a fresh one). `records`: the block records' [start, stop) in the payload, in digest
-    order (kvstore.transfer_slices.record_bounds), or the record size of an unsliced payload. Digests in the
-    manifest: each record is checked as soon as its last byte arrives. Digests in the trailer: each record is
-    hashed as soon as its last byte arrives and the hashes are compared with the trailer's in finish(), before
-    anything is scattered. The manifest must have passed validate_manifest."""
+    """Reassembles grpc data chunks, in one of two places: a receive staging buffer (`buffer`, e.g. a reused
+    one, at least payload_bytes long; else a fresh one), or, with `landing` (kvstore.paged_records.PagedRecords
+    of the destination blocks: a raw, unsliced payload into a contiguous CPU cache), the destination blocks of
+    the cache themselves, each chunk as it arrives (no staging copy, no scatter afterwards). `records`: the
+    block records' [start, stop) in the payload, in digest order (kvstore.transfer_slices.record_bounds), or the
+    record size of an unsliced payload. Each record is hashed as its bytes arrive; with the digests in the
+    manifest each is checked once its last byte is in, with the digests in the trailer all of them are compared
+    in finish(). Nothing is scattered from a staging buffer before finish() passed; a landing caller must undo
+    the landed blocks when add() or finish() raises. The manifest must have passed validate_manifest."""
 
     def __init__(self, manifest: TransferManifest, records: int | Sequence[tuple[int, int]],
-                 buffer: torch.Tensor | None = None) -> None:
+                 buffer: torch.Tensor | None = None, *, landing=None) -> None:
         self._manifest = manifest
-        if isinstance(records, int):
-            records = [(i * records, (i + 1) * records) for i in range(len(manifest.block_ids))]
-        self._bounds = list(records)
-        if buffer is None:
-            buffer = torch.empty(manifest.payload_bytes, dtype=torch.uint8)
-        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < manifest.payload_bytes:
-            raise ValueError(f"buffer must be a 1-D uint8 tensor of >= {manifest.payload_bytes} bytes")
-        self.buffer = buffer[:manifest.payload_bytes]  # [payload_bytes]
-        self._view = memoryview(self.buffer.numpy())
+        self._digests = RecordDigests(records, len(manifest.block_ids))
+        self._landing = landing
+        if landing is not None:
+            if landing.payload_bytes != manifest.payload_bytes:
+                raise ValueError(f"landing holds {landing.payload_bytes} bytes, the payload {manifest.payload_bytes}")
+            self.buffer = None
+        else:
+            if buffer is None:
+                buffer = torch.empty(manifest.payload_bytes, dtype=torch.uint8)
+            if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < manifest.payload_bytes:
+                raise ValueError(f"buffer must be a 1-D uint8 tensor of >= {manifest.payload_bytes} bytes")
+            self.buffer = buffer[:manifest.payload_bytes]  # [payload_bytes]
+            self._view = memoryview(self.buffer.numpy())
         self._received = 0
-        self._done = 0  # records complete so far
-        self._hashed: list[bytes] = []  # digests_in_trailer: digests of the records complete so far
+        self._checked = 0  # digests in the manifest: records checked so far
 
     def add(self, data) -> None:
         end = self._received + len(data)
         if end > self._manifest.payload_bytes:
             raise TransferRejected(f"more than the announced {self._manifest.payload_bytes} bytes arrived",
                                    "payload_bytes")
-        self._view[self._received:end] = data
+        if self._landing is not None:
+            self._landing.write(self._received, data)
+        else:
+            self._view[self._received:end] = data
         self._received = end
-        while self._done < len(self._bounds) and self._bounds[self._done][1] <= end:
-            lo, hi = self._bounds[self._done]
-            digest = block_digest(self._view[lo:hi])
-            if self._manifest.digests_in_trailer:
-                self._hashed.append(digest)
-            elif digest != self._manifest.block_digests[self._done]:
-                _reject_block(self._manifest, self._done)
-            self._done += 1
+        done = self._digests.update(data)
+        if not self._manifest.digests_in_trailer:
+            for k in range(self._checked, done):
+                if self._digests.digests[k] != self._manifest.block_digests[k]:
+                    _reject_block(self._manifest, k)
+            self._checked = done
 
-    def finish(self, trailer_digests: Sequence[bytes] | None = None) -> torch.Tensor:
-        """The whole payload, every digest verified: [payload_bytes] uint8. `trailer_digests`: the trailer's
-        digests, required exactly when the manifest says digests_in_trailer."""
+    def finish(self, trailer_digests: Sequence[bytes] | None = None) -> torch.Tensor | None:
+        """The whole payload, every digest verified: [payload_bytes] uint8 (None with a landing: it is in the
+        cache). `trailer_digests`: the trailer's digests, required exactly when the manifest says
+        digests_in_trailer."""
         if self._received != self._manifest.payload_bytes:
             raise TransferRejected(f"stream ended after {self._received} of {self._manifest.payload_bytes} bytes",
                                    "payload_bytes")
-        assert self._done == len(self._bounds)
+        assert len(self._digests.digests) == self._digests.num_records
         if self._manifest.digests_in_trailer:
             if trailer_digests is None:
                 raise TransferRejected("the stream ended without the trailer its manifest announced", "trailer",
                                        INVALID_ARGUMENT)
             check_trailer_digests(self._manifest, trailer_digests)
-            for k, (got, sent) in enumerate(zip(self._hashed, trailer_digests, strict=True)):
+            for k, (got, sent) in enumerate(zip(self._digests.digests, trailer_digests, strict=True)):
                 if got != sent:
                     _reject_block(self._manifest, k)
         elif trailer_digests is not None:

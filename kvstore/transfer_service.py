@@ -4,9 +4,12 @@ Receiving (``KvTransferServicer``, thin; the flow is ``receive_transfer``):
 
     manifest ─▶ receiver.check(manifest) ─▶ ReceiveTarget(layout, reserved block ids, kv_cache)   (or refuses)
              ─▶ validate_manifest (codec, transport, layout field by field, bounds, reservation ids, digests, size)
-    grpc:    data chunks ─▶ a reused receive staging buffer (BufferPool), each block's digest checked (or, with
-             digests_in_trailer, hashed) once its last byte is in; a streamed transfer ends with its trailer, whose
-             digests must all match before anything is scattered
+    grpc:    raw codec, unsliced, a contiguous CPU cache: each data chunk lands straight in the destination
+             blocks (kvstore.paged_records), each block's digest checked (or, with digests_in_trailer, hashed)
+             as its bytes pass; a streamed transfer ends with its trailer, whose digests must all match before
+             commit; on any failure the destination blocks are zeroed. Otherwise (int8, a tensor-parallel
+             sender or receiver, a device cache): into a reused receive staging buffer (BufferPool), checked the
+             same way, and nothing is scattered before every digest matched
     shm:     one-shot segment: take it (kvstore.shm.take_segment: one this host's sender made for this
              reservation, else rejected naming shm_name); pooled segment: map it once and keep the mapping
              (kvstore.shm_pool.PooledSegmentReader: the header must name this reservation); check every digest
@@ -23,8 +26,8 @@ Receiving (``KvTransferServicer``, thin; the flow is ``receive_transfer``):
                    INVALID_ARGUMENT: bounds, reservation ids, codec/transport, malformed stream; INTERNAL:
                    anything else) and a message "<field>: <what mismatched>".
 
-Servers hosting the servicer should be created with ``GRPC_OPTIONS`` (4 MiB chunks exceed grpc's default
-4 MiB message limit once framed); the default 2 MiB chunks work without.
+Servers hosting the servicer, and channels to it, should be created with ``GRPC_OPTIONS`` (4 MiB chunks exceed
+grpc's default 4 MiB message limit once framed; large frames and socket reads cut the receiver's copies).
 """
 from __future__ import annotations
 
@@ -36,6 +39,8 @@ from typing import Protocol
 import grpc
 import torch
 
+from kvstore.malloc_tuning import keep_freed_memory_for_reuse
+from kvstore.paged_records import PagedRecords, is_paged_cache
 from kvstore.reshard_plan import KvReshardPlan, plan_reshard
 from kvstore.shm import SegmentRefused, take_segment
 from kvstore.shm_cache import open_cache
@@ -52,7 +57,14 @@ log = logging.getLogger(__name__)
 
 GRPC_MAX_MESSAGE_BYTES = 8 << 20
 GRPC_OPTIONS = [("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES)]
+                ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+                # A receiver of 2 MiB messages: let the peer send each in a few large HTTP/2 frames and read the
+                # socket in large pieces. Python's grpc makes one bytes object per received slice and joins them
+                # into the message; fewer, larger slices cost the decode worker ~10% less CPU per KV push
+                # (BENCHMARKS.md "KV over gRPC at socket speed"). The flow-control options (lookahead, BDP probe)
+                # measured no better than grpc's defaults.
+                ("grpc.http2.max_frame_size", (1 << 24) - 1),
+                ("grpc.experimental.tcp_max_read_chunk_size", 16 << 20)]
 
 
 # ----------------------------------------------------------------------------------------------- receiving
@@ -142,23 +154,40 @@ def _receive_shm(manifest: TransferManifest, target: ReceiveTarget, plan: KvResh
 
 def _receive_grpc(manifest: TransferManifest, data_chunks: Iterator[bytes | TrailerDigests],
                   target: ReceiveTarget, plan: KvReshardPlan, buffers: BufferPool) -> None:
+    cache = target.kv_cache
+    if (manifest.codec == "raw" and not manifest.sender_kv_heads and target.write is None
+            and is_paged_cache(cache)):
+        # Straight into the destination blocks as each chunk arrives (kvstore.paged_records): no staging copy,
+        # no scatter after the last byte. Nothing commits before every digest matched; on any failure the
+        # blocks are zeroed (a fresh cache's state) before the error goes on.
+        try:
+            _assemble(manifest, data_chunks, PayloadAssembler(
+                manifest, target.layout.block_bytes("raw"), landing=PagedRecords(cache, manifest.block_ids)))
+        except BaseException:
+            cache[:, :, torch.as_tensor(list(manifest.block_ids), dtype=torch.int64)] = 0
+            raise
+        return
     staging = buffers.take(manifest.payload_bytes)
     try:
         # the records' [start, stop) in the payload: slice by slice for a tensor-parallel sender
-        bounds = record_bounds(manifest, target.layout)
-        assembler = PayloadAssembler(manifest, bounds, staging)
-        trailer = None
-        for item in data_chunks:
-            if trailer is not None:
-                raise TransferRejected("a message after the trailer", "trailer", INVALID_ARGUMENT)
-            if isinstance(item, TrailerDigests):
-                trailer = item.digests
-            else:
-                assembler.add(item)
-        _scatter_verified(assembler.finish(trailer), manifest, target, plan)
+        assembler = PayloadAssembler(manifest, record_bounds(manifest, target.layout), staging)
+        _scatter_verified(_assemble(manifest, data_chunks, assembler), manifest, target, plan)
         del assembler
     finally:
         buffers.give_back(staging)
+
+
+def _assemble(manifest: TransferManifest, data_chunks: Iterator[bytes | TrailerDigests],
+              assembler: PayloadAssembler) -> torch.Tensor | None:
+    trailer = None
+    for item in data_chunks:
+        if trailer is not None:
+            raise TransferRejected("a message after the trailer", "trailer", INVALID_ARGUMENT)
+        if isinstance(item, TrailerDigests):
+            trailer = item.digests
+        else:
+            assembler.add(item)
+    return assembler.finish(trailer)
 
 
 def _cache_segment_error(manifest: TransferManifest, exc: FileNotFoundError) -> TransferRejected:
@@ -291,8 +320,15 @@ def _varint(n: int) -> bytes:
 
 def encode_data_chunk(data) -> bytes:
     """The serialized KvChunk(data=data), built in one copy."""
-    view = memoryview(data).cast("B")
-    return b"".join((_DATA_TAG, _varint(len(view)), view))
+    return encode_data_parts([data])[0]
+
+
+def encode_data_parts(parts) -> tuple[bytes, int]:
+    """The serialized KvChunk whose data is the concatenation of `parts` (bytes-like), built in one copy, and
+    the offset of that data in it."""
+    views = [memoryview(p).cast("B") for p in parts]
+    header = _DATA_TAG + _varint(sum(len(v) for v in views))
+    return b"".join((header, *views)), len(header)
 
 
 def serialize_chunk(message: kv_transfer_pb2.KvChunk | bytes) -> bytes:
@@ -351,6 +387,7 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
     buffers and pooled-segment mappings its transfers reuse."""
 
     def __init__(self, receiver: KvReceiver, *, max_idle_buffer_bytes: int = 1 << 30) -> None:
+        keep_freed_memory_for_reuse()  # grpc's message buffers: no page faults per push (kvstore.malloc_tuning)
         self._receiver = receiver
         self.buffers = BufferPool(max_idle_buffer_bytes)
         self.segments = PooledSegmentReader()

@@ -43,7 +43,8 @@ from pdserve.affinity import format_cpu_list, pin_process
 from pdserve.bench import cli as bench_cli
 from pdserve.cli_args import UsageError
 from pdserve.client import Chunk, Client, Completion, PdserveError, collect
-from pdserve.launcher import ClusterError, LocalCluster, LocalClusterConfig
+from pdserve.launch_plan import ClusterError
+from pdserve.launcher import LocalCluster, LocalClusterConfig
 from prefill_worker.config import PrefillWorkerConfig
 from protos.tls import CertificateError, ClusterCA, TlsFiles
 

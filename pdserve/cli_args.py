@@ -221,7 +221,8 @@ def _add_gateway_tuning(g: Any, defaults: bool) -> None:
          type=parse_bytes, **kw)
     _arg(g, G, "local_prefill_threshold", "prefill on the decode worker when fewer prompt tokens than this "
          "are uncached (0: always use a prefill worker)", type=int, **kw)
-    _arg(g, G, "lease_ms", "how long a decode worker holds a reservation whose KV has not arrived", type=int, **kw)
+    _arg(g, G, "lease_ms", "how long a decode worker holds a reservation whose KV has not arrived (renewed "
+         "every third of it while the prefill runs)", type=int, **kw)
     _arg(g, G, "prefill_attempts", "prefill workers tried before prefilling on the decode worker", type=int, **kw)
     _arg(g, G, "max_prefill_load", "running + waiting requests at which a prefill worker counts as saturated",
          type=int, **kw)

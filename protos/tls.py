@@ -330,10 +330,11 @@ _OBSERVERS = frozenset({"gateway", "probe"})
 
 
 def cluster_role_table() -> dict[str, frozenset[str]]:
-    """DESIGN §10: only gateways call Reserve / Prefill / Decode / Abort; only prefill workers call
+    """DESIGN §10: only gateways call Reserve (and Renew) / Prefill / Decode / Abort; only prefill workers call
     KvTransfer.Push; Stats, health and reflection are for gateways and probes. Anything else is denied."""
     table = {
         "/pdserve.v1.DecodeWorker/Reserve": _GATEWAY,
+        "/pdserve.v1.DecodeWorker/Renew": _GATEWAY,
         "/pdserve.v1.DecodeWorker/Decode": _GATEWAY,
         "/pdserve.v1.DecodeWorker/Abort": _GATEWAY,
         "/pdserve.v1.DecodeWorker/Stats": _OBSERVERS,

@@ -71,7 +71,8 @@ from pdserve.bench.report import REPEAT
 from pdserve.bench.runner import RunConfig, RunResult, run_with, write_json
 from pdserve.bench.workloads import (BenchRequest, PromptFormat, TemplateFormat, mixed_workload, random_workload,
                                      shared_prefix_workload)
-from pdserve.launcher import LocalCluster, LocalClusterConfig, divide_threads
+from pdserve.launch_plan import divide_threads
+from pdserve.launcher import LocalCluster, LocalClusterConfig
 
 log = logging.getLogger(__name__)
 

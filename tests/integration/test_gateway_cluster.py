@@ -162,6 +162,21 @@ def test_local_prefill_when_the_missing_part_is_short(cluster, reference):
     assert result.metadata["pdserve-local-prefill"] == "short" and result.prefill_workers == []
 
 
+def test_a_prefill_longer_than_the_lease_keeps_its_reservation(cluster, reference):
+    # A 256-token prompt takes far longer than 250 ms to prefill here: without renewals D would release the
+    # reservation before the KV arrived, the push would be refused on both prefill workers, and d0 would end up
+    # prefilling the prompt itself.
+    prompt = long_prompts(1, 256, seed=11)[0]
+    short_lease = cluster.gateway(lease_ms=250)
+    with grpc.insecure_channel(f"127.0.0.1:{short_lease.port}") as channel:
+        result = generate(generation_pb2_grpc.GenerationStub(channel), prompt, greedy(4))
+    assert result.token_ids == reference(prompt, max_tokens=4)[1]
+    assert result.metadata["pdserve-local-prefill"] == "" and len(result.prefill_workers) == 1, \
+        (result.metadata, result.last.timings.prefill_ms)
+    assert result.last.timings.transport in ("shm", "grpc") and result.last.timings.transfer_bytes > 0
+    assert_idle(cluster.wait_idle())
+
+
 # ------------------------------------------------------------------------------------------------ prefix caching
 def prefill_directly(cluster, prefill_worker: str, token_ids: list[int]) -> None:
     """Prefill `token_ids` on one chosen prefill worker (Reserve on d0, Prefill, Abort), bypassing routing."""

@@ -22,7 +22,7 @@ from kvstore.shm import SHM_DIR, SegmentRefused
 from kvstore.shm_pool import PooledSegmentReader, is_pooled_name
 from kvstore.transfer import block_digest, encode_records, iter_chunks
 from kvstore.transfer_manifest import TransferManifest
-from kvstore.transfer_service import GRPC_OPTIONS, KvTransferServicer
+from kvstore.transfer_service import GRPC_OPTIONS, KvTransferServicer, add_kv_transfer_servicer
 from kvstore.kv_sender import FaultInjection, KvSender, TransferFailed
 from protos.convert import manifest_to_pb
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
@@ -56,15 +56,26 @@ def landed(receiver, src) -> bool:
     return torch.equal(gather_blocks(receiver.kv_cache, dst), gather_blocks(src, torch.tensor(SRC_IDS)))
 
 
-def test_grpc_push_streams_the_digests_in_a_trailer_into_reused_receive_buffers(kv_served, layout, src):
+def test_grpc_push_streams_the_digests_in_a_trailer_without_staging_buffers(kv_served, layout, src):
     receiver = CacheReceiver(layout, 100)
     endpoint, servicer = kv_served(receiver)
     with KvSender() as sender:
         for i in range(2):
             push(sender, endpoint, receiver, src, layout, f"req-{i}", "grpc")
-        assert sender.staging.num_allocated == 1   # the sender's staging buffer came back and was reused
+        assert sender.staging.num_allocated == 0   # raw blocks of a CPU cache: chunks joined out of the cache
     assert [(m.digests_in_trailer, m.block_digests) for m in receiver.checked] == [(True, ())] * 2
     assert landed(receiver, src) and len(receiver.committed) == 2 and receiver.rejected == []
+    assert servicer.buffers.num_allocated == 0      # and landed straight in the destination blocks
+
+
+def test_grpc_int8_push_reuses_the_staging_buffers_on_both_sides(kv_served, layout, src):
+    receiver = CacheReceiver(layout, 100)
+    endpoint, servicer = kv_served(receiver)
+    with KvSender() as sender:
+        for i in range(2):
+            push(sender, endpoint, receiver, src, layout, f"req-{i}", "grpc", codec="int8")
+        assert sender.staging.num_allocated == 1   # the sender's staging buffer came back and was reused
+    assert len(receiver.committed) == 2 and receiver.rejected == []
     assert servicer.buffers.num_allocated == 1      # the second transfer landed in the first one's buffer
 
 
@@ -76,7 +87,9 @@ def test_corrupted_trailer_digest_rejects_the_whole_transfer_and_releases_once(k
         push(sender, endpoint, receiver, src, layout, "req-1", "grpc", fault=FaultInjection(corrupt_trailer_digest=7))
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert info.value.details.startswith("block_digests[7]: ")
-    assert torch.equal(receiver.kv_cache, before)   # nothing scattered: every digest is checked first
+    rest = [b for b in range(100) if b not in DST_IDS]
+    assert torch.equal(receiver.kv_cache[:, :, rest], before[:, :, rest])
+    assert not receiver.kv_cache[:, :, DST_IDS].any()  # landed as it came, zeroed on rejection: nothing stays
     assert receiver.committed == [] and [r[:2] for r in receiver.rejected] == [("req-1", "h-req-1")]
 
 
@@ -194,7 +207,8 @@ def test_pool_segments_of_a_killed_sender_are_removed(tmp_path):
     assert not any((SHM_DIR / n).exists() for n in names)
 
 
-def test_receiver_death_mid_stream_fails_the_push_and_returns_its_buffers(layout, src):
+@pytest.mark.parametrize("codec", ["raw", "int8"])  # chunks joined out of the cache / cut from staging
+def test_receiver_death_mid_stream_fails_the_push_and_returns_its_buffers(layout, src, codec):
     # A KvTransfer server in its own process that takes the manifest and one data chunk, says so, then waits to
     # be killed: the push must fail promptly with a retryable status, not hang, and give its staging back.
     child = _python("""
@@ -222,16 +236,20 @@ def test_receiver_death_mid_stream_fails_the_push_and_returns_its_buffers(layout
         endpoint = f"127.0.0.1:{child.stdout.readline().strip()}"
         outcome: list = []
         with KvSender() as sender:
-            pushing = threading.Thread(target=lambda: outcome.append(push_outcome(sender, endpoint, layout, src, "grpc")))
+            pushing = threading.Thread(target=lambda: outcome.append(push_outcome(sender, endpoint, layout, src, "grpc",
+                                                                                  codec=codec)))
             pushing.start()
             assert child.stdout.readline().strip() == "mid-stream"
             child.send_signal(signal.SIGKILL)
             pushing.join(TIMEOUT_S)
             assert not pushing.is_alive()
             deadline = time.monotonic() + 10  # grpc closes the request iterator in its own thread
-            while sender.staging.idle_bytes() == 0 and time.monotonic() < deadline:
+            while codec == "int8" and sender.staging.idle_bytes() == 0 and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert sender.staging.idle_bytes() > 0
+            if codec == "int8":
+                assert sender.staging.idle_bytes() > 0      # its staging buffer came back
+            else:
+                assert sender.staging.num_allocated == 0    # raw: joined out of the cache, no staging taken
         [exc] = outcome
         assert isinstance(exc, TransferFailed) and exc.code in (grpc.StatusCode.UNAVAILABLE,
                                                                 grpc.StatusCode.CANCELLED), exc
@@ -240,11 +258,12 @@ def test_receiver_death_mid_stream_fails_the_push_and_returns_its_buffers(layout
         child.wait()
 
 
-def push_outcome(sender, endpoint, layout, kv_cache, transport, request_id="r"):
+def push_outcome(sender, endpoint, layout, kv_cache, transport, request_id="r", codec="raw"):
     """sender.push of SRC_IDS into DST_IDS: its result, or the TransferFailed it raised."""
     try:
         return sender.push(endpoint, request_id=request_id, handle="h", layout=layout, kv_cache=kv_cache,
-                           src_block_ids=SRC_IDS, dst_block_ids=DST_IDS, transport=transport, timeout_s=TIMEOUT_S)
+                           src_block_ids=SRC_IDS, dst_block_ids=DST_IDS, transport=transport, codec=codec,
+                           timeout_s=TIMEOUT_S)
     except TransferFailed as exc:
         return exc
 
@@ -291,3 +310,28 @@ def test_a_receiver_that_predates_the_trailer_fails_the_push_with_a_clear_error(
     assert info.value.details.startswith("block_digests: 0 digests for 40 blocks")
     assert "predates digests in a trailer" in info.value.details
     assert [r[0] for r in receiver.rejected] == ["r"] and receiver.committed == []
+
+
+def test_a_raw_grpc_push_over_mutual_tls_lands_straight_in_the_cache_with_the_kv_options(tmp_path, layout, src):
+    # The KV options (GRPC_OPTIONS: frame and read sizes) on both ends of a mutual-TLS channel, as a prefill
+    # worker pushes to a decode worker: several chunks, landed without a staging buffer, the trailer checked.
+    from protos import tls
+
+    pki = tls.write_cluster_pki(tmp_path, [("prefill", "p0"), ("decode", "d0")])
+    receiver = CacheReceiver(layout, 100)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=GRPC_OPTIONS,
+                         interceptors=[tls.RoleInterceptor(tls.cluster_role_table())])
+    servicer = KvTransferServicer(receiver)
+    add_kv_transfer_servicer(servicer, server)
+    port = server.add_secure_port("127.0.0.1:0", tls.server_credentials(pki["d0"]))
+    server.start()
+    try:
+        with KvSender(tls=pki["p0"]) as sender:
+            stats = push(sender, f"127.0.0.1:{port}", receiver, src, layout, "tls", "grpc")
+            assert sender.staging.num_allocated == 0
+    finally:
+        server.stop(None)
+    assert stats.num_bytes == len(SRC_IDS) * layout.block_bytes("raw") > 2 * (1 << 20)
+    assert landed(receiver, src) and servicer.buffers.num_allocated == 0
+    [(request_id, _, blocks)] = receiver.committed
+    assert request_id == "tls" and blocks.sender_role == "prefill" and receiver.rejected == []

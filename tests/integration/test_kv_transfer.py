@@ -155,21 +155,27 @@ def test_int8_push_is_within_quantization_error(serve, sender, transport):
 
 
 @pytest.mark.parametrize("transport", ["grpc", "shm"])
-def test_corrupted_chunk_is_rejected_and_leaves_the_destination_untouched(serve, sender, transport):
+def test_corrupted_chunk_is_rejected_and_leaves_nothing_of_it(serve, sender, transport):
     layout = layout_of()
     src = source_cache(layout, 64)
     receiver = CacheReceiver(layout, 100)
     before = receiver.kv_cache.clone()
     endpoint = serve(receiver)
 
-    # The last chunk: every block before it passes its digest, so scattering early would show in the cache.
+    # The last chunk: every block before it passes its digest. grpc lands each chunk as it arrives and zeroes the
+    # destination blocks on rejection; shm scatters only after every digest passed.
     with pytest.raises(TransferFailed) as info:
         push(sender, endpoint, receiver, src, layout, transport=transport, fault=FaultInjection(corrupt_chunk_index=1))
 
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
     corrupt_block = DEFAULT_CHUNK_BYTES // layout.block_bytes("raw")  # the first block of chunk 1
     assert f"block_digests[{corrupt_block}]" in info.value.details
-    assert torch.equal(receiver.kv_cache, before)
+    rest = [b for b in range(100) if b not in DST_IDS]
+    assert torch.equal(receiver.kv_cache[:, :, rest], before[:, :, rest])
+    if transport == "grpc":
+        assert not receiver.kv_cache[:, :, DST_IDS].any()
+    else:
+        assert torch.equal(receiver.kv_cache, before)
     assert receiver.committed == []
     [(request_id, handle, reason)] = receiver.rejected
     assert (request_id, handle) == ("req-1", "h-req-1") and "digest" in reason

@@ -30,7 +30,8 @@ from cryptography import x509
 from engine.config import EngineConfig
 from pdserve import health
 from pdserve.client import Client
-from pdserve.launcher import ClusterError, LocalCluster, LocalClusterConfig, child_command
+from pdserve.launch_plan import ClusterError, child_command
+from pdserve.launcher import LocalCluster, LocalClusterConfig
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc and PR_SET_CHILD_SUBREAPER")
 

@@ -219,6 +219,7 @@ def test_each_role_may_call_only_its_own_rpcs(cluster, pki):
     # A prefill certificate cannot reserve, decode or abort, nor ask another prefill worker to prefill.
     d = decode_stub(cluster, "d0", pki["p-evil"])
     for call in (lambda: reserve(d, "x", [1, 2, 3]),
+                 lambda: d.Renew(worker_pb2.RenewRequest(request_id="x", handle="h", lease_ms=1000), timeout=10),
                  lambda: d.Abort(worker_pb2.AbortRequest(request_id="x"), timeout=10),
                  lambda: list(d.Decode(worker_pb2.DecodeRequest(request_id="x", handle="h"), timeout=10)),
                  lambda: prefill_stub(cluster, pki["p-evil"]).Prefill(
@@ -229,9 +230,16 @@ def test_each_role_may_call_only_its_own_rpcs(cluster, pki):
     probe = decode_stub(cluster, "d0", pki["probe0"])
     assert probe.Stats(worker_pb2.StatsRequest(), timeout=10).worker_id == "d0"
     assert code_of(lambda: reserve(probe, "x", [1, 2, 3]))[0] == grpc.StatusCode.PERMISSION_DENIED
-    # The gateway may.
+    # The gateway may; a reservation's lease is renewed only by the gateway that made it.
     gateway = decode_stub(cluster, "d0", pki["gw0"])
     assert not gateway.Abort(worker_pb2.AbortRequest(request_id="nobody"), timeout=10).found
+    handle = reserve(gateway, "mine", [1, 2, 3]).target.handle
+    other = decode_stub(cluster, "d0", pki["gw1"])
+    assert code_of(lambda: other.Renew(worker_pb2.RenewRequest(request_id="mine", handle=handle, lease_ms=1000),
+                                       timeout=10))[0] == grpc.StatusCode.FAILED_PRECONDITION
+    assert gateway.Renew(worker_pb2.RenewRequest(request_id="mine", handle=handle, lease_ms=1000),
+                         timeout=10).lease_ms == 1000
+    assert gateway.Abort(worker_pb2.AbortRequest(request_id="mine"), timeout=10).found
 
 
 # --------------------------------------------------------------------------------------------- destinations

@@ -158,6 +158,26 @@ def test_expired_lease_releases_the_reservation():
         d.stop(0)
 
 
+def test_renew_extends_a_reservation_for_its_caller_until_it_decodes(pair):
+    _, _, pstub, dstub = pair
+    res = dstub.Reserve(worker_pb2.ReserveRequest(request=worker_request("rn"), lease_ms=30_000))
+    assert res.lease_ms == 30_000
+    renewed = dstub.Renew(worker_pb2.RenewRequest(request_id="rn", handle=res.target.handle, lease_ms=90_000))
+    assert renewed.lease_ms == 60_000 and renewed.lease_expiry_unix_ms > res.lease_expiry_unix_ms  # capped
+    for rid, handle in [("rn", "not-the-handle"), ("nobody", res.target.handle)]:
+        with pytest.raises(grpc.RpcError) as e:
+            dstub.Renew(worker_pb2.RenewRequest(request_id=rid, handle=handle, lease_ms=1000))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    pre = pstub.Prefill(worker_pb2.PrefillRequest(request=worker_request("rn"), target=res.target))
+    tokens = [pre.first_token_id] + [t for m in dstub.Decode(worker_pb2.DecodeRequest(
+        request_id="rn", handle=res.target.handle, first_token_id=pre.first_token_id)) for t in m.token_ids]
+    assert tokens == run(tiny_engine(), [PROMPT], [GREEDY])[0]
+    with pytest.raises(grpc.RpcError) as e:                      # decoding (here: done) is not renewable
+        dstub.Renew(worker_pb2.RenewRequest(request_id="rn", handle=res.target.handle, lease_ms=1000))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert wait_idle(dstub).used_blocks == 0
+
+
 def test_concurrent_requests_all_complete(pair):
     _, _, pstub, dstub = pair
     prompts = [[7 + i, 8, 9] + PROMPT[: 10 + i] for i in range(12)]
@@ -277,6 +297,32 @@ def test_abort_while_the_kv_arrives_is_released_by_the_transfer_after_its_last_w
         with pytest.raises(PreconditionError):
             worker.decode("ab", res.handle, first_token_id=5)
         assert not worker.abort("ab")
+    finally:
+        loop.stop()
+
+
+def test_a_commit_starts_the_lease_afresh_and_renew_is_for_the_caller_that_reserved():
+    """KV whose transfer began just before the lease's end commits after it: the commit renews the lease, so
+    the housekeeping that runs before its Decode arrives does not release it."""
+    loop = EngineLoop(tiny_engine(num_kv_blocks=32)).start()
+    try:
+        worker = DecodeWorker(loop, max_lease_ms=60_000)
+        res = worker.reserve(request_from_pb(worker_request("late")), 50, caller="gw-a")
+        with pytest.raises(PreconditionError):
+            worker.renew("late", res.handle, 30_000, caller="gw-b")
+        manifest = TransferManifest("late", res.handle, worker.layout, tuple(res.missing_block_ids), (), "raw",
+                                    "grpc", "", 0)
+        target = worker.check(manifest)
+        time.sleep(0.1)                                            # the 50 ms lease ends while receiving
+        assert res.lease_deadline < time.monotonic()
+        worker.commit("late", res.handle, ReceivedBlocks(target.block_ids, 0, "raw", "grpc"))
+        assert res.lease_deadline > time.monotonic()
+        loop.call(worker._expire_leases)                           # the housekeeping the loop runs each step
+        worker.decode("late", res.handle, first_token_id=5).close()  # found: it was not released
+        give_up = time.monotonic() + 10
+        while loop.call(lambda e: e.kv.pool.get_num_used_blocks()) and time.monotonic() < give_up:
+            time.sleep(0.01)
+        assert loop.call(lambda e: e.kv.pool.get_num_used_blocks()) == 0
     finally:
         loop.stop()
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pdserve.v1 import common_pb2 as protos_dot_pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/common.proto\"\x8d\x01\n\rWorkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x0c\n\x04seed\x18\x05 \x01(\x04\"N\n\x0eReserveRequest\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.WorkerRequest\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\"q\n\x0eTransferTarget\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\t\x12\x19\n\x11num_cached_blocks\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x0f\n\x07host_id\x18\x05 \x01(\t\"[\n\x0fReserveResponse\x12*\n\x06target\x18\x01 \x01(\x0b\x32\x1a.pdserve.v1.TransferTarget\x12\x1c\n\x14lease_expiry_unix_ms\x18\x02 \x01(\x04\"h\n\x0ePrefillRequest\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.WorkerRequest\x12*\n\x06target\x18\x02 \x01(\x0b\x32\x1a.pdserve.v1.TransferTarget\"\x81\x03\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12/\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\r\x12\x16\n\x0etransfer_bytes\x18\x05 \x01(\x04\x12\x13\n\x0btransfer_ms\x18\x06 \x01(\x02\x12\x11\n\ttransport\x18\x07 \x01(\t\x12\x12\n\nprefill_ms\x18\x08 \x01(\x02\x12\x37\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1e.pdserve.v1.PromptTokenLogprob\x12\x39\n\x13\x63hoice_first_tokens\x18\t \x03(\x0b\x32\x1c.pdserve.v1.ChoiceFirstToken\x12\x15\n\rreshard_bytes\x18\x0f \x01(\x04\x12\x16\n\x0ereshard_slices\x18\x10 \x01(\r\"O\n\x10\x43hoiceFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\xd0\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12/\n\rfirst_logprob\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x17\n\x0fprefill_locally\x18\x05 \x01(\x08\x12\x39\n\x13\x63hoice_first_tokens\x18\x06 \x03(\x0b\x32\x1c.pdserve.v1.ChoiceFirstToken\"\xe6\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x37\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1e.pdserve.v1.PromptTokenLogprob\x12\x14\n\x0c\x63hoice_index\x18\x05 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xb8\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x13\n\x0bused_blocks\x18\x06 \x01(\r\x12\x0f\n\x07running\x18\x07 \x01(\r\x12\x0f\n\x07waiting\x18\x08 \x01(\r\x12\x10\n\x08reserved\x18\t \x01(\r\x12\x17\n\x0ftransfer_errors\x18\n \x01(\x04\x12\x13\n\x0bpreemptions\x18\x0b \x01(\x04\x12\x1c\n\x14tensor_parallel_size\x18\x0c \x01(\r\x12\x1b\n\x13kv_resharding_bytes\x18\r \x01(\x04\x12\x1e\n\x16\x64\x65\x63ode_compile_seconds\x18\x12 \x01(\x01\x32\xcd\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats2\x8f\x02\n\x0c\x44\x65\x63odeWorker\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/common.proto\"\x8d\x01\n\rWorkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\x0c\n\x04seed\x18\x05 \x01(\x04\"N\n\x0eReserveRequest\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.WorkerRequest\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\"q\n\x0eTransferTarget\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\t\x12\x19\n\x11num_cached_blocks\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x0f\n\x07host_id\x18\x05 \x01(\t\"m\n\x0fReserveResponse\x12*\n\x06target\x18\x01 \x01(\x0b\x32\x1a.pdserve.v1.TransferTarget\x12\x1c\n\x14lease_expiry_unix_ms\x18\x02 \x01(\x04\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\"D\n\x0cRenewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\t\x12\x10\n\x08lease_ms\x18\x03 \x01(\r\"?\n\rRenewResponse\x12\x1c\n\x14lease_expiry_unix_ms\x18\x01 \x01(\x04\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\"h\n\x0ePrefillRequest\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.pdserve.v1.WorkerRequest\x12*\n\x06target\x18\x02 \x01(\x0b\x32\x1a.pdserve.v1.TransferTarget\"\x81\x03\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12/\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x04 \x01(\r\x12\x16\n\x0etransfer_bytes\x18\x05 \x01(\x04\x12\x13\n\x0btransfer_ms\x18\x06 \x01(\x02\x12\x11\n\ttransport\x18\x07 \x01(\t\x12\x12\n\nprefill_ms\x18\x08 \x01(\x02\x12\x37\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x1e.pdserve.v1.PromptTokenLogprob\x12\x39\n\x13\x63hoice_first_tokens\x18\t \x03(\x0b\x32\x1c.pdserve.v1.ChoiceFirstToken\x12\x15\n\rreshard_bytes\x18\x0f \x01(\x04\x12\x16\n\x0ereshard_slices\x18\x10 \x01(\r\"O\n\x10\x43hoiceFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\xd0\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\r\x12/\n\rfirst_logprob\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x17\n\x0fprefill_locally\x18\x05 \x01(\x08\x12\x39\n\x13\x63hoice_first_tokens\x18\x06 \x03(\x0b\x32\x1c.pdserve.v1.ChoiceFirstToken\"\xe6\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x37\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1e.pdserve.v1.PromptTokenLogprob\x12\x14\n\x0c\x63hoice_index\x18\x05 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xb8\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x13\n\x0bused_blocks\x18\x06 \x01(\r\x12\x0f\n\x07running\x18\x07 \x01(\r\x12\x0f\n\x07waiting\x18\x08 \x01(\r\x12\x10\n\x08reserved\x18\t \x01(\r\x12\x17\n\x0ftransfer_errors\x18\n \x01(\x04\x12\x13\n\x0bpreemptions\x18\x0b \x01(\x04\x12\x1c\n\x14tensor_parallel_size\x18\x0c \x01(\r\x12\x1b\n\x13kv_resharding_bytes\x18\r \x01(\x04\x12\x1e\n\x16\x64\x65\x63ode_compile_seconds\x18\x12 \x01(\x01\x32\xcd\x01\n\rPrefillWorker\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStats2\xcd\x02\n\x0c\x44\x65\x63odeWorker\x12\x42\n\x07Reserve\x12\x1a.pdserve.v1.ReserveRequest\x1a\x1b.pdserve.v1.ReserveResponse\x12<\n\x05Renew\x12\x18.pdserve.v1.RenewRequest\x1a\x19.pdserve.v1.RenewResponse\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12:\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x17.pdserve.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,27 +39,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TRANSFERTARGET']._serialized_start=302
   _globals['_TRANSFERTARGET']._serialized_end=415
   _globals['_RESERVERESPONSE']._serialized_start=417
-  _globals['_RESERVERESPONSE']._serialized_end=508
-  _globals['_PREFILLREQUEST']._serialized_start=510
-  _globals['_PREFILLREQUEST']._serialized_end=614
-  _globals['_PREFILLRESPONSE']._serialized_start=617
-  _globals['_PREFILLRESPONSE']._serialized_end=1002
-  _globals['_CHOICEFIRSTTOKEN']._serialized_start=1004
-  _globals['_CHOICEFIRSTTOKEN']._serialized_end=1083
-  _globals['_DECODEREQUEST']._serialized_start=1086
-  _globals['_DECODEREQUEST']._serialized_end=1294
-  _globals['_DECODERESPONSE']._serialized_start=1297
-  _globals['_DECODERESPONSE']._serialized_end=1527
-  _globals['_ABORTREQUEST']._serialized_start=1529
-  _globals['_ABORTREQUEST']._serialized_end=1563
-  _globals['_ABORTRESPONSE']._serialized_start=1565
-  _globals['_ABORTRESPONSE']._serialized_end=1595
-  _globals['_STATSREQUEST']._serialized_start=1597
-  _globals['_STATSREQUEST']._serialized_end=1611
-  _globals['_WORKERSTATS']._serialized_start=1614
-  _globals['_WORKERSTATS']._serialized_end=1926
-  _globals['_PREFILLWORKER']._serialized_start=1929
-  _globals['_PREFILLWORKER']._serialized_end=2134
-  _globals['_DECODEWORKER']._serialized_start=2137
-  _globals['_DECODEWORKER']._serialized_end=2408
+  _globals['_RESERVERESPONSE']._serialized_end=526
+  _globals['_RENEWREQUEST']._serialized_start=528
+  _globals['_RENEWREQUEST']._serialized_end=596
+  _globals['_RENEWRESPONSE']._serialized_start=598
+  _globals['_RENEWRESPONSE']._serialized_end=661
+  _globals['_PREFILLREQUEST']._serialized_start=663
+  _globals['_PREFILLREQUEST']._serialized_end=767
+  _globals['_PREFILLRESPONSE']._serialized_start=770
+  _globals['_PREFILLRESPONSE']._serialized_end=1155
+  _globals['_CHOICEFIRSTTOKEN']._serialized_start=1157
+  _globals['_CHOICEFIRSTTOKEN']._serialized_end=1236
+  _globals['_DECODEREQUEST']._serialized_start=1239
+  _globals['_DECODEREQUEST']._serialized_end=1447
+  _globals['_DECODERESPONSE']._serialized_start=1450
+  _globals['_DECODERESPONSE']._serialized_end=1680
+  _globals['_ABORTREQUEST']._serialized_start=1682
+  _globals['_ABORTREQUEST']._serialized_end=1716
+  _globals['_ABORTRESPONSE']._serialized_start=1718
+  _globals['_ABORTRESPONSE']._serialized_end=1748
+  _globals['_STATSREQUEST']._serialized_start=1750
+  _globals['_STATSREQUEST']._serialized_end=1764
+  _globals['_WORKERSTATS']._serialized_start=1767
+  _globals['_WORKERSTATS']._serialized_end=2079
+  _globals['_PREFILLWORKER']._serialized_start=2082
+  _globals['_PREFILLWORKER']._serialized_end=2287
+  _globals['_DECODEWORKER']._serialized_start=2290
+  _globals['_DECODEWORKER']._serialized_end=2623
 # @@protoc_insertion_point(module_scope)

@@ -44,12 +44,32 @@ class TransferTarget(_message.Message):
     def __init__(self, endpoint: _Optional[str] = ..., handle: _Optional[str] = ..., num_cached_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("target", "lease_expiry_unix_ms")
+    __slots__ = ("target", "lease_expiry_unix_ms", "lease_ms")
     TARGET_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRY_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     target: TransferTarget
     lease_expiry_unix_ms: int
-    def __init__(self, target: _Optional[_Union[TransferTarget, _Mapping]] = ..., lease_expiry_unix_ms: _Optional[int] = ...) -> None: ...
+    lease_ms: int
+    def __init__(self, target: _Optional[_Union[TransferTarget, _Mapping]] = ..., lease_expiry_unix_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class RenewRequest(_message.Message):
+    __slots__ = ("request_id", "handle", "lease_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    handle: str
+    lease_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., handle: _Optional[str] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class RenewResponse(_message.Message):
+    __slots__ = ("lease_expiry_unix_ms", "lease_ms")
+    LEASE_EXPIRY_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    lease_expiry_unix_ms: int
+    lease_ms: int
+    def __init__(self, lease_expiry_unix_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request", "target")

@@ -208,6 +208,11 @@ class DecodeWorkerStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/Renew',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.RenewRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.RenewResponse.FromString,
+                _registered_method=True)
         self.Decode = channel.unary_stream(
                 '/pdserve.v1.DecodeWorker/Decode',
                 request_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
@@ -232,6 +237,15 @@ class DecodeWorkerServicer:
     def Reserve(self, request, context):
         """Allocate blocks for a prompt (reusing this worker's own cached prefix) under a lease.
         RESOURCE_EXHAUSTED when there is no room.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Renew(self, request, context):
+        """Extend the lease of a reservation that has not started decoding (the gateway renews it while its prompt
+        waits for and runs on a prefill worker). FAILED_PRECONDITION when it is gone (expired, aborted, decoding)
+        or was made by another caller.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -265,6 +279,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Reserve,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.ReserveRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.ReserveResponse.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.RenewRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.RenewResponse.SerializeToString,
             ),
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
@@ -310,6 +329,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Reserve',
             protos_dot_pdserve_dot_v1_dot_worker__pb2.ReserveRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_worker__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/Renew',
+            protos_dot_pdserve_dot_v1_dot_worker__pb2.RenewRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_worker__pb2.RenewResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -44,6 +44,7 @@ class FakeWorkers:
         self.reserve_errors: dict[str, list[Exception]] = {}     # endpoint -> errors raised by its next Reserves
         self.prefill_errors: dict[str, Exception] = {}           # endpoint -> error of every Prefill
         self.reserve_gate: asyncio.Event | None = None           # Reserve waits for it when set
+        self.renew_errors: list[Exception] = []                  # raised by the next Renews, in order
         self.stream: list[DecodeMessage | Exception | str] = [DecodeMessage((9,)), DecodeMessage((10,)),
                                                               DecodeMessage((), (), FinishReason.LENGTH)]
         """What Decode yields; an exception is raised; "hang" waits forever."""
@@ -60,6 +61,12 @@ class FakeWorkers:
         if errors:
             raise errors.pop(0) if len(errors) > 1 else errors[0]
         return TransferTarget(endpoint, f"h-{job.request_id}", 0)
+
+    async def renew(self, endpoint, request_id, handle, lease_ms, timeout):
+        self.calls.append(("renew", endpoint, request_id, handle, lease_ms))
+        if self.renew_errors:
+            raise self.renew_errors.pop(0)
+        return lease_ms
 
     async def prefill(self, endpoint, job, target, timeout):
         self.calls.append(("prefill", endpoint, job.request_id))
@@ -374,6 +381,55 @@ def test_cancel_during_reserve_aborts_d_only_after_its_answer():
 
     asyncio.run(scenario())
     assert fake.aborts() == [("d0:1", "decode", "r")]
+
+
+async def renewals(fake: FakeWorkers, times: int, give_up_s: float = 10.0) -> None:
+    """Wait until `times` Renews were made (at most `give_up_s`: a gateway that never renews fails the test)."""
+    give_up = time.monotonic() + give_up_s
+    while sum(c[0] == "renew" for c in fake.calls) < times and time.monotonic() < give_up:
+        await asyncio.sleep(0.001)
+
+
+def prefill_until_renewed(fake: FakeWorkers, times: int):
+    """A Prefill that returns once D's lease has been renewed `times` times (a prompt queued on P for longer
+    than the lease)."""
+    async def prefill(endpoint, job, target, timeout):
+        fake.calls.append(("prefill", endpoint, job.request_id))
+        await renewals(fake, times)
+        return PrefillResult(8, None, 0, len(job.prompt_token_ids), 100, 1.0, "grpc", 2.0)
+
+    return prefill
+
+
+def test_the_lease_is_renewed_while_the_prefill_runs_and_no_longer():
+    fake = FakeWorkers()
+    fake.prefill = prefill_until_renewed(fake, 3)
+    orch, _ = make(fake, lease_ms=30)
+    chunks = asyncio.run(run(orch))
+    assert token_ids(chunks) == [8, 9, 10] and fake.aborts() == []
+    names = [c[0] for c in fake.calls]
+    assert names[:2] == ["reserve", "prefill"] and names.count("renew") >= 3
+    assert "renew" not in names[names.index("decode"):]
+    assert {c[1:] for c in fake.calls if c[0] == "renew"} == {("d0:1", "r", "h-r", 30)}
+
+
+def test_a_renew_that_times_out_is_retried_and_one_that_fails_ends_the_renewals():
+    fake = FakeWorkers()
+    fake.renew_errors = [WorkerTimedOut("slow"), WorkerCallFailed("FAILED_PRECONDITION: no live reservation")]
+    renewed = asyncio.Event()
+
+    async def prefill(endpoint, job, target, timeout):   # returns well after renewals would have gone on
+        fake.calls.append(("prefill", endpoint, job.request_id))
+        await renewals(fake, 2)
+        await asyncio.sleep(0.2)
+        renewed.set()
+        return PrefillResult(8, None, 0, len(job.prompt_token_ids), 100, 1.0, "grpc", 2.0)
+
+    fake.prefill = prefill
+    orch, _ = make(fake, lease_ms=30)
+    chunks = asyncio.run(run(orch))
+    assert renewed.is_set() and token_ids(chunks) == [8, 9, 10]
+    assert [c[0] for c in fake.calls].count("renew") == 2
 
 
 def test_cancel_during_prefill_aborts_p_and_d():

@@ -8,7 +8,7 @@ from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredOutputSpec as Spec
 from gateway.openai_protocol import parse_chat, parse_completion
-from gateway.server import fields_from_pb
+from gateway.generation_pb import fields_from_pb
 from gateway.validation import ModelSpec
 from pdserve.client import generate_request
 from protos.convert import sampling_from_pb, sampling_to_pb

@@ -14,7 +14,7 @@ from engine.sequence import FinishReason
 from gateway.openai_protocol import parse_chat, parse_messages
 from gateway.openai_response import ResponseBuilder
 from gateway.request_types import OutputChunk, Usage
-from gateway.server import validate_chat
+from gateway.generation_pb import validate_chat
 from gateway.tools import (DEFAULT_TOOL_PROMPT, ChatMessage, Tool, ToolCall, ToolChoice, constraint,
                            parse_tool_choice, parse_tools, template_messages)
 from gateway.validation import ModelSpec, render_chat

@@ -10,7 +10,7 @@ from tokenizers import models
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from gateway.server import validate_chat, validate_generate
+from gateway.generation_pb import validate_chat, validate_generate
 from gateway.validation import (MAX_REQUEST_ID_CHARS, MAX_STOP_STRINGS, ModelSpec, RequestFields, check_sampling,
                                 max_bytes_per_token, validate_prompt)
 from protos.pdserve.v1 import common_pb2, generation_pb2

@@ -12,7 +12,8 @@ import pytest
 from engine.config import EngineConfig
 from pdserve import cli, cli_args
 from pdserve.affinity import allowed_cpus, format_cpu_list, parse_cpu_list, split_cpus
-from pdserve.launcher import ClusterError, LocalClusterConfig, worker_argv, worker_cpus
+from pdserve.cluster_config import LocalClusterConfig
+from pdserve.launch_plan import ClusterError, worker_argv, worker_cpus
 
 ROOT = Path(__file__).resolve().parents[3]
 INSECURE = ["--insecure-internal"]

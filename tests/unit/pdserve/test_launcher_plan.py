@@ -9,8 +9,9 @@ import pytest
 from engine.config import EngineConfig
 from gateway.config import GatewayConfig
 from pdserve import cli_args
-from pdserve.launcher import (LocalClusterConfig, child_command, connect_host, divide_threads, gateway_argv,
-                              worker_argv, worker_threads)
+from pdserve.cluster_config import LocalClusterConfig
+from pdserve.launch_plan import (child_command, connect_host, divide_threads, gateway_argv, worker_argv,
+                                 worker_threads)
 from decode_worker.config import DecodeWorkerConfig
 from prefill_worker.config import PrefillWorkerConfig
 from protos.tls import TlsFiles

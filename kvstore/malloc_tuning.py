@@ -1,0 +1,45 @@
+"""Keep freed heap memory mapped for reuse, so that bulk KV transfers stop paying a page fault per 4 KiB.
+
+Python's grpc hands every received message to Python as a fresh ``bytes`` object and reads the socket into fresh
+buffers of its own; a sender's messages are fresh ``bytes`` too. Each is a 1-8 MiB malloc. glibc serves blocks
+that large with mmap (or trims them off the top of the heap when freed), so every message lands on pages the
+kernel must fault in and zero again: on a 2-core AMD EPYC up to one fault per page received, ~20% of the
+receiving process's time (bench/bench_kv_transfer.py; BENCHMARKS.md "KV over gRPC at socket speed").
+
+``keep_freed_memory_for_reuse()`` sets glibc's M_MMAP_THRESHOLD to 32 MiB (its maximum: smaller blocks come
+from the heap) and M_TRIM_THRESHOLD to 256 MiB (freed memory stays mapped up to that), process-wide and once.
+What stays mapped is the peak of such transient buffers (a few messages in flight), not the total moved. Larger
+blocks (KV caches, weights) are mmapped as before. Elsewhere than glibc it does nothing. KvSender and
+KvTransferServicer call it when they are made: the processes that move KV are the ones that pay the faults.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import platform
+import threading
+
+log = logging.getLogger(__name__)
+
+MMAP_THRESHOLD_BYTES = 32 << 20
+TRIM_THRESHOLD_BYTES = 256 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc malloc.h
+
+_lock = threading.Lock()
+_applied: bool | None = None
+
+
+def keep_freed_memory_for_reuse() -> bool:
+    """Apply the settings of the module doc (once per process); whether they are in effect."""
+    global _applied
+    with _lock:
+        if _applied is None:
+            _applied = False
+            if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+                mallopt = ctypes.CDLL(None).mallopt
+                mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+                _applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+                                and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+                if not _applied:
+                    log.warning("mallopt refused the KV transfer settings: transfers fault in fresh pages")
+        return _applied

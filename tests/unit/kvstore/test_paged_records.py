@@ -1,0 +1,79 @@
+"""kvstore.paged_records: a payload of raw records cut out of / landed in a paged cache at any chunk boundary,
+and digests streamed over any cut, all equal to the gathered payload and its per-record digests."""
+from __future__ import annotations
+
+from itertools import pairwise
+
+import pytest
+import torch
+
+from kernels import gather_blocks
+from kvstore.paged_records import PagedRecords, RecordDigests, is_paged_cache
+from kvstore.transfer import PayloadAssembler, block_digest, encode_records
+from kvstore.transfer_manifest import KvLayoutSpec, TransferManifest, TransferRejected
+
+# 3 layers x 2 heads x 8 x 4 tokens, float32: 1 KiB pieces, 6 KiB records
+SHAPE = (3, 2, 12, 4, 2, 8)
+SRC_IDS = [7, 0, 11, 3, 5]
+DST_IDS = [2, 9, 4, 10, 0]
+LAYOUT = KvLayoutSpec(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32",
+                      model_fingerprint="test")
+
+
+def make_cache(seed: int = 0) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))  # [L, 2, num_blocks, bs, Hkv, D]
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 1000, 1024, 6144, 7000, 1 << 20])
+def test_chunks_joined_out_of_the_cache_are_the_gathered_payload_and_digests_stream_over_any_cut(chunk_bytes):
+    cache = make_cache()
+    records = PagedRecords(cache, SRC_IDS)
+    payload = encode_records(cache, SRC_IDS, "raw")  # [n * block_bytes] uint8, gathered by the kernels
+    assert records.record_bytes == LAYOUT.block_bytes("raw") and records.payload_bytes == payload.numel()
+    chunks = [b"".join(pieces) for pieces in records.chunks(chunk_bytes)]
+    assert all(len(c) == chunk_bytes for c in chunks[:-1]) and 0 < len(chunks[-1]) <= chunk_bytes
+    assert b"".join(chunks) == payload.numpy().tobytes()
+    digests = RecordDigests(records.record_bytes, len(SRC_IDS))
+    counts = [digests.update(c) for c in chunks]
+    bb = records.record_bytes
+    assert digests.digests == [block_digest(payload[i * bb:(i + 1) * bb].numpy()) for i in range(len(SRC_IDS))]
+    assert counts[-1] == len(SRC_IDS) and counts == sorted(counts)
+
+
+@pytest.mark.parametrize("cuts", [[], [1], [1000, 1001, 5000], [6144, 12288], [30719]])
+def test_write_at_any_cut_lands_each_record_in_its_block_and_nothing_else(cuts):
+    src, dst = make_cache(1), make_cache(2)
+    before = dst.clone()
+    payload = encode_records(src, SRC_IDS, "raw").numpy().tobytes()
+    landing = PagedRecords(dst, DST_IDS)
+    bounds = [0, *cuts, len(payload)]
+    for lo, hi in pairwise(bounds):
+        landing.write(lo, payload[lo:hi])
+    assert torch.equal(gather_blocks(dst, torch.tensor(DST_IDS)), gather_blocks(src, torch.tensor(SRC_IDS)))
+    rest = [b for b in range(SHAPE[2]) if b not in DST_IDS]
+    assert torch.equal(dst[:, :, rest], before[:, :, rest])
+
+
+def test_only_a_contiguous_cpu_cache_is_paged():
+    cache = make_cache()
+    assert is_paged_cache(cache)
+    assert not is_paged_cache(cache.transpose(3, 4)) and not is_paged_cache(cache.to("meta"))
+    with pytest.raises(ValueError, match="contiguous CPU cache"):
+        PagedRecords(cache.transpose(3, 4), SRC_IDS)
+
+
+def test_a_landing_assembler_checks_manifest_digests_as_records_complete():
+    src, dst = make_cache(1), make_cache(2)
+    payload = encode_records(src, SRC_IDS, "raw")
+    bb = LAYOUT.block_bytes("raw")
+    digests = [block_digest(payload[i * bb:(i + 1) * bb].numpy()) for i in range(len(SRC_IDS))]
+    digests[2] = bytes(16)
+    manifest = TransferManifest("r", "h", LAYOUT, tuple(DST_IDS), tuple(digests), "raw", "grpc", "", payload.numel())
+    assembler = PayloadAssembler(manifest, bb, landing=PagedRecords(dst, DST_IDS))
+    data = payload.numpy().tobytes()
+    assembler.add(data[:3 * bb - 1])  # blocks 0 and 1 complete and match; block 2 lacks its last byte
+    with pytest.raises(TransferRejected) as info:
+        assembler.add(data[3 * bb - 1:])
+    assert info.value.field == "block_digests[2]"
+    with pytest.raises(ValueError, match="landing holds"):
+        PayloadAssembler(manifest, bb, landing=PagedRecords(dst, DST_IDS[:4]))
