@@ -47,6 +47,7 @@ import logging
 import math
 import multiprocessing
 import os
+import shutil
 import time
 import traceback
 from collections.abc import Iterator
@@ -374,8 +375,11 @@ def _cluster(cfg: SuiteConfig, model_path: Path, system: str,
                              + (f"on the decode worker and {prefill_kv} on each prefill worker" if prefill_kv
                                 else "per worker")
                              + ", real Redis; client: pdserve.client.AsyncClient over gRPC")
-    with LocalCluster(config) as cluster:
-        yield PdserveBackend(cluster.gateway_target, name=system), list(cluster.pids.values())
+    try:
+        with LocalCluster(config) as cluster:
+            yield PdserveBackend(cluster.gateway_target, name=system), list(cluster.pids.values())
+    finally:  # the logs stay with the results; the stopped cluster's keys and certificates do not
+        shutil.rmtree(Path(config.run_dir) / "pki", ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------------ running
