@@ -222,12 +222,11 @@ class Orchestrator:
     def abort_after(self, reserve_call: asyncio.Future, candidate: Candidate, worker_request_id: str) -> None:
         """Abort on decode worker `candidate` once its pending Reserve has been answered, unless it refused."""
         async def run() -> None:
-            try:
-                await reserve_call
-            except (WorkerBusy, WorkerUnreachable, InvalidRequestError):
-                return                           # nothing was reserved
-            except Exception:
-                pass                             # it may have reserved (e.g. answered after our timeout)
+            await asyncio.wait([reserve_call])
+            error = None if reserve_call.cancelled() else reserve_call.exception()
+            if isinstance(error, (WorkerBusy, WorkerUnreachable, InvalidRequestError)):
+                return                           # refused: nothing was reserved
+            # reserved, or failed in a way that may have reserved (e.g. answered after our timeout)
             await self._abort(candidate, "decode", worker_request_id)
 
         self._spawn(run())
