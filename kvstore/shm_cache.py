@@ -14,7 +14,9 @@ Block b of layer l, K (kv 0) or V (kv 1) is the *piece* of ``piece_bytes = block
 head_dim * itemsize`` bytes at ``HEADER_BYTES + ((l * 2 + kv) * num_blocks + b) * piece_bytes``. A block's
 record in kvstore.transfer's raw codec is its 2 * num_layers pieces in that (layer, kv) order, so hashing the
 pieces in place one after the other (xxh3-128 streamed) gives exactly the record's digest: the digest
-definition does not change, and nothing is gathered to compute it.
+definition does not change, and nothing is gathered to compute it. Both loops over the pieces (hash in place;
+copy, then hash what landed) run in C (kernels.cpu_kv_copy, the GIL released) when it could be built, else in
+Python: the same digests and bytes.
 
 One push (kvstore.kv_sender sends, kvstore.transfer_service receives):
 
@@ -49,8 +51,8 @@ from collections.abc import Callable, Sequence
 from multiprocessing import resource_tracker, shared_memory
 
 import torch
-import xxhash
 
+from kernels import cpu_kv_copy
 from kvstore.shm import SEGMENT_PREFIX, SHM_DIR, SegmentRefused
 from kvstore.shm_pool import PooledSegmentReader
 from kvstore.transfer_manifest import (DTYPE_BYTES, KvLayoutSpec, TransferManifest, TransferRejected,
@@ -73,24 +75,17 @@ def _piece_bytes(shape: Sequence[int], itemsize: int) -> int:
     return block_size * num_kv_heads * head_dim * itemsize
 
 
-def _hash_pieces(view: memoryview, base: int, stride: int, num_pieces: int, piece_bytes: int) -> bytes:
-    h = xxhash.xxh3_128()
-    for p in range(num_pieces):
-        start = base + p * stride
-        h.update(view[start:start + piece_bytes])
-    return h.digest()
-
-
 def block_digests_in_place(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> tuple[bytes, ...]:
     """kvstore.transfer.block_digest of each block's raw record, computed over the blocks where they are in
-    `kv_cache` (contiguous, CPU): no gather."""
+    `kv_cache` (contiguous, CPU): no gather. ValueError for a block id outside the cache."""
     # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]
     if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
         raise ValueError("block_digests_in_place needs a contiguous CPU cache")
     num_layers, _, num_blocks = kv_cache.shape[:3]
     piece = _piece_bytes(kv_cache.shape, kv_cache.element_size())
     view = memoryview(kv_cache.reshape(-1).view(torch.uint8).numpy())
-    return tuple(_hash_pieces(view, b * piece, num_blocks * piece, 2 * num_layers, piece) for b in block_ids)
+    return tuple(cpu_kv_copy.hash_pieces(view, [b * piece for b in block_ids], num_blocks * piece, 2 * num_layers,
+                                         piece))
 
 
 class SharedKvCache:
@@ -169,25 +164,18 @@ class CacheRead:
         self._manifest = manifest
         self._reader = reader
         self._entry = entry
-        self._view = entry.buf[HEADER_BYTES:]
         self._num_pieces = 2 * layout.num_layers
         self._piece = layout.block_size * layout.num_kv_heads * layout.head_dim * DTYPE_BYTES[layout.dtype]
         self._src_stride = manifest.cache_num_blocks * self._piece
+        # the cache only, not the mapping's tail: a source id past the cache is refused, not read from the tail
+        self._view = entry.buf[HEADER_BYTES:HEADER_BYTES + self._num_pieces * self._src_stride]
         self._src_bases = [b * self._piece for b in manifest.src_block_ids]
 
     def _copy(self, dst: memoryview, dst_bases: Sequence[int], dst_stride: int) -> list[bytes]:
         """Copy every source block to `dst` piece by piece, each piece hashed right after it landed: the digests
-        of what landed, in order."""
-        src, piece, digests = self._view, self._piece, []
-        for sb, db in zip(self._src_bases, dst_bases):
-            h = xxhash.xxh3_128()
-            for p in range(self._num_pieces):
-                so, do = sb + p * self._src_stride, db + p * dst_stride
-                landed = dst[do:do + piece]
-                landed[:] = src[so:so + piece]
-                h.update(landed)
-            digests.append(h.digest())
-        return digests
+        of what landed, in order. ValueError, before any byte is written, for a block outside either buffer."""
+        return cpu_kv_copy.copy_hash_pieces(self._view, self._src_bases, self._src_stride, dst, dst_bases, dst_stride,
+                                            self._num_pieces, self._piece)
 
     def copy_into(self, kv_cache: torch.Tensor, block_ids: Sequence[int]) -> list[bytes]:
         """Source block i -> block block_ids[i] of `kv_cache` (contiguous, CPU, the layout's shape)."""
