@@ -59,6 +59,10 @@ class GatewayConfig:
     local_prefill_threshold: int = 32
     """When fewer prompt tokens than this are missing from the chosen decode worker's cache, it prefills
     them itself instead of involving a prefill worker (conditional disaggregation)."""
+    idle_offload_min_tokens: int = 16
+    """A prompt below local_prefill_threshold that lacks at least this many tokens still goes to a prefill worker
+    when one is idle and the decode worker is decoding other requests, whose every step a local prefill would
+    stall (gateway/routing.py); 0 keeps every short prompt on the decode worker."""
     lease_ms: int = 30_000
     """How long a decode worker keeps a reservation whose KV has not arrived."""
     prefill_attempts: int = 2
@@ -121,8 +125,9 @@ class GatewayConfig:
                 raise ValueError(f"GatewayConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.routing not in ("prefix", "round-robin"):
             raise ValueError(f"GatewayConfig.routing must be 'prefix' or 'round-robin', got {self.routing!r}")
-        if self.local_prefill_threshold < 0:
-            raise ValueError(f"GatewayConfig.local_prefill_threshold must be >= 0, got {self.local_prefill_threshold}")
+        for name in ("local_prefill_threshold", "idle_offload_min_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"GatewayConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"GatewayConfig.max_model_len must be >= 2 (a prompt token and a generated one), "
                              f"got {self.max_model_len}")

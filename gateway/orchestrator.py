@@ -308,7 +308,8 @@ class _Run:
                                                orch.take_turn("prefill"),
                                                orch.dispatched.leading_blocks(hashes, time.monotonic()))
         num_cached_on_decode = self.reservation.target.num_cached_blocks * policy.block_size
-        plan = plan_prefill(req.num_prompt_tokens, num_cached_on_decode, prefill_ranking, policy)
+        plan = plan_prefill(req.num_prompt_tokens, num_cached_on_decode, prefill_ranking, policy,
+                            self.reservation.decode.load)
         prefill = None
         if plan.local:
             self.trace.local_reason = plan.reason

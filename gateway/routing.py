@@ -35,6 +35,12 @@ block sizes (`incompatibility` says why one is ignored).
     local prefill on D when: the prompt tokens D lacks < local_prefill_threshold ("short"),
                     or no compatible prefill worker is alive ("no_prefill_worker"),
                     or every one is saturated ("saturated").
+                    A short prompt still goes to a prefill worker when D is decoding other requests (its
+                    load > 0), some prefill worker is idle (load 0), and the prompt lacks at least
+                    idle_offload_min_tokens: a local prefill stalls every sequence D decodes for as long as it
+                    runs, while on the idle worker it costs the same compute plus the KV transfer on this
+                    request's TTFT alone. Only the idle workers are candidates then (a queue on P would
+                    cost this request more than the stall costs the others).
 """
 
 from __future__ import annotations
@@ -62,6 +68,9 @@ class RoutingPolicy:
     """Model fingerprint; workers registering another one are ignored."""
     local_prefill_threshold: int = 32
     """D prefills itself when fewer prompt tokens than this are missing from its cache."""
+    idle_offload_min_tokens: int = 16
+    """A short prompt missing at least this many tokens goes to an idle prefill worker while D decodes other
+    requests (module doc); 0 keeps every short prompt on D."""
     max_prefill_load: int = 16
     """A prefill worker whose load reaches this is saturated and not chosen."""
     prefill_load_penalty_tokens: int = 256
@@ -76,7 +85,8 @@ class RoutingPolicy:
             raise ValueError(f"RoutingPolicy.mode must be one of {ROUTING_MODES}, got {self.mode!r}")
         if self.block_size < 1:
             raise ValueError(f"RoutingPolicy.block_size must be >= 1, got {self.block_size}")
-        for name in ("local_prefill_threshold", "prefill_load_penalty_tokens", "decode_load_penalty_blocks"):
+        for name in ("local_prefill_threshold", "idle_offload_min_tokens", "prefill_load_penalty_tokens",
+                     "decode_load_penalty_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"RoutingPolicy.{name} must be >= 0, got {getattr(self, name)}")
         if self.max_prefill_load < 1:
@@ -203,14 +213,18 @@ def rank_prefill_workers(matches: Iterable[PrefixMatch], policy: RoutingPolicy,
 
 
 def plan_prefill(num_prompt_tokens: int, num_cached_tokens_on_decode: int, ranking: PrefillRanking,
-                 policy: RoutingPolicy) -> PrefillPlan:
+                 policy: RoutingPolicy, decode_load: int = 0) -> PrefillPlan:
     """Remote prefill on ranking's candidates, or local on D (conditional disaggregation, reasons in module doc).
 
     `num_cached_tokens_on_decode` is what D's Reserve reported it already holds (authoritative, unlike the
-    index's view).
+    index's view); `decode_load` is D's load without this request (Candidate.load as D was ranked).
     """
     missing = num_prompt_tokens - num_cached_tokens_on_decode
     if missing < policy.local_prefill_threshold:
+        idle = tuple(c for c in ranking.candidates if c.load == 0)
+        offload = policy.idle_offload_min_tokens and missing >= policy.idle_offload_min_tokens
+        if offload and decode_load > 0 and idle:
+            return PrefillPlan(False, "", idle)
         return PrefillPlan(True, LOCAL_SHORT)
     if not ranking.candidates:
         return PrefillPlan(True, LOCAL_SATURATED if ranking.num_saturated else LOCAL_NO_PREFILL_WORKER)

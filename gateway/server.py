@@ -341,6 +341,7 @@ async def _start(config: GatewayConfig, model: ModelSpec, tokenizer: Tokenizer) 
     _log_security(config, api_keys)
     policy = RoutingPolicy(block_size=config.block_size, fingerprint=model.fingerprint,
                            local_prefill_threshold=config.local_prefill_threshold,
+                           idle_offload_min_tokens=config.idle_offload_min_tokens,
                            max_prefill_load=config.max_prefill_load, mode=config.routing)
     channels = ChannelPool(config.cluster_tls)
     directory = WorkerDirectory(PrefixIndex(config.redis_url), policy, channels)

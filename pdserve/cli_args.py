@@ -40,8 +40,8 @@ _FLAG_NAMES = {"num_threads": "--threads", "enable_prefix_caching": "--no-prefix
                "tensor_parallel_timeout_s": "--tensor-parallel-timeout"}
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 GATEWAY_TUNING = ("max_inflight", "max_queued", "queue_timeout_s", "token_timeout_s", "max_request_bytes",
-                  "local_prefill_threshold", "lease_ms", "prefill_attempts", "max_prefill_load", "routing",
-                  "drain_timeout_s", "served_model_name", "tool_call_parser")
+                  "local_prefill_threshold", "idle_offload_min_tokens", "lease_ms", "prefill_attempts",
+                  "max_prefill_load", "routing", "drain_timeout_s", "served_model_name", "tool_call_parser")
 """GatewayConfig fields `pdserve up` passes through to its gateway."""
 
 
@@ -221,6 +221,9 @@ def _add_gateway_tuning(g: Any, defaults: bool) -> None:
          type=parse_bytes, **kw)
     _arg(g, G, "local_prefill_threshold", "prefill on the decode worker when fewer prompt tokens than this "
          "are uncached (0: always use a prefill worker)", type=int, **kw)
+    _arg(g, G, "idle_offload_min_tokens", "a prompt under --local-prefill-threshold that lacks at least this many "
+         "tokens still goes to an idle prefill worker while the decode worker decodes others, sparing their steps "
+         "the stall (0: never)", type=int, **kw)
     _arg(g, G, "lease_ms", "how long a decode worker holds a reservation whose KV has not arrived (renewed "
          "every third of it while the prefill runs)", type=int, **kw)
     _arg(g, G, "prefill_attempts", "prefill workers tried before prefilling on the decode worker", type=int, **kw)

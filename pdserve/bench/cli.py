@@ -138,6 +138,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     g.add_argument("--goodput-local-prefill-threshold", type=int, default=None, metavar="N",
                    help="pdserve-1p1d-pinned's gateway --local-prefill-threshold (256: short turns prefill on the "
                    "decode worker)")
+    g.add_argument("--goodput-idle-offload-min-tokens", type=int, default=None, metavar="N",
+                   help="pdserve-1p1d-pinned's gateway --idle-offload-min-tokens (default: the gateway's; 0: short "
+                   "turns always prefill on the decode worker)")
     return p
 
 
@@ -177,6 +180,7 @@ def _run_suite(args: argparse.Namespace) -> int:
             ("goodput_long_fraction", args.goodput_long_fraction), ("goodput_ttft_scale", args.goodput_ttft_scale),
             ("goodput_tpot_scale", args.goodput_tpot_scale), ("goodput_batched_tokens", args.goodput_batched_tokens),
             ("goodput_local_prefill_threshold", args.goodput_local_prefill_threshold),
+            ("goodput_idle_offload_min_tokens", args.goodput_idle_offload_min_tokens),
             ("goodput_long_prefill_token_threshold", args.goodput_long_prefill_token_threshold)) if value is not None}
         if args.goodput_slos_from is not None:
             goodput.update(goodput_reference_idle=_reference_idle(args.goodput_slos_from),

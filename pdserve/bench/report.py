@@ -124,6 +124,7 @@ _FLAGS = {"only": "--only", "goodput_rates": "--goodput-rates", "goodput_request
           "goodput_ttft_scale": "--goodput-ttft-scale", "goodput_tpot_scale": "--goodput-tpot-scale",
           "goodput_batched_tokens": "--goodput-batched-tokens",
           "goodput_local_prefill_threshold": "--goodput-local-prefill-threshold",
+          "goodput_idle_offload_min_tokens": "--goodput-idle-offload-min-tokens",
           "goodput_long_prefill_token_threshold": "--goodput-long-prefill-token-threshold"}
 
 

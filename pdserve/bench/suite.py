@@ -176,6 +176,10 @@ class SuiteConfig:
     goodput_local_prefill_threshold: int = 256
     """pdserve-1p1d-pinned's gateway --local-prefill-threshold: prompts with fewer uncached tokens (the short
     chat turns) are prefilled on the decode worker, only long ones go to the prefill worker."""
+    goodput_idle_offload_min_tokens: int | None = None
+    """pdserve-1p1d-pinned's gateway --idle-offload-min-tokens (None: the gateway's default): a short turn lacking
+    at least this many tokens goes to the prefill worker while it is idle and the decode worker is busy; 0 keeps
+    every short turn on the decode worker."""
     goodput_reference_idle: IdleFigures | None = None
     """Judge by the SLOs of an earlier run instead of this run's reference probe: that run's reference idle
     figures (results.json meta.goodput.reference_idle; `--goodput-slos-from`), to add a system to a comparison
@@ -352,6 +356,8 @@ def _cluster(cfg: SuiteConfig, model_path: Path, system: str,
     engine = EngineConfig(model=str(model_path), kv_cache_memory=cfg.kv_cache_memory)
     if system == ONE_P_ONE_D_PINNED:
         gateway_args = ("--local-prefill-threshold", str(cfg.goodput_local_prefill_threshold))
+        if cfg.goodput_idle_offload_min_tokens is not None:
+            gateway_args += ("--idle-offload-min-tokens", str(cfg.goodput_idle_offload_min_tokens))
     if system in (COLOCATED, COLOCATED_CAPPED) and cfg.goodput_batched_tokens is not None:
         engine = dataclasses.replace(engine, max_num_batched_tokens=cfg.goodput_batched_tokens)
     if system == COLOCATED_CAPPED:

@@ -68,7 +68,12 @@ class Result:
 
 
 def collect(call) -> Result:
-    chunks = list(call)
+    return collect_rest(call)
+
+
+def collect_rest(call, *received: generation_pb2.GenerateResponse) -> Result:
+    """The call's Result, `received` being its messages already read."""
+    chunks = [*received, *call]
     assert chunks and chunks[-1].finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
     assert all(c.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
     return Result("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids], chunks[-1],
@@ -154,12 +159,32 @@ def test_stop_string_truncates_text_and_frees_the_decode_worker(stub, reference,
 
 
 def test_local_prefill_when_the_missing_part_is_short(cluster, reference):
-    local_gateway = cluster.gateway(local_prefill_threshold=10_000)
+    local_gateway = cluster.gateway(local_prefill_threshold=10_000, idle_offload_min_tokens=0)
     with grpc.insecure_channel(f"127.0.0.1:{local_gateway.port}") as channel:
         result = generate(generation_pb2_grpc.GenerationStub(channel), PROMPTS[3])
     assert result.token_ids == reference(PROMPTS[3])[1]
     assert result.last.timings.transport == "local" and result.last.timings.transfer_bytes == 0
     assert result.metadata["pdserve-local-prefill"] == "short" and result.prefill_workers == []
+
+
+def test_a_short_prompt_goes_to_an_idle_prefill_worker_while_the_decode_worker_is_busy(cluster, reference):
+    offload = cluster.gateway(local_prefill_threshold=10_000, idle_offload_min_tokens=4)
+    deadline = time.monotonic() + IDLE_TIMEOUT_S       # every worker's heartbeat says idle (none left by others)
+    while any(w.running or w.waiting for w in cluster.index.list_workers()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with grpc.insecure_channel(f"127.0.0.1:{offload.port}") as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        busy = stub.Generate(generation_pb2.GenerateRequest(text=PROMPTS[4], sampling=greedy(64, ignore_eos=True)),
+                             timeout=RPC_TIMEOUT_S)
+        first = next(busy)                 # d0 decodes it now (prefilled there: d0 was idle)
+        result = generate(stub, PROMPTS[5])
+        busy_result = collect_rest(busy, first)
+    assert busy_result.metadata["pdserve-local-prefill"] == "short" and busy_result.prefill_workers == []
+    assert busy_result.token_ids == reference(PROMPTS[4], max_tokens=64, ignore_eos=True)[1]
+    assert result.metadata["pdserve-local-prefill"] == "" and len(result.prefill_workers) == 1
+    assert result.last.timings.transfer_bytes > 0
+    assert result.token_ids == reference(PROMPTS[5])[1]
+    assert_idle(cluster.wait_idle())
 
 
 def test_a_prefill_longer_than_the_lease_keeps_its_reservation(cluster, reference):

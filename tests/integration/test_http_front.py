@@ -560,7 +560,7 @@ USER_HI = [{"role": "user", "content": "hi"}]
 
 
 def test_grpc_structured_output_with_local_prefill_on_the_decode_worker(cluster, reference):
-    local_gateway = cluster.gateway(local_prefill_threshold=10_000)
+    local_gateway = cluster.gateway(local_prefill_threshold=10_000, idle_offload_min_tokens=0)
     spec = common_pb2.StructuredOutput(choice=common_pb2.Choices(options=["red", "green", "blue"]))
     request_pb = generation_pb2.ChatRequest(
         messages=[generation_pb2.ChatMessage(role="user", content="Name a color.")],
@@ -796,7 +796,7 @@ def test_batched_prompts_are_indexed_prompt_major(gateway, reference, cluster):
 
 
 def test_local_prefill_forks_the_same_choices(cluster, reference):
-    local = cluster.gateway(local_prefill_threshold=10_000)
+    local = cluster.gateway(local_prefill_threshold=10_000, idle_offload_min_tokens=0)
     answer = post(local, "/v1/completions", {"prompt": PROMPTS[0], "n": 3, "ignore_eos": True, **SEEDED})
     assert [c["text"] for c in answer["choices"]] == offline_choices(reference, PROMPTS[0], 3, ignore_eos=True)
     assert_idle(cluster.wait_idle())
@@ -877,7 +877,7 @@ def test_openai_echo_logprobs_score_the_prompt_also_when_its_prefix_is_cached(ga
 def test_vllm_prompt_logprobs_on_both_endpoints_disaggregated_and_local(gateway, reference, cluster):
     token_ids = reference.llm.tokenizer.encode(SCORED)
     expected = offline_prompt_logprobs(reference, token_ids)
-    local = cluster.gateway(local_prefill_threshold=10_000)
+    local = cluster.gateway(local_prefill_threshold=10_000, idle_offload_min_tokens=0)
     for front in (gateway, local):
         answer = post(front, "/v1/completions", greedy(SCORED, 2, prompt_logprobs=2))
         positions = answer["choices"][0]["prompt_logprobs"]

@@ -138,6 +138,53 @@ def test_remote_prefill_then_decode_streams_every_token_and_aborts_nothing():
     assert orch.get_inflight("d0") == 0 and orch.get_inflight("p0") == 0
 
 
+class DecodeHeld(FakeWorkers):
+    """Decode of request "first" streams only once `release` is set: it keeps D busy meanwhile (`holding`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holding, self.release = asyncio.Event(), asyncio.Event()
+
+    async def decode(self, endpoint, request_id, handle, first, timeout):
+        if request_id == "first":
+            self.holding.set()
+            await self.release.wait()
+        async for message in super().decode(endpoint, request_id, handle, first, timeout):
+            yield message
+
+
+@pytest.mark.parametrize("min_tokens, second_remote", [(4, True), (0, False)])
+def test_a_short_prompt_goes_to_an_idle_prefill_worker_only_while_decode_is_busy(min_tokens, second_remote):
+    async def scenario():
+        fake = DecodeHeld()
+        orch, _ = make(fake)
+        orch.policy = RoutingPolicy(block_size=4, fingerprint=FP, local_prefill_threshold=100,
+                                    idle_offload_min_tokens=min_tokens)   # PROMPT: 8 tokens, short
+        traces = {"first": RequestTrace(), "second": RequestTrace()}
+
+        async def collect(request_id):
+            async with contextlib.aclosing(orch.generate(request(request_id), deadline=None,
+                                                         arrival=time.monotonic(), trace=traces[request_id])) as gen:
+                return [chunk async for chunk in gen]
+
+        first = asyncio.ensure_future(collect("first"))
+        await fake.holding.wait()                 # D decodes "first"
+        second = await collect("second")
+        fake.release.set()
+        first = await first
+        await orch.close()
+        return fake, traces, first, second
+
+    fake, traces, first, second = asyncio.run(scenario())
+    assert token_ids(first) == [9, 10] and traces["first"].local_reason == "short"   # D was idle
+    prefills = [c[1:] for c in fake.calls if c[0] == "prefill"]
+    if second_remote:
+        assert prefills == [("p0:1", "second")] and traces["second"].prefill_workers == ["p0"]
+        assert token_ids(second) == [8, 9, 10] and traces["second"].local_reason == ""
+    else:
+        assert prefills == [] and traces["second"].local_reason == "short" and token_ids(second) == [9, 10]
+
+
 # ------------------------------------------------------------------------------------------------ prefill failures
 def test_failed_prefill_aborts_both_reserves_again_under_a_new_id_and_tries_the_next_prefill_worker():
     fake = FakeWorkers()

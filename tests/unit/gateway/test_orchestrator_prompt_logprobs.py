@@ -38,7 +38,8 @@ def scored_request() -> GenerationRequest:
 
 def local(fake) -> Orchestrator:
     orch, _ = make(fake)
-    orch.policy = RoutingPolicy(POLICY.block_size, POLICY.fingerprint, local_prefill_threshold=10_000)
+    orch.policy = RoutingPolicy(POLICY.block_size, POLICY.fingerprint, local_prefill_threshold=10_000,
+                                idle_offload_min_tokens=0)
     return orch
 
 

@@ -190,6 +190,28 @@ def test_all_prefill_workers_saturated_prefills_locally():
     assert (plan.local, plan.reason) == (True, LOCAL_SATURATED)
 
 
+def test_short_prompt_goes_to_an_idle_prefill_worker_while_decode_is_busy():
+    matches = [match(worker("p0", "prefill")), match(worker("p1", "prefill", running=1)),
+               match(worker("p2", "prefill"))]
+    ranking = rank_prefill_workers(matches, POLICY, inflight={"p2": 1})
+    plan = plan_prefill(100, 80, ranking, POLICY, decode_load=3)     # 20 missing < 32, >= 16
+    assert (plan.local, plan.reason, ids(plan.candidates)) == (False, "", ["p0"])   # only the idle one
+
+
+@pytest.mark.parametrize("decode_load, p0_running, num_prompt, min_tokens", [
+    (0, 0, 100, 16),     # D decodes nothing: a local prefill stalls nobody
+    (2, 1, 100, 16),     # no idle prefill worker: its queue would cost this request more
+    (2, 0, 95, 16),      # 15 missing < idle_offload_min_tokens
+    (2, 0, 100, 0),      # turned off
+])
+def test_short_prompt_stays_local(decode_load, p0_running, num_prompt, min_tokens):
+    policy = RoutingPolicy(block_size=16, fingerprint=FP, local_prefill_threshold=32,
+                           idle_offload_min_tokens=min_tokens)
+    ranking = rank_prefill_workers([match(worker("p0", "prefill", running=p0_running))], policy)
+    plan = plan_prefill(num_prompt, 80, ranking, policy, decode_load=decode_load)
+    assert (plan.local, plan.reason) == (True, LOCAL_SHORT)
+
+
 def test_threshold_zero_never_prefills_locally_while_a_prefill_worker_lives():
     policy = RoutingPolicy(block_size=16, fingerprint=FP, local_prefill_threshold=0)
     ranking = rank_prefill_workers([match(worker("p0", "prefill"))], policy)
@@ -197,7 +219,8 @@ def test_threshold_zero_never_prefills_locally_while_a_prefill_worker_lives():
 
 
 @pytest.mark.parametrize("field, value", [("block_size", 0), ("max_prefill_load", 0),
-                                          ("local_prefill_threshold", -1), ("prefill_load_penalty_tokens", -1)])
+                                          ("local_prefill_threshold", -1), ("idle_offload_min_tokens", -1),
+                                          ("prefill_load_penalty_tokens", -1)])
 def test_policy_validation(field, value):
     kwargs = {"block_size": 16, "fingerprint": FP, field: value}
     with pytest.raises(ValueError, match=field):

@@ -49,7 +49,7 @@ def assert_every_field_differs_from_default(config, exclusive=()) -> None:
 def test_gateway_flags_map_onto_every_field():
     args = parse("gateway", "--host", "0.0.0.0", "--port", "6000", "--http-port", "0", "--redis-url", "redis://r:1/2",
                  "--model", "/m.gguf", "--block-size", "32", "--max-inflight", "9", "--local-prefill-threshold", "0",
-                 "--lease-ms", "500", "--prefill-attempts", "3", "--drain-timeout", "2.5", "--max-model-len", "1024",
+                 "--idle-offload-min-tokens", "0", "--lease-ms", "500", "--prefill-attempts", "3", "--drain-timeout", "2.5", "--max-model-len", "1024",
                  "--served-model-name", "smol", "--max-prefill-load", "4", "--routing", "round-robin",
                  "--quantization", "int8", "--max-queued", "7", "--queue-timeout", "1.5", "--token-timeout", "9",
                  "--max-request-bytes", "1M", "--health-port", "8081", "--metrics-port", "9090",
@@ -58,8 +58,8 @@ def test_gateway_flags_map_onto_every_field():
     config = cli_args.gateway_config(args)
     expected = GatewayConfig(model="/m.gguf", redis_url="redis://r:1/2", host="0.0.0.0", port=6000, http_port=0,
                              health_port=8081, metrics_port=9090,
-                             block_size=32, max_inflight=9, local_prefill_threshold=0, lease_ms=500, prefill_attempts=3,
-                             drain_timeout_s=2.5, max_model_len=1024, served_model_name="smol", max_prefill_load=4,
+                             block_size=32, max_inflight=9, local_prefill_threshold=0, idle_offload_min_tokens=0, lease_ms=500,
+                             prefill_attempts=3, drain_timeout_s=2.5, max_model_len=1024, served_model_name="smol", max_prefill_load=4,
                              routing="round-robin", quantization="int8", max_queued=7, queue_timeout_s=1.5,
                              token_timeout_s=9.0, max_request_bytes=2**20, api_key_file="/keys",
                              allow_unauthenticated=True, tls_cert="/pub.pem", tls_key="/pub-key.pem",
