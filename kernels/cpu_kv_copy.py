@@ -64,7 +64,7 @@ def library() -> ctypes.CDLL | None:
     except (OSError, AttributeError) as exc:
         log.warning("native CPU kv copy kernels unavailable, using the Python loops: %s", exc)
         return None
-    lib = native_build.load(SOURCE, "kv copy")
+    lib = native_build.load(SOURCE, "kv copy", "the Python loops")
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

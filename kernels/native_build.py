@@ -58,14 +58,14 @@ def _build(cc: str, source: Path) -> Path:
     return target
 
 
-def load(source: Path, what: str) -> ctypes.CDLL | None:
+def load(source: Path, what: str, fallback: str = "torch's") -> ctypes.CDLL | None:
     """`source` built (or taken from the cache) and loaded; None after one warning "native CPU <what> kernels
-    unavailable, using torch's: <why>" when it cannot be. Callers cache the result (functools.cache)."""
+    unavailable, using <fallback>: <why>" when it cannot be. Callers cache the result (functools.cache)."""
     cc = compiler()
     try:
         if cc is None:
             raise RuntimeError(f"no C compiler (CC={os.environ.get('CC')!r}, no cc or gcc on PATH)")
         return ctypes.CDLL(str(_build(cc, source)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:  # the torch kernels stay
-        log.warning("native CPU %s kernels unavailable, using torch's: %s", what, exc)
+        log.warning("native CPU %s kernels unavailable, using %s: %s", what, fallback, exc)
         return None
