@@ -222,7 +222,7 @@ def plan_prefill(num_prompt_tokens: int, num_cached_tokens_on_decode: int, ranki
     missing = num_prompt_tokens - num_cached_tokens_on_decode
     if missing < policy.local_prefill_threshold:
         idle = tuple(c for c in ranking.candidates if c.load == 0)
-        offload = policy.idle_offload_min_tokens and missing >= policy.idle_offload_min_tokens
+        offload = 0 < policy.idle_offload_min_tokens <= missing
         if offload and decode_load > 0 and idle:
             return PrefillPlan(False, "", idle)
         return PrefillPlan(True, LOCAL_SHORT)
