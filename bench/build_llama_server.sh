@@ -11,7 +11,8 @@
 #
 # ggml's AMX kernels are left out (-mno-amx-*) unless LLAMA_AMX=1: built by -march=native on an Intel Xeon with
 # AMX, they crashed llama-server at its first matmul here (general protection fault at ldtilecfg, then an invalid
-# opcode at tilezero) although AMX itself runs on that machine. The peer then uses its AVX512 kernels.
+# opcode at tilezero) although AMX itself runs on that machine (checked by hand). The peer then uses its
+# AVX512 kernels.
 set -euo pipefail
 
 VERSION=0.3.36
