@@ -27,7 +27,8 @@ Wraps the model's kernel calls (`kernels.rms_norm`, `rotary_embedding`, `write_k
 native C or torch's, as kernels.dispatch picks them; PDSERVE_KERNEL_BACKEND=torch pins torch's) and every
 linear's `forward` with a wall-clock timer, generates `--tokens` greedy tokens for one short prompt after a
 warm-up, and prints the milliseconds per token of each (the LM head, an int8 `logits` call, is counted in
-"LM head", not in "linear layers"); "other" is the rest of the step (embedding, the runner's batch building, sampling). Each
+"LM head", not in "linear layers"), and the native decoder's one call a step ("native layers": where it runs, the
+kernels and linears inside it are not timed one by one); "other" is the rest of the step (embedding, the runner's batch building, sampling). Each
 engine is built and stepped on one thread, as a worker does. The timers add a few microseconds per call.
 """
 
@@ -53,19 +54,22 @@ from engine.llm import LLM
 from engine.model_fetch import fetch_default_model
 from engine.sampling_params import SamplingParams
 from engine.step_batch import StepBatch, run_step
+from kernels import cpu_ops
 from pdserve.bench.peers import LlamaServer, LlamaServerConfig, find_llama_server
 from pdserve.bench.roofline import copy_bandwidth, cpu_model
 from pdserve.cli_args import parse_int_list
 
 KERNELS = ("rms_norm", "rotary_embedding", "write_kv", "paged_attention", "silu_mul")
-ENCODINGS = {"float32": {"keep_quantized_weights": False},
+ENCODINGS = {"default": {},
+             "float32": {"keep_quantized_weights": False},
              "int8": {"quantization": "int8", "keep_quantized_weights": True, "cpu_matmul": "torch"},
              "int4": {"quantization": "int4", "keep_quantized_weights": True, "cpu_matmul": "torch"},
              "int8-native": {"quantization": "int8", "keep_quantized_weights": True, "cpu_matmul": "native"},
              "int4-native": {"quantization": "int4", "keep_quantized_weights": True, "cpu_matmul": "native"},
              "int8-native-bf16": {"quantization": "int8", "keep_quantized_weights": True, "cpu_matmul": "native-bf16"},
              "int4-native-bf16": {"quantization": "int4", "keep_quantized_weights": True, "cpu_matmul": "native-bf16"}}
-"""Weight encodings by label: LLM keyword arguments (int8 / int4: torch's kernels; -native:
+"""Weight encodings by label: LLM keyword arguments (default: the engine's defaults, the GGUF's codes kept and
+"native-bf16"; int8 / int4: torch's kernels; -native:
 EngineConfig.cpu_matmul="native", int8 activations; -native-bf16: "native-bf16", bfloat16 activations); float32
 dequantizes the GGUF at load, the quantized ones keep its codes."""
 
@@ -135,6 +139,8 @@ def compare_compiled(label: str, batch_sizes: tuple[int, ...], repeats: int, ban
     runner = llm.engine.runner
     weight_bytes = runner.model.decode_weight_bytes()
     modes = ("compiled", "eager") if compiled else ("eager",)
+    if runner.model.native_decoder is not None:
+        modes += ("loop",)  # the eager step with the native decoder off: the Python layer loop
     rows = []
     for n in batch_sizes:
         batch = decode_batch(n, runner.block_size)
@@ -146,8 +152,12 @@ def compare_compiled(label: str, batch_sizes: tuple[int, ...], repeats: int, ban
                 t0, w0 = time.thread_time(), time.perf_counter()
                 if mode == "compiled":
                     compiled_logits = runner.compiled.run(batch)
-                else:
+                elif mode == "eager":
                     eager_logits, _ = run_step(runner.model, runner.kv_cache, batch, runner.device)
+                else:
+                    decoder, runner.model.native_decoder = runner.model.native_decoder, None
+                    loop_logits, _ = run_step(runner.model, runner.kv_cache, batch, runner.device)
+                    runner.model.native_decoder = decoder
                 cpu[mode].append(time.thread_time() - t0)
                 wall[mode].append(time.perf_counter() - w0)
         roofline_step_ms = weight_bytes / bandwidth * 1e3
@@ -156,6 +166,8 @@ def compare_compiled(label: str, batch_sizes: tuple[int, ...], repeats: int, ban
             row.update(compile_s=runner.compiled.compile_seconds,
                        same_greedy=bool(torch.equal(compiled_logits.argmax(-1), eager_logits.argmax(-1))),
                        max_logit_diff=float((compiled_logits - eager_logits).abs().max()))
+        if "loop" in modes:
+            row["native_equals_loop"] = bool(torch.equal(loop_logits, eager_logits))
         for mode in modes:
             best, median = min(cpu[mode]) * 1e3 / n, statistics.median(cpu[mode]) * 1e3 / n
             row[mode] = {"ms_per_token_best": best, "ms_per_token_median": median,
@@ -195,14 +207,20 @@ def eager_table(rows: list[dict], args, bandwidth: float, llama_ms: float | None
               f"--compiled-batch-sizes {','.join(map(str, args.compiled_batch_sizes))} --quantizations "
               f"{','.join(args.quantizations)} --repeats {args.repeats}"
               + (" --llama-server PATH`" if llama_ms is not None else "`")), "",
-             "| weights | batch | best (median) | wall best | % roofline | roofline | wall / llama-server batch 1 |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             ("| weights | batch | best (median) | wall best | % roofline | roofline | wall / llama-server batch 1 "
+              "| layer loop best (median) | same logits |"),
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        e = r["eager"]
+        e, loop = r["eager"], r.get("loop")
         ratio = f"{e['wall_ms_per_token_best'] / llama_ms:.2f}x" if llama_ms and r["batch"] == 1 else "-"
+        loop_cell = f"{loop['ms_per_token_best']:.2f} ({loop['ms_per_token_median']:.2f})" if loop else "-"
+        same = "-" if loop is None else "yes" if r["native_equals_loop"] else "NO"
         lines.append(f"| {r['weights']} | {r['batch']} | {e['ms_per_token_best']:.2f} ({e['ms_per_token_median']:.2f}) "
                      f"| {e['wall_ms_per_token_best']:.2f} | {e['roofline_pct']:.0f}% | {r['roofline_ms_per_token']:.2f} "
-                     f"| {ratio} |")
+                     f"| {ratio} | {loop_cell} | {same} |")
+    lines += ["", ("The step is the engine's: pure decode batches through the native decoder (kernels.cpu_ops."
+                   "DecoderLayers) where the model has one; \"layer loop\" is the same step with it off (the "
+                   "Python loop over the same kernels), \"same logits\" whether the two are bit-identical.")]
     if llama_ms is not None:
         lines += ["", (f"llama-server (same GGUF, {args.threads} threads, batch 1, {args.tokens} tokens, best of "
                        f"2 x {args.repeats // 5 + 1} requests before and after the rows above, its own "
@@ -296,6 +314,7 @@ def main() -> None:
         timers.wrap(cls, "forward", "linear layers")
     for cls in (quant.FloatLinear, quant.Int8Linear):
         timers.wrap(cls, "logits", "LM head")  # the forward inside it counts as LM head
+    timers.wrap(cpu_ops.DecoderLayers, "__call__", "native layers")
 
     results: dict[str, dict[str, float]] = {}
 
@@ -308,7 +327,7 @@ def main() -> None:
     thread.start()
     thread.join()
 
-    columns = ["step", "linear layers", "LM head", *KERNELS, "other"]
+    columns = ["step", "native layers", "linear layers", "LM head", *KERNELS, "other"]
     lines = [(f"### Batch-1 decode step, ms per token ({datetime.date.today()}, {platform.machine()}, "
               f"{args.threads} threads, torch {torch.__version__}, SmolLM2-135M, kernel backend "
               f"{kernels.get_backend()})"), "",

@@ -28,6 +28,7 @@ RMSNorm with a (1 + weight) scale (Gemma) is folded into the weights at load, in
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,8 +41,10 @@ from engine.gptq_format import GPTQWeight
 from engine.gptq_linear import GPTQLinear
 from engine.moe import SparseMoE
 from engine.packed_weight import cat_rows
-from engine.quant import DequantWorkspace, Linear, held_bytes, lm_head_quantization, make_linear
+from engine.quant import (DequantWorkspace, Int4Linear, Int8Linear, Linear, held_bytes, lm_head_quantization,
+                          make_linear)
 from engine.rope import rope_cos_sin_cache
+from kernels import cpu_ops
 
 __all__ = ["AttentionMetadata", "DecoderModel", "LlamaModel"]
 
@@ -189,14 +192,45 @@ class DecoderModel:
                 post_ff_norm=norm(p + "post_feedforward_layernorm.weight") if c.feedforward_norms else None,
             ))
         self.scale = (c.query_pre_attn_scalar if c.query_pre_attn_scalar is not None else c.head_dim) ** -0.5
+        self.native_decoder, self.native_decoder_max_rows = self._native_decoder()
+
+    def _native_decoder(self) -> tuple[cpu_ops.DecoderLayers | None, int]:
+        """The layer loop as one native call for pure decode batches (kernels.cpu_ops.DecoderLayers: the same
+        kernels in the same order, so the same bits) and the largest batch it takes, when this model is one it
+        runs: float32 on CPU, plain pre-norm layers with a SiLU-gated dense MLP, every linear a native matmul."""
+        c = self.config
+        if (self.device.type != "cpu" or self.dtype != torch.float32 or c.qk_norm or c.feedforward_norms
+                or c.hidden_act != "silu" or c.num_experts or not kernels.native_available()):
+            return None, 0
+        layers, max_rows = [], sys.maxsize
+        for layer in self.layers:
+            linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
+            if not all(isinstance(l, (Int4Linear, Int8Linear)) and l.native is not None for l in linears):
+                return None, 0
+            max_rows = min(max_rows, *(l.native_max_rows for l in linears))
+            layers.append(cpu_ops.LayerWeights(layer.input_norm, layer.post_norm, *(l.native for l in linears),
+                                               biases=tuple(l.bias for l in linears), cos_sin=layer.cos_sin_cache,
+                                               window=layer.window))
+        decoder = cpu_ops.DecoderLayers(layers, self.final_norm, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                                        head_dim=c.head_dim, eps=c.rms_norm_eps, scale=self.scale,
+                                        softcap=c.attn_logit_softcapping)
+        return decoder, max_rows
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [num_tokens]; kv_cache: [layers, 2, blocks, block_size, kv_heads, head_dim].
 
-        Returns the final-norm hidden states [num_tokens, hidden].
+        Returns the final-norm hidden states [num_tokens, hidden]. A pure decode batch takes the native decoder
+        when there is one (`native_decoder`), anything else the layer loop.
         """
+        num_tokens = input_ids.shape[0]
+        if (self.native_decoder is not None and num_tokens == meta.seq_lens.shape[0]
+                and num_tokens <= self.native_decoder_max_rows and kernels.native_serves(kv_cache)):
+            out = self.native_decoder(self._embed(input_ids), positions, kv_cache, meta.slot_mapping,
+                                      meta.block_tables, meta.seq_lens, meta.query_start_loc)
+            if out is not None:
+                return out
         return self.hidden_states(input_ids, positions, kv_cache, meta, self.attention)
 
     def attention(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

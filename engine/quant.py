@@ -311,6 +311,8 @@ class Int4Linear:
         self.native = None
         """The native kernel (kernels.cpu_matmul): over `nibbles` and the row-major table ("native"), over
         int4pack's `packed` and table ("native-bf16"), or None."""
+        self.native_max_rows = NATIVE_INT4_MAX_ROWS
+        """The largest batch the native kernel takes (larger ones the GEMM path)."""
         if cpu_matmul == "native" and _native_wanted(codes, cpu_matmul):
             self.nibbles = _ggml_nibbles(codes)
             # [out, groups, 2] bfloat16 (scale, zero), row-major as the native kernel streams it.
@@ -430,7 +432,7 @@ class Int4Linear:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, in] -> [M, out] in x.dtype
-        if self.native is not None and x.shape[0] <= NATIVE_INT4_MAX_ROWS:
+        if self.native is not None and x.shape[0] <= self.native_max_rows:
             out = self.native(x)
             out = out if x.dtype == torch.float32 else out.to(x.dtype)
             return out if self.bias is None else out.add_(self.bias)

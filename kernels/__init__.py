@@ -31,12 +31,13 @@ is chosen per linear at load time by engine.quant (EngineConfig.cpu_matmul), sin
 """
 
 from kernels.dispatch import (dequantize_blocks_int8, gather_blocks, gather_blocks_int8, get_backend,
-                              gptq_gemm, native_available, paged_attention, quantize_blocks_int8, rms_norm,
-                              rotary_embedding, scatter_blocks, scatter_blocks_int8, set_backend, silu_mul,
-                              triton_available, write_kv)
+                              gptq_gemm, native_available, native_serves, paged_attention, quantize_blocks_int8,
+                              rms_norm, rotary_embedding, scatter_blocks, scatter_blocks_int8, set_backend,
+                              silu_mul, triton_available, write_kv)
 
 __all__ = [
     "write_kv", "paged_attention", "rms_norm", "rotary_embedding", "gather_blocks", "scatter_blocks",
     "quantize_blocks_int8", "dequantize_blocks_int8", "gather_blocks_int8", "scatter_blocks_int8",
     "gptq_gemm", "silu_mul", "set_backend", "get_backend", "triton_available", "native_available",
+    "native_serves",
 ]

@@ -78,6 +78,12 @@ def best_isa(kind: str = "q4") -> int:
     return lib.pd_bf16_best_isa() if kind.endswith("-bf16") else lib.pd_best_isa()
 
 
+def matmul_address() -> int:
+    """The address of pd_matmul (a C function pointer: kernels.cpu_ops' decode layers call it); RuntimeError when
+    the library is unavailable."""
+    return ctypes.cast(_lib().pd_matmul, ctypes.c_void_p).value
+
+
 def _lib() -> ctypes.CDLL:
     lib = library()
     if lib is None:
@@ -144,6 +150,11 @@ class NativeMatmul:
         if m and self._fn(self._operands_ptr, x.data_ptr(), m, y.data_ptr(), nthreads or torch.get_num_threads()) < 0:
             raise MemoryError("native CPU matmul: out of memory for the activation scratch")
         return y
+
+    @property
+    def operands(self) -> int:
+        """The address of this weight's struct pd_weight (pd_matmul's first argument; valid while self lives)."""
+        return self._operands_ptr
 
     def _prepared(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or not x.is_cpu or not x.is_floating_point():

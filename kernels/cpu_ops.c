@@ -367,3 +367,114 @@ int pd_decode_attention(const float *q, int64_t q_s0, int64_t q_s1, int64_t B, i
     }
     return status;
 }
+
+/* ------------------------------------------------------------------------------------------------ decode layers */
+/* A pure decode batch (one new token per sequence) through every layer of a pre-norm Llama-family decoder in one
+ * call: the entry points above and the matmul library's pd_matmul (kernels/cpu_matmul.c, reached through the
+ * function pointer in struct pd_decoder), called in engine.model.DecoderModel.hidden_states' order on the same
+ * values, so the result is that of the eager step bit for bit; what it saves is the ~10 Python-dispatched calls
+ * and allocations of each layer. */
+typedef int (*pd_matmul_fn)(const void *operands, const float *x, int64_t M, float *y, int nthreads);
+
+struct pd_linear { const void *operands; const float *bias; int64_t out; };  /* bias NULL: none */
+
+struct pd_layer {
+    const float *input_norm, *post_norm;
+    struct pd_linear qkv, o, gate_up, down;
+    const float *cos_sin;  /* [max_position, rot_dim] */
+    int64_t window;        /* 0: full attention */
+};
+
+struct pd_decoder {
+    int64_t num_layers, hidden, Hq, Hkv, D, intermediate, rot_dim, max_position;
+    float eps, scale, softcap;  /* softcap 0: none */
+    pd_matmul_fn matmul;
+    const struct pd_layer *layers;
+    const float *final_norm;
+};
+
+static __thread float *layer_scratch = NULL;
+static __thread size_t layer_scratch_floats = 0;
+
+static int linear(const struct pd_decoder *m, const struct pd_linear *l, const float *x, int64_t B, float *y,
+                  int nthreads) {
+    if (m->matmul(l->operands, x, B, y, nthreads) < 0) return -2;
+    if (l->bias)
+        for (int64_t t = 0; t < B; t++)
+            for (int64_t n = 0; n < l->out; n++) y[t * l->out + n] += l->bias[n];
+    return 0;
+}
+
+/* Whether the batch is one every entry point takes without an error: one new token per sequence, positions,
+ * slots and the block ids in use within range. */
+static int decode_batch_ok(const struct pd_decoder *m, int64_t B, const int64_t *positions, const int64_t *slots,
+                           int64_t num_slots, int64_t num_blocks, int64_t block_size, const int32_t *tables,
+                           int64_t max_blocks, const int32_t *seq_lens, const int32_t *query_start_loc) {
+    for (int64_t b = 0; b <= B; b++)
+        if (query_start_loc[b] != b) return 0;
+    for (int64_t b = 0; b < B; b++) {
+        if (positions[b] < 0 || positions[b] >= m->max_position || slots[b] < -1 || slots[b] >= num_slots)
+            return 0;
+        const int64_t used = ((int64_t)seq_lens[b] + block_size - 1) / block_size;
+        if (seq_lens[b] < 1 || used > max_blocks) return 0;
+        for (int64_t j = 0; j < used; j++)
+            if (tables[b * max_blocks + j] < 0 || tables[b * max_blocks + j] >= num_blocks) return 0;
+    }
+    return 1;
+}
+
+/* h [B, hidden] (the embedded tokens) -> out [B, hidden], the final-norm hidden states; kv_cache [layers, 2,
+ * num_blocks, block_size, Hkv, D] contiguous fp32 or bf16; tables [B, max_blocks] contiguous. Returns 0; 1 when
+ * decode_batch_ok fails (nothing was written: the caller's eager step runs it, or names what is wrong); -2 out
+ * of memory (the KV of the layers before may have been written: the same values a rerun writes). */
+int pd_decode_layers(const struct pd_decoder *m, const float *h, int64_t B, const int64_t *positions,
+                     const int64_t *slots, void *kv_cache, int bf16, int64_t num_blocks, int64_t block_size,
+                     const int32_t *tables, int64_t max_blocks, const int32_t *seq_lens,
+                     const int32_t *query_start_loc, float *out, int nthreads) {
+    const int64_t H = m->hidden, D = m->D, q_size = m->Hq * D, kv_size = m->Hkv * D, QKV = q_size + 2 * kv_size;
+    const int64_t I = m->intermediate, layer_values = num_blocks * block_size * kv_size;
+    if (!decode_batch_ok(m, B, positions, slots, num_blocks * block_size, num_blocks, block_size, tables, max_blocks,
+                         seq_lens, query_start_loc))
+        return 1;
+    const size_t floats = (size_t)B * (4 * H + QKV + q_size + 3 * I);
+    if (floats > layer_scratch_floats) {
+        free(layer_scratch);
+        layer_scratch = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        layer_scratch_floats = layer_scratch ? floats : 0;
+        if (!layer_scratch) return -2;
+    }
+    float *x = layer_scratch, *res_a = x + B * H, *res_b = res_a + B * H, *hb = res_b + B * H;
+    float *qkv = hb + B * H, *attn = qkv + B * QKV, *gate_up = attn + B * q_size, *act = gate_up + B * 2 * I;
+    const float *res = h;
+    const size_t elem = bf16 ? 2 : 4;
+    for (int64_t i = 0; i < m->num_layers; i++) {
+        const struct pd_layer *l = &m->layers[i];
+        float *next = res == res_a ? res_b : res_a;
+        if (i == 0) {
+            pd_rms_norm(h, H, NULL, 0, l->input_norm, B, H, m->eps, x, NULL, nthreads);
+        } else {
+            pd_rms_norm(hb, H, res, H, l->input_norm, B, H, m->eps, x, next, nthreads);
+            res = next;
+            next = res == res_a ? res_b : res_a;
+        }
+        if (linear(m, &l->qkv, x, B, qkv, nthreads)) return -2;
+        pd_rotary(positions, B, qkv, QKV, D, m->Hq, qkv + q_size, QKV, D, m->Hkv, l->cos_sin, m->max_position,
+                  m->rot_dim, nthreads);
+        char *k_cache = (char *)kv_cache + (size_t)(2 * i) * layer_values * elem;
+        char *v_cache = k_cache + layer_values * elem;
+        pd_write_kv(qkv + q_size, QKV, D, qkv + q_size + kv_size, QKV, D, B, m->Hkv, D, k_cache, v_cache, bf16,
+                    num_blocks * block_size, slots);
+        int rc = pd_decode_attention(qkv, QKV, D, B, m->Hq, D, k_cache, v_cache, bf16, num_blocks, block_size,
+                                     m->Hkv, tables, max_blocks, max_blocks, seq_lens, query_start_loc, m->scale,
+                                     l->window, m->softcap, attn, nthreads);
+        if (rc) return rc == -2 ? -2 : 1;
+        if (linear(m, &l->o, attn, B, hb, nthreads)) return -2;
+        pd_rms_norm(hb, H, res, H, l->post_norm, B, H, m->eps, x, next, nthreads);
+        res = next;
+        if (linear(m, &l->gate_up, x, B, gate_up, nthreads)) return -2;
+        pd_silu_mul(gate_up, 2 * I, B, I, act, nthreads);
+        if (linear(m, &l->down, act, B, hb, nthreads)) return -2;
+    }
+    pd_rms_norm(hb, H, res, H, m->final_norm, B, H, m->eps, out, res == res_a ? res_b : res_a, nthreads);
+    return 0;
+}

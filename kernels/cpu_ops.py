@@ -16,6 +16,9 @@ Layouts taken (anything else runs the reference, so every call is served):
                        [B, Hq, D] float32 view, caches contiguous float32 or bfloat16, block_tables, seq_lens and
                        query_start_loc int32; prefill and mixed batches run the reference
     silu_mul           gate_up [T, 2 I] float32 with rows of any stride -> [T, I]
+    DecoderLayers      a pure decode batch through every layer of a plain pre-norm decoder (RMSNorm, fused qkv with
+                       RoPE, paged attention, SiLU-gated MLP; every linear a kernels.cpu_matmul.NativeMatmul) in
+                       one C call: the ops above and the matmuls in the eager step's order, so the same bits
 Bad arguments (shapes that do not match, a slot, position or block id out of range) raise ValueError naming the
 argument. Decode attention works per (sequence, kv head) with a fixed reduction order, so a row's result is the
 same alone or in any batch and on any number of threads (torch.get_num_threads() OpenMP threads, the process's
@@ -25,6 +28,7 @@ libgomp).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 from pathlib import Path
@@ -33,6 +37,7 @@ import torch
 
 from kernels import native_build
 from kernels import reference as ref
+from kernels.cpu_matmul import NativeMatmul, matmul_address
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +59,7 @@ def library() -> ctypes.CDLL | None:
         "pd_silu_mul": (None, [ptr, i64, i64, i64, ptr, cint]),
         "pd_decode_attention": (cint, [ptr, i64, i64, i64, i64, i64, ptr, ptr, cint, i64, i64, i64, ptr, i64, i64,
                                        ptr, ptr, f32, i64, f32, ptr, cint]),
+        "pd_decode_layers": (cint, [ptr, ptr, i64, ptr, ptr, ptr, cint, i64, i64, ptr, i64, ptr, ptr, ptr, cint]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -236,3 +242,109 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         _lib().pd_silu_mul(gate_up.data_ptr(), gate_up.stride(0), num_tokens, width // 2, out.data_ptr(),
                            torch.get_num_threads())
     return out
+
+
+# --------------------------------------------------------------------------------------------------- decode layers
+class _Linear(ctypes.Structure):
+    _fields_ = [("operands", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("out", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _Linear), ("o", _Linear),
+                ("gate_up", _Linear), ("down", _Linear), ("cos_sin", ctypes.c_void_p), ("window", ctypes.c_int64)]
+
+
+class _Decoder(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("num_layers", "hidden", "Hq", "Hkv", "D", "intermediate",
+                                                     "rot_dim", "max_position")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
+        ("matmul", ctypes.c_void_p), ("layers", ctypes.c_void_p), ("final_norm", ctypes.c_void_p)]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerWeights:
+    """One layer as DecoderLayers takes it: float32 norms [hidden], NativeMatmuls (qkv [(Hq + 2 Hkv) D, hidden],
+    o [hidden, Hq D], gate_up [2 I, hidden], down [hidden, I]) with their float32 biases or None, the layer's RoPE
+    table [max_position, rot_dim] float32 and its sliding window (None: full attention)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: NativeMatmul
+    o: NativeMatmul
+    gate_up: NativeMatmul
+    down: NativeMatmul
+    biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+    cos_sin: torch.Tensor
+    window: int | None
+
+
+class DecoderLayers:
+    """Every layer of a pre-norm decoder for pure decode batches, one C call a step (pd_decode_layers): per layer
+    rms_norm (with the residual add), qkv, rotary_embedding, write_kv, paged_attention, o, rms_norm, gate_up,
+    silu_mul, down, then the final rms_norm, exactly as the eager layer loop calls them, on
+    torch.get_num_threads() threads. Shapes are checked here once; `__call__` returns None for any batch the C
+    side does not take (not one new token per sequence, an id out of range, a cache of another layout), which
+    the eager step then runs (and names what is wrong)."""
+
+    def __init__(self, layers: list[LayerWeights], final_norm: torch.Tensor, *, num_heads: int, num_kv_heads: int,
+                 head_dim: int, eps: float, scale: float, softcap: float | None) -> None:
+        hidden = final_norm.numel()
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        intermediate = layers[0].down.in_features
+        max_position, rot_dim = layers[0].cos_sin.shape
+        shapes = {"qkv": (hidden, q_size + 2 * kv_size), "o": (q_size, hidden), "gate_up": (hidden, 2 * intermediate),
+                  "down": (intermediate, hidden)}
+        for i, layer in enumerate(layers):
+            for name, (k, n) in shapes.items():
+                mm = getattr(layer, name)
+                if (mm.in_features, mm.out_features) != (k, n):
+                    raise ValueError(f"layer {i} {name} must be [{n}, {k}], got [{mm.out_features}, {mm.in_features}]")
+            for name, (_, n), bias in zip(shapes, shapes.values(), layer.biases):
+                if bias is not None and not (_dense_ok(bias, _F32) and bias.shape == (n,)):
+                    raise ValueError(f"layer {i} {name} bias must be a float32 [{n}] tensor")
+            for name in ("input_norm", "post_norm"):
+                if not (_dense_ok(getattr(layer, name), _F32) and getattr(layer, name).shape == (hidden,)):
+                    raise ValueError(f"layer {i} {name} must be a float32 [{hidden}] tensor")
+            if not (_dense_ok(layer.cos_sin, _F32) and layer.cos_sin.shape == (max_position, rot_dim)):
+                raise ValueError(f"layer {i} cos_sin must be a float32 [{max_position}, {rot_dim}] tensor")
+        if not _dense_ok(final_norm, _F32) or rot_dim % 2 or rot_dim > head_dim or num_heads % num_kv_heads:
+            raise ValueError("final_norm must be float32, rot_dim even and <= head_dim, heads a multiple of kv heads")
+        self._keep = (layers, final_norm)  # the C structs point into these
+        self._layers = (_Layer * len(layers))(*(_Layer(
+            l.input_norm.data_ptr(), l.post_norm.data_ptr(),
+            *(_Linear(mm.operands, 0 if b is None else b.data_ptr(), mm.out_features)
+              for mm, b in zip((l.qkv, l.o, l.gate_up, l.down), l.biases)),
+            l.cos_sin.data_ptr(), l.window or 0) for l in layers))
+        self._decoder = _Decoder(len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate, rot_dim,
+                                 max_position, eps, scale, softcap or 0.0, matmul_address(),
+                                 ctypes.addressof(self._layers), final_norm.data_ptr())
+        self._decoder_ptr = ctypes.addressof(self._decoder)
+        self.hidden = hidden
+        self._fn = _lib().pd_decode_layers
+
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor
+                 ) -> torch.Tensor | None:
+        """h [B, hidden] float32 (the embedded tokens) -> the final-norm hidden states [B, hidden], KV written into
+        kv_cache [layers, 2, num_blocks, block_size, Hkv, D]; None when the batch is not one it takes."""
+        batch = h.shape[0]
+        if not (batch and h.dim() == 2 and h.shape[1] == self.hidden and _dense_ok(h, _F32)
+                and kv_cache.dim() == 6 and kv_cache.dtype in _CACHE_DTYPES and kv_cache.is_cpu
+                and kv_cache.is_contiguous() and kv_cache.shape[0] == len(self._layers)
+                and _dense_ok(positions, _INT64) and positions.numel() == batch
+                and _dense_ok(slot_mapping, _INT64) and slot_mapping.numel() == batch
+                and block_tables.dim() == 2 and block_tables.shape[0] == batch and _dense_ok(block_tables, _INT32)
+                and _dense_ok(seq_lens, _INT32) and seq_lens.numel() == batch
+                and _dense_ok(query_start_loc, _INT32) and query_start_loc.numel() == batch + 1):
+            return None
+        _, _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        if (num_kv_heads, head_dim) != (self._decoder.Hkv, self._decoder.D):
+            return None
+        out = torch.empty(batch, self.hidden)
+        rc = self._fn(self._decoder_ptr, h.data_ptr(), batch, positions.data_ptr(), slot_mapping.data_ptr(),
+                      kv_cache.data_ptr(), kv_cache.dtype is _BF16, num_blocks, block_size, block_tables.data_ptr(),
+                      block_tables.shape[1], seq_lens.data_ptr(), query_start_loc.data_ptr(), out.data_ptr(),
+                      torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError("native decode layers: out of memory for their scratch")
+        return out if rc == 0 else None

@@ -74,6 +74,12 @@ def native_available() -> bool:
     return _cpu_ops() is not None
 
 
+def native_serves(t: torch.Tensor) -> bool:
+    """Whether the ops on CPU tensor `t` run the native C kernels now (backend auto or native, built, not inside
+    a torch.compile trace): what a caller of kernels.cpu_ops' fused entry points checks first."""
+    return _native_ops(t) is not None
+
+
 def _use_triton(t: torch.Tensor) -> bool:
     if _backend == "torch" or _backend == "native":
         return False
