@@ -106,7 +106,10 @@ def test_the_suite_builds_goodput_scenarios_that_share_nothing_across_rates_and_
     assert [p["attainment"] for p in coloc["points"]] == [1.0, 0.5]
     assert coloc["max_rate_at_90"] == pytest.approx(0.1 + 0.1 * 0.1 / 0.5)
     assert disagg["max_rate_at_90"] == 0.2 and disagg["points"][1]["goodput"] == pytest.approx(0.2)
-    assert report.goodput_goal(results) == (pytest.approx(0.2 / 0.12), "highest rate at 90% SLO attainment")
+    # 1P+1D attains at its highest rate (0.2): its capacity is above, the ratio a lower bound, enough for the goal
+    assert report.goodput_goal(results) == (pytest.approx(0.2 / 0.12), "highest rate at 90% SLO attainment", "lower")
+    assert "at least this; raise --goodput-rates) | pdserve-1p1d-pinned | 1.67x | >= 1.5x | yes |" in "\n".join(
+        report._goals(results))
     lines = report._goodput(results)
     text = "\n".join(lines)
     assert "TTFT SLO = 2 x idle TTFT" in text and f"| {LLAMA_SERVER} |" not in text
@@ -157,3 +160,12 @@ def test_slos_can_come_from_an_earlier_runs_results(tmp_path: Path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValueError, match="--goodput-slos-from"):
         _reference_idle(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize("ratio,bound,met", [
+    (1.6, None, True), (1.4, None, False), (1.6, "lower", True), (1.4, "lower", None), (1.4, "upper", False),
+    (1.6, "upper", None), (1.6, "unknown", None), (1.4, "unknown", None)])
+def test_a_bound_decides_the_goal_only_on_its_side(ratio, bound, met):
+    """A lower bound under the goal (1P+1D attains 90% at every rate measured) is not a miss, nor an upper bound
+    over it a pass: the verdict stays open."""
+    assert report.goal_met(ratio, 1.5, bound) is met
