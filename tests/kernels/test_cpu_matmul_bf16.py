@@ -109,9 +109,27 @@ def test_rows_are_batch_and_thread_invariant(layer0, name, isa):
     for nthreads in (2, 4):
         assert torch.equal(run(kind, x, args, nthreads=nthreads, isa=isa), together)
     # From Q4P_DEQUANT_ROWS (32) rows the AVX512 q4 path reads a dequantized tile instead; the AVX512 q8 one takes
-    # 8 rows a pass (35: 4 passes of 8 and one of 3).
+    # 6 rows a pass (35: 5 passes of 6 and one of 5).
     many = x.repeat(5, 1)                                                            # [35, in]
     assert torch.equal(run(kind, many, args, nthreads=1, isa=isa), together.repeat(5, 1))
+
+
+@pytest.mark.parametrize("isa", [isa_param(i) for i in (cm.ISA_AVX2, cm.ISA_AVX512)])
+def test_q8_rows_are_the_same_in_every_tile(isa):
+    """A weight row's outputs do not depend on the tile holding it: the first n rows of a 23-row weight (blocks
+    of 16, tiles of up to 4 rows: 4 + 3 at its tail) against the n-row weight alone, 13 rows of x (passes of 6,
+    6, 1), and torch's int8pack_mm where it runs the AVX512 order."""
+    g = torch.Generator().manual_seed(5)
+    qweight = torch.randint(-127, 128, (23, 96), generator=g, dtype=torch.int8)
+    scale = torch.rand(23, generator=g).bfloat16().float() / 64
+    x = torch.randn(13, 96, generator=g)
+    whole = cm.q8_bf16_matmul(x, qweight, scale, isa=isa)
+    for n in (1, 2, 3, 5, 16, 17, 19, 22):
+        assert torch.equal(cm.q8_bf16_matmul(x, qweight[:n].contiguous(), scale[:n].contiguous(), isa=isa),
+                           whole[:, :n]), n
+    if isa == cm.ISA_AVX512 and cm.best_isa("q8-bf16") == cm.ISA_AVX512 \
+            and torch.backends.cpu.get_cpu_capability() == "AVX512":
+        assert torch.equal(whole, Int8Linear(qweight, scale).forward(x, max_rows=x.shape[0]))
 
 
 @pytest.mark.parametrize("name", ["q 576x576", "gate 1536x576", "down 576x1536", "lm_head 49152x576"])
