@@ -28,7 +28,8 @@ native C or torch's, as kernels.dispatch picks them; PDSERVE_KERNEL_BACKEND=torc
 linear's `forward` with a wall-clock timer, generates `--tokens` greedy tokens for one short prompt after a
 warm-up, and prints the milliseconds per token of each (the LM head, an int8 `logits` call, is counted in
 "LM head", not in "linear layers"), and the native decoder's one call a step ("native layers": where it runs, the
-kernels and linears inside it are not timed one by one); "other" is the rest of the step (embedding, the runner's batch building, sampling). Each
+kernels and linears inside it are not timed one by one); "other" is the rest of the step (embedding, the runner's
+batch building, sampling). Each
 engine is built and stepped on one thread, as a worker does. The timers add a few microseconds per call.
 """
 

@@ -329,7 +329,7 @@ static inline float round_bf16(float v) {
     return c.f;
 }
 
-#define NC 2          /* weight rows per tile of the q8 bfloat16 kernels (each weight read once per tile) */
+#define NC 2          /* weight rows per tile of the AVX2 and scalar q8 bfloat16 kernels (each read once per tile) */
 #define NC_Q8B 4      /* weight rows per tile of the AVX512 q8 bfloat16 kernel: each x load feeds four FMAs */
 #define MT_Q8B 6      /* x rows per pass of the AVX512 q8 bfloat16 tile (each weight dequantized once per pass) */
 

@@ -93,8 +93,8 @@ def test_models_it_cannot_run_have_none(tmp_path):
 def _decode_meta(block_tables: list[list[int]], seq_lens: list[int], block_size: int) -> AttentionMetadata:
     slots = [table[(n - 1) // block_size] * block_size + (n - 1) % block_size
              for table, n in zip(block_tables, seq_lens)]
-    return AttentionMetadata(slot_mapping=torch.tensor(slots), block_tables=torch.tensor(block_tables, dtype=torch.int32),
-                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+    return AttentionMetadata(slot_mapping=torch.tensor(slots),
+                             block_tables=torch.tensor(block_tables, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
                              query_start_loc=torch.arange(len(seq_lens) + 1, dtype=torch.int32))
 
 
