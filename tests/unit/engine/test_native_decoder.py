@@ -107,8 +107,14 @@ def test_forward_on_a_cache_of_either_dtype_equals_the_loop(default_llm, dtype):
     meta = _decode_meta([[0, 1, 2], [5, 4, 0]], [40, 19], runner.block_size)
     ids, positions = torch.tensor([17, 4000]), torch.tensor([39, 18])
     loop_cache = cache.clone()
-    native = model.forward(ids, positions, cache, meta)
+    decoder = model.native_decoder
+    model.native_decoder = counting = Counting(decoder)
+    try:
+        native = model.forward(ids, positions, cache, meta)
+    finally:
+        model.native_decoder = decoder
     loop = model.hidden_states(ids, positions, loop_cache, meta, model.attention)
+    assert counting.steps == 1  # the forward above ran natively
     assert torch.equal(native, loop) and torch.equal(cache, loop_cache)
 
 
