@@ -326,13 +326,22 @@ def bench_cpu_matmuls(repeats: int, batch_rows: tuple[int, ...] = (1,), only: tu
         layers = {kind: [[make(w) for w in layer] for layer in weights] for kind, make in kinds.items()}
         for m in batch_rows:
             xs = {k: torch.randn(m, k, generator=g) for k in {shape[1] for shape in SMOLLM2_LINEARS.values()}}
-            times = _interleaved({kind: functools.partial(_all_layers, ls, xs) for kind, ls in layers.items()},
-                                 repeats if m < 64 else max(2, repeats // 5))
-            for kind, ls in layers.items():
+            passes = {kind: functools.partial(_all_layers, ls, xs) for kind, ls in layers.items()}
+            # The native kinds once more as one C call over the 120 matmuls (the native decoder's view: no Python
+            # between them); the native decoder uses the same kernels with up to native_max_rows rows.
+            chains = {f"{kind}, one C call": cpu_matmul.MatmulChain([(lin.native, xs[lin_in(lin)])
+                                                                     for layer in ls for lin in layer])
+                      for kind, ls in layers.items()
+                      if all(getattr(lin, "native", None) is not None and m <= lin.native_max_rows
+                             for layer in ls for lin in layer)}
+            times = _interleaved({**passes, **chains}, repeats if m < 64 else max(2, repeats // 5))
+            for kind in [*passes, *chains]:
+                ls = layers[kind.removesuffix(", one C call")]
                 nbytes = sum(lin.nbytes for layer in ls for lin in layer)
                 rows.append(_row(f"30 layers x 4 linears, {kind}", m, nbytes, times[kind],
                                  SMOLLM2_LAYERS * sum(n * k for n, k in SMOLLM2_LINEARS.values())))
                 print("cpu matmuls", rows[-1], flush=True)
+            del chains
         del layers, weights
         x = torch.randn(1, SMOLLM2_HEAD[1], generator=g)
         heads = {}

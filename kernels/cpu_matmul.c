@@ -872,3 +872,16 @@ int pd_matmul(const struct pd_weight *wt, const float *x, int64_t M, float *y, i
         default: return -2;
     }
 }
+
+/* n matmuls in one call, in order: ys[i] [M, N_i] = xs[i] [M, K_i] @ wts[i] (pd_matmul each). What a sequence of
+ * linears costs without a caller between them (the native decoder's view of the kernels; bench/bench_kernels.py
+ * times it beside the same matmuls called one by one from Python). Returns pd_matmul's first negative result, else
+ * the last ISA used. */
+int pd_matmul_chain(const struct pd_weight *const *wts, const float *const *xs, float *const *ys, int64_t n,
+                    int64_t M, int nthreads) {
+    int r = 0;
+    for (int64_t i = 0; i < n; i++)
+        if ((r = pd_matmul(wts[i], xs[i], M, ys[i], nthreads)) < 0)
+            return r;
+    return r;
+}

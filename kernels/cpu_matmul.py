@@ -62,6 +62,8 @@ def library() -> ctypes.CDLL | None:
         fn.argtypes = []
     lib.pd_matmul.restype = ctypes.c_int
     lib.pd_matmul.argtypes = [ptr, ptr, i64, ptr, ctypes.c_int]
+    lib.pd_matmul_chain.restype = ctypes.c_int
+    lib.pd_matmul_chain.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int]
     log.info("native CPU matmul kernels: int8 activations %s, bfloat16 activations %s",
              ISA_NAMES[lib.pd_best_isa()], ISA_NAMES[lib.pd_bf16_best_isa()])
     return lib
@@ -161,6 +163,33 @@ class NativeMatmul:
             raise ValueError(f"x must be a CPU [M, {self.in_features}] float tensor, got {x.device} {x.dtype} "
                              f"{list(x.shape)}")
         return x.to(torch.float32).contiguous()  # (`to` alone returns a float32 x as it is, strides and all)
+
+
+class MatmulChain:
+    """A fixed sequence of NativeMatmul calls, each on its own input and output, run by one C call
+    (pd_matmul_chain): the kernels' rate without a caller between them, as the native decoder calls them.
+    `calls`: (matmul, x [M, in] contiguous float32 CPU) pairs, all with the same M; the outputs are `self.outputs`
+    (overwritten by every run)."""
+
+    def __init__(self, calls: list[tuple[NativeMatmul, torch.Tensor]]) -> None:
+        if not calls:
+            raise ValueError("calls must hold at least one (matmul, x) pair")
+        m = calls[0][1].shape[0]
+        for i, (mm, x) in enumerate(calls):
+            _check(f"calls[{i}] x", x, torch.float32, (m, mm.in_features))
+        self.inputs = [x for _, x in calls]
+        self.outputs = [torch.empty(m, mm.out_features) for mm, _ in calls]
+        self._matmuls = [mm for mm, _ in calls]  # kept alive: their operands are read by address
+        n = len(calls)
+        self._wts = (ctypes.c_void_p * n)(*(mm.operands for mm in self._matmuls))
+        self._xs = (ctypes.c_void_p * n)(*(x.data_ptr() for x in self.inputs))
+        self._ys = (ctypes.c_void_p * n)(*(y.data_ptr() for y in self.outputs))
+        self._n, self._m = n, m
+
+    def __call__(self, nthreads: int | None = None) -> None:
+        if _lib().pd_matmul_chain(self._wts, self._xs, self._ys, self._n, self._m,
+                                  nthreads or torch.get_num_threads()) < 0:
+            raise MemoryError("native CPU matmul: out of memory for the activation scratch")
 
 
 def q4_matmul(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor, *, nthreads: int | None = None,

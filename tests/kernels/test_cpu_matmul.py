@@ -159,6 +159,23 @@ def test_noncontiguous_x_is_copied_and_bad_weights_are_rejected(layer0):
     assert cm.q4_matmul(x[:0], weight, table).shape == (0, 576)
 
 
+def test_a_chain_computes_what_its_matmuls_compute_one_by_one(layer0):
+    """MatmulChain (pd_matmul_chain: the matmuls of a sequence in one C call, as the native decoder calls them)
+    writes each output that matmul's own call gives, bit for bit, every weight kind the model has in one chain;
+    an x of another width or a mixed row count is refused before any call."""
+    calls = [(lin.native, x) for name, (lin, _, x) in layer0.items() if name != "k 192x576"]
+    assert len({mm.kind for mm, _ in calls}) > 1  # int4 layers and the int8 LM head
+    chain = cm.MatmulChain(calls)
+    chain()
+    for (mm, x), y in zip(calls, chain.outputs):
+        assert torch.equal(y, mm(x))
+    mm, x = calls[0]
+    with pytest.raises(ValueError, match=r"calls\[1\] x"):
+        cm.MatmulChain([(mm, x), (mm, x[:3])])
+    with pytest.raises(ValueError, match="at least one"):
+        cm.MatmulChain([])
+
+
 def test_linears_use_the_kernel_and_keep_their_other_operations(layer0):
     """Int4Linear / Int8Linear with cpu_matmul="native": forward adds the bias to the kernel's output; the
     row-major layout reads back as the same weights as int4pack's (dequantize, embed); logits recompute the
