@@ -20,7 +20,12 @@ and, where kernels.cpu_matmul builds, int8 and int4 on the native kernels (cpu_m
 each at GB/s = weight bytes read / time and as a % of a large tensor copy (read + write bytes,
 pdserve.bench.roofline.copy_bandwidth) and of a read-only sweep (a float32 sum), and at GFLOP/s (2 M N K) as a %
 of the float32 FMA peak on the same threads (bench/fma_peak.c; the compute ceiling of the M = 32 rows); the LM head rotates over
-copies whose bytes exceed the last-level cache. Writes bench/results/cpu_matmuls.md and .json (or under $OUT).
+copies whose bytes exceed the last-level cache; the native kinds' layer pass is timed twice, called one by
+one from Python (the engine's layer loop) and as one C call over the 120 matmuls (kernels.cpu_matmul.MatmulChain:
+what the native decoder pays). Writes bench/results/cpu_matmuls.md and .json (or under $OUT).
+`--cpu-attention` instead times the CPU prefill attention of one whole prompt of 128, 512 and 2048 tokens both
+ways kernels.reference has it (SDPA's causal mask with GQA, and the explicit mask a continued prompt takes),
+against the FMA peak; writes cpu_attention.md and .json the same way.
 Benchmarks measure and report; they never pass or fail on speed.
 """
 
@@ -366,6 +371,52 @@ def bench_cpu_matmuls(repeats: int, batch_rows: tuple[int, ...] = (1,), only: tu
             "repeats": repeats, "batch_rows": list(batch_rows), "only": list(only), "rows": rows}
 
 
+def bench_cpu_attention(repeats: int, lengths: tuple[int, ...] = (128, 512, 2048)) -> dict:
+    """The CPU prefill attention of one whole prompt of each length (SmolLM2-135M's 9 query / 3 kv heads of 64),
+    both ways kernels.reference computes it: SDPA's causal mask with GQA (a whole prompt) and the explicit mask
+    over folded query heads (a prompt continued after a cached prefix or an earlier chunk); interleaved rounds,
+    GFLOP/s = 4 Hq D L (L + 1) / 2 (the causal half of QK^T and PV) of the best, as a % of the FMA peak."""
+    from kernels import reference as ref
+    from pdserve.bench.roofline import cpu_model
+
+    fma_peak = fma_peak_gflops(torch.get_num_threads())
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim = 9, 3, 64
+    rows = []
+    with torch.inference_mode():
+        for length in lengths:
+            q = torch.randn(length, heads, dim, generator=g)
+            k, v = (torch.randn(length, kv_heads, dim, generator=g) for _ in range(2))
+            paths = {"whole prompt (SDPA causal mask, GQA)": lambda: ref._whole_prompt_attention(q, k, v, dim ** -0.5),
+                     "explicit mask (heads folded into rows)":
+                         lambda: ref._masked_prefill_attention(q, k, v, dim ** -0.5, None, None)}
+            outs = [fn() for fn in paths.values()]
+            times = _interleaved(paths, repeats if length < 1024 else max(3, repeats // 4))
+            flops = 4 * heads * dim * length * (length + 1) / 2
+            for name, t in times.items():
+                best = min(t)
+                rows.append({"path": name, "tokens": length, "ms": statistics.median(t), "best_ms": best,
+                             "gflops": flops / (best * 1e6),
+                             "pct_of_fma_peak": 100 * flops / (best * 1e6) / fma_peak if fma_peak else None,
+                             "max_abs_diff": float((outs[0] - outs[1]).abs().max())})
+                print("cpu attention", rows[-1], flush=True)
+    return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "fma_peak_gflops": fma_peak, "repeats": repeats, "rows": rows}
+
+
+def cpu_attention_report(result: dict) -> str:
+    return (f"### Prefill attention on CPU ({datetime.datetime.now(datetime.UTC):%Y-%m-%d}, {result['cpu']}, "
+            f"{result['threads']} threads, torch {result['torch']})\n\n"
+            f"Command: `python bench/bench_kernels.py --cpu-attention --threads {result['threads']}`. One whole "
+            f"prompt, 9 query / 3 kv heads of 64, float32; paths timed in interleaved rounds, median and best; "
+            f"GFLOP/s of the causal half (4 Hq D L (L + 1) / 2) of the best against the float32 FMA peak "
+            f"(bench/fma_peak.c) {_fmt(result['fma_peak_gflops'], 0)} GFLOP/s; the largest difference between the "
+            f"two paths' outputs.\n\n"
+            + _table(["path", "tokens", "ms median", "ms best", "GFLOP/s", "% of FMA peak", "max abs diff"],
+                     [[r["path"], str(r["tokens"]), _fmt(r["ms"], 2), _fmt(r["best_ms"], 2), _fmt(r["gflops"]),
+                       _fmt(r["pct_of_fma_peak"], 0), f"{r['max_abs_diff']:.1e}"] for r in result["rows"]]) + "\n")
+
+
 def lin_in(lin) -> int:
     """Input width of an engine.quant linear."""
     return lin.weight.shape[1] if hasattr(lin, "weight") else (lin.qweight.shape[1] if hasattr(lin, "qweight")
@@ -394,25 +445,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="report path (default $OUT/kernels.md or "
                                                                "bench/results/kernels.md; smoke: no file)")
     parser.add_argument("--cpu-matmuls", action="store_true", help="batch-1 float32/int8/int4 linears on CPU instead")
-    parser.add_argument("--repeats", type=int, default=20, help="--cpu-matmuls: timed passes per row")
-    parser.add_argument("--threads", type=int, default=None, help="--cpu-matmuls: torch threads (default: torch's)")
+    parser.add_argument("--cpu-attention", action="store_true",
+                        help="the CPU prefill attention of one whole prompt, both reference paths, instead")
+    parser.add_argument("--repeats", type=int, default=20, help="--cpu-matmuls / --cpu-attention: timed passes")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="--cpu-matmuls / --cpu-attention: torch threads (default: torch's)")
     parser.add_argument("--rows", default="1", help="--cpu-matmuls: rows of x of the layer matmuls, e.g. 1,32,512")
     parser.add_argument("--kinds", default="", help="--cpu-matmuls: only the kinds whose label contains one of "
                                                     "these comma-separated strings, e.g. 'int4 (,int8 ('")
     args = parser.parse_args(argv)
 
-    if args.cpu_matmuls:
+    if args.cpu_matmuls or args.cpu_attention:
         import json
 
         if args.threads:
             torch.set_num_threads(args.threads)
-
-        result = bench_cpu_matmuls(args.repeats, tuple(int(m) for m in args.rows.split(",")),
-                                   tuple(k for k in args.kinds.split(",") if k))
-        report = cpu_matmuls_report(result)
+        if args.cpu_matmuls:
+            result = bench_cpu_matmuls(args.repeats, tuple(int(m) for m in args.rows.split(",")),
+                                       tuple(k for k in args.kinds.split(",") if k))
+            report, name = cpu_matmuls_report(result), "cpu_matmuls.md"
+        else:
+            result = bench_cpu_attention(args.repeats)
+            report, name = cpu_attention_report(result), "cpu_attention.md"
         print("\n" + report)
         base = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "bench/results"
-        out = args.out or base / "cpu_matmuls.md"
+        out = args.out or base / name
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(report)
         out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
