@@ -23,9 +23,9 @@ of the float32 FMA peak on the same threads (bench/fma_peak.c; the compute ceili
 copies whose bytes exceed the last-level cache; the native kinds' layer pass is timed twice, called one by
 one from Python (the engine's layer loop) and as one C call over the 120 matmuls (kernels.cpu_matmul.MatmulChain:
 what the native decoder pays). Writes bench/results/cpu_matmuls.md and .json (or under $OUT).
-`--cpu-attention` instead times the CPU prefill attention of one whole prompt of 128, 512 and 2048 tokens both
-ways kernels.reference has it (SDPA's causal mask with GQA, and the explicit mask a continued prompt takes),
-against the FMA peak; writes cpu_attention.md and .json the same way.
+`--cpu-attention` instead times the CPU prefill attention of one whole prompt of 128, 512 and 2048 tokens,
+kernels.reference's explicit mask beside SDPA's causal mask (faster, not used: it would make a continued prompt's
+rows differ from the cold prompt's), against the FMA peak; writes cpu_attention.md and .json the same way.
 Benchmarks measure and report; they never pass or fail on speed.
 """
 
@@ -372,10 +372,12 @@ def bench_cpu_matmuls(repeats: int, batch_rows: tuple[int, ...] = (1,), only: tu
 
 
 def bench_cpu_attention(repeats: int, lengths: tuple[int, ...] = (128, 512, 2048)) -> dict:
-    """The CPU prefill attention of one whole prompt of each length (SmolLM2-135M's 9 query / 3 kv heads of 64),
-    both ways kernels.reference computes it: SDPA's causal mask with GQA (a whole prompt) and the explicit mask
-    over folded query heads (a prompt continued after a cached prefix or an earlier chunk); interleaved rounds,
-    GFLOP/s = 4 Hq D L (L + 1) / 2 (the causal half of QK^T and PV) of the best, as a % of the FMA peak."""
+    """The CPU prefill attention of one whole prompt of each length (SmolLM2-135M's 9 query / 3 kv heads of 64):
+    kernels.reference's (the flash kernel over the whole K/V under an explicit mask, query heads folded into rows)
+    beside SDPA's own causal mask with GQA, which skips the key blocks above the diagonal but is not used (a
+    row's sums would depend on where the computed rows start: tests/kernels/test_kernel_reference.py);
+    interleaved rounds, GFLOP/s = 4 Hq D L (L + 1) / 2 (the causal half of QK^T and PV) of the best, as a % of the
+    FMA peak."""
     from kernels import reference as ref
     from pdserve.bench.roofline import cpu_model
 
@@ -387,9 +389,11 @@ def bench_cpu_attention(repeats: int, lengths: tuple[int, ...] = (128, 512, 2048
         for length in lengths:
             q = torch.randn(length, heads, dim, generator=g)
             k, v = (torch.randn(length, kv_heads, dim, generator=g) for _ in range(2))
-            paths = {"whole prompt (SDPA causal mask, GQA)": lambda: ref._whole_prompt_attention(q, k, v, dim ** -0.5),
-                     "explicit mask (heads folded into rows)":
-                         lambda: ref._masked_prefill_attention(q, k, v, dim ** -0.5, None, None)}
+            paths = {"reference: explicit mask, heads folded into rows":
+                         lambda: ref._prefill_attention_one(q, k, v, dim ** -0.5),
+                     "SDPA causal mask, GQA (not used)": lambda: F.scaled_dot_product_attention(
+                         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True,
+                         scale=dim ** -0.5, enable_gqa=True)[0].transpose(0, 1)}
             outs = [fn() for fn in paths.values()]
             times = _interleaved(paths, repeats if length < 1024 else max(3, repeats // 4))
             flops = 4 * heads * dim * length * (length + 1) / 2
@@ -446,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                "bench/results/kernels.md; smoke: no file)")
     parser.add_argument("--cpu-matmuls", action="store_true", help="batch-1 float32/int8/int4 linears on CPU instead")
     parser.add_argument("--cpu-attention", action="store_true",
-                        help="the CPU prefill attention of one whole prompt, both reference paths, instead")
+                        help="the CPU prefill attention of one whole prompt (the reference's and SDPA's causal) instead")
     parser.add_argument("--repeats", type=int, default=20, help="--cpu-matmuls / --cpu-attention: timed passes")
     parser.add_argument("--threads", type=int, default=None,
                         help="--cpu-matmuls / --cpu-attention: torch threads (default: torch's)")

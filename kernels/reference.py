@@ -118,28 +118,6 @@ def _prefill_attention_one(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """Causal attention of q_len new tokens that sit at the end of a contiguous K/V (with a window, K/V may
     start at any position before the first token's window: only its length up to the last token matters)."""
     # query: [q_len, Hq, D]; k, v: [seq_len, Hkv, D] fp32 (seq_len counted from K/V's first position)
-    if query.shape[0] == k.shape[0] and sliding_window is None and softcap is None:
-        return _whole_prompt_attention(query, k, v, scale)
-    return _masked_prefill_attention(query, k, v, scale, sliding_window, softcap)
-
-
-def _whole_prompt_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """_masked_prefill_attention of a whole prompt (no cached prefix, no earlier chunk, no window, no softcap),
-    faster: SDPA's own causal mask skips the key blocks above the diagonal instead of computing and masking
-    them (2.3x at 2048 tokens on CPU), and its GQA reads each kv head for its query heads without folding them
-    into rows. The same values to a few units in the last place (the flash kernel blocks the rows differently;
-    tests/kernels/test_kernel_reference.py): what a cold prompt and its cached prefix's continuation differ by
-    anyway."""
-    # query: [L, Hq, D]; k, v: [L, Hkv, D] fp32
-    out = F.scaled_dot_product_attention(query.float().transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                         v.transpose(0, 1)[None], is_causal=True, scale=scale,
-                                         enable_gqa=query.shape[1] != k.shape[1])  # [1, Hq, L, D]
-    return out[0].transpose(0, 1)
-
-
-def _masked_prefill_attention(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                              sliding_window: int | None, softcap: float | None) -> torch.Tensor:
-    """_prefill_attention_one through an explicit mask: any q_len, window and softcap."""
     q_len, num_heads, head_dim = query.shape
     seq_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
