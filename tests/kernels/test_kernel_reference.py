@@ -58,7 +58,7 @@ def test_a_continued_prompt_gets_the_cold_prompts_rows_bit_for_bit(num_heads, nu
     """A prompt's last rows computed after a cached prefix (or an earlier chunk) equal those rows of the whole
     prompt computed cold, bit for bit: what makes a prefix-cache hit give the cold prompt's tokens (a gateway's
     second request for a chat shares the first one's cached template). Every prefill row runs the flash kernel
-    over the sequence's whole K/V under an explicit mask; SDPA's own causal mask would be 2.2x faster at 2048
+    over the sequence's whole K/V under an explicit mask; SDPA's own causal mask would be 2.3x faster at 2048
     tokens but trims each query block's keys at its diagonal, so a row's sums would depend on where the
     computed rows start (BENCHMARKS.md, "Prefill attention"). Lengths on both sides of the CPU flash kernel's
     block-size thresholds (192 and 768 query rows)."""
