@@ -23,9 +23,11 @@ of the float32 FMA peak on the same threads (bench/fma_peak.c; the compute ceili
 copies whose bytes exceed the last-level cache; the native kinds' layer pass is timed twice, called one by
 one from Python (the engine's layer loop) and as one C call over the 120 matmuls (kernels.cpu_matmul.MatmulChain:
 what the native decoder pays). Writes bench/results/cpu_matmuls.md and .json (or under $OUT).
-`--cpu-attention` instead times the CPU prefill attention of one whole prompt of 128, 512 and 2048 tokens,
-kernels.reference's explicit mask beside SDPA's causal mask (faster, not used: it would make a continued prompt's
-rows differ from the cold prompt's), against the FMA peak; writes cpu_attention.md and .json the same way.
+`--cpu-attention` instead times the CPU prefill attention of one whole prompt of 128, 512 and 2048 tokens:
+the native kernel the engine runs (kernels/cpu_ops.c: causal, one fixed order per row), kernels.reference's
+explicit mask and SDPA's causal mask (not used: it would make a continued prompt's rows differ from the cold
+prompt's), against the FMA peak, and each path's cold rows against its continued ones; writes cpu_attention.md and
+.json the same way.
 Benchmarks measure and report; they never pass or fail on speed.
 """
 
@@ -373,17 +375,33 @@ def bench_cpu_matmuls(repeats: int, batch_rows: tuple[int, ...] = (1,), only: tu
 
 def bench_cpu_attention(repeats: int, lengths: tuple[int, ...] = (128, 512, 2048)) -> dict:
     """The CPU prefill attention of one whole prompt of each length (SmolLM2-135M's 9 query / 3 kv heads of 64):
-    kernels.reference's (the flash kernel over the whole K/V under an explicit mask, query heads folded into rows)
-    beside SDPA's own causal mask with GQA, which skips the key blocks above the diagonal but is not used (a
-    row's sums would depend on where the computed rows start: tests/kernels/test_kernel_reference.py);
+    the native kernel the engine runs on CPU (kernels.cpu_ops.paged_attention over a paged cache: only the causal
+    half, each row in the decode kernel's fixed order), kernels.reference's (the flash kernel over the whole K/V
+    under an explicit mask, query heads folded into rows) and SDPA's own causal mask with GQA, which skips the key
+    blocks above the diagonal but is not used (a row's sums would depend on where the computed rows start);
     interleaved rounds, GFLOP/s = 4 Hq D L (L + 1) / 2 (the causal half of QK^T and PV) of the best, as a % of the
-    FMA peak."""
+    FMA peak. Then each path's rows of a prompt computed cold against the same rows computed after a cached
+    prefix (SDPA's cold rows against the reference's continued ones: what using it would serve)."""
+    from kernels import cpu_ops
     from kernels import reference as ref
     from pdserve.bench.roofline import cpu_model
 
     fma_peak = fma_peak_gflops(torch.get_num_threads())
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim = 9, 3, 64
+    native = cpu_ops.available()
+
+    def paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: int = 0) -> torch.Tensor:
+        """The native kernel over k, v laid out as a paged cache of 16-token blocks (in order)."""
+        length = k.shape[0]
+        blocks = -(-length // 16)
+        cache = torch.zeros(2, blocks * 16, kv_heads, dim)
+        cache[0, :length], cache[1, :length] = k, v
+        cache = cache.view(2, blocks, 16, kv_heads, dim)
+        table = torch.arange(blocks, dtype=torch.int32)[None]
+        return cpu_ops.paged_attention(q[cached:], cache[0], cache[1], table, torch.tensor([length], dtype=torch.int32),
+                                       torch.tensor([0, length - cached], dtype=torch.int32), dim ** -0.5)
+
     rows = []
     with torch.inference_mode():
         for length in lengths:
@@ -392,6 +410,8 @@ def bench_cpu_attention(repeats: int, lengths: tuple[int, ...] = (128, 512, 2048
             paths = {"reference: explicit mask, heads folded into rows":
                          lambda: ref._prefill_attention_one(q, k, v, dim ** -0.5),
                      "SDPA causal mask, GQA (not used)": lambda: _sdpa_causal(q, k, v, dim ** -0.5)}
+            if native:
+                paths = {"native: causal, fixed order per row (the engine's)": lambda: paged(q, k, v), **paths}
             times = _interleaved(paths, repeats if length < 1024 else max(3, repeats // 4))
             flops = 4 * heads * dim * length * (length + 1) / 2
             for name, t in times.items():
@@ -400,15 +420,20 @@ def bench_cpu_attention(repeats: int, lengths: tuple[int, ...] = (128, 512, 2048
                              "gflops": flops / (best * 1e6),
                              "pct_of_fma_peak": 100 * flops / (best * 1e6) / fma_peak if fma_peak else None})
                 print("cpu attention", rows[-1], flush=True)
-        # Why the causal path is not used: a prompt's rows computed cold by it against the same rows computed after
-        # a cached prefix (the reference's continued path), at the split lengths of the kernel test.
+        # A prompt's rows computed cold against the same rows computed after a cached prefix, at the split
+        # lengths of the kernel tests.
         splits = []
         for length, cached in ((7, 3), (130, 64), (200, 17), (600, 512), (1100, 1000), (1100, 37)):
             q = torch.randn(length, heads, dim, generator=g)
             k, v = (torch.randn(length, kv_heads, dim, generator=g) for _ in range(2))
-            diff = (_sdpa_causal(q, k, v, dim ** -0.5)[cached:]
-                    - ref._prefill_attention_one(q[cached:], k, v, dim ** -0.5)).abs().max()
-            splits.append({"tokens": length, "cached": cached, "max_abs_diff": float(diff)})
+            continued = ref._prefill_attention_one(q[cached:], k, v, dim ** -0.5)
+            row = {"tokens": length, "cached": cached,
+                   "reference": float((ref._prefill_attention_one(q, k, v, dim ** -0.5)[cached:] - continued)
+                                      .abs().max()),
+                   "sdpa_causal": float((_sdpa_causal(q, k, v, dim ** -0.5)[cached:] - continued).abs().max())}
+            if native:
+                row["native"] = float((paged(q, k, v)[cached:] - paged(q, k, v, cached)).abs().max())
+            splits.append(row)
     return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "fma_peak_gflops": fma_peak, "repeats": repeats, "rows": rows, "cold_vs_continued": splits}
 
@@ -420,6 +445,8 @@ def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 
 def cpu_attention_report(result: dict) -> str:
+    splits = result["cold_vs_continued"]
+    native = bool(splits) and "native" in splits[0]
     return (f"### Prefill attention on CPU ({datetime.datetime.now(datetime.UTC):%Y-%m-%d}, {result['cpu']}, "
             f"{result['threads']} threads, torch {result['torch']})\n\n"
             f"Command: `python bench/bench_kernels.py --cpu-attention --threads {result['threads']}`. One whole "
@@ -429,12 +456,12 @@ def cpu_attention_report(result: dict) -> str:
             + _table(["path", "tokens", "ms median", "ms best", "GFLOP/s", "% of FMA peak"],
                      [[r["path"], str(r["tokens"]), _fmt(r["ms"], 2), _fmt(r["best_ms"], 2), _fmt(r["gflops"]),
                        _fmt(r["pct_of_fma_peak"], 0)] for r in result["rows"]])
-            + "\n\nWhy the causal path is not used: a prompt's rows computed cold by it, against the same rows "
-              "computed after a cached prefix by the reference (which gives them bit for bit: "
-              "tests/kernels/test_kernel_reference.py), largest difference:\n\n"
-            + _table(["tokens", "cached", "max abs diff"],
-                     [[str(r["tokens"]), str(r["cached"]), f"{r['max_abs_diff']:.1e}"]
-                      for r in result["cold_vs_continued"]]) + "\n")
+            + "\n\nA prompt's rows computed cold against the same rows computed after a cached prefix, largest "
+              "difference (0: bit for bit, what a prefix-cache hit needs to serve the cold prompt's tokens; SDPA's "
+              "cold rows against the reference's continued rows, what serving it would mix):\n\n"
+            + _table(["tokens", "cached"] + (["native"] if native else []) + ["reference", "SDPA causal"],
+                     [[str(r["tokens"]), str(r["cached"])] + ([f"{r['native']:.1e}"] if native else [])
+                      + [f"{r['reference']:.1e}", f"{r['sdpa_causal']:.1e}"] for r in splits]) + "\n")
 
 
 def lin_in(lin) -> int:
@@ -466,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                "bench/results/kernels.md; smoke: no file)")
     parser.add_argument("--cpu-matmuls", action="store_true", help="batch-1 float32/int8/int4 linears on CPU instead")
     parser.add_argument("--cpu-attention", action="store_true",
-                        help="the CPU prefill attention of one whole prompt (the reference's and SDPA's causal) instead")
+                        help="the CPU prefill attention of one whole prompt (native, reference, SDPA causal) instead")
     parser.add_argument("--repeats", type=int, default=20, help="--cpu-matmuls / --cpu-attention: timed passes")
     parser.add_argument("--threads", type=int, default=None,
                         help="--cpu-matmuls / --cpu-attention: torch threads (default: torch's)")

@@ -54,16 +54,49 @@ PD_INLINE float hsum16(const v16f *in) {
     return v[0];
 }
 
+/* The LANES partial sums of sum_i a[i] * b[i] for n % LANES == 0: lane l holds the terms i = l (mod LANES). */
+PD_INLINE v16f dot_lanes(const float *restrict a, const float *restrict b, int64_t n) {
+    v16f acc = {0};
+    for (int64_t i = 0; i < n; i += LANES) {
+        v16f x, y;
+        memcpy(&x, a + i, sizeof x);
+        memcpy(&y, b + i, sizeof y);
+        acc += x * y;
+    }
+    return acc;
+}
+
+/* hsum16 of 16 vectors at once: lane j of the result is hsum16(&v[j]), bit for bit (the same pairs added at
+ * each level of the tree: the lanes are only moved between vectors, by two-source shuffles). */
+PD_INLINE v16f hsum16x16(const v16f *v) {
+    const v16i lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const v16i hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const v16i lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const v16i hi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const v16i lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const v16i hi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const v16i lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const v16i hi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    v16f x[8], y[4], z[2];
+    /* x[m]: lanes 0-7 vector 2m's l + (l + 8), lanes 8-15 vector 2m + 1's */
+    #pragma GCC unroll 8
+    for (int m = 0; m < 8; m++)
+        x[m] = __builtin_shuffle(v[2 * m], v[2 * m + 1], lo1) + __builtin_shuffle(v[2 * m], v[2 * m + 1], hi1);
+    /* y[m]: lanes 4s .. 4s + 3 vector 4m + s's l + (l + 4) */
+    #pragma GCC unroll 8
+    for (int m = 0; m < 4; m++)
+        y[m] = __builtin_shuffle(x[2 * m], x[2 * m + 1], lo2) + __builtin_shuffle(x[2 * m], x[2 * m + 1], hi2);
+    /* z[m]: lanes 2s, 2s + 1 vector 8m + s's l + (l + 2) */
+    #pragma GCC unroll 8
+    for (int m = 0; m < 2; m++)
+        z[m] = __builtin_shuffle(y[2 * m], y[2 * m + 1], lo3) + __builtin_shuffle(y[2 * m], y[2 * m + 1], hi3);
+    return __builtin_shuffle(z[0], z[1], lo4) + __builtin_shuffle(z[0], z[1], hi4);
+}
+
 /* sum_i a[i] * b[i] in LANES partial sums, then a fixed tree (in registers when n % 16 == 0). */
 PD_INLINE float dot(const float *restrict a, const float *restrict b, int64_t n) {
     if (n % LANES == 0) {
-        v16f acc = {0};
-        for (int64_t i = 0; i < n; i += LANES) {
-            v16f x, y;
-            memcpy(&x, a + i, sizeof x);
-            memcpy(&y, b + i, sizeof y);
-            acc += x * y;
-        }
+        v16f acc = dot_lanes(a, b, n);
         return hsum16(&acc);
     }
     float acc[LANES] = {0};
@@ -246,7 +279,38 @@ struct attn {
     const int32_t *tables; int64_t table_s0; const int32_t *seq_lens;
     float scale, softcap; int64_t window;
     float *out;
+    const int32_t *starts;  /* query_start_loc: sequence b's new tokens are query rows starts[b] .. starts[b + 1] - 1 */
 };
+
+/* The scaled score of one query row against one key row (softcap 0: none). */
+PD_INLINE float score(const float *restrict q, const float *restrict k, int64_t D, float scale, float softcap) {
+    float s = dot(q, k, D) * scale;
+    return softcap > 0.0f ? tanhf(s / softcap) * softcap : s;
+}
+
+/* s[0 .. n) <- softmax(s) in place: max, exp and sum in LANES partials by index, then a fixed tree. */
+PD_INLINE void softmax_row(float *restrict s, int64_t n) {
+    float mx[LANES], sm[LANES];
+    for (int l = 0; l < LANES; l++) { mx[l] = -INFINITY; sm[l] = 0.0f; }
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) mx[l] = s[i + l] > mx[l] ? s[i + l] : mx[l];
+    for (int l = 0; i < n; i++, l++) mx[l] = s[i] > mx[l] ? s[i] : mx[l];
+    float m = mx[0];
+    for (int l = 1; l < LANES; l++) m = mx[l] > m ? mx[l] : m;
+    for (i = 0; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) { s[i + l] = exp_fast(s[i + l] - m); sm[l] += s[i + l]; }
+    for (int l = 0; i < n; i++, l++) { s[i] = exp_fast(s[i] - m); sm[l] += s[i]; }
+    for (int w = LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) sm[l] += sm[l + w];
+    float inv = 1.0f / sm[0];
+    for (i = 0; i < n; i++) s[i] *= inv;
+}
+
+/* o[0 .. D) += w * v[0 .. D): a row's share of one position in PV. */
+PD_INLINE void axpy(float *restrict o, float w, const float *restrict v, int64_t D) {
+    for (int64_t d = 0; d < D; d++) o[d] += w * v[d];
+}
 
 /* Sequence b, kv heads h0 .. h1 - 1, each with its G = Hq / Hkv query heads, against positions first .. len - 1:
  * scores, max, exp, sum and PV, each in position order. A position's K (V) rows of all kv heads are one
@@ -272,30 +336,11 @@ PD_INLINE int attend_body(const struct attn *a, int64_t b, int64_t h0, int64_t h
             const float *kr = cache_row(a->k_cache, a->bf16, (block * bs + off) * Hkv + h0, row_width, tmp, D);
             for (int64_t h = 0, r = 0; h < h1 - h0; h++)
                 for (int64_t g = 0; g < G; g++, r++) {
-                    float s = dot(qb + r * a->q_s1, kr + h * D, D) * a->scale;
-                    if (a->softcap > 0.0f) s = tanhf(s / a->softcap) * a->softcap;
-                    scores[r * n + p - first] = s;
+                    scores[r * n + p - first] = score(qb + r * a->q_s1, kr + h * D, D, a->scale, a->softcap);
                 }
         }
     }
-    for (int64_t r = 0; r < rows; r++) {
-        float *s = scores + r * n;
-        float mx[LANES], sm[LANES];
-        for (int l = 0; l < LANES; l++) { mx[l] = -INFINITY; sm[l] = 0.0f; }
-        int64_t i = 0;
-        for (; i + LANES <= n; i += LANES)
-            for (int l = 0; l < LANES; l++) mx[l] = s[i + l] > mx[l] ? s[i + l] : mx[l];
-        for (int l = 0; i < n; i++, l++) mx[l] = s[i] > mx[l] ? s[i] : mx[l];
-        float m = mx[0];
-        for (int l = 1; l < LANES; l++) m = mx[l] > m ? mx[l] : m;
-        for (i = 0; i + LANES <= n; i += LANES)
-            for (int l = 0; l < LANES; l++) { s[i + l] = exp_fast(s[i + l] - m); sm[l] += s[i + l]; }
-        for (int l = 0; i < n; i++, l++) { s[i] = exp_fast(s[i] - m); sm[l] += s[i]; }
-        for (int w = LANES / 2; w > 0; w /= 2)
-            for (int l = 0; l < w; l++) sm[l] += sm[l + w];
-        float inv = 1.0f / sm[0];
-        for (i = 0; i < n; i++) s[i] *= inv;
-    }
+    for (int64_t r = 0; r < rows; r++) softmax_row(scores + r * n, n);
     memset(acc, 0, (size_t)(rows * D) * sizeof(float));
     for (int64_t blk = first / bs, p = first; p < len; blk++) {
         int32_t block = table[blk];  /* checked above */
@@ -304,11 +349,7 @@ PD_INLINE int attend_body(const struct attn *a, int64_t b, int64_t h0, int64_t h
             if (next >= 0) prefetch_row(a->v_cache, a->bf16, (next * bs + off) * Hkv + h0, row_width, D);
             const float *vr = cache_row(a->v_cache, a->bf16, (block * bs + off) * Hkv + h0, row_width, tmp, D);
             for (int64_t h = 0, r = 0; h < h1 - h0; h++)
-                for (int64_t g = 0; g < G; g++, r++) {
-                    const float w = scores[r * n + p - first], *restrict v = vr + h * D;
-                    float *restrict o = acc + r * D;
-                    for (int64_t d = 0; d < D; d++) o[d] += w * v[d];
-                }
+                for (int64_t g = 0; g < G; g++, r++) axpy(acc + r * D, scores[r * n + p - first], vr + h * D, D);
         }
     }
     for (int64_t r = 0; r < rows; r++)
@@ -344,7 +385,7 @@ int pd_decode_attention(const float *q, int64_t q_s0, int64_t q_s1, int64_t B, i
     }
     if (work < PARALLEL_WORK) nthreads = 1;
     struct attn a = {q, q_s0, q_s1, Hq, D, k_cache, v_cache, bf16, num_blocks, block_size, Hkv, tables, table_s0,
-                     seq_lens, scale, softcap, window, out};
+                     seq_lens, scale, softcap, window, out, query_start_loc};
     /* Items: one sequence's kv heads all together (each slot row read once) when there are sequences enough for
      * the threads, else one kv head each (a batch of 1 still spreads over Hkv threads). */
     int status = 0;
@@ -365,6 +406,171 @@ int pd_decode_attention(const float *q, int64_t q_s0, int64_t q_s1, int64_t B, i
             status = attend_item(&a, b, h0, h0 + per_item);
         }
     }
+    return status;
+}
+
+/* The G query rows of one position against positions p .. p + 15 of k (rows of D): score() of each, bit for bit
+ * (dot_lanes and hsum16x16 are dot's arithmetic), 16 scores at a time. s[r * stride + j] <- row r, position j. */
+PD_INLINE void scores16(const float *q, int64_t q_s1, int64_t G, const float *restrict k, int64_t D, float scale,
+                        float softcap, float *s, int64_t stride) {
+    for (int64_t g = 0; g < G; g++) {
+        v16f part[16];
+        #pragma GCC unroll 16
+        for (int j = 0; j < 16; j++) part[j] = dot_lanes(q + g * q_s1, k + j * D, D);
+        v16f out = hsum16x16(part) * scale;
+        if (softcap > 0.0f)
+            for (int j = 0; j < 16; j++) out[j] = tanhf(out[j] / softcap) * softcap;
+        memcpy(s + g * stride, &out, sizeof out);
+    }
+}
+
+/* out[r] = sum over positions p of w[r][p] * v[p] for NR rows, in position order from zero (axpy's arithmetic,
+ * bit for bit), the sums in registers: v rows of D (a multiple of 16) from p = 0 to n - 1. */
+PD_INLINE void pv_rows(const int NR, const float *w, int64_t w_stride, const float *restrict v, int64_t n,
+                       const int64_t D, float *out) {
+    v16f acc[4][8] = {{{0}}};  /* NR <= 4 rows, D <= 128 */
+    for (int64_t p = 0; p < n; p++) {
+        for (int64_t c = 0; c < D / 16; c++) {
+            v16f x;
+            memcpy(&x, v + p * D + c * 16, sizeof x);
+            for (int r = 0; r < NR; r++) acc[r][c] += w[r * w_stride + p] * x;
+        }
+    }
+    for (int r = 0; r < NR; r++) memcpy(out + r * D, acc[r], (size_t)D * sizeof(float));
+}
+
+/* Sequence b's new tokens i0 .. i1 - 1 (query rows starts[b] + i at positions len - q_len + i) against kv head h,
+ * with its G query heads. Every row gets attend_body's arithmetic for a sequence of length position + 1: its
+ * scores in position order, softmax_row over them, PV in position order; the tile only shares the K and V rows
+ * it reads between its rows. So a row's result does not depend on the tile, the batch, the thread count or how
+ * many earlier positions were cached, and it equals the decode kernel's for the same position bit for bit.
+ * Returns 0; -1 a block id outside [0, num_blocks); -2 out of memory. */
+PD_INLINE int prefill_body(const struct attn *a, int64_t b, int64_t h, int64_t i0, int64_t i1, const int64_t D) {
+    const int64_t Hkv = a->Hkv, G = a->Hq / Hkv, bs = a->block_size, W = a->window;
+    const int64_t start = a->starts[b], pos0 = a->seq_lens[b] - (a->starts[b + 1] - start);
+    const int64_t last = pos0 + i1 - 1;  /* the tile's last position */
+    const int64_t lo = W > 0 && pos0 + i0 + 1 > W ? pos0 + i0 + 1 - W : 0;  /* the first row's first visible one */
+    const int64_t span = last + 1 - lo, stride = (span + 31) / 16 * 16;
+    /* K and V of positions lo .. last as fp32 rows (K padded with 16 zero rows for the last group of 16 scores),
+     * then the scores of one position's G rows: row g at g * stride, position p at p - lo */
+    float *kbuf = get_scratch((size_t)((2 * span + 16) * D + G * stride));
+    if (!kbuf) return -2;
+    float *vbuf = kbuf + (span + 16) * D, *scores = vbuf + span * D;
+    const int32_t *table = a->tables + b * a->table_s0;
+    for (int64_t p = lo; p <= last; p++) {
+        const int32_t block = table[p / bs];
+        if (block < 0 || block >= a->num_blocks) return -1;
+        const int64_t index = (block * bs + p % bs) * Hkv + h;
+        const float *kr = cache_row(a->k_cache, a->bf16, index, D, kbuf + (p - lo) * D, D);
+        const float *vr = cache_row(a->v_cache, a->bf16, index, D, vbuf + (p - lo) * D, D);
+        if (!a->bf16) {
+            memcpy(kbuf + (p - lo) * D, kr, (size_t)D * sizeof(float));
+            memcpy(vbuf + (p - lo) * D, vr, (size_t)D * sizeof(float));
+        }
+    }
+    memset(kbuf + span * D, 0, (size_t)(16 * D) * sizeof(float));
+    for (int64_t i = i0; i < i1; i++) {
+        const int64_t pos = pos0 + i, first = W > 0 && pos + 1 > W ? pos + 1 - W : 0, n = pos + 1 - first;
+        const float *qi = a->q + (start + i) * a->q_s0 + h * G * a->q_s1;
+        float *s = scores + first - lo;
+        if (D % 16 == 0) {
+            for (int64_t j = 0; j < n; j += 16)
+                scores16(qi, a->q_s1, G, kbuf + (first - lo + j) * D, D, a->scale, a->softcap, s + j, stride);
+        } else {
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t j = 0; j < n; j++)
+                    s[g * stride + j] = score(qi + g * a->q_s1, kbuf + (first - lo + j) * D, D, a->scale, a->softcap);
+        }
+        for (int64_t g = 0; g < G; g++) softmax_row(s + g * stride, n);
+        float *o = a->out + ((start + i) * a->Hq + h * G) * D;
+        const float *v = vbuf + (first - lo) * D;
+        if (D % 16 == 0 && D <= 128) {
+            int64_t g = 0;
+            for (; g + 4 <= G; g += 4) pv_rows(4, s + g * stride, stride, v, n, D, o + g * D);
+            if (G - g == 3) pv_rows(3, s + g * stride, stride, v, n, D, o + g * D);
+            if (G - g == 2) pv_rows(2, s + g * stride, stride, v, n, D, o + g * D);
+            if (G - g == 1) pv_rows(1, s + g * stride, stride, v, n, D, o + g * D);
+        } else {
+            memset(o, 0, (size_t)(G * D) * sizeof(float));
+            for (int64_t j = 0; j < n; j++)
+                for (int64_t g = 0; g < G; g++) axpy(o + g * D, s[g * stride + j], v + j * D, D);
+        }
+    }
+    return 0;
+}
+
+PD_CLONES
+static int prefill_item(const struct attn *a, int64_t b, int64_t h, int64_t i0, int64_t i1) {
+    if (a->D == 64) return prefill_body(a, b, h, i0, i1, 64);
+    if (a->D == 128) return prefill_body(a, b, h, i0, i1, 128);
+    return prefill_body(a, b, h, i0, i1, a->D);
+}
+
+/* Positions a tile holds at most: it copies the K and V rows its positions see once, for all of them. */
+#define TILE_POSITIONS 64
+
+/* Varlen causal attention: sequence b's new tokens are query rows query_start_loc[b] .. query_start_loc[b + 1] - 1
+ * (q [T, Hq, D] fp32, strides q_s0, q_s1) at positions seq_lens[b] - q_len .. seq_lens[b] - 1; out [T, Hq, D]
+ * contiguous fp32 (rows of no sequence are not written). A pure decode batch runs pd_decode_attention; anything
+ * else works in tiles of one sequence, one kv head and up to TILE_POSITIONS positions (prefill_body). Returns 0; -1 a
+ * block id out of range; -2 out of memory; -3 a seq_len beyond its block table; -4 query_start_loc not
+ * non-decreasing within [0, T], or a sequence with more new tokens than its seq_len. */
+int pd_paged_attention(const float *q, int64_t q_s0, int64_t q_s1, int64_t T, int64_t B, int64_t Hq, int64_t D,
+                       const void *k_cache, const void *v_cache, int bf16, int64_t num_blocks, int64_t block_size,
+                       int64_t Hkv, const int32_t *tables, int64_t table_s0, int64_t max_blocks,
+                       const int32_t *seq_lens, const int32_t *query_start_loc, float scale, int64_t window,
+                       float softcap, float *out, int nthreads) {
+    if (T == B) {
+        int rc = pd_decode_attention(q, q_s0, q_s1, B, Hq, D, k_cache, v_cache, bf16, num_blocks, block_size, Hkv,
+                                     tables, table_s0, max_blocks, seq_lens, query_start_loc, scale, window, softcap,
+                                     out, nthreads);
+        if (rc != 1) return rc;
+    }
+    if (query_start_loc[0] < 0) return -4;
+    const int64_t per_tile = TILE_POSITIONS;
+    int64_t items = 0, work = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t q_len = (int64_t)query_start_loc[b + 1] - query_start_loc[b], len = seq_lens[b];
+        if (q_len < 0 || query_start_loc[b + 1] > T || q_len > len) return -4;
+        if ((len + block_size - 1) / block_size > max_blocks) return -3;
+        items += (q_len + per_tile - 1) / per_tile * Hkv;
+        work += q_len * (window > 0 && len > window ? window : len) * Hkv;
+    }
+    int64_t *item = malloc((size_t)(items > 0 ? items : 1) * 3 * sizeof(int64_t));  /* (b, h, i0) */
+    if (!item) return -2;
+    /* The longest tiles (last positions) first, so that dynamic scheduling ends with short ones. */
+    int64_t n = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t q_len = query_start_loc[b + 1] - query_start_loc[b];
+        for (int64_t t = (q_len + per_tile - 1) / per_tile - 1; t >= 0; t--)
+            for (int64_t h = 0; h < Hkv; h++, n++) {
+                item[3 * n] = b;
+                item[3 * n + 1] = h;
+                item[3 * n + 2] = t * per_tile;
+            }
+    }
+    struct attn a = {q, q_s0, q_s1, Hq, D, k_cache, v_cache, bf16, num_blocks, block_size, Hkv, tables, table_s0,
+                     seq_lens, scale, softcap, window, out, query_start_loc};
+    int status = 0;
+    if (nthreads > 1 && items > 1 && work >= PARALLEL_WORK) {
+        #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+        for (int64_t i = 0; i < items; i++) {
+            const int64_t b = item[3 * i], i0 = item[3 * i + 2];
+            const int64_t q_len = query_start_loc[b + 1] - query_start_loc[b];
+            int rc = prefill_item(&a, b, item[3 * i + 1], i0, i0 + per_tile < q_len ? i0 + per_tile : q_len);
+            if (rc) {
+                #pragma omp atomic write
+                status = rc;
+            }
+        }
+    } else {
+        for (int64_t i = 0; i < items && !status; i++) {
+            const int64_t b = item[3 * i], i0 = item[3 * i + 2];
+            const int64_t q_len = query_start_loc[b + 1] - query_start_loc[b];
+            status = prefill_item(&a, b, item[3 * i + 1], i0, i0 + per_tile < q_len ? i0 + per_tile : q_len);
+        }
+    }
+    free(item);
     return status;
 }
 

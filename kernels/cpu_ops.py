@@ -12,9 +12,8 @@ Layouts taken (anything else runs the reference, so every call is served):
     rotary_embedding   query [T, Hq, D], key [T, Hkv, D] float32 views (any token and head strides, e.g. slices of
                        the fused qkv output), positions int64 [T], cos_sin_cache [max_position, rot_dim] float32
     write_kv           key, value [T, Hkv, D] float32 views; caches contiguous float32 or bfloat16; slots int64
-    paged_attention    pure decode batches only (query_start_loc = 0, 1, .., B; every seq_len >= 1): query
-                       [B, Hq, D] float32 view, caches contiguous float32 or bfloat16, block_tables, seq_lens and
-                       query_start_loc int32; prefill and mixed batches run the reference
+    paged_attention    query [T, Hq, D] float32 view, caches contiguous float32 or bfloat16, block_tables,
+                       seq_lens and query_start_loc int32: decode, prefill, chunks, prefix hits, mixed batches
     silu_mul           gate_up [T, 2 I] float32 with rows of any stride -> [T, I]
     DecoderLayers      a pure decode batch through every layer of a plain pre-norm decoder (RMSNorm, fused qkv with
                        RoPE, paged attention, SiLU-gated MLP; every linear a kernels.cpu_matmul.NativeMatmul) in
@@ -57,8 +56,8 @@ def library() -> ctypes.CDLL | None:
         "pd_rotary": (cint, [ptr, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, cint]),
         "pd_write_kv": (cint, [ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, ptr, cint, i64, ptr]),
         "pd_silu_mul": (None, [ptr, i64, i64, i64, ptr, cint]),
-        "pd_decode_attention": (cint, [ptr, i64, i64, i64, i64, i64, ptr, ptr, cint, i64, i64, i64, ptr, i64, i64,
-                                       ptr, ptr, f32, i64, f32, ptr, cint]),
+        "pd_paged_attention": (cint, [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, cint, i64, i64, i64, ptr, i64,
+                                      i64, ptr, ptr, f32, i64, f32, ptr, cint]),
         "pd_decode_layers": (cint, [ptr, ptr, i64, ptr, ptr, ptr, cint, i64, i64, ptr, i64, ptr, ptr, ptr, cint]),
     }
     for name, (restype, argtypes) in signatures.items():
@@ -187,16 +186,14 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
                     sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-    """kernels.reference.paged_attention_ref; a pure decode batch runs natively, anything else the reference."""
+    """kernels.reference.paged_attention_ref for every batch (decode, prefill, chunks, prefix hits, mixed)."""
     if not (query.dim() == 3 and _rows_ok(query) and _caches_ok(k_cache, v_cache) and block_tables.dim() == 2
             and _dense_ok(block_tables, _INT32) and _dense_ok(seq_lens, _INT32)
             and _dense_ok(query_start_loc, _INT32)):
         return ref.paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                        sliding_window, softcap)
-    batch, num_heads, head_dim = query.shape
-    if not batch or seq_lens.numel() != batch or query_start_loc.numel() != batch + 1:  # not one token each
-        return ref.paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                       sliding_window, softcap)
+    num_tokens, num_heads, head_dim = query.shape
+    batch = seq_lens.numel()
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     if softcap is not None and not softcap > 0:
@@ -210,23 +207,28 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     table_rows, max_blocks = block_tables.shape
     if table_rows != batch:
         raise _shape_error("block_tables", block_tables, (batch, "max_blocks"))
+    if query_start_loc.numel() != batch + 1:
+        raise _shape_error("query_start_loc", query_start_loc, (batch + 1,))
+    out = torch.empty(num_tokens, num_heads, head_dim)
+    if not num_tokens or not batch:
+        return out
     q_strides = query.stride()
-    out = torch.empty(batch, num_heads, head_dim)
-    rc = _lib().pd_decode_attention(
-        query.data_ptr(), q_strides[0], q_strides[1], batch, num_heads, head_dim, k_cache.data_ptr(),
+    rc = _lib().pd_paged_attention(
+        query.data_ptr(), q_strides[0], q_strides[1], num_tokens, batch, num_heads, head_dim, k_cache.data_ptr(),
         v_cache.data_ptr(), k_cache.dtype is _BF16, num_blocks, block_size, num_kv_heads, block_tables.data_ptr(),
         max_blocks, max_blocks, seq_lens.data_ptr(), query_start_loc.data_ptr(), scale, sliding_window or 0,
         softcap or 0.0, out.data_ptr(), torch.get_num_threads())
     if rc == 0:
         return out
-    if rc == 1:  # not one new token per sequence: prefill, chunks, mixed batches
-        return ref.paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                       sliding_window, softcap)
     if rc == -1:
         raise ValueError(f"block_tables entries in use must be in [0, {num_blocks})")
     if rc == -2:
-        raise MemoryError("native decode attention: out of memory for its scores")
-    raise ValueError(f"seq_lens exceed block_tables' {max_blocks} blocks of {block_size}")
+        raise MemoryError("native paged attention: out of memory for its scores")
+    if rc == -3:
+        raise ValueError(f"seq_lens exceed block_tables' {max_blocks} blocks of {block_size}")
+    raise ValueError(f"query_start_loc must rise from 0 to at most {num_tokens} query tokens, each sequence's query "
+                     f"length in [0, seq_len]; got query_start_loc {query_start_loc.tolist()}, seq_lens "
+                     f"{seq_lens.tolist()}")
 
 
 # --------------------------------------------------------------------------------------------------- SiLU * up

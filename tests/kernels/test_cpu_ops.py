@@ -155,12 +155,67 @@ def test_decode_attention_is_batch_and_thread_invariant():
     assert torch.equal(one[5:6], alone)
 
 
-def test_decode_attention_other_batches_take_the_reference():
-    case = decode_case([5, 40])
-    q = torch.randn(4, HEADS, HEAD_DIM)  # a prefill of 3 tokens and one decode token
-    qsl = torch.tensor([0, 3, 4], dtype=torch.int32)
-    assert torch.equal(cpu_ops.paged_attention(q, *case[1:5], qsl, 0.125),
-                       ref.paged_attention_ref(q, *case[1:5], qsl, 0.125))
+def prefill_case(seq_lens: list[int], q_lens: list[int], dtype=torch.float32):
+    """A mixed step's attention inputs: sequence b has q_lens[b] new tokens ending at seq_lens[b] - 1 (a whole
+    prompt, a prompt after a cached prefix, a chunk, a decode token, or none), blocks from a real BlockPool."""
+    _, k_cache, v_cache, tables, lens, _ = decode_case(seq_lens, dtype)
+    q, _, _ = qkv_views(sum(q_lens))
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    return q, k_cache, v_cache, tables, lens, qsl
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap", [(None, None), (32, None), (17, None), (None, 50.0)])
+def test_prefill_and_mixed_attention_match_reference(dtype, window, softcap):
+    # a whole prompt, a decode token, a prefix hit, a long chunk past two tiles, a sequence with nothing new
+    case = prefill_case([40, 100, 7, 300, 5], [40, 1, 3, 170, 0], dtype)
+    got = cpu_ops.paged_attention(*case, HEAD_DIM ** -0.5, window, softcap)
+    want = ref.paged_attention_ref(*case, HEAD_DIM ** -0.5, window, softcap)
+    torch.testing.assert_close(got[:214], want[:214], rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_a_row_gets_the_same_bits_cold_continued_chunked_batched_and_as_a_decode_step(window):
+    """A position's attention row is one fixed computation: the same bits whether the whole prompt ran cold, the
+    prompt continued after a cached prefix or an earlier chunk, it shared the step with other sequences, it ran
+    on 1 or 2 threads, or it was the one new token of a decode step. So a prefix-cache hit gives the cold
+    prompt's tokens, and a preempted sequence recomputed by prefill continues on the bits it decoded."""
+    length = 300
+    q, k_cache, v_cache, tables, _, _ = prefill_case([length, 50, 9], [length, 1, 9])  # sequence 0's rows
+
+    def rows(start: int, stop: int) -> torch.Tensor:
+        return cpu_ops.paged_attention(q[start:stop], k_cache, v_cache, tables[:1],
+                                       torch.tensor([stop], dtype=torch.int32),
+                                       torch.tensor([0, stop - start], dtype=torch.int32), 0.125, window)
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        cold = rows(0, length)
+        torch.set_num_threads(2)
+        assert torch.equal(rows(0, length), cold)
+        for cached in (1, 16, 37, 64, 200, 299):
+            assert torch.equal(rows(cached, length), cold[cached:]), cached
+        assert torch.equal(rows(100, 150), cold[100:150])
+        for pos in (0, 5, 15, 16, 100, 299):
+            assert torch.equal(rows(pos, pos + 1), cold[pos:pos + 1]), pos
+        # in one step with a decode token of another sequence and a short prompt
+        mixed_q = torch.cat([q[64:length], torch.randn(10, HEADS, HEAD_DIM)])
+        qsl = torch.tensor([0, length - 64, length - 63, length - 54], dtype=torch.int32)
+        mixed = cpu_ops.paged_attention(mixed_q, k_cache, v_cache, tables, torch.tensor([length, 50, 9],
+                                        dtype=torch.int32), qsl, 0.125, window)
+        assert torch.equal(mixed[:length - 64], cold[64:])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_paged_attention_rejects_bad_query_start_loc():
+    q, k_cache, v_cache, tables, lens, _ = prefill_case([20, 3], [4, 3])
+    for qsl in ([0, 4, 8], [0, 2, 7], [-1, 4, 7], [0, 4, 3]):  # past T; q_len > seq_len; negative; falling
+        with pytest.raises(ValueError, match="query_start_loc"):
+            cpu_ops.paged_attention(q, k_cache, v_cache, tables, lens, torch.tensor(qsl, dtype=torch.int32), 0.125)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        cpu_ops.paged_attention(q, k_cache, v_cache, tables, lens, torch.tensor([0, 7], dtype=torch.int32), 0.125)
 
 
 def test_decode_attention_rejects_bad_tables():
@@ -216,6 +271,15 @@ def test_each_isa_path_matches_the_reference(flags, tmp_path, monkeypatch):
             case = decode_case([1, 17, 129, 40], dtype)
             torch.testing.assert_close(cpu_ops.paged_attention(*case, 0.125, 50, 30.0),
                                        ref.paged_attention_ref(*case, 0.125, 50, 30.0), rtol=1e-5, atol=2e-6)
+            case = prefill_case([70, 129, 40], [70, 1, 33], dtype)
+            prefill = cpu_ops.paged_attention(*case, 0.125, 50, 30.0)
+            torch.testing.assert_close(prefill, ref.paged_attention_ref(*case, 0.125, 50, 30.0), rtol=1e-5,
+                                       atol=2e-6)
+            # the 16-at-a-time score tree is the decode kernel's, on this path too: the last row as a decode step
+            q, k_cache, v_cache, tables, _, _ = case
+            one = torch.tensor([0, 1], dtype=torch.int32)
+            decode = cpu_ops.paged_attention(q[69:70], k_cache, v_cache, tables[:1], one[1:] * 70, one, 0.125, 50, 30.0)
+            assert torch.equal(decode[0], prefill[69])
     finally:
         cpu_ops.library.cache_clear()
 
