@@ -375,9 +375,10 @@ def bench_cpu_matmuls(repeats: int, batch_rows: tuple[int, ...] = (1,), only: tu
 
 def bench_cpu_attention(repeats: int, lengths: tuple[int, ...] = (128, 512, 2048)) -> dict:
     """The CPU prefill attention of one whole prompt of each length (SmolLM2-135M's 9 query / 3 kv heads of 64):
-    the native kernel the engine runs on CPU (kernels.cpu_ops.paged_attention over a paged cache: only the causal
-    half, each row in the decode kernel's fixed order), kernels.reference's (the flash kernel over the whole K/V
-    under an explicit mask, query heads folded into rows) and SDPA's own causal mask with GQA, which skips the key
+    the native kernel the engine runs on CPU (kernels.cpu_ops.paged_attention: only the causal half, each row in
+    the decode kernel's fixed order) and kernels.reference's (the flash kernel over the whole K/V under an explicit
+    mask, query heads folded into rows), both over the same paged cache, and SDPA's own causal mask with GQA on
+    contiguous K/V, which skips the key
     blocks above the diagonal but is not used (a row's sums would depend on where the computed rows start);
     interleaved rounds, GFLOP/s = 4 Hq D L (L + 1) / 2 (the causal half of QK^T and PV) of the best, as a % of the
     FMA peak. Then each path's rows of a prompt computed cold against the same rows computed after a cached
@@ -391,27 +392,33 @@ def bench_cpu_attention(repeats: int, lengths: tuple[int, ...] = (128, 512, 2048
     heads, kv_heads, dim = 9, 3, 64
     native = cpu_ops.available()
 
-    def paged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached: int = 0) -> torch.Tensor:
-        """The native kernel over k, v laid out as a paged cache of 16-token blocks (in order)."""
+    def paged(k: torch.Tensor, v: torch.Tensor) -> tuple:
+        """k, v laid out as a paged cache of 16-token blocks (in order): (k_cache, v_cache, block table)."""
         length = k.shape[0]
         blocks = -(-length // 16)
         cache = torch.zeros(2, blocks * 16, kv_heads, dim)
         cache[0, :length], cache[1, :length] = k, v
         cache = cache.view(2, blocks, 16, kv_heads, dim)
-        table = torch.arange(blocks, dtype=torch.int32)[None]
-        return cpu_ops.paged_attention(q[cached:], cache[0], cache[1], table, torch.tensor([length], dtype=torch.int32),
-                                       torch.tensor([0, length - cached], dtype=torch.int32), dim ** -0.5)
+        return cache[0], cache[1], torch.arange(blocks, dtype=torch.int32)[None]
+
+    def attend(fn, q: torch.Tensor, cache: tuple, cached: int = 0) -> torch.Tensor:
+        """fn (the native kernel or the reference) over the paged cache, the rows from `cached` on new."""
+        length = q.shape[0]
+        return fn(q[cached:], *cache, torch.tensor([length], dtype=torch.int32),
+                  torch.tensor([0, length - cached], dtype=torch.int32), dim ** -0.5)
 
     rows = []
     with torch.inference_mode():
         for length in lengths:
             q = torch.randn(length, heads, dim, generator=g)
             k, v = (torch.randn(length, kv_heads, dim, generator=g) for _ in range(2))
+            cache = paged(k, v)
             paths = {"reference: explicit mask, heads folded into rows":
-                         lambda: ref._prefill_attention_one(q, k, v, dim ** -0.5),
-                     "SDPA causal mask, GQA (not used)": lambda: _sdpa_causal(q, k, v, dim ** -0.5)}
+                         lambda: attend(ref.paged_attention_ref, q, cache),
+                     "SDPA causal mask, GQA (not used; contiguous K/V)": lambda: _sdpa_causal(q, k, v, dim ** -0.5)}
             if native:
-                paths = {"native: causal, fixed order per row (the engine's)": lambda: paged(q, k, v), **paths}
+                paths = {"native: causal, fixed order per row (the engine's)":
+                             lambda: attend(cpu_ops.paged_attention, q, cache), **paths}
             times = _interleaved(paths, repeats if length < 1024 else max(3, repeats // 4))
             flops = 4 * heads * dim * length * (length + 1) / 2
             for name, t in times.items():
@@ -432,7 +439,9 @@ def bench_cpu_attention(repeats: int, lengths: tuple[int, ...] = (128, 512, 2048
                                       .abs().max()),
                    "sdpa_causal": float((_sdpa_causal(q, k, v, dim ** -0.5)[cached:] - continued).abs().max())}
             if native:
-                row["native"] = float((paged(q, k, v)[cached:] - paged(q, k, v, cached)).abs().max())
+                cache = paged(k, v)
+                row["native"] = float((attend(cpu_ops.paged_attention, q, cache)[cached:]
+                                       - attend(cpu_ops.paged_attention, q, cache, cached)).abs().max())
             splits.append(row)
     return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "fma_peak_gflops": fma_peak, "repeats": repeats, "rows": rows, "cold_vs_continued": splits}
