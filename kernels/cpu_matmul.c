@@ -321,6 +321,7 @@ VNNI_TARGET static void q8_vnni(const int8_t *w, const float *ws, const int8_t *
  * vdpbf16ps (avx512_bf16) is not used: it multiplies bfloat16 by bfloat16, and the dequantized weights are not
  * bfloat16 values, so it would round them. */
 #define Q4P_DEQUANT_ROWS 32
+#define MT_Q4P_W 6    /* x rows per pass over dequantized q4 weights (24 accumulators: each weight load feeds 6 FMAs) */
 
 static inline float round_bf16(float v) {
     union { float f; uint32_t u; } c = {v};
@@ -488,7 +489,7 @@ AVX512_TARGET static inline __attribute__((always_inline)) void q4p_avx512_tile(
         const int B, int64_t n0, const int s0, const int S, int64_t i0, const int R, int round_out, float *y) {
     const int64_t half = B / 2;
     const uint8_t *cb = codes + n0 / B * K * half;
-    __m512 acc[MT][4], d[4], z[4], w[4];
+    __m512 acc[MT_Q4P_W][4], d[4], z[4], w[4];
     for (int j = 0; j < 4; j++) d[j] = z[j] = _mm512_setzero_ps();  /* set at k = 0 when read (no W) */
     for (int r = 0; r < R; r++)
         for (int j = 0; j < S; j++) acc[r][j] = _mm512_setzero_ps();
@@ -535,7 +536,8 @@ AVX512_TARGET static void q4p_avx512_dequant(const uint8_t *codes, const uint32_
 
 #define CALL_Q4P_R(b, s, n) \
     switch (R) { case 1: CALL_Q4P(b, s, n, 1); break; case 2: CALL_Q4P(b, s, n, 2); break; \
-                 case 3: CALL_Q4P(b, s, n, 3); break; default: CALL_Q4P(b, s, n, 4); break; }
+                 case 3: CALL_Q4P(b, s, n, 3); break; case 4: CALL_Q4P(b, s, n, 4); break; \
+                 case 5: CALL_Q4P(b, s, n, 5); break; default: CALL_Q4P(b, s, n, 6); break; }
 #define CALL_Q4P(b, s, n, r) q4p_avx512_tile(codes, tab, W, xb, K, N, b, n0, s, n, i0, r, round_out, y)
 AVX512_TARGET static void q4p_avx512(const uint8_t *codes, const uint32_t *tab, const float *W, const float *xb,
                                      int64_t K, int64_t N, int B, int64_t n0, int u, int64_t i0, int R,
@@ -758,14 +760,16 @@ static __thread float *wtile = NULL;
 static __thread size_t wtile_size = 0;
 
 /* q4-bf16 over unit u (0: all of block b, 1: its low half, 2: its high half) against every row of x, MT rows
- * per pass. */
+ * per pass (MT_Q4P_W over a dequantized tile). A row's sums are the same in any pass: each output is one chain of
+ * FMAs over k in order. */
 static void run_unit_q4p(const struct job *j, int64_t b, int u) {
     const int64_t M = j->M, K = j->K, N = j->N, n0 = b * j->B;
     const int64_t c0 = u == 2 ? n0 + j->B / 2 : n0, c1 = u == 1 ? n0 + j->B / 2 : n0 + j->B;  /* its channels */
     const uint8_t *codes = j->w;
     const uint32_t *tab = j->table;
-    for (int64_t i0 = 0; i0 < M; i0 += MT) {
-        int R = M - i0 < MT ? (int)(M - i0) : MT;
+    const int64_t mt = j->isa == 2 && M >= Q4P_DEQUANT_ROWS ? MT_Q4P_W : MT;
+    for (int64_t i0 = 0; i0 < M; i0 += mt) {
+        int R = M - i0 < mt ? (int)(M - i0) : (int)mt;
 #if PD_X86
         if (j->isa == 2) {
             const float *W = NULL;

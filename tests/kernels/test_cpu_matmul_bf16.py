@@ -108,8 +108,8 @@ def test_rows_are_batch_and_thread_invariant(layer0, name, isa):
         assert torch.equal(run(kind, x[i:i + 1], args, nthreads=1, isa=isa)[0], together[i])
     for nthreads in (2, 4):
         assert torch.equal(run(kind, x, args, nthreads=nthreads, isa=isa), together)
-    # From Q4P_DEQUANT_ROWS (32) rows the AVX512 q4 path reads a dequantized tile instead; the AVX512 q8 one takes
-    # 6 rows a pass (35: 5 passes of 6 and one of 5).
+    # From Q4P_DEQUANT_ROWS (32) rows the AVX512 q4 path reads a dequantized tile instead, 6 rows a pass, as the
+    # AVX512 q8 one takes them (35: 5 passes of 6 and one of 5).
     many = x.repeat(5, 1)                                                            # [35, in]
     assert torch.equal(run(kind, many, args, nthreads=1, isa=isa), together.repeat(5, 1))
 
@@ -146,6 +146,8 @@ def test_matches_torch_int4pack_and_int8pack(layer0, name):
         expected = torch_linear.forward(x)
         if torch_avx512:
             assert torch.equal(got, expected)
+            many = x.repeat(5, 1)  # the dequantized-tile path (from 32 rows), passes of 6 rows and one of 5
+            assert torch.equal(run(kind, many, args), torch_linear.forward(many))
     else:
         torch_linear = Int8Linear(*args)
         expected = torch_linear.forward(x, max_rows=x.shape[0])
