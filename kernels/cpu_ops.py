@@ -19,9 +19,10 @@ Layouts taken (anything else runs the reference, so every call is served):
                        RoPE, paged attention, SiLU-gated MLP; every linear a kernels.cpu_matmul.NativeMatmul) in
                        one C call: the ops above and the matmuls in the eager step's order, so the same bits
 Bad arguments (shapes that do not match, a slot, position or block id out of range) raise ValueError naming the
-argument. Decode attention works per (sequence, kv head) with a fixed reduction order, so a row's result is the
-same alone or in any batch and on any number of threads (torch.get_num_threads() OpenMP threads, the process's
-libgomp).
+argument. Attention computes every query row in one fixed reduction order over the positions it sees (decode per
+(sequence, kv head); prompts and chunks in tiles of one kv head and up to 64 positions, each row in the decode
+kernel's order), so a row's result is the same alone or in any batch, on any number of threads
+(torch.get_num_threads() OpenMP threads, the process's libgomp), after any cached prefix, and as a decode step.
 """
 
 from __future__ import annotations
