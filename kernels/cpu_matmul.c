@@ -314,7 +314,8 @@ VNNI_TARGET static void q8_vnni(const int8_t *w, const float *ws, const int8_t *
  * [G][N] (d | z << 16, bfloat16 each). Lanes are output channels and each output sums k = 0 .. K - 1 in order,
  * acc = fmaf(x_k, w_k, acc): int4pack_mm's AVX512 arithmetic, bit for bit, on every path here. From
  * Q4P_DEQUANT_ROWS rows of x the AVX512 path dequantizes a block's weights once per call into an L1/L2 tile and
- * runs the FMAs from it (the same values in the same order).
+ * runs the FMAs from it (the same values in the same order); the q8 path likewise from Q8B_DEQUANT_ROWS rows.
+ * An AVX512 q8 tile reduces its sums 16 at a time with _mm512_reduce_add_ps's additions (reduce_add16).
  * q8 (w int8 [N, K], ws [N]) lane orders: AVX512 lane l sums inputs 16 t + l in order of t, then
  * _mm512_reduce_add_ps (int8pack_mm's AVX512 order); AVX2 8 lanes over 8 t + l, reduced as int8pack_mm's AVX2
  * kernel reduces (halves, then pairs 0x4E, then 0xB1); scalar one sum over k in order.
@@ -332,7 +333,9 @@ static inline float round_bf16(float v) {
 
 #define NC 2          /* weight rows per tile of the AVX2 and scalar q8 bfloat16 kernels (each read once per tile) */
 #define NC_Q8B 4      /* weight rows per tile of the AVX512 q8 bfloat16 kernel: each x load feeds four FMAs */
-#define MT_Q8B 6      /* x rows per pass of the AVX512 q8 bfloat16 tile (each weight dequantized once per pass) */
+#define MT_Q8B 6      /* x rows per pass of the AVX512 q8 bfloat16 tile */
+#define NB_Q8B 8      /* weight rows per block of the q8 bfloat16 kernels (dequantized, 18 KB at K = 576: in L1) */
+#define Q8B_DEQUANT_ROWS 12  /* from this many rows of x the AVX512 q8 bfloat16 path dequantizes each block once */
 
 static void q4p_scalar(const uint8_t *codes, const uint32_t *tab, const float *xb, int64_t K, int64_t N, int B,
                        int64_t n, int64_t i, float *y) {
@@ -545,30 +548,79 @@ AVX512_TARGET static void q4p_avx512(const uint8_t *codes, const uint32_t *tab, 
     if (B == 64) { Q4P_UNITS(CALL_Q4P_R, 64) } else { Q4P_UNITS(CALL_Q4P_R, 32) }
 }
 
+/* out[i] = _mm512_reduce_add_ps(v[i]) for i < 16, bit for bit, in 30 shuffles and 15 additions rather than 16 x 7
+ * operations: the same additions (lanes i + (i + 8), then + 4, then + 2, then + 1), done for the 16 vectors at
+ * once by a transposed tree. */
+AVX512_TARGET static inline __attribute__((always_inline)) void reduce_add16(const __m512 *v, float *out) {
+    __m512 s[8], t[4], u[2];
+    for (int p = 0; p < 8; p++)  /* s[p]: [v[2p] lanes 0-7 + 8-15 | v[2p + 1] likewise] */
+        s[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0xEE));
+    for (int q = 0; q < 4; q++)  /* t[q], 128-bit lane L: v[4q + L]'s 8 sums, halves added */
+        t[q] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * q], s[2 * q + 1], 0x88),
+                             _mm512_shuffle_f32x4(s[2 * q], s[2 * q + 1], 0xDD));
+    for (int h = 0; h < 2; h++)  /* u[h], lane L: [e0 + e2, e1 + e3] of v[8h + L], then of v[8h + 4 + L] */
+        u[h] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * h], t[2 * h + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(t[2 * h], t[2 * h + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* lane L, element e: the sum of v[4e + L] */
+    __m512 r = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, r));
+}
+
 AVX512_TARGET static inline __attribute__((always_inline)) void q8b_avx512_tile(
-        const int8_t *w, const float *ws, const float *xb, int64_t XS, int64_t n, const int C, int64_t i0, const int R,
-        int64_t K, int64_t N, int round_out, float *y) {
+        const int8_t *w, const float *ws, const float *W, const float *xb, int64_t XS, int64_t n, const int C,
+        int64_t i0, const int R, int64_t K, int64_t N, int round_out, float *y) {
     __m512 acc[NC_Q8B][MT_Q8B];
     for (int c = 0; c < C; c++)
         for (int r = 0; r < R; r++) acc[c][r] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
+        __m512 xv[MT_Q8B];  /* each x load feeds C FMAs: 6 + 24 + 1 registers */
+        for (int r = 0; r < R; r++) xv[r] = _mm512_loadu_ps(xb + (i0 + r) * XS + k);
         for (int c = 0; c < C; c++) {
-            const int8_t *wp = w + (n + c) * K + k;
-            if (!(k & 63)) {
-                _mm_prefetch((const char *)wp + PREFETCH_BYTES, _MM_HINT_T0);
-                _mm_prefetch((const char *)wp + PREFETCH_L2_BYTES, _MM_HINT_T1);
+            __m512 wv;
+            if (W) {
+                wv = _mm512_loadu_ps(W + c * K + k);
+            } else {
+                const int8_t *wp = w + (n + c) * K + k;
+                if (!(k & 63)) {
+                    _mm_prefetch((const char *)wp + PREFETCH_BYTES, _MM_HINT_T0);
+                    _mm_prefetch((const char *)wp + PREFETCH_L2_BYTES, _MM_HINT_T1);
+                }
+                wv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)wp))),
+                                   _mm512_set1_ps(ws[n + c]));
             }
-            __m512 wv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)wp))),
-                                      _mm512_set1_ps(ws[n + c]));
-            for (int r = 0; r < R; r++)
-                acc[c][r] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + (i0 + r) * XS + k), wv, acc[c][r]);
+            for (int r = 0; r < R; r++) acc[c][r] = _mm512_fmadd_ps(xv[r], wv, acc[c][r]);
         }
     }
+    __m512 v[2 * 16];
+    float sums[2 * 16];
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) v[c * R + r] = acc[c][r];
+    for (int i = C * R; i < (C * R > 16 ? 32 : 16); i++) v[i] = _mm512_setzero_ps();
+    reduce_add16(v, sums);
+    if (C * R > 16) reduce_add16(v + 16, sums + 16);
     for (int c = 0; c < C; c++)
         for (int r = 0; r < R; r++) {
-            float v = _mm512_reduce_add_ps(acc[c][r]);
-            y[(i0 + r) * N + n + c] = round_out ? round_bf16(v) : v;
+            float sum = sums[c * R + r];
+            y[(i0 + r) * N + n + c] = round_out ? round_bf16(sum) : sum;
         }
+}
+
+/* Weight rows n .. n1 - 1 dequantized once into W [n1 - n][K] float32: w * ws, exact in float32 (8 bits times a
+ * bfloat16's 8), so the tile above reads the values it would compute. */
+AVX512_TARGET static void q8b_avx512_dequant(const int8_t *w, const float *ws, int64_t n, int64_t n1, int64_t K,
+                                             float *W) {
+    for (int64_t c = 0; c < n1 - n; c++) {
+        const int8_t *wp = w + (n + c) * K;
+        const __m512 s = _mm512_set1_ps(ws[n + c]);
+        for (int64_t k = 0; k < K; k += 16) {
+            if (!(k & 63)) _mm_prefetch((const char *)wp + k + PREFETCH_L2_BYTES, _MM_HINT_T1);
+            _mm512_storeu_ps(W + c * K + k, _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wp + k)))), s));
+        }
+    }
 }
 
 /* The (C, R) variants of a q8 tile, C weight rows and R x rows compile-time constants (registers). */
@@ -588,13 +640,13 @@ PD_TILE_FN(q8b_avx2, AVX2_TARGET, CALL_Q8B_AVX2)
  * accumulators, and each x load feeds C FMAs (with (2, 8) the loads of x bounded the LM head at 32 rows to 55%
  * of the FMA peak). Each output's sum is the same whatever the tile: lanes over k in order, then
  * _mm512_reduce_add_ps. */
-#define CALL_Q8B_AVX512(c, r) q8b_avx512_tile(w, ws, xb, K, n, c, i0, r, K, N, round_out, y)
+#define CALL_Q8B_AVX512(c, r) q8b_avx512_tile(w, ws, W, xb, K, n, c, i0, r, K, N, round_out, y)
 #define CALL_Q8B_AVX512_R(c)                                                                                   \
     switch (R) { case 1: CALL_Q8B_AVX512(c, 1); break; case 2: CALL_Q8B_AVX512(c, 2); break;                  \
                  case 3: CALL_Q8B_AVX512(c, 3); break; case 4: CALL_Q8B_AVX512(c, 4); break;                  \
                  case 5: CALL_Q8B_AVX512(c, 5); break; default: CALL_Q8B_AVX512(c, 6); break; }
-AVX512_TARGET static void q8b_avx512(const int8_t *w, const float *ws, const float *xb, int64_t n, int C, int64_t i0,
-                                     int R, int64_t K, int64_t N, int round_out, float *y) {
+AVX512_TARGET static void q8b_avx512(const int8_t *w, const float *ws, const float *W, const float *xb, int64_t n,
+                                     int C, int64_t i0, int R, int64_t K, int64_t N, int round_out, float *y) {
     switch (C) { case 1: CALL_Q8B_AVX512_R(1) break; case 2: CALL_Q8B_AVX512_R(2) break;
                  case 3: CALL_Q8B_AVX512_R(3) break; default: CALL_Q8B_AVX512_R(4) break; }
 }
@@ -729,20 +781,45 @@ static void round_one(const struct job *j, int64_t i) {
     for (int64_t k = 0; k < j->K; k++) j->xb[i * j->K + k] = round_bf16(j->x[i * j->K + k]);
 }
 
-/* q8-bf16 over weight rows b * NB .. (b + 1) * NB - 1: MT_Q8B (AVX512) or MT rows of x per pass, NC_Q8B (AVX512)
- * or NC weight rows per tile. */
+/* The thread's tile of dequantized weights (q8b_avx512_dequant, q4p_avx512_dequant) of at least `floats`
+ * floats, grown, never shrunk; NULL when out of memory (the callers then read the codes: the same values). */
+static __thread float *wtile = NULL;
+static __thread size_t wtile_size = 0;
+
+static float *weight_tile(size_t floats) {
+    size_t need = floats * sizeof(float);
+    if (need > wtile_size) {
+        free(wtile);
+        wtile = aligned_alloc(64, (need + 63) / 64 * 64);
+        wtile_size = wtile ? need : 0;
+    }
+    return wtile;
+}
+
+/* q8-bf16 over weight rows b * NB_Q8B .. (b + 1) * NB_Q8B - 1: MT_Q8B (AVX512) or MT rows of x per pass, NC_Q8B (AVX512)
+ * or NC weight rows per tile. From Q8B_DEQUANT_ROWS rows of x the AVX512 path dequantizes the block once into
+ * the thread's tile and every pass reads it (each output the same sum in the same order). */
 static void run_block_q8b(const struct job *j, int64_t b) {
     const int64_t M = j->M, K = j->K, N = j->N;
-    const int64_t n1 = (b + 1) * NB < N ? (b + 1) * NB : N;
+    const int64_t n1 = (b + 1) * NB_Q8B < N ? (b + 1) * NB_Q8B : N;
     const int64_t mt = j->isa == 2 ? MT_Q8B : MT;
+#if PD_X86
+    float *W = NULL;
+    if (j->isa == 2 && M >= Q8B_DEQUANT_ROWS && (W = weight_tile((size_t)(NB_Q8B * K))))
+        q8b_avx512_dequant(j->w, j->table, b * NB_Q8B, n1, K, W);
+#endif
     for (int64_t i0 = 0; i0 < M; i0 += mt) {
         int R = M - i0 < mt ? (int)(M - i0) : (int)mt;
         int C;
-        for (int64_t n = b * NB; n < n1; n += C) {
+        for (int64_t n = b * NB_Q8B; n < n1; n += C) {
             const int64_t nc = j->isa == 2 ? NC_Q8B : NC;
             C = n1 - n < nc ? (int)(n1 - n) : (int)nc;
 #if PD_X86
-            if (j->isa == 2) { q8b_avx512(j->w, j->table, j->xb, n, C, i0, R, K, N, j->round_out, j->y); continue; }
+            if (j->isa == 2) {
+                q8b_avx512(j->w, j->table, W ? W + (n - b * NB_Q8B) * K : NULL, j->xb, n, C, i0, R, K, N, j->round_out,
+                           j->y);
+                continue;
+            }
             if (j->isa == 1) { q8b_avx2(j->w, j->table, j->xb, n, C, i0, R, K, N, j->round_out, j->y); continue; }
 #endif
             for (int c = 0; c < C; c++)
@@ -754,10 +831,6 @@ static void run_block_q8b(const struct job *j, int64_t b) {
         }
     }
 }
-
-/* The thread's tile of dequantized q4 weights (q4p_avx512_dequant): grown, never shrunk. */
-static __thread float *wtile = NULL;
-static __thread size_t wtile_size = 0;
 
 /* q4-bf16 over unit u (0: all of block b, 1: its low half, 2: its high half) against every row of x, MT rows
  * per pass (MT_Q4P_W over a dequantized tile). A row's sums are the same in any pass: each output is one chain of
@@ -774,14 +847,9 @@ static void run_unit_q4p(const struct job *j, int64_t b, int u) {
         if (j->isa == 2) {
             const float *W = NULL;
             if (M >= Q4P_DEQUANT_ROWS) {
-                size_t need = (size_t)(K * j->B) * sizeof(float);
-                if (need > wtile_size) {
-                    free(wtile);
-                    wtile = aligned_alloc(64, (need + 63) / 64 * 64);
-                    wtile_size = wtile ? need : 0;
-                }
-                if (wtile && i0 == 0) q4p_avx512_dequant(codes, tab, K, N, j->B, n0, u, wtile);
-                W = wtile;  /* NULL when out of memory: the codes are read instead (the same values) */
+                float *tile = weight_tile((size_t)(K * j->B));  /* NULL when out of memory: the codes are read */
+                if (tile && i0 == 0) q4p_avx512_dequant(codes, tab, K, N, j->B, n0, u, tile);
+                W = tile;
             }
             q4p_avx512(codes, tab, W, j->xb, K, N, j->B, n0, u, i0, R, j->round_out, j->y);
             continue;
@@ -820,7 +888,7 @@ static int run_bf16(int q8, const float *x, int64_t M, int64_t K, const void *w,
     j.xb = get_scratch((size_t)(M * K + 16) * sizeof(float));
     if (!j.xb) return -1;
     for_each(round_one, &j, M, M >= 8 ? nthreads : 1);
-    if (q8) for_each(run_block_q8b, &j, (N + NB - 1) / NB, nthreads);
+    if (q8) for_each(run_block_q8b, &j, (N + NB_Q8B - 1) / NB_Q8B, nthreads);
     else for_each(run_range_q4p, &j, j.nthreads, j.nthreads);
     return j.isa;
 }

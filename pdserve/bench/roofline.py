@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import platform
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -85,18 +86,32 @@ def _quantized_bytes(tensor, quantization: str, head_as_is: bool = False) -> int
 
 def copy_bandwidth(num_bytes: int = 2**30, repeats: int = 5) -> float:
     """Bytes/s of the fastest of `repeats` large float32 tensor copies (read + write counted), with the
-    threads torch is set to use."""
+    threads torch is set to use.
+
+    The copies run on a short-lived thread: a thread that has run a multi-threaded torch op keeps its OpenMP
+    workers, and with more of them than CPUs libgomp stops spin-waiting, which slows every parallel region of
+    the thread that steps an engine in this process (engine.engine_loop)."""
     import torch
 
-    src = torch.ones(num_bytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+    threads = torch.get_num_threads()
+    result: list[float] = []
+
+    def measure() -> None:
+        torch.set_num_threads(threads)
+        src = torch.ones(num_bytes // 4, dtype=torch.float32)
+        dst = torch.empty_like(src)
         dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * num_bytes / best
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - start)
+        result.append(2 * num_bytes / best)
+
+    thread = threading.Thread(target=measure, name="copy-bandwidth")
+    thread.start()
+    thread.join()
+    return result[0]
 
 
 def roofline_tokens_per_s(bandwidth: float, bytes_per_token: int) -> float:

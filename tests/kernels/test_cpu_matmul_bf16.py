@@ -117,16 +117,18 @@ def test_rows_are_batch_and_thread_invariant(layer0, name, isa):
 @pytest.mark.parametrize("isa", [isa_param(i) for i in (cm.ISA_AVX2, cm.ISA_AVX512)])
 def test_q8_rows_are_the_same_in_every_tile(isa):
     """A weight row's outputs do not depend on the tile holding it: the first n rows of a 23-row weight (blocks
-    of 16, tiles of up to 4 rows: 4 + 3 at its tail) against the n-row weight alone, 13 rows of x (passes of 6,
-    6, 1), and torch's int8pack_mm where it runs the AVX512 order."""
+    of 8, tiles of up to 4 rows: 4 + 3 at its tail) against the n-row weight alone, 13 rows of x (passes of 6,
+    6, 1; on AVX512 over the block dequantized once, its sums reduced 16 at a time) and 5 (the codes read in
+    every pass), and torch's int8pack_mm where it runs the AVX512 order."""
     g = torch.Generator().manual_seed(5)
     qweight = torch.randint(-127, 128, (23, 96), generator=g, dtype=torch.int8)
     scale = torch.rand(23, generator=g).bfloat16().float() / 64
     x = torch.randn(13, 96, generator=g)
     whole = cm.q8_bf16_matmul(x, qweight, scale, isa=isa)
-    for n in (1, 2, 3, 5, 16, 17, 19, 22):
+    for n in (1, 2, 3, 5, 8, 9, 16, 17, 19, 22):
         assert torch.equal(cm.q8_bf16_matmul(x, qweight[:n].contiguous(), scale[:n].contiguous(), isa=isa),
                            whole[:, :n]), n
+    assert torch.equal(cm.q8_bf16_matmul(x[:5], qweight, scale, isa=isa), whole[:5])
     if isa == cm.ISA_AVX512 and cm.best_isa("q8-bf16") == cm.ISA_AVX512 \
             and torch.backends.cpu.get_cpu_capability() == "AVX512":
         assert torch.equal(whole, Int8Linear(qweight, scale).forward(x, max_rows=x.shape[0]))
