@@ -48,6 +48,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, PromptLogprob, Sequence, TokenLogprob
 from kvstore.hashing import root_hash
+from kvstore.malloc_tuning import keep_freed_memory_for_reuse
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,8 @@ class LLMEngine:
                                  loaded.config.max_position_embeddings)
         self.runner = ModelRunner(loaded.config, loaded.weights, config, self.max_model_len,
                                   kv_cache_in_shm=kv_cache_in_shm)
+        if self.runner.device.type == "cpu":
+            keep_freed_memory_for_reuse()  # a large step's activations stay mapped for the next (kvstore.malloc_tuning)
         self.weight_memory_bytes = self.runner.model.weight_memory_bytes()
         """Bytes the loaded model's weights occupy (DecoderModel.weight_memory_bytes)."""
         self.file_tensor_bytes = loaded.file_tensor_bytes

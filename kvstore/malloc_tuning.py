@@ -1,4 +1,5 @@
-"""Keep freed heap memory mapped for reuse, so that bulk KV transfers stop paying a page fault per 4 KiB.
+"""Keep freed heap memory mapped for reuse, so that bulk KV transfers and large CPU steps stop paying a page fault
+per 4 KiB.
 
 Python's grpc hands every received message to Python as a fresh ``bytes`` object and reads the socket into fresh
 buffers of its own; a sender's messages are fresh ``bytes`` too. Each is a 1-8 MiB malloc. glibc serves blocks
@@ -11,6 +12,11 @@ from the heap) and M_TRIM_THRESHOLD to 256 MiB (freed memory stays mapped up to 
 What stays mapped is the peak of such transient buffers (a few messages in flight), not the total moved. Larger
 blocks (KV caches, weights) are mmapped as before. Elsewhere than glibc it does nothing. KvSender and
 KvTransferServicer call it when they are made: the processes that move KV are the ones that pay the faults.
+
+An engine on CPU (engine.llm_engine) calls it too: a step of 2048 prompt tokens allocates and frees ~1.6 GB of
+activations (a [2048, 3072] float32 gate/up output is 25 MB), and with glibc's defaults the heaps the engine
+thread allocates from were handed back and faulted in again, 45k to 174k minor faults in one such step (0.7 s
+of a 1.7 s step at worst) on a 2-core Intel Xeon; with these settings only the first such step faults.
 """
 from __future__ import annotations
 
@@ -41,5 +47,5 @@ def keep_freed_memory_for_reuse() -> bool:
                 _applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
                                 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
                 if not _applied:
-                    log.warning("mallopt refused the KV transfer settings: transfers fault in fresh pages")
+                    log.warning("mallopt refused the settings: large transient buffers fault in fresh pages")
         return _applied

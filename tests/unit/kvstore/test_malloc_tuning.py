@@ -39,3 +39,24 @@ def test_freed_message_buffers_are_reused_without_page_faults():
     pages = 3 * 24 * (2 << 20) // 4096
     assert page_faults_of_three_pushes("plain") > pages // 4    # glibc's default: faulted in again
     assert page_faults_of_three_pushes("tuned") < pages // 100  # kept mapped, reused
+
+
+ENGINE = textwrap.dedent("""
+    import sys
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from kvstore import malloc_tuning
+    assert malloc_tuning._applied is None  # nothing applied it before the engine
+    LLMEngine(EngineConfig(sys.argv[1], device="cpu", kv_cache_memory=16 << 20), progress=False)
+    print(malloc_tuning._applied)
+""")
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's mallopt")
+def test_an_engine_on_cpu_keeps_freed_memory_for_its_next_steps(default_model_path):
+    """A large CPU step's activations (tens of MB each, freed every layer) must not be faulted in again on the
+    next step: the engine applies the settings the test above checks, in its own process."""
+    out = subprocess.run([sys.executable, "-c", ENGINE, str(default_model_path)], cwd=REPO, capture_output=True,
+                         text=True, check=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
+                                                     "HOME": str(Path.home())})
+    assert out.stdout.strip() == "True"
