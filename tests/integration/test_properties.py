@@ -222,7 +222,8 @@ def test_grpc_raw_bytes_answer_ok_or_invalid_argument_naming_the_message(channel
 
 # ------------------------------------------------------------------------------------------------ HTTP
 def http_post(gateway, path: str, body: bytes, content_type: str | None = "application/json") -> tuple[int, list]:
-    """(status, answer): the decoded JSON body, or, for an event stream, the first MAX_MESSAGES decoded events."""
+    """(status, answer): the decoded JSON body, or, for an event stream, its first MAX_MESSAGES decoded events
+    (fewer when `data: [DONE]` comes first: HTTP/1.1 keeps the connection open after it, as OpenAI clients expect)."""
     connection = http.client.HTTPConnection("127.0.0.1", gateway.http_port, timeout=CALL_TIMEOUT_S)
     try:
         headers = {"Content-Type": content_type} if content_type is not None else {}
@@ -232,9 +233,9 @@ def http_post(gateway, path: str, body: bytes, content_type: str | None = "appli
             events = []
             while len(events) < MAX_MESSAGES:
                 line = response.fp.readline()
-                if not line:
+                if not line or line.strip() == b"data: [DONE]":  # the stream's end: the connection stays open
                     break
-                if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                if line.startswith(b"data: "):
                     events.append(json.loads(line[6:]))
             return response.status, events
         text = response.read()
@@ -318,6 +319,7 @@ messages = field(st.lists(message, max_size=3))
 @example(body={"prompt": "a", "top_k": 5 * 10**9}, ascii_only=True)
 @example(body={"prompt": "a", "model": 5}, ascii_only=True)
 @example(body={"prompt": "a", "temperature": 1e-45}, ascii_only=True)
+@example(body={"prompt": "/\xae\x99o\xbc", "stream": True}, ascii_only=False)  # 3 events, then [DONE]: a valid stream
 def test_http_completions_answer_ok_or_a_4xx_naming_the_field(gateway, body, ascii_only):
     body = bounded(body)
     status, answer = http_post(gateway, "/v1/completions", encode(body, ascii_only))
