@@ -15,8 +15,8 @@ KvTransferServicer call it when they are made: the processes that move KV are th
 
 An engine on CPU (engine.llm_engine) calls it too: a step of 2048 prompt tokens allocates and frees ~1.6 GB of
 activations (a [2048, 3072] float32 gate/up output is 25 MB), and with glibc's defaults the heaps the engine
-thread allocates from were handed back and faulted in again, 45k to 174k minor faults in one such step (0.7 s
-of a 1.7 s step at worst) on a 2-core Intel Xeon; with these settings only the first such step faults.
+thread allocates from were handed back and faulted in again, 45k to 174k minor faults in one such step (~0.8 s
+of a 2.5 s step at worst) on a 2-core Intel Xeon; with these settings only the first touch of new memory faults.
 """
 from __future__ import annotations
 
