@@ -211,9 +211,10 @@ class EngineConfig:
     cpu_matmul: str = "native-bf16"
     """Kernels of int4 and int8 linears (and an int8 LM head) on CPU: "native-bf16" (the default:
     kernels.cpu_matmul, compiled on first use with the system C compiler, computing what torch's kernels compute
-    from the same weights: x rounded to bfloat16, exact float32 weights, float32 sums, the output rounded to
-    bfloat16; the values of int4pack_mm's AVX512 kernel bit for bit, int8pack_mm's where its summation order
-    is (its AVX512 and AVX2 paths); faster at every batch size measured), "torch" (int4pack_mm / int8pack_mm on bfloat16 activations)
+    from the same weights: x rounded to bfloat16, float32 sums, the output rounded to bfloat16; int8pack_mm's
+    values where its summation order is (its AVX512 and AVX2 paths), int4 sums group by group with exact
+    products, vdpbf16ps's arithmetic where the CPU has avx512_bf16, int4pack_mm's values within float32
+    rounding; faster at every batch size measured), "torch" (int4pack_mm / int8pack_mm on bfloat16 activations)
     or "native" (the same library: x rounded to int8 per 32 inputs as llama.cpp does, integer dot products with
     AVX512-VNNI / AVX2; greedy tokens may differ from torch's). All are batch invariant. Without a working
     compiler the native choices log one warning and run torch's kernels. Float and 16-bit weights are unaffected; tensor-parallel ranks keep torch's

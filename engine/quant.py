@@ -37,9 +37,10 @@ CPU, which the GEMM path reads too: half a byte per weight plus 4 bytes per 32, 
 byte per weight read; INT4PACK_MAX_ROWS says why every batch); CUDA dequantizes chunks and runs the float GEMM.
 With `cpu_matmul="native"` (EngineConfig.cpu_matmul) both int4 and int8 linears run kernels.cpu_matmul on CPU
 instead: x rounded to int8 per 32 inputs, integer dot products (NATIVE_INT4_MAX_ROWS, NATIVE_INT8_MAX_ROWS). With
-`cpu_matmul="native-bf16"` they run its bfloat16-activation kernels, torch's arithmetic (bfloat16 x, exact
-weights, float32 sums, bfloat16-rounded output) over torch's int4 layout and the int8 one above, the values of
-int4pack_mm's AVX512 kernel bit for bit and int8pack_mm's where its order is (NATIVE_INT4_MAX_ROWS, NATIVE_BF16_INT8_MAX_ROWS). With `quantization="int4"` the LM head (and a tied embedding) stays int8, as llama.cpp's Q4 files keep the
+`cpu_matmul="native-bf16"` they run its bfloat16-activation kernels (bfloat16 x, float32 sums, bfloat16-rounded
+output) over torch's int4 layout and the int8 one above: int8pack_mm's values where its order is, and for int4
+the exact products of x with the codes summed group by group (vdpbf16ps's arithmetic; kernels.cpu_matmul), torch's
+int4pack_mm within float32 rounding (NATIVE_INT4_MAX_ROWS, NATIVE_BF16_INT8_MAX_ROWS). With `quantization="int4"` the LM head (and a tied embedding) stays int8, as llama.cpp's Q4 files keep the
 token embedding at 8 bits or more: it is the largest matrix of a small model and the most sensitive.
 """
 
@@ -290,8 +291,8 @@ class Int4Linear:
     multiple of its block, or CUDA, which has no int4pack path) the codes are kept as `nibbles` (GGML's Q4 order
     per 32 inputs) instead (CUDA) or as well (CPU). With cpu_matmul="native" (and the kernels built) the codes
     are only `nibbles` and the table row-major, the layout kernels.cpu_matmul's int8-activation kernel reads;
-    with "native-bf16" they stay in int4pack's layout, which its bfloat16 kernel reads (the values of
-    int4pack_mm's AVX512 kernel, bit for bit). Batches of up to NATIVE_INT4_MAX_ROWS rows run the native kernel, larger ones the GEMM path."""
+    with "native-bf16" they stay in int4pack's layout, which its bfloat16 kernel reads (int4pack_mm's sums
+    group by group: kernels.cpu_matmul). Batches of up to NATIVE_INT4_MAX_ROWS rows run the native kernel, larger ones the GEMM path."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None,
                  workspace: DequantWorkspace | None = None, cpu_matmul: str = "torch") -> None:

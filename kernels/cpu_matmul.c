@@ -24,6 +24,7 @@
  * OpenMP threads (the process's libgomp: torch's own when torch is loaded); x rows are taken MT at a time per
  * weight row, so a block of weight rows is read from memory once per call and reused from L1 for the others.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -303,26 +304,32 @@ VNNI_TARGET static void q8_vnni(const int8_t *w, const float *ws, const int8_t *
 #endif
 
 /* ------------------------------------------------------------------------------------------------ bfloat16 x */
-/* The q4-bf16 / q8-bf16 kernels: what torch's _weight_int4pack_mm_for_cpu / _weight_int8pack_mm compute. x is
- * rounded to bfloat16 (round half to even, as x.to(torch.bfloat16)) into scratch float32; each weight is
- * dequantized exactly in float32 registers (q4: fmaf(q - 8, d, z), one rounding, (q - 8) * d being exact; q8:
- * w * ws, exact); products are summed by float32 FMA; the output is rounded to bfloat16 (half to even, a NaN to
- * 0x7FC0), as those ops return it, unless round_out is 0 (tests).
- * q4 reads int4pack_mm's own layout (the codes held once, shared with torch's kernel and the GEMM path): blocks
- * of B (64 with torch's AVX512 packing, 32 with its AVX2 one) output channels, codes [N / B][K][B / 2] bytes,
- * byte (k, d) holding channel d of the block in its low nibble and channel B / 2 + d in its high one; tab
- * [G][N] (d | z << 16, bfloat16 each). Lanes are output channels and each output sums k = 0 .. K - 1 in order,
- * acc = fmaf(x_k, w_k, acc): int4pack_mm's AVX512 arithmetic, bit for bit, on every path here. From
- * Q4P_DEQUANT_ROWS rows of x the AVX512 path dequantizes a block's weights once per call into an L1/L2 tile and
- * runs the FMAs from it (the same values in the same order); the q8 path likewise from Q8B_DEQUANT_ROWS rows.
+/* The q4-bf16 / q8-bf16 kernels. x is rounded to bfloat16 (round half to even, as x.to(torch.bfloat16); a
+ * result below FLT_MIN in magnitude becomes +0, as vdpbf16ps reads it) into scratch float32; products are summed in
+ * float32; the output is rounded to bfloat16 (half to even, a NaN to 0x7FC0) unless round_out is 0 (tests).
+ * q4 reads int4pack_mm's layout (the codes held once, shared with torch's kernel): blocks of B (64 with torch's
+ * AVX512 packing, 32 with its AVX2 one) output channels, codes [N / B][K][B / 2] bytes, byte (k, d) holding
+ * channel d of the block in its low nibble and channel B / 2 + d in its high one; tab [G][N] (d | z << 16,
+ * bfloat16 each), W[n, k] = (q - 8) * d + z. Lanes are output channels, and each output is, over the groups g
+ * of 32 inputs in order,
+ *     s = 0;  for p = 0 .. 15:  s = fmaf(x[32 g + 2 p + 1], q'[.. + 1], s);  s = fmaf(x[32 g + 2 p], q'[..], s)
+ *     y = fmaf(s, d_g, y);  y = fmaf(X_g, z_g, y)
+ * with q' = q - 8 and X_g the float32 sum of the group's 32 (rounded) x in order (computed once per row). The
+ * products x q' are exact, and the pairs in that order are exactly what vdpbf16ps (avx512_bf16) computes for a
+ * bfloat16 pair (x_k, x_k+1) against (q'_k, q'_k+1) (checked at load: pd_bf16_dot_is_exact), so the AVX512-BF16
+ * path, 32 products an instruction where an FMA does 16, gives every path's bits. Paths: from Q4P_DEQUANT_ROWS
+ * rows of x, AVX512 dequantizes a block's q' once per call into an L1/L2 tile (bfloat16 pairs for
+ * AVX512-BF16, float32 otherwise) and runs its passes from it; below that (and on AVX2, scalar) the codes are
+ * read in every pass. The one difference from the float math besides the float32 sums: a partial sum s below
+ * FLT_MIN in magnitude (activations near 1e-38) is flushed to zero by vdpbf16ps and kept by fmaf.
+ * q8 (w int8 [N, K], ws [N]; int8pack_mm's arithmetic) dequantizes each weight exactly (w * ws) and sums by
+ * float32 FMA; from Q8B_DEQUANT_ROWS rows of x the AVX512 path dequantizes a block of rows once into a tile.
  * An AVX512 q8 tile reduces its sums 16 at a time with _mm512_reduce_add_ps's additions (reduce_add16).
- * q8 (w int8 [N, K], ws [N]) lane orders: AVX512 lane l sums inputs 16 t + l in order of t, then
- * _mm512_reduce_add_ps (int8pack_mm's AVX512 order); AVX2 8 lanes over 8 t + l, reduced as int8pack_mm's AVX2
- * kernel reduces (halves, then pairs 0x4E, then 0xB1); scalar one sum over k in order.
- * vdpbf16ps (avx512_bf16) is not used: it multiplies bfloat16 by bfloat16, and the dequantized weights are not
- * bfloat16 values, so it would round them. */
+ * q8 lane orders: AVX512 lane l sums inputs 16 t + l in order of t, then _mm512_reduce_add_ps (int8pack_mm's
+ * AVX512 order); AVX2 8 lanes over 8 t + l, reduced as int8pack_mm's AVX2 kernel reduces (halves, then pairs
+ * 0x4E, then 0xB1); scalar one sum over k in order. */
 #define Q4P_DEQUANT_ROWS 32
-#define MT_Q4P_W 6    /* x rows per pass over dequantized q4 weights (24 accumulators: each weight load feeds 6 FMAs) */
+#define MT_Q4P 3      /* AVX512 x rows per q4 pass: 3 rows x 4 slices of group sums and of totals, 24 registers */
 
 static inline float round_bf16(float v) {
     union { float f; uint32_t u; } c = {v};
@@ -337,16 +344,22 @@ static inline float round_bf16(float v) {
 #define NB_Q8B 8      /* weight rows per block of the q8 bfloat16 kernels (dequantized, 18 KB at K = 576: in L1) */
 #define Q8B_DEQUANT_ROWS 12  /* from this many rows of x the AVX512 q8 bfloat16 path dequantizes each block once */
 
-static void q4p_scalar(const uint8_t *codes, const uint32_t *tab, const float *xb, int64_t K, int64_t N, int B,
-                       int64_t n, int64_t i, float *y) {
+static void q4p_scalar(const uint8_t *codes, const uint32_t *tab, const float *xb, const float *xs, int64_t K,
+                       int64_t N, int B, int64_t n, int64_t i, float *y) {
     const int64_t half = B / 2, c = n % B;
     const uint8_t *cb = codes + n / B * K * half + c % half;
     const int hi = c >= half;
+    const float *xr = xb + i * K;
     float acc = 0.0f;
-    for (int64_t k = 0; k < K; k++) {
-        uint8_t b = cb[k * half];
-        uint32_t t = tab[k / 32 * N + n];
-        acc = fmaf(xb[i * K + k], fmaf((float)((hi ? b >> 4 : b & 15) - 8), bf16_lo(t), bf16_hi(t)), acc);
+    for (int64_t g = 0; g < K / 32; g++) {
+        float s = 0.0f;
+        for (int64_t k = 32 * g; k < 32 * g + 32; k += 2)
+            for (int64_t kk = k + 1; kk >= k; kk--) {
+                uint8_t b = cb[kk * half];
+                s = fmaf(xr[kk], (float)((hi ? b >> 4 : b & 15) - 8), s);
+            }
+        uint32_t t = tab[g * N + n];
+        acc = fmaf(xs[i * (K / 32) + g], bf16_hi(t), fmaf(s, bf16_lo(t), acc));
     }
     *y = acc;
 }
@@ -371,35 +384,41 @@ AVX2_TARGET static inline float hsum256_pairs(__m256 v) {
 
 /* Channels n0 .. n0 + 15 (n0 % 16 == 0) of a q4 block against rows i0 .. i0 + R - 1: two 8-lane slices. */
 AVX2_TARGET static inline __attribute__((always_inline)) void q4p_avx2_tile(
-        const uint8_t *codes, const uint32_t *tab, const float *xb, int64_t K, int64_t N, int B, int64_t n0,
-        int64_t i0, const int R, int round_out, float *y) {
-    const int64_t half = B / 2, c0 = n0 % B;
+        const uint8_t *codes, const uint32_t *tab, const float *xb, const float *xs, int64_t K, int64_t N, int B,
+        int64_t n0, int64_t i0, const int R, int round_out, float *y) {
+    const int64_t half = B / 2, c0 = n0 % B, G = K / 32;
     const uint8_t *cb = codes + n0 / B * K * half;
     const int64_t off[2] = {c0 % half, (c0 + 8) % half};
     const int hi[2] = {c0 >= half, c0 + 8 >= half};
     const __m256i low = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
-    __m256 acc[MT][2], d[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, z[2] = {d[0], d[0]};
+    __m256 acc[MT][2], s[MT][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
-        if (!(k & 31))
-            for (int j = 0; j < 2; j++) {
-                __m256i t = _mm256_loadu_si256((const __m256i *)(tab + k / 32 * N + n0 + 8 * j));
-                d[j] = _mm256_castsi256_ps(_mm256_slli_epi32(t, 16));
-                z[j] = _mm256_castsi256_ps(_mm256_and_si256(t, high));
+    for (int64_t g = 0; g < G; g++) {
+        for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm256_setzero_ps();
+        for (int64_t k = 32 * g; k < 32 * g + 32; k += 2) {
+            const uint8_t *bp = cb + k * half;
+            _mm_prefetch((const char *)bp + PREFETCH_BYTES, _MM_HINT_T0);
+            for (int64_t kk = k + 1; kk >= k; kk--) {
+                __m256 w[2];
+                for (int j = 0; j < 2; j++) {
+                    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cb + kk * half + off[j])));
+                    v = hi[j] ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, low);
+                    w[j] = _mm256_cvtepi32_ps(_mm256_sub_epi32(v, eight));
+                }
+                for (int r = 0; r < R; r++) {
+                    __m256 xv = _mm256_set1_ps(xb[(i0 + r) * K + kk]);
+                    s[r][0] = _mm256_fmadd_ps(xv, w[0], s[r][0]);
+                    s[r][1] = _mm256_fmadd_ps(xv, w[1], s[r][1]);
+                }
             }
-        const uint8_t *bp = cb + k * half;
-        if (!(k & 3)) _mm_prefetch((const char *)bp + PREFETCH_BYTES, _MM_HINT_T0);
-        __m256 w[2];
-        for (int j = 0; j < 2; j++) {
-            __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(bp + off[j])));
-            v = hi[j] ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, low);
-            w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(v, eight)), d[j], z[j]);
         }
-        for (int r = 0; r < R; r++) {
-            __m256 xv = _mm256_set1_ps(xb[(i0 + r) * K + k]);
-            acc[r][0] = _mm256_fmadd_ps(xv, w[0], acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(xv, w[1], acc[r][1]);
+        for (int j = 0; j < 2; j++) {
+            __m256i t = _mm256_loadu_si256((const __m256i *)(tab + g * N + n0 + 8 * j));
+            __m256 d = _mm256_castsi256_ps(_mm256_slli_epi32(t, 16)), z = _mm256_castsi256_ps(_mm256_and_si256(t, high));
+            for (int r = 0; r < R; r++)
+                acc[r][j] = _mm256_fmadd_ps(_mm256_set1_ps(xs[(i0 + r) * G + g]), z,
+                                            _mm256_fmadd_ps(s[r][j], d, acc[r][j]));
         }
     }
     for (int r = 0; r < R; r++)
@@ -410,9 +429,9 @@ AVX2_TARGET static inline __attribute__((always_inline)) void q4p_avx2_tile(
         }
 }
 
-#define CALL_Q4P_AVX2(r) q4p_avx2_tile(codes, tab, xb, K, N, B, n0, i0, r, round_out, y)
-AVX2_TARGET static void q4p_avx2(const uint8_t *codes, const uint32_t *tab, const float *xb, int64_t K, int64_t N,
-                                 int B, int64_t n0, int64_t i0, int R, int round_out, float *y) {
+#define CALL_Q4P_AVX2(r) q4p_avx2_tile(codes, tab, xb, xs, K, N, B, n0, i0, r, round_out, y)
+AVX2_TARGET static void q4p_avx2(const uint8_t *codes, const uint32_t *tab, const float *xb, const float *xs,
+                                 int64_t K, int64_t N, int B, int64_t n0, int64_t i0, int R, int round_out, float *y) {
     switch (R) { case 1: CALL_Q4P_AVX2(1); break; case 2: CALL_Q4P_AVX2(2); break;
                  case 3: CALL_Q4P_AVX2(3); break; default: CALL_Q4P_AVX2(4); break; }
 }
@@ -461,69 +480,135 @@ AVX512_TARGET static inline __m512 round_bf16_512(__m512 v) {
 #define Q4P_OFF(B, j) ((B) == 64 ? 16 * ((j) & 1) : 0)
 #define Q4P_SHIFT(B, j) ((B) == 64 ? 4 * ((j) >> 1) : 4 * (j))
 
-/* The dequantized weights of slices s0 .. s0 + S - 1 at input k (w[j - s0]), from its code bytes bp. */
-AVX512_TARGET static inline __attribute__((always_inline)) void q4p_avx512_weights(
-        const uint8_t *bp, const int B, const int s0, const int S, const __m512 *d, const __m512 *z, __m512 *w) {
-    const __m512 codes_minus_8 = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);
-    __m512i v[2];  /* the code bytes at offsets 0 and 16, zero-extended to 32 bits (those some slice reads) */
+/* The codes of slices s0 .. s0 + S - 1 at input k (c[j - s0]) from its code bytes bp, one per 32-bit lane in its
+ * low 4 bits (vpermps / vpermd read only those: the high nibble's lanes need no mask). */
+AVX512_TARGET static inline __attribute__((always_inline)) void q4p_avx512_codes(
+        const uint8_t *bp, const int B, const int s0, const int S, __m512i *c) {
+    __m512i v[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};  /* code bytes 0-15 and 16-31, zero-extended */
     for (int o = 0; o < 2; o++)
         for (int j = s0; j < s0 + S; j++)
             if (Q4P_OFF(B, j) == 16 * o) { v[o] = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(bp + 16 * o))); break; }
     for (int j = s0; j < s0 + S; j++) {
-        __m512i c = v[Q4P_OFF(B, j) / 16];
-        if (Q4P_SHIFT(B, j)) c = _mm512_srli_epi32(c, 4);  /* vpermps reads the low 4 bits of each index */
-        w[j - s0] = _mm512_fmadd_ps(_mm512_permutexvar_ps(c, codes_minus_8), d[j - s0], z[j - s0]);
+        c[j - s0] = v[Q4P_OFF(B, j) / 16];
+        if (Q4P_SHIFT(B, j)) c[j - s0] = _mm512_srli_epi32(c[j - s0], 4);
     }
 }
 
-AVX512_TARGET static inline __attribute__((always_inline)) void q4p_avx512_table(
-        const uint32_t *tp, const int s0, const int S, __m512 *d, __m512 *z) {
+/* q' = q - 8 as float32 for slices s0 .. s0 + S - 1 at input k (w[j - s0]). */
+AVX512_TARGET static inline __attribute__((always_inline)) void q4p_avx512_weights(
+        const uint8_t *bp, const int B, const int s0, const int S, __m512 *w) {
+    const __m512 codes_minus_8 = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);
+    __m512i c[4];
+    q4p_avx512_codes(bp, B, s0, S, c);
+    for (int j = 0; j < S; j++) w[j] = _mm512_permutexvar_ps(c[j], codes_minus_8);
+}
+
+/* A group's sums s folded into the totals: acc = fmaf(X_g, z, fmaf(s, d, acc)) (tp: the group's row of tab at n0). */
+AVX512_TARGET static inline __attribute__((always_inline)) void q4p_avx512_fold(
+        const uint32_t *tp, const float *xs, int64_t G, int64_t g, const int s0, const int S, int64_t i0,
+        const int R, __m512 (*s)[4], __m512 (*acc)[4]) {
     for (int j = 0; j < S; j++) {
         __m512i t = _mm512_loadu_si512((const void *)(tp + 16 * (s0 + j)));
-        d[j] = _mm512_castsi512_ps(_mm512_slli_epi32(t, 16));
-        z[j] = _mm512_castsi512_ps(_mm512_and_si512(t, _mm512_set1_epi32((int)0xFFFF0000u)));
+        __m512 d = _mm512_castsi512_ps(_mm512_slli_epi32(t, 16));
+        __m512 z = _mm512_castsi512_ps(_mm512_and_si512(t, _mm512_set1_epi32((int)0xFFFF0000u)));
+        for (int r = 0; r < R; r++)
+            acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(xs[(i0 + r) * G + g]), z, _mm512_fmadd_ps(s[r][j], d, acc[r][j]));
     }
 }
 
-/* Slices s0 .. s0 + S - 1 of block n0 (B channels) against rows i0 .. i0 + R - 1; W (when not NULL): those
- * slices' weights dequantized earlier, [K][16 S] float32, read instead of the codes. */
-AVX512_TARGET static inline __attribute__((always_inline)) void q4p_avx512_tile(
-        const uint8_t *codes, const uint32_t *tab, const float *W, const float *xb, int64_t K, int64_t N,
-        const int B, int64_t n0, const int s0, const int S, int64_t i0, const int R, int round_out, float *y) {
-    const int64_t half = B / 2;
-    const uint8_t *cb = codes + n0 / B * K * half;
-    __m512 acc[MT_Q4P_W][4], d[4], z[4], w[4];
-    for (int j = 0; j < 4; j++) d[j] = z[j] = _mm512_setzero_ps();  /* set at k = 0 when read (no W) */
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < S; j++) acc[r][j] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
-        if (W) {
-            for (int j = 0; j < S; j++) w[j] = _mm512_loadu_ps(W + k * 16 * S + 16 * j);
-        } else {
-            if (!(k & 31)) q4p_avx512_table(tab + k / 32 * N + n0, s0, S, d, z);
-            if (!(k & 1)) _mm_prefetch((const char *)(cb + k * half) + PREFETCH_BYTES, _MM_HINT_T0);
-            q4p_avx512_weights(cb + k * half, B, s0, S, d, z, w);
-        }
-        for (int r = 0; r < R; r++) {
-            __m512 xv = _mm512_set1_ps(xb[(i0 + r) * K + k]);
-            for (int j = 0; j < S; j++) acc[r][j] = _mm512_fmadd_ps(xv, w[j], acc[r][j]);
-        }
-    }
+AVX512_TARGET static inline __attribute__((always_inline)) void q4p_avx512_store(
+        const __m512 (*acc)[4], int64_t N, int64_t n0, const int s0, const int S, int64_t i0, const int R,
+        int round_out, float *y) {
     for (int r = 0; r < R; r++)
         for (int j = 0; j < S; j++)
             _mm512_storeu_ps(y + (i0 + r) * N + n0 + 16 * (s0 + j), round_out ? round_bf16_512(acc[r][j]) : acc[r][j]);
 }
 
+/* Slices s0 .. s0 + S - 1 of block n0 (B channels) against rows i0 .. i0 + R - 1 by float32 FMA; W (when not
+ * NULL): those slices' q' dequantized earlier, [K][16 S] float32, read instead of the codes. */
+AVX512_TARGET static inline __attribute__((always_inline)) void q4p_avx512_tile(
+        const uint8_t *codes, const uint32_t *tab, const float *W, const float *xb, const float *xs, int64_t K,
+        int64_t N, const int B, int64_t n0, const int s0, const int S, int64_t i0, const int R, int round_out,
+        float *y) {
+    const int64_t half = B / 2, G = K / 32;
+    const uint8_t *cb = codes + n0 / B * K * half;
+    __m512 acc[MT_Q4P][4], s[MT_Q4P][4], w[4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < S; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < S; j++) s[r][j] = _mm512_setzero_ps();
+        for (int64_t k = 32 * g; k < 32 * g + 32; k += 2) {
+            if (!W) _mm_prefetch((const char *)(cb + k * half) + PREFETCH_BYTES, _MM_HINT_T0);
+            for (int64_t kk = k + 1; kk >= k; kk--) {
+                if (W) {
+                    for (int j = 0; j < S; j++) w[j] = _mm512_loadu_ps(W + kk * 16 * S + 16 * j);
+                } else {
+                    q4p_avx512_weights(cb + kk * half, B, s0, S, w);
+                }
+                for (int r = 0; r < R; r++) {
+                    __m512 xv = _mm512_set1_ps(xb[(i0 + r) * K + kk]);
+                    for (int j = 0; j < S; j++) s[r][j] = _mm512_fmadd_ps(xv, w[j], s[r][j]);
+                }
+            }
+        }
+        q4p_avx512_fold(tab + g * N + n0, xs, G, g, s0, S, i0, R, s, acc);
+    }
+    q4p_avx512_store((const __m512 (*)[4])acc, N, n0, s0, S, i0, R, round_out, y);
+}
+
+/* The same sums by vdpbf16ps: Wp [K / 2][16 S] holds each slice's (q'_k, q'_k+1) as a bfloat16 pair, xp [M][K / 2]
+ * each row's (x_k, x_k+1); one instruction adds x_k+1 q'_k+1, then x_k q'_k, to each lane (exact products, each
+ * addition rounded: q4p_avx512_tile's two FMAs, bit for bit). */
+#define AVX512BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma")))
+AVX512BF16_TARGET static inline __attribute__((always_inline)) void q4p_bf16dot_tile(
+        const uint32_t *tab, const uint32_t *Wp, const uint32_t *xp, const float *xs, int64_t K, int64_t N,
+        int64_t n0, const int s0, const int S, int64_t i0, const int R, int round_out, float *y) {
+    const int64_t G = K / 32, P = K / 2;
+    __m512 acc[MT_Q4P][4], s[MT_Q4P][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < S; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < S; j++) s[r][j] = _mm512_setzero_ps();
+        for (int64_t p = 16 * g; p < 16 * g + 16; p++) {
+            __m512i w[4];
+            for (int j = 0; j < S; j++) w[j] = _mm512_loadu_si512((const void *)(Wp + p * 16 * S + 16 * j));
+            for (int r = 0; r < R; r++) {
+                __m512i xv = _mm512_set1_epi32((int)xp[(i0 + r) * P + p]);
+                for (int j = 0; j < S; j++) s[r][j] = _mm512_dpbf16_ps(s[r][j], (__m512bh)w[j], (__m512bh)xv);
+            }
+        }
+        q4p_avx512_fold(tab + g * N + n0, xs, G, g, s0, S, i0, R, s, acc);
+    }
+    q4p_avx512_store((const __m512 (*)[4])acc, N, n0, s0, S, i0, R, round_out, y);
+}
+
+/* Slices s0 .. s0 + S - 1 of block n0 dequantized once: pairs (Wp, for q4p_bf16dot_tile) or float32 q' (W). */
 AVX512_TARGET static inline __attribute__((always_inline)) void q4p_avx512_dequant_slices(
-        const uint8_t *codes, const uint32_t *tab, int64_t K, int64_t N, const int B, int64_t n0, const int s0,
-        const int S, float *W) {
+        const uint8_t *codes, int64_t K, const int B, int64_t n0, const int s0, const int S, float *W,
+        uint32_t *Wp) {
     const int64_t half = B / 2;
     const uint8_t *cb = codes + n0 / B * K * half;
-    __m512 d[4], z[4], w[4];
-    for (int64_t k = 0; k < K; k++) {
-        if (!(k & 31)) q4p_avx512_table(tab + k / 32 * N + n0, s0, S, d, z);
-        q4p_avx512_weights(cb + k * half, B, s0, S, d, z, w);
-        for (int j = 0; j < S; j++) _mm512_storeu_ps(W + k * 16 * S + 16 * j, w[j]);
+    uint32_t bits[16];  /* the bfloat16 of q - 8 for q = 0 .. 15 (exact) */
+    for (int q = 0; q < 16; q++) { union { float f; uint32_t u; } c = {(float)(q - 8)}; bits[q] = c.u >> 16; }
+    const __m512i pair_table = _mm512_loadu_si512((const void *)bits);
+    for (int64_t k = 0; k < K; k += 2) {
+        if (Wp) {
+            __m512i c0[4], c1[4];
+            q4p_avx512_codes(cb + k * half, B, s0, S, c0);
+            q4p_avx512_codes(cb + (k + 1) * half, B, s0, S, c1);
+            for (int j = 0; j < S; j++)
+                _mm512_storeu_si512((void *)(Wp + k / 2 * 16 * S + 16 * j), _mm512_or_si512(
+                    _mm512_permutexvar_epi32(c0[j], pair_table),
+                    _mm512_slli_epi32(_mm512_permutexvar_epi32(c1[j], pair_table), 16)));
+        } else {
+            __m512 w[4];
+            for (int64_t kk = k; kk < k + 2; kk++) {
+                q4p_avx512_weights(cb + kk * half, B, s0, S, w);
+                for (int j = 0; j < S; j++) _mm512_storeu_ps(W + kk * 16 * S + 16 * j, w[j]);
+            }
+        }
     }
 }
 
@@ -531,20 +616,26 @@ AVX512_TARGET static inline __attribute__((always_inline)) void q4p_avx512_dequa
 #define Q4P_UNITS(CALL, b) \
     switch (u) { case 0: CALL(b, 0, b / 16); break; case 1: CALL(b, 0, b / 32); break; default: CALL(b, b / 32, b / 32); break; }
 
-#define CALL_Q4P_DQ(b, s, n) q4p_avx512_dequant_slices(codes, tab, K, N, b, n0, s, n, W)
-AVX512_TARGET static void q4p_avx512_dequant(const uint8_t *codes, const uint32_t *tab, int64_t K, int64_t N,
-                                             int B, int64_t n0, int u, float *W) {
+#define CALL_Q4P_DQ(b, s, n) q4p_avx512_dequant_slices(codes, K, b, n0, s, n, W, Wp)
+AVX512_TARGET static void q4p_avx512_dequant(const uint8_t *codes, int64_t K, int B, int64_t n0, int u, float *W,
+                                             uint32_t *Wp) {
     if (B == 64) { Q4P_UNITS(CALL_Q4P_DQ, 64) } else { Q4P_UNITS(CALL_Q4P_DQ, 32) }
 }
 
 #define CALL_Q4P_R(b, s, n) \
     switch (R) { case 1: CALL_Q4P(b, s, n, 1); break; case 2: CALL_Q4P(b, s, n, 2); break; \
-                 case 3: CALL_Q4P(b, s, n, 3); break; case 4: CALL_Q4P(b, s, n, 4); break; \
-                 case 5: CALL_Q4P(b, s, n, 5); break; default: CALL_Q4P(b, s, n, 6); break; }
-#define CALL_Q4P(b, s, n, r) q4p_avx512_tile(codes, tab, W, xb, K, N, b, n0, s, n, i0, r, round_out, y)
+                 default: CALL_Q4P(b, s, n, 3); break; }
+#define CALL_Q4P(b, s, n, r) q4p_avx512_tile(codes, tab, W, xb, xs, K, N, b, n0, s, n, i0, r, round_out, y)
 AVX512_TARGET static void q4p_avx512(const uint8_t *codes, const uint32_t *tab, const float *W, const float *xb,
-                                     int64_t K, int64_t N, int B, int64_t n0, int u, int64_t i0, int R,
-                                     int round_out, float *y) {
+                                     const float *xs, int64_t K, int64_t N, int B, int64_t n0, int u, int64_t i0,
+                                     int R, int round_out, float *y) {
+    if (B == 64) { Q4P_UNITS(CALL_Q4P_R, 64) } else { Q4P_UNITS(CALL_Q4P_R, 32) }
+}
+#undef CALL_Q4P
+#define CALL_Q4P(b, s, n, r) q4p_bf16dot_tile(tab, Wp, xp, xs, K, N, n0, s, n, i0, r, round_out, y)
+AVX512BF16_TARGET static void q4p_bf16dot(const uint32_t *tab, const uint32_t *Wp, const uint32_t *xp,
+                                          const float *xs, int64_t K, int64_t N, int B, int64_t n0, int u,
+                                          int64_t i0, int R, int round_out, float *y) {
     if (B == 64) { Q4P_UNITS(CALL_Q4P_R, 64) } else { Q4P_UNITS(CALL_Q4P_R, 32) }
 }
 
@@ -666,15 +757,45 @@ int pd_best_isa(void) {
     return 0;
 }
 
-/* Best ISA the bfloat16-activation kernels run on this CPU: 2 with avx512f/bw (no VNNI needed), 1 with
- * AVX2 + FMA, else 0. */
+#if PD_X86
+/* Whether this CPU's vdpbf16ps adds x_k+1 q_k+1, then x_k q_k, each addition rounded to nearest even and a
+ * subnormal input read as zero: the arithmetic q4p_avx512_tile computes by FMA (the section's comment). Pairs
+ * chosen so that a fused sum, the other order or a kept subnormal each give a different result. */
+AVX512BF16_TARGET static int bf16_dot_is_exact(void) {
+    static const float cases[][5] = {  /* acc, x_k, q_k, x_k+1, q_k+1 */
+        {16777216.0f, 1, 1, 1, 1}, {1, -16777216.0f, 1, 16777216.0f, 1}, {1, 16777216.0f, 1, -16777216.0f, 1},
+        {0, 1e-39f, 1, 0, 0}, {3.0f, 0.5f, -7, 1.5f, 5}, {-1e-3f, 0.0078125f, 3, -2.5f, -8}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const float *c = cases[i];
+        union { float f; uint32_t u; } a = {c[1]}, b = {c[2]}, e = {c[3]}, f = {c[4]};
+        __m512i x = _mm512_set1_epi32((int)((a.u >> 16) | (e.u & 0xFFFF0000u)));
+        __m512i w = _mm512_set1_epi32((int)((b.u >> 16) | (f.u & 0xFFFF0000u)));
+        float got = _mm512_cvtss_f32(_mm512_dpbf16_ps(_mm512_set1_ps(c[0]), (__m512bh)x, (__m512bh)w));
+        float xk = fabsf(c[1]) < FLT_MIN ? 0.0f : c[1];
+        float want = fmaf(xk, c[2], fmaf(c[3], c[4], c[0]));
+        if (memcmp(&got, &want, sizeof got)) return 0;
+    }
+    return 1;
+}
+#endif
+
+/* Best ISA the bfloat16-activation kernels run on this CPU: 3 with avx512_bf16 whose vdpbf16ps is the q4 sums'
+ * arithmetic (bf16_dot_is_exact; q8-bf16 runs its level 2 there), 2 with avx512f/bw, 1 with AVX2 + FMA, else 0. */
 int pd_bf16_best_isa(void) {
 #if PD_X86
+    static int best = -1;
+    if (best >= 0) return best;
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return 2;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
-#endif
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw"))
+        best = __builtin_cpu_supports("avx512bf16") && bf16_dot_is_exact() ? 3 : 2;
+    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        best = 1;
+    else
+        best = 0;
+    return best;
+#else
     return 0;
+#endif
 }
 
 static int clamp_isa(int isa, int best) {
@@ -693,6 +814,7 @@ struct job {
     float *xb; int round_out;    /* bfloat16 kernels: x rounded to bfloat16, whether y is */
     int B;                       /* q4-bf16: output channels per block of int4pack's layout */
     int nthreads;                /* q4-bf16: threads the blocks are split over (run_range_q4p) */
+    float *xs; uint32_t *xp;     /* q4-bf16: each row's group sums X_g, its (x_k, x_k+1) bfloat16 pairs */
 };
 
 /* Run fn over 0 .. count - 1 on nthreads OpenMP threads; a single thread calls it directly (no parallel region:
@@ -777,8 +899,24 @@ static int run(int q8, const float *x, int64_t M, int64_t K, const void *w, cons
     return j.isa;
 }
 
+/* Row i of x rounded to bfloat16 (a subnormal result to +0); for q4 also its group sums and bfloat16 pairs. */
 static void round_one(const struct job *j, int64_t i) {
-    for (int64_t k = 0; k < j->K; k++) j->xb[i * j->K + k] = round_bf16(j->x[i * j->K + k]);
+    const int64_t K = j->K;
+    float *xb = j->xb + i * K;
+    for (int64_t k = 0; k < K; k++) {
+        float v = round_bf16(j->x[i * K + k]);
+        xb[k] = fabsf(v) < FLT_MIN ? 0.0f : v;
+    }
+    if (!j->xs) return;
+    for (int64_t g = 0; g < K / 32; g++) {
+        float sum = 0.0f;
+        for (int64_t k = 32 * g; k < 32 * g + 32; k++) sum += xb[k];
+        j->xs[i * (K / 32) + g] = sum;
+    }
+    for (int64_t p = 0; p < K / 2; p++) {
+        union { float f; uint32_t u; } lo = {xb[2 * p]}, hi = {xb[2 * p + 1]};
+        j->xp[i * (K / 2) + p] = (lo.u >> 16) | (hi.u & 0xFFFF0000u);
+    }
 }
 
 /* The thread's tile of dequantized weights (q8b_avx512_dequant, q4p_avx512_dequant) of at least `floats`
@@ -802,20 +940,20 @@ static float *weight_tile(size_t floats) {
 static void run_block_q8b(const struct job *j, int64_t b) {
     const int64_t M = j->M, K = j->K, N = j->N;
     const int64_t n1 = (b + 1) * NB_Q8B < N ? (b + 1) * NB_Q8B : N;
-    const int64_t mt = j->isa == 2 ? MT_Q8B : MT;
+    const int64_t mt = j->isa >= 2 ? MT_Q8B : MT;
 #if PD_X86
     float *W = NULL;
-    if (j->isa == 2 && M >= Q8B_DEQUANT_ROWS && (W = weight_tile((size_t)(NB_Q8B * K))))
+    if (j->isa >= 2 && M >= Q8B_DEQUANT_ROWS && (W = weight_tile((size_t)(NB_Q8B * K))))
         q8b_avx512_dequant(j->w, j->table, b * NB_Q8B, n1, K, W);
 #endif
     for (int64_t i0 = 0; i0 < M; i0 += mt) {
         int R = M - i0 < mt ? (int)(M - i0) : (int)mt;
         int C;
         for (int64_t n = b * NB_Q8B; n < n1; n += C) {
-            const int64_t nc = j->isa == 2 ? NC_Q8B : NC;
+            const int64_t nc = j->isa >= 2 ? NC_Q8B : NC;
             C = n1 - n < nc ? (int)(n1 - n) : (int)nc;
 #if PD_X86
-            if (j->isa == 2) {
+            if (j->isa >= 2) {
                 q8b_avx512(j->w, j->table, W ? W + (n - b * NB_Q8B) * K : NULL, j->xb, n, C, i0, R, K, N, j->round_out,
                            j->y);
                 continue;
@@ -832,38 +970,43 @@ static void run_block_q8b(const struct job *j, int64_t b) {
     }
 }
 
-/* q4-bf16 over unit u (0: all of block b, 1: its low half, 2: its high half) against every row of x, MT rows
- * per pass (MT_Q4P_W over a dequantized tile). A row's sums are the same in any pass: each output is one chain of
- * FMAs over k in order. */
+/* q4-bf16 over unit u (0: all of block b, 1: its low half, 2: its high half) against every row of x, MT_Q4P
+ * (AVX512) or MT rows per pass. From Q4P_DEQUANT_ROWS rows AVX512 dequantizes the unit's q' once into the
+ * thread's tile (bfloat16 pairs at level 3). A row's sums are the same in any pass and on every path. */
 static void run_unit_q4p(const struct job *j, int64_t b, int u) {
     const int64_t M = j->M, K = j->K, N = j->N, n0 = b * j->B;
     const int64_t c0 = u == 2 ? n0 + j->B / 2 : n0, c1 = u == 1 ? n0 + j->B / 2 : n0 + j->B;  /* its channels */
     const uint8_t *codes = j->w;
     const uint32_t *tab = j->table;
-    const int64_t mt = j->isa == 2 && M >= Q4P_DEQUANT_ROWS ? MT_Q4P_W : MT;
+    const int64_t mt = j->isa >= 2 ? MT_Q4P : MT;
+#if PD_X86
+    float *tile = NULL;  /* NULL below Q4P_DEQUANT_ROWS or when out of memory: the codes are read */
+    if (j->isa >= 2 && M >= Q4P_DEQUANT_ROWS && (tile = weight_tile((size_t)(K * j->B))))
+        q4p_avx512_dequant(codes, K, j->B, n0, u, j->isa == 3 ? NULL : tile,
+                           j->isa == 3 ? (uint32_t *)tile : NULL);
+#endif
     for (int64_t i0 = 0; i0 < M; i0 += mt) {
         int R = M - i0 < mt ? (int)(M - i0) : (int)mt;
 #if PD_X86
-        if (j->isa == 2) {
-            const float *W = NULL;
-            if (M >= Q4P_DEQUANT_ROWS) {
-                float *tile = weight_tile((size_t)(K * j->B));  /* NULL when out of memory: the codes are read */
-                if (tile && i0 == 0) q4p_avx512_dequant(codes, tab, K, N, j->B, n0, u, tile);
-                W = tile;
-            }
-            q4p_avx512(codes, tab, W, j->xb, K, N, j->B, n0, u, i0, R, j->round_out, j->y);
+        if (j->isa == 3 && tile) {
+            q4p_bf16dot(tab, (const uint32_t *)tile, j->xp, j->xs, K, N, j->B, n0, u, i0, R, j->round_out, j->y);
+            continue;
+        }
+        if (j->isa >= 2) {
+            q4p_avx512(codes, tab, j->isa == 3 ? NULL : tile, j->xb, j->xs, K, N, j->B, n0, u, i0, R, j->round_out,
+                       j->y);
             continue;
         }
         if (j->isa == 1) {
             for (int64_t n = c0; n < c1; n += 16)
-                q4p_avx2(codes, tab, j->xb, K, N, j->B, n, i0, R, j->round_out, j->y);
+                q4p_avx2(codes, tab, j->xb, j->xs, K, N, j->B, n, i0, R, j->round_out, j->y);
             continue;
         }
 #endif
         for (int r = 0; r < R; r++)
             for (int64_t n = c0; n < c1; n++) {
                 float *out = j->y + (i0 + r) * N + n;
-                q4p_scalar(codes, tab, j->xb, K, N, j->B, n, i0 + r, out);
+                q4p_scalar(codes, tab, j->xb, j->xs, K, N, j->B, n, i0 + r, out);
                 if (j->round_out) *out = round_bf16(*out);
             }
     }
@@ -885,8 +1028,13 @@ static int run_bf16(int q8, const float *x, int64_t M, int64_t K, const void *w,
                     float *y, int nthreads, int isa, int round_out) {
     struct job j = {q8, clamp_isa(isa, pd_bf16_best_isa()), 0, x, M, K, K / 32, N, K, w, table, y, NULL, NULL, NULL,
                     NULL, NULL, NULL, round_out, B, nthreads > 1 ? nthreads : 1};
-    j.xb = get_scratch((size_t)(M * K + 16) * sizeof(float));
+    /* xb [M][K] (+ 16: the AVX512 q8 tile may read past a row's end), then for q4 xs [M][K / 32], xp [M][K / 2] */
+    j.xb = get_scratch((size_t)(M * K + 16 + (q8 ? 0 : M * (K / 32) + M * (K / 2))) * sizeof(float));
     if (!j.xb) return -1;
+    if (!q8) {
+        j.xs = j.xb + M * K + 16;
+        j.xp = (uint32_t *)(j.xs + M * (K / 32));
+    }
     for_each(round_one, &j, M, M >= 8 ? nthreads : 1);
     if (q8) for_each(run_block_q8b, &j, (N + NB_Q8B - 1) / NB_Q8B, nthreads);
     else for_each(run_range_q4p, &j, j.nthreads, j.nthreads);

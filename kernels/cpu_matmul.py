@@ -15,14 +15,19 @@ or a failed load logs one warning and `available()` is False: engine.quant then 
 
 Kinds "q4" / "q8" quantize each row of x to int8 per 32 inputs inside the kernel (llama.cpp's Q8_0 activations),
 so results differ from the float matmul by that rounding (measured on the default model's layer 0: 0.55-0.6%
-relative error on the layers, 0.06% on the LM head). Kinds "q4-bf16" / "q8-bf16" compute what torch's
-`_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm` compute, from the same weights: x rounded to bfloat16,
-each weight dequantized exactly in float32 ((q - 8) * scale + zero; q * scale), float32 FMA sums, the output
-rounded to bfloat16 values (returned as float32). q4-bf16 reads int4pack_mm's own layout and sums in its AVX512
-order (bit for bit that kernel's output, on every path here); q8-bf16 sums in int8pack_mm's AVX512 / AVX2 order on those paths. Every kind computes each row of the result from that row of x only (batch invariant),
-and the same on any number of threads. Threads: torch.get_num_threads() unless `nthreads` is given; `isa`
-forces a path (ISA_SCALAR, ISA_AVX2, ISA_AVX512; a path the CPU lacks falls back to the best it has). ISA_AVX512
-is avx512f/bw/vl/dq + VNNI for the int8-activation kinds, avx512f/bw for the bfloat16 ones (`best_isa(kind)`).
+relative error on the layers, 0.06% on the LM head). Kinds "q4-bf16" / "q8-bf16" round x to bfloat16 and sum
+float32 products of the same weights: q8-bf16 what torch's `_weight_int8pack_mm` computes (each weight q * scale,
+exact; its AVX512 / AVX2 summation orders on those paths); q4-bf16 the exact products of x with the integer codes
+(q - 8), summed per group of 32 inputs in bfloat16 pairs (the arithmetic of avx512_bf16's vdpbf16ps, which runs it
+at twice the FMA rate where the CPU has it), then scaled: sum_g scale_g * S_g + zero_g * X_g (X_g the group's sum of
+x). That is torch's `_weight_int4pack_mm_for_cpu` in another order (within float32 rounding of it; the output,
+rounded to bfloat16 values as both return it, differs in a few per mille of the values, by one bfloat16 step).
+Every kind computes each row of the result from that row of x only (batch invariant), the same on any number of
+threads; q4-bf16 gives the same bits on every path. Threads: torch.get_num_threads() unless `nthreads` is given; `isa` forces a
+path (ISA_SCALAR, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16; a path the CPU lacks falls back to the best it has).
+ISA_AVX512 is avx512f/bw/vl/dq + VNNI for the int8-activation kinds, avx512f/bw for the bfloat16 ones;
+ISA_AVX512_BF16 (bfloat16 kinds only) adds avx512_bf16, taken when a check at load finds this CPU's vdpbf16ps
+computing exactly the sums above (`best_isa(kind)`).
 """
 
 from __future__ import annotations
@@ -45,8 +50,8 @@ GROUP = 32
 KINDS = ("q4", "q8", "q4-bf16", "q8-bf16")
 """NativeMatmul kinds: 4-bit or int8 weights, int8 (no suffix) or bfloat16 (-bf16) activations."""
 
-ISA_SCALAR, ISA_AVX2, ISA_AVX512 = 0, 1, 2
-ISA_NAMES = {ISA_SCALAR: "scalar", ISA_AVX2: "avx2", ISA_AVX512: "avx512"}
+ISA_SCALAR, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16 = 0, 1, 2, 3
+ISA_NAMES = {ISA_SCALAR: "scalar", ISA_AVX2: "avx2", ISA_AVX512: "avx512", ISA_AVX512_BF16: "avx512-bf16"}
 ISA_BEST = -1
 
 
@@ -207,8 +212,8 @@ def q8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, *, nt
 
 def q4_bf16_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, block_rows: int, *,
                    nthreads: int | None = None, isa: int = ISA_BEST, round_output: bool = True) -> torch.Tensor:
-    """bf16(x) [M, K] @ W.T over int4pack_mm's weights (packed, scale_zero, its block_rows): int4pack_mm's
-    values, [M, N] float32 (rounded to bfloat16 values unless round_output is False)."""
+    """bf16(x) [M, K] @ W.T over int4pack_mm's weights (packed, scale_zero, its block_rows), summed per group
+    (module docstring): [M, N] float32 (rounded to bfloat16 values unless round_output is False)."""
     return NativeMatmul("q4-bf16", packed, scale_zero, isa=isa, round_output=round_output,
                         block_rows=block_rows)(x, nthreads)
 
