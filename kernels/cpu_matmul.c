@@ -324,6 +324,7 @@ VNNI_TARGET static void q8_vnni(const int8_t *w, const float *ws, const int8_t *
  * FLT_MIN in magnitude (activations near 1e-38) is flushed to zero by vdpbf16ps and kept by fmaf.
  * q8 (w int8 [N, K], ws [N]; int8pack_mm's arithmetic) dequantizes each weight exactly (w * ws) and sums by
  * float32 FMA; from Q8B_DEQUANT_ROWS rows of x the AVX512 path dequantizes a block of rows once into a tile.
+ * At level 3 (AVX512-BF16) q8 sums the exact products x w by vdpbf16ps instead and scales the sum (q8b_bf16dot_tile).
  * An AVX512 q8 tile reduces its sums 16 at a time with _mm512_reduce_add_ps's additions (reduce_add16).
  * q8 lane orders: AVX512 lane l sums inputs 16 t + l in order of t, then _mm512_reduce_add_ps (int8pack_mm's
  * AVX512 order); AVX2 8 lanes over 8 t + l, reduced as int8pack_mm's AVX2 kernel reduces (halves, then pairs
@@ -741,7 +742,79 @@ AVX512_TARGET static void q8b_avx512(const int8_t *w, const float *ws, const flo
     switch (C) { case 1: CALL_Q8B_AVX512_R(1) break; case 2: CALL_Q8B_AVX512_R(2) break;
                  case 3: CALL_Q8B_AVX512_R(3) break; default: CALL_Q8B_AVX512_R(4) break; }
 }
+/* q8 at level 3: each output y = ws[n] * reduce_add16(lanes), lane l summing, for every 32 inputs k0 in order,
+ * x[k0 + 2l + 1] w[..] then x[k0 + 2l] w[..] (vdpbf16ps on x's and the row's bfloat16 pairs in natural order: w
+ * in [-127, 127] is a bfloat16 value, its products with x exact). The row's codes are converted in registers,
+ * or (Wb, not NULL) read from a block dequantized once to bfloat16, [C][K]. Not int8pack_mm's order: its sums
+ * differ from levels 2 and 1 by float32 rounding (each level is batch invariant on its own). */
+AVX512BF16_TARGET static inline __m512i q8b_bf16_weights(const int8_t *wp) {
+    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)wp)));
+    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wp + 16))));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  /* elements 0-15: lo, 16-31: hi (exact: integers) */
+}
+
+AVX512BF16_TARGET static inline __attribute__((always_inline)) void q8b_bf16dot_tile(
+        const int8_t *w, const float *ws, const uint16_t *Wb, const uint16_t *xh, int64_t n, const int C, int64_t i0,
+        const int R, int64_t K, int64_t N, int round_out, float *y) {
+    __m512 acc[NC_Q8B][MT_Q8B];
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) acc[c][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512i xv[MT_Q8B];
+        for (int r = 0; r < R; r++) xv[r] = _mm512_loadu_si512((const void *)(xh + (i0 + r) * K + k));
+        for (int c = 0; c < C; c++) {
+            __m512i wv;
+            if (Wb) {
+                wv = _mm512_loadu_si512((const void *)(Wb + c * K + k));
+            } else {
+                const int8_t *wp = w + (n + c) * K + k;
+                if (!(k & 63)) {
+                    _mm_prefetch((const char *)wp + PREFETCH_BYTES, _MM_HINT_T0);
+                    _mm_prefetch((const char *)wp + PREFETCH_L2_BYTES, _MM_HINT_T1);
+                }
+                wv = q8b_bf16_weights(wp);
+            }
+            for (int r = 0; r < R; r++) acc[c][r] = _mm512_dpbf16_ps(acc[c][r], (__m512bh)wv, (__m512bh)xv[r]);
+        }
+    }
+    __m512 v[2 * 16];
+    float sums[2 * 16];
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) v[c * R + r] = acc[c][r];
+    for (int i = C * R; i < (C * R > 16 ? 32 : 16); i++) v[i] = _mm512_setzero_ps();
+    reduce_add16(v, sums);
+    if (C * R > 16) reduce_add16(v + 16, sums + 16);
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) {
+            float sum = ws[n + c] * sums[c * R + r];
+            y[(i0 + r) * N + n + c] = round_out ? round_bf16(sum) : sum;
+        }
+}
+
+/* Weight rows n .. n1 - 1 as bfloat16 into Wb [n1 - n][K] (exact). */
+AVX512BF16_TARGET static void q8b_bf16_dequant(const int8_t *w, int64_t n, int64_t n1, int64_t K, uint16_t *Wb) {
+    for (int64_t c = 0; c < n1 - n; c++) {
+        const int8_t *wp = w + (n + c) * K;
+        for (int64_t k = 0; k < K; k += 32) {
+            if (!(k & 63)) _mm_prefetch((const char *)wp + k + PREFETCH_L2_BYTES, _MM_HINT_T1);
+            _mm512_storeu_si512((void *)(Wb + c * K + k), q8b_bf16_weights(wp + k));
+        }
+    }
+}
+
+#define CALL_Q8B_BF16(c, r) q8b_bf16dot_tile(w, ws, Wb, xh, n, c, i0, r, K, N, round_out, y)
+#define CALL_Q8B_BF16_R(c)                                                                                     \
+    switch (R) { case 1: CALL_Q8B_BF16(c, 1); break; case 2: CALL_Q8B_BF16(c, 2); break;                      \
+                 case 3: CALL_Q8B_BF16(c, 3); break; case 4: CALL_Q8B_BF16(c, 4); break;                      \
+                 case 5: CALL_Q8B_BF16(c, 5); break; default: CALL_Q8B_BF16(c, 6); break; }
+AVX512BF16_TARGET static void q8b_bf16dot(const int8_t *w, const float *ws, const uint16_t *Wb, const uint16_t *xh,
+                                          int64_t n, int C, int64_t i0, int R, int64_t K, int64_t N, int round_out,
+                                          float *y) {
+    switch (C) { case 1: CALL_Q8B_BF16_R(1) break; case 2: CALL_Q8B_BF16_R(2) break;
+                 case 3: CALL_Q8B_BF16_R(3) break; default: CALL_Q8B_BF16_R(4) break; }
+}
 #endif
+
 
 /* ------------------------------------------------------------------------------------------------ entry points */
 /* Best ISA this CPU runs (2, 1 or 0, as above). */
@@ -899,7 +972,8 @@ static int run(int q8, const float *x, int64_t M, int64_t K, const void *w, cons
     return j.isa;
 }
 
-/* Row i of x rounded to bfloat16 (a subnormal result to +0); for q4 also its group sums and bfloat16 pairs. */
+/* Row i of x rounded to bfloat16 (a subnormal result to +0); for q4 also its group sums, for q4 and level-3 q8
+ * its bfloat16 pairs. */
 static void round_one(const struct job *j, int64_t i) {
     const int64_t K = j->K;
     float *xb = j->xb + i * K;
@@ -907,13 +981,12 @@ static void round_one(const struct job *j, int64_t i) {
         float v = round_bf16(j->x[i * K + k]);
         xb[k] = fabsf(v) < FLT_MIN ? 0.0f : v;
     }
-    if (!j->xs) return;
-    for (int64_t g = 0; g < K / 32; g++) {
+    for (int64_t g = 0; j->xs && g < K / 32; g++) {
         float sum = 0.0f;
         for (int64_t k = 32 * g; k < 32 * g + 32; k++) sum += xb[k];
         j->xs[i * (K / 32) + g] = sum;
     }
-    for (int64_t p = 0; p < K / 2; p++) {
+    for (int64_t p = 0; j->xp && p < K / 2; p++) {
         union { float f; uint32_t u; } lo = {xb[2 * p]}, hi = {xb[2 * p + 1]};
         j->xp[i * (K / 2) + p] = (lo.u >> 16) | (hi.u & 0xFFFF0000u);
     }
@@ -942,9 +1015,11 @@ static void run_block_q8b(const struct job *j, int64_t b) {
     const int64_t n1 = (b + 1) * NB_Q8B < N ? (b + 1) * NB_Q8B : N;
     const int64_t mt = j->isa >= 2 ? MT_Q8B : MT;
 #if PD_X86
-    float *W = NULL;
-    if (j->isa >= 2 && M >= Q8B_DEQUANT_ROWS && (W = weight_tile((size_t)(NB_Q8B * K))))
-        q8b_avx512_dequant(j->w, j->table, b * NB_Q8B, n1, K, W);
+    float *W = NULL;  /* level 2: float32 [n1 - n][K]; level 3: bfloat16, the same tile reused */
+    if (j->isa >= 2 && M >= Q8B_DEQUANT_ROWS && (W = weight_tile((size_t)(NB_Q8B * K)))) {
+        if (j->isa == 3) q8b_bf16_dequant(j->w, b * NB_Q8B, n1, K, (uint16_t *)W);
+        else q8b_avx512_dequant(j->w, j->table, b * NB_Q8B, n1, K, W);
+    }
 #endif
     for (int64_t i0 = 0; i0 < M; i0 += mt) {
         int R = M - i0 < mt ? (int)(M - i0) : (int)mt;
@@ -953,7 +1028,12 @@ static void run_block_q8b(const struct job *j, int64_t b) {
             const int64_t nc = j->isa >= 2 ? NC_Q8B : NC;
             C = n1 - n < nc ? (int)(n1 - n) : (int)nc;
 #if PD_X86
-            if (j->isa >= 2) {
+            if (j->isa == 3) {
+                q8b_bf16dot(j->w, j->table, W ? (const uint16_t *)W + (n - b * NB_Q8B) * K : NULL,
+                            (const uint16_t *)j->xp, n, C, i0, R, K, N, j->round_out, j->y);
+                continue;
+            }
+            if (j->isa == 2) {
                 q8b_avx512(j->w, j->table, W ? W + (n - b * NB_Q8B) * K : NULL, j->xb, n, C, i0, R, K, N, j->round_out,
                            j->y);
                 continue;
@@ -1028,13 +1108,13 @@ static int run_bf16(int q8, const float *x, int64_t M, int64_t K, const void *w,
                     float *y, int nthreads, int isa, int round_out) {
     struct job j = {q8, clamp_isa(isa, pd_bf16_best_isa()), 0, x, M, K, K / 32, N, K, w, table, y, NULL, NULL, NULL,
                     NULL, NULL, NULL, round_out, B, nthreads > 1 ? nthreads : 1};
-    /* xb [M][K] (+ 16: the AVX512 q8 tile may read past a row's end), then for q4 xs [M][K / 32], xp [M][K / 2] */
-    j.xb = get_scratch((size_t)(M * K + 16 + (q8 ? 0 : M * (K / 32) + M * (K / 2))) * sizeof(float));
+    /* xb [M][K] (+ 16: the AVX512 q8 tile may read past a row's end), then for q4 xs [M][K / 32], for q4 and
+     * level-3 q8 xp [M][K / 2] */
+    const int64_t xs_floats = q8 ? 0 : M * (K / 32), xp_words = !q8 || j.isa == 3 ? M * (K / 2) : 0;
+    j.xb = get_scratch((size_t)(M * K + 16 + xs_floats + xp_words) * sizeof(float));
     if (!j.xb) return -1;
-    if (!q8) {
-        j.xs = j.xb + M * K + 16;
-        j.xp = (uint32_t *)(j.xs + M * (K / 32));
-    }
+    if (xs_floats) j.xs = j.xb + M * K + 16;
+    if (xp_words) j.xp = (uint32_t *)(j.xb + M * K + 16 + xs_floats);
     for_each(round_one, &j, M, M >= 8 ? nthreads : 1);
     if (q8) for_each(run_block_q8b, &j, (N + NB_Q8B - 1) / NB_Q8B, nthreads);
     else for_each(run_range_q4p, &j, j.nthreads, j.nthreads);

@@ -17,7 +17,8 @@ Kinds "q4" / "q8" quantize each row of x to int8 per 32 inputs inside the kernel
 so results differ from the float matmul by that rounding (measured on the default model's layer 0: 0.55-0.6%
 relative error on the layers, 0.06% on the LM head). Kinds "q4-bf16" / "q8-bf16" round x to bfloat16 and sum
 float32 products of the same weights: q8-bf16 what torch's `_weight_int8pack_mm` computes (each weight q * scale,
-exact; its AVX512 / AVX2 summation orders on those paths); q4-bf16 the exact products of x with the integer codes
+exact; its AVX512 / AVX2 summation orders on those paths; at ISA_AVX512_BF16 the exact products x q summed in
+vdpbf16ps's pairs, then times the row's scale); q4-bf16 the exact products of x with the integer codes
 (q - 8), summed per group of 32 inputs in bfloat16 pairs (the arithmetic of avx512_bf16's vdpbf16ps, which runs it
 at twice the FMA rate where the CPU has it), then scaled: sum_g scale_g * S_g + zero_g * X_g (X_g the group's sum of
 x). That is torch's `_weight_int4pack_mm_for_cpu` in another order (within float32 rounding of it; the output,
