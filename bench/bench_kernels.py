@@ -19,7 +19,8 @@ and, where kernels.cpu_matmul builds, int8 and int4 on the native kernels (cpu_m
 1,32,512` repeats the layer pass at those rows of x, `--kinds` keeps the kinds whose label contains a string;
 each at GB/s = weight bytes read / time and as a % of a large tensor copy (read + write bytes,
 pdserve.bench.roofline.copy_bandwidth) and of a read-only sweep (a float32 sum), and at GFLOP/s (2 M N K) as a %
-of the float32 FMA peak on the same threads (bench/fma_peak.c; the compute ceiling of the M = 32 rows); the LM head rotates over
+of the float32 FMA peak on the same threads (bench/fma_peak.c; the compute ceiling of the M = 32 rows; for the
+kinds on kernels.cpu_matmul's avx512-bf16 level also of vdpbf16ps's peak, their ceiling); the LM head rotates over
 copies whose bytes exceed the last-level cache; the native kinds' layer pass is timed twice, called one by
 one from Python (the engine's layer loop) and as one C call over the 120 matmuls (kernels.cpu_matmul.MatmulChain:
 what the native decoder pays). Writes bench/results/cpu_matmuls.md and .json (or under $OUT).
@@ -285,9 +286,10 @@ def _row(name: str, m: int, nbytes: int, times: list[float], weights: int) -> di
             "gbs": nbytes / (best * 1e6), "gflops": 2 * m * weights / (best * 1e6)}
 
 
-def fma_peak_gflops(threads: int) -> float | None:
+def fma_peak_gflops(threads: int, bf16_dot: bool = False) -> float | None:
     """GFLOP/s of float32 FMAs on `threads` threads (bench/fma_peak.c: 12 independent 512-bit / 256-bit chains per
-    thread, best of 5), the compute ceiling the M >= 32 rows are a % of; None without a C compiler."""
+    thread, best of 5), the compute ceiling the M >= 32 rows are a % of; with `bf16_dot`, of avx512_bf16's
+    vdpbf16ps (None without it); None without a C compiler."""
     import ctypes
 
     from kernels import native_build
@@ -295,10 +297,11 @@ def fma_peak_gflops(threads: int) -> float | None:
     lib = native_build.load(Path(__file__).with_name("fma_peak.c"), "FMA peak")
     if lib is None:
         return None
-    lib.pd_fma_peak_gflops.restype = ctypes.c_double
-    lib.pd_fma_peak_gflops.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    fn = lib.pd_bf16_dot_peak_gflops if bf16_dot else lib.pd_fma_peak_gflops
+    fn.restype = ctypes.c_double
+    fn.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     sink = (ctypes.c_float * threads)()
-    return lib.pd_fma_peak_gflops(20_000_000, 5, threads, sink) or None
+    return fn(20_000_000, 5, threads, sink) or None
 
 
 def bench_cpu_matmuls(repeats: int, batch_rows: tuple[int, ...] = (1,), only: tuple[str, ...] = ()) -> dict:
@@ -313,6 +316,7 @@ def bench_cpu_matmuls(repeats: int, batch_rows: tuple[int, ...] = (1,), only: tu
 
     copy_gbs = copy_bandwidth(2**28) / 1e9
     fma_peak = fma_peak_gflops(torch.get_num_threads())
+    dot_peak = fma_peak_gflops(torch.get_num_threads(), bf16_dot=True)
     big = torch.ones(2**28 // 4)
     read_gbs = big.numel() * 4 / (_cpu_ms(big.sum, repeats) * 1e6)
     g = torch.Generator().manual_seed(0)
@@ -367,9 +371,13 @@ def bench_cpu_matmuls(repeats: int, batch_rows: tuple[int, ...] = (1,), only: tu
         row["pct_of_copy"] = 100 * row["gbs"] / copy_gbs
         row["pct_of_read"] = 100 * row["gbs"] / read_gbs
         row["pct_of_fma_peak"] = 100 * row["gflops"] / fma_peak if fma_peak else None
+        # the kinds on kernels.cpu_matmul's AVX512-BF16 level: of the vdpbf16ps ceiling (twice the FMA one's
+        # products an instruction)
+        on_dot = dot_peak and cpu_matmul.ISA_NAMES[cpu_matmul.ISA_AVX512_BF16] in row["matmuls"]
+        row["pct_of_peak"] = 100 * row["gflops"] / dot_peak if on_dot else row["pct_of_fma_peak"]
     return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "capability": torch.backends.cpu.get_cpu_capability(), "copy_gbs": copy_gbs, "read_gbs": read_gbs,
-            "fma_peak_gflops": fma_peak,
+            "fma_peak_gflops": fma_peak, "bf16_dot_peak_gflops": dot_peak,
             "repeats": repeats, "batch_rows": list(batch_rows), "only": list(only), "rows": rows}
 
 
@@ -485,7 +493,9 @@ def cpu_matmuls_report(result: dict) -> str:
             f"Command: `python bench/bench_kernels.py --cpu-matmuls --threads {result['threads']} --rows {','.join(map(str, result['batch_rows']))}"
             f"{' --kinds ' + repr(','.join(result['only'])) if result['only'] else ''}`. Copy {result['copy_gbs']:.1f} GB/s (read + "
             f"write), read-only sweep {result['read_gbs']:.1f} GB/s, float32 FMA peak (bench/fma_peak.c) "
-            f"{_fmt(result['fma_peak_gflops'], 0)} GFLOP/s; kinds timed in interleaved rounds ({result['repeats']} "
+            f"{_fmt(result['fma_peak_gflops'], 0)} GFLOP/s, vdpbf16ps peak "
+            f"{_fmt(result.get('bf16_dot_peak_gflops'), 0)} GFLOP/s (the ceiling of the avx512-bf16 rows' last "
+            f"column, the FMA peak that of the others); kinds timed in interleaved rounds ({result['repeats']} "
             f"at M < 64, a fifth of that from 64), median and best pass, GB/s and GFLOP/s (2 M N K) of the best.\n\n"
             + _table(["matmuls", "M", "weight MiB", "ms median", "ms best", "GB/s", "% of copy", "% of read",
                       "GFLOP/s", "% of FMA peak"],

@@ -1,7 +1,8 @@
 /* The FMA ceiling of bench/bench_kernels.py --cpu-matmuls: float32 FMAs per second on `nthreads` OpenMP threads,
  * each running 12 independent chains of 512-bit (AVX512F) or 256-bit (AVX2 + FMA) vfmadd, enough to cover the
- * FMA latency on the CPUs measured (4 cycles, 2 pipes). Built and loaded by kernels.native_build like the kernel
- * libraries; a benchmark helper only, not used by the engine. */
+ * FMA latency on the CPUs measured (4 cycles, 2 pipes); and the same for avx512_bf16's vdpbf16ps (32 products a
+ * 512-bit instruction, the ceiling of kernels/cpu_matmul.c's AVX512-BF16 level). Built and loaded by
+ * kernels.native_build like the kernel libraries; a benchmark helper only, not used by the engine. */
 #include <stdint.h>
 #include <time.h>
 
@@ -39,6 +40,33 @@ __attribute__((target("avx2,fma"), noinline)) static float chains256(int64_t ite
     return s;
 }
 
+__attribute__((target("avx512f,avx512bf16"), noinline)) static float chains_bf16(int64_t iters, float seed) {
+    __m512 a[CHAINS];
+    __m512bh b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1.0f - seed), _mm512_set1_ps(seed));
+    for (int j = 0; j < CHAINS; j++) a[j] = _mm512_set1_ps(seed * (j + 1));
+    for (int64_t i = 0; i < iters; i++)
+        for (int j = 0; j < CHAINS; j++) a[j] = _mm512_dpbf16_ps(a[j], b, b);
+    float s = 0.0f;
+    for (int j = 0; j < CHAINS; j++) s += _mm512_reduce_add_ps(a[j]);
+    return s;
+}
+
+/* GFLOP/s (a product and its addition counted as 2) of `iters` rounds of CHAINS vdpbf16ps on each of nthreads
+ * threads, the best of `repeats` runs; 0 when the CPU has no avx512_bf16. */
+double pd_bf16_dot_peak_gflops(int64_t iters, int repeats, int nthreads, float *sink) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bf16")) return 0.0;
+    double best = 1e30;
+    for (int r = 0; r < repeats; r++) {
+        double t = now();
+        #pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int k = 0; k < nthreads; k++) sink[k] = chains_bf16(iters, 1e-3f * (k + 1));
+        t = now() - t;
+        if (t < best) best = t;
+    }
+    return 2.0 * 32 * CHAINS * (double)iters * nthreads / best / 1e9;
+}
+
 /* GFLOP/s (an FMA counted as 2) of `iters` rounds of CHAINS FMAs on each of nthreads threads, the best of
  * `repeats` runs; wide = 1: 512-bit when the CPU has AVX512F, else 256-bit. *sink receives the sums (so that
  * the loops are not removed). Returns 0 when the CPU has neither AVX512F nor AVX2 + FMA. */
@@ -62,5 +90,9 @@ double pd_fma_peak_gflops(int64_t iters, int repeats, int nthreads, float *sink)
 double pd_fma_peak_gflops(int64_t iters, int repeats, int nthreads, float *sink) {
     (void)iters; (void)repeats; (void)nthreads; (void)sink;
     return 0.0;
+}
+
+double pd_bf16_dot_peak_gflops(int64_t iters, int repeats, int nthreads, float *sink) {
+    return pd_fma_peak_gflops(iters, repeats, nthreads, sink);
 }
 #endif
