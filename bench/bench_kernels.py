@@ -498,10 +498,10 @@ def cpu_matmuls_report(result: dict) -> str:
             f"column, the FMA peak that of the others); kinds timed in interleaved rounds ({result['repeats']} "
             f"at M < 64, a fifth of that from 64), median and best pass, GB/s and GFLOP/s (2 M N K) of the best.\n\n"
             + _table(["matmuls", "M", "weight MiB", "ms median", "ms best", "GB/s", "% of copy", "% of read",
-                      "GFLOP/s", "% of FMA peak"],
+                      "GFLOP/s", "% of FMA peak", "% of its compute peak"],
                      [[r["matmuls"], str(r["m"]), _fmt(r["weight_mib"]), _fmt(r["ms"], 2), _fmt(r["best_ms"], 2),
                        _fmt(r["gbs"]), _fmt(r["pct_of_copy"], 0), _fmt(r["pct_of_read"], 0), _fmt(r["gflops"]),
-                       _fmt(r["pct_of_fma_peak"], 0)] for r in result["rows"]]) + "\n")
+                       _fmt(r["pct_of_fma_peak"], 0), _fmt(r.get("pct_of_peak"), 0)] for r in result["rows"]]) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
