@@ -661,6 +661,25 @@ AVX512_TARGET static inline __attribute__((always_inline)) void reduce_add16(con
     _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, r));
 }
 
+/* A q8 tile's outputs: each lane sum reduced by reduce_add16, times ws[n + c] when ws is not NULL, rounded to
+ * bfloat16 when round_out. */
+AVX512_TARGET static inline __attribute__((always_inline)) void q8b_avx512_store(
+        __m512 (*acc)[MT_Q8B], const float *ws, int64_t n, const int C, int64_t i0, const int R, int64_t N,
+        int round_out, float *y) {
+    __m512 v[2 * 16];
+    float sums[2 * 16];
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) v[c * R + r] = acc[c][r];
+    for (int i = C * R; i < (C * R > 16 ? 32 : 16); i++) v[i] = _mm512_setzero_ps();
+    reduce_add16(v, sums);
+    if (C * R > 16) reduce_add16(v + 16, sums + 16);
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) {
+            float sum = ws ? ws[n + c] * sums[c * R + r] : sums[c * R + r];
+            y[(i0 + r) * N + n + c] = round_out ? round_bf16(sum) : sum;
+        }
+}
+
 AVX512_TARGET static inline __attribute__((always_inline)) void q8b_avx512_tile(
         const int8_t *w, const float *ws, const float *W, const float *xb, int64_t XS, int64_t n, const int C,
         int64_t i0, const int R, int64_t K, int64_t N, int round_out, float *y) {
@@ -686,18 +705,7 @@ AVX512_TARGET static inline __attribute__((always_inline)) void q8b_avx512_tile(
             for (int r = 0; r < R; r++) acc[c][r] = _mm512_fmadd_ps(xv[r], wv, acc[c][r]);
         }
     }
-    __m512 v[2 * 16];
-    float sums[2 * 16];
-    for (int c = 0; c < C; c++)
-        for (int r = 0; r < R; r++) v[c * R + r] = acc[c][r];
-    for (int i = C * R; i < (C * R > 16 ? 32 : 16); i++) v[i] = _mm512_setzero_ps();
-    reduce_add16(v, sums);
-    if (C * R > 16) reduce_add16(v + 16, sums + 16);
-    for (int c = 0; c < C; c++)
-        for (int r = 0; r < R; r++) {
-            float sum = sums[c * R + r];
-            y[(i0 + r) * N + n + c] = round_out ? round_bf16(sum) : sum;
-        }
+    q8b_avx512_store(acc, NULL, n, C, i0, R, N, round_out, y);
 }
 
 /* Weight rows n .. n1 - 1 dequantized once into W [n1 - n][K] float32: w * ws, exact in float32 (8 bits times a
@@ -777,18 +785,7 @@ AVX512BF16_TARGET static inline __attribute__((always_inline)) void q8b_bf16dot_
             for (int r = 0; r < R; r++) acc[c][r] = _mm512_dpbf16_ps(acc[c][r], (__m512bh)wv, (__m512bh)xv[r]);
         }
     }
-    __m512 v[2 * 16];
-    float sums[2 * 16];
-    for (int c = 0; c < C; c++)
-        for (int r = 0; r < R; r++) v[c * R + r] = acc[c][r];
-    for (int i = C * R; i < (C * R > 16 ? 32 : 16); i++) v[i] = _mm512_setzero_ps();
-    reduce_add16(v, sums);
-    if (C * R > 16) reduce_add16(v + 16, sums + 16);
-    for (int c = 0; c < C; c++)
-        for (int r = 0; r < R; r++) {
-            float sum = ws[n + c] * sums[c * R + r];
-            y[(i0 + r) * N + n + c] = round_out ? round_bf16(sum) : sum;
-        }
+    q8b_avx512_store(acc, ws, n, C, i0, R, N, round_out, y);
 }
 
 /* Weight rows n .. n1 - 1 as bfloat16 into Wb [n1 - n][K] (exact). */
