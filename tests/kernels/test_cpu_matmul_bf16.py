@@ -119,6 +119,27 @@ def test_rows_are_batch_and_thread_invariant(layer0, name, isa):
     assert torch.equal(run(kind, many, args, nthreads=1, isa=isa), together.repeat(5, 1))
 
 
+@pytest.mark.parametrize("block_rows", [32, 64])
+@pytest.mark.parametrize("isa", [isa_param(i) for i in (cm.ISA_AVX2, cm.ISA_AVX512, cm.ISA_AVX512_BF16)])
+def test_q4_every_path_gives_the_scalar_bits_at_both_block_sizes(isa, block_rows):
+    """Random codes read as int4pack's layout of 32-row blocks (torch's AVX2 packing) or 64-row ones, scales and
+    zeros of mixed sign and size, x spanning 2^-20 .. 2^6 with exact zeros: 5 rows (the codes read in every pass)
+    and 35 (from 32: the dequantized tile, bfloat16 pairs at ISA_AVX512_BF16), 1 and 3 threads, the scalar
+    path's bits."""
+    g = torch.Generator().manual_seed(7)
+    n, k = 4 * block_rows, 192
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    table = (torch.randn(k // 32, n, 2, generator=g) * torch.rand(k // 32, n, 2, generator=g).pow(4) * 4).bfloat16()
+    x = torch.randn(35, k, generator=g) * torch.pow(2.0, torch.randint(-20, 7, (35, k), generator=g).float())
+    x[x.abs() < 1e-5] = 0.0
+    expected = cm.q4_bf16_matmul(x, packed, table, block_rows, isa=cm.ISA_SCALAR, round_output=False, nthreads=1)
+    for rows in (5, 35):
+        for nthreads in (1, 3):
+            got = cm.q4_bf16_matmul(x[:rows], packed, table, block_rows, isa=isa, round_output=False,
+                                    nthreads=nthreads)
+            assert torch.equal(got, expected[:rows]), (rows, nthreads)
+
+
 @pytest.mark.parametrize("isa", [isa_param(i) for i in (cm.ISA_AVX2, cm.ISA_AVX512, cm.ISA_AVX512_BF16)])
 def test_q8_rows_are_the_same_in_every_tile(isa):
     """A weight row's outputs do not depend on the tile holding it: the first n rows of a 23-row weight (blocks
