@@ -1,8 +1,9 @@
 """Native CPU matmuls over 4-bit and int8 weights (kernels/cpu_matmul.c), on int8-quantized or bfloat16 activations.
 
 The C source (its header comments are the exact arithmetic) is compiled on first use by kernels.native_build
-(-O3 -fopenmp; one ISA per function picked at run time: AVX512, AVX2, scalar). No compiler, a failed build
-or a failed load logs one warning and `available()` is False: engine.quant then keeps the torch kernels.
+(-O3 -fopenmp; one ISA per function picked at run time: AVX512-BF16, AVX512, AVX2, scalar). No compiler, a
+failed build or a failed load logs one warning and `available()` is False: engine.quant then keeps the torch
+kernels.
 
     q4_matmul(x, codes, scale_zero)       x [M, K] float32, codes [N, K // 2] uint8 (GGML Q4 order per 32),
                                           scale_zero [N, K // 32, 2] bfloat16 (scale, zero) -> [M, N] float32
@@ -24,8 +25,9 @@ at twice the FMA rate where the CPU has it), then scaled: sum_g scale_g * S_g + 
 x). That is torch's `_weight_int4pack_mm_for_cpu` in another order (within float32 rounding of it; the output,
 rounded to bfloat16 values as both return it, differs in a few per mille of the values, by one bfloat16 step).
 Every kind computes each row of the result from that row of x only (batch invariant), the same on any number of
-threads; q4-bf16 gives the same bits on every path. Threads: torch.get_num_threads() unless `nthreads` is given; `isa` forces a
-path (ISA_SCALAR, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16; a path the CPU lacks falls back to the best it has).
+threads; q4-bf16 gives the same bits on every path. Threads: torch.get_num_threads() unless `nthreads` is given;
+`isa` forces a path (ISA_SCALAR, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16; a path the CPU lacks falls back to the
+best it has).
 ISA_AVX512 is avx512f/bw/vl/dq + VNNI for the int8-activation kinds, avx512f/bw for the bfloat16 ones;
 ISA_AVX512_BF16 (bfloat16 kinds only) adds avx512_bf16, taken when a check at load finds this CPU's vdpbf16ps
 computing exactly the sums above (`best_isa(kind)`).
