@@ -969,8 +969,8 @@ static int run(int q8, const float *x, int64_t M, int64_t K, const void *w, cons
     return j.isa;
 }
 
-/* Row i of x rounded to bfloat16 (a subnormal result to +0); for q4 also its group sums, for q4 and level-3 q8
- * its bfloat16 pairs. */
+/* Row i of x rounded to bfloat16 (a subnormal result to +0); for q4 also its group sums, and its bfloat16 pairs
+ * where vdpbf16ps reads them (run_bf16). */
 static void round_one(const struct job *j, int64_t i) {
     const int64_t K = j->K;
     float *xb = j->xb + i * K;
@@ -1105,9 +1105,10 @@ static int run_bf16(int q8, const float *x, int64_t M, int64_t K, const void *w,
                     float *y, int nthreads, int isa, int round_out) {
     struct job j = {q8, clamp_isa(isa, pd_bf16_best_isa()), 0, x, M, K, K / 32, N, K, w, table, y, NULL, NULL, NULL,
                     NULL, NULL, NULL, round_out, B, nthreads > 1 ? nthreads : 1};
-    /* xb [M][K] (+ 16: the AVX512 q8 tile may read past a row's end), then for q4 xs [M][K / 32], for q4 and
-     * level-3 q8 xp [M][K / 2] */
-    const int64_t xs_floats = q8 ? 0 : M * (K / 32), xp_words = !q8 || j.isa == 3 ? M * (K / 2) : 0;
+    /* xb [M][K] (+ 16: the AVX512 q8 tile may read past a row's end), then for q4 xs [M][K / 32], and where
+     * vdpbf16ps reads x (level 3: q8, and q4's tile) xp [M][K / 2] */
+    const int64_t xs_floats = q8 ? 0 : M * (K / 32);
+    const int64_t xp_words = j.isa == 3 && (q8 || M >= Q4P_DEQUANT_ROWS) ? M * (K / 2) : 0;
     j.xb = get_scratch((size_t)(M * K + 16 + xs_floats + xp_words) * sizeof(float));
     if (!j.xb) return -1;
     if (xs_floats) j.xs = j.xb + M * K + 16;
