@@ -83,10 +83,22 @@ def acl_setuser_args(user: str, password: str, key_prefix: str = "pdserve") -> l
             *(f"+{command}" for command in INDEX_COMMANDS)]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports free on 127.0.0.1 right now: all sockets are held open together, then released.
+
+    Take every port a group of processes needs in one call: a port picked alone and left unbound (its process
+    not yet listening) may be handed out again by the next pick.
+    """
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 class EmbeddedRedis:
@@ -104,7 +116,7 @@ class EmbeddedRedis:
         self.start_timeout_s = start_timeout_s
         self._dir = tempfile.TemporaryDirectory(prefix="pdserve-redis-")
         self.unix_socket_path = os.path.join(self._dir.name, "redis.sock") if unix_socket else None
-        self.port = 0 if unix_socket else (port or _free_port())
+        self.port = 0 if unix_socket else (port or free_ports(1)[0])
         self._process: subprocess.Popen | None = None
 
     @property

@@ -52,7 +52,7 @@ from pathlib import Path
 import redis
 
 from engine.model_fetch import fetch_default_model
-from kvstore.embedded_redis import EmbeddedRedis
+from kvstore.embedded_redis import EmbeddedRedis, free_ports
 from kvstore.index import redacted_url
 from pdserve import health
 from pdserve.affinity import allowed_cpus
@@ -272,7 +272,7 @@ class LocalCluster:
             fetch_default_model()
         self._pipe = os.pipe()
         num_workers = config.num_prefill + config.num_decode
-        *ports, free_grpc, free_http = _free_ports(num_workers + 2)      # the workers', then the gateway's
+        *ports, free_grpc, free_http = free_ports(num_workers + 2)      # the workers', then the gateway's
         gateway_port = _check_port_free(config.host, config.port, "--port") if config.port else free_grpc
         if config.http_port > 0:
             self._http_port = _check_port_free(config.host, config.http_port, "--http-port")
@@ -504,20 +504,6 @@ def _signal_all(children: list[_Child], sig: int) -> None:
     for child in children:
         if child.process.poll() is None:  # not reaped, so its pid (= its process group id) is still its own
             _killpg(child.process.pid, sig)
-
-
-def _free_ports(count: int) -> list[int]:
-    """`count` distinct ports free on 127.0.0.1 right now (all sockets held open together, then released)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def _check_port_free(host: str, port: int, flag: str) -> int:

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvstore.embedded_redis import free_ports
 
 DEFAULT_BUILD_DIR = Path(__file__).resolve().parents[2] / "bench" / "peers"
 """Where bench/build_llama_server.sh builds by default (in a source checkout)."""
@@ -40,11 +41,6 @@ def find_llama_server(explicit: str | None, build_dir: Path = DEFAULT_BUILD_DIR)
                         "(about 10 minutes on 2 cores) or pass --llama-server PATH")
     return path
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -77,7 +73,7 @@ class LlamaServer:
     def __init__(self, config: LlamaServerConfig, log_path: Path) -> None:
         self.config = config
         self.log_path = log_path
-        self.port = config.port or free_port()
+        self.port = config.port or free_ports(1)[0]
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.argv = config.argv(self.port)
         self._process: subprocess.Popen | None = None

@@ -32,7 +32,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore.embedded_redis import EmbeddedRedis
+from kvstore.embedded_redis import EmbeddedRedis, free_ports
 from kvstore.index import PrefixIndex
 from pdserve.client import Client, PdserveError
 from protos import tls
@@ -55,11 +55,6 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of Germany is"
 WAIT_S = 60.0
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_until(predicate, what: str, timeout_s: float = WAIT_S):
@@ -132,7 +127,7 @@ def gateway(cluster, pki, public_pki, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("gateway")
     key_file = run_dir / "keys"
     key_file.write_text(KEY_FILE)
-    port, http_port = free_port(), free_port()
+    port, http_port = free_ports(2)
     g = pki["gateway"]
     gw = GatewayProcess([
         "gateway", "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port),

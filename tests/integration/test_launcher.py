@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import redis
 from cryptography import x509
 
 from engine.config import EngineConfig
+from kvstore.embedded_redis import free_ports
 from pdserve import health
 from pdserve.client import Client
 from pdserve.launch_plan import ClusterError, child_command
@@ -272,7 +272,7 @@ def probe_status(cluster: LocalCluster, worker: str, server_role: str | None = N
 @pytest.mark.slow
 def test_internal_ports_take_only_cluster_certificates_and_no_command_line_holds_the_redis_password(
         default_model_path, tmp_path):
-    health_port = free_port()
+    [health_port] = free_ports(1)
     config = LocalClusterConfig(port=0, http_port=-1, run_dir=str(tmp_path),
                                 engine=EngineConfig(model="default", kv_cache_memory=KV_CACHE_MEMORY),
                                 gateway_args=("--health-port", str(health_port)))
@@ -309,11 +309,6 @@ def test_internal_ports_take_only_cluster_certificates_and_no_command_line_holds
         assert health.status(gateway_health, "liveness") == health.SERVING
     assert_all_stopped(cluster)
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.slow

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -22,7 +21,7 @@ import pytest
 import redis
 
 from kvstore.block_pool import BlockStored
-from kvstore.embedded_redis import find_redis_server, generate_password
+from kvstore.embedded_redis import find_redis_server, free_ports, generate_password
 from kvstore.hashing import hash_prompt_blocks, root_hash
 from kvstore.index import IndexUnavailable, PrefixIndex, parse_sentinel_url, redacted_url, redis_client
 from kvstore.index_publisher import IndexPublisher
@@ -38,11 +37,6 @@ FAILOVER_TIMEOUT_S = 30.0
 HANG_BOUND_S = 2.0
 """A lookup taking this long is hanging, not degrading (the contract is ~2 x lookup_timeout_s)."""
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_until(condition, timeout_s: float, what: str):
@@ -60,9 +54,9 @@ def wait_until(condition, timeout_s: float, what: str):
 class RedisProcess:
     """One redis-server (or sentinel) child on 127.0.0.1, in its own process group, configured by a file."""
 
-    def __init__(self, directory: Path, name: str, config: list[str], sentinel: bool = False) -> None:
+    def __init__(self, directory: Path, name: str, port: int, config: list[str], sentinel: bool = False) -> None:
         self.name = name
-        self.port = free_port()
+        self.port = port
         self.config_path = directory / f"{name}.conf"
         self.log_path = directory / f"{name}.log"
         lines = [f"port {self.port}", "bind 127.0.0.1", f"dir {directory}", f'logfile "{self.log_path}"', *config]
@@ -92,10 +86,11 @@ class SentinelGroup:
         self.password = generate_password()
         self.sentinel_password = generate_password()
         auth = [f'requirepass "{self.password}"', f'masterauth "{self.password}"', 'save ""', "appendonly no"]
-        self.master = RedisProcess(directory, "master", auth)
-        self.replica = RedisProcess(directory, "replica", [*auth, f"replicaof 127.0.0.1 {self.master.port}"])
+        master_port, replica_port, *sentinel_ports = free_ports(5)
+        self.master = RedisProcess(directory, "master", master_port, auth)
+        self.replica = RedisProcess(directory, "replica", replica_port, [*auth, f"replicaof 127.0.0.1 {master_port}"])
         self.sentinels = [
-            RedisProcess(directory, f"sentinel{i}", [
+            RedisProcess(directory, f"sentinel{i}", sentinel_ports[i], [
                 f"sentinel monitor {SERVICE} 127.0.0.1 {self.master.port} 2",
                 f'sentinel auth-pass {SERVICE} "{self.password}"',
                 f"sentinel down-after-milliseconds {SERVICE} 1000",

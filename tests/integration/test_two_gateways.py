@@ -9,7 +9,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling_params import SamplingParams
+from kvstore.embedded_redis import free_ports
 from tests.integration.cluster import (BLOCK_SIZE, IDLE_TIMEOUT_S, MAX_MODEL_LEN, REPO, RPC_TIMEOUT_S,
                                        START_TIMEOUT_S, assert_idle, running_cluster)
 
@@ -32,11 +32,6 @@ QUESTIONS = [FRANCE,
              [{"role": "user", "content": "What is 2 + 2?"}],
              [{"role": "user", "content": "Say hello in Spanish."}]]
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_until(condition, what: str, timeout_s: float):
@@ -102,7 +97,7 @@ def gateway_a(cluster) -> Gateway:
 @pytest.fixture(scope="module")
 def gateway_b(cluster, tmp_path_factory):
     """`pdserve gateway` with Cluster.gateway()'s settings as flags, and the Redis URL in its environment."""
-    port, http_port = free_port(), free_port()
+    port, http_port = free_ports(2)
     log_path = Path(tmp_path_factory.mktemp("gateway-b")) / "gateway.log"
     argv = ["gateway", "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http_port),
             "--model", str(cluster.model_path), "--block-size", str(BLOCK_SIZE), "--max-model-len",

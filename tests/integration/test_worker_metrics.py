@@ -13,7 +13,6 @@ model, a real redis-server) and a gateway, each with --metrics-port and --health
 from __future__ import annotations
 
 import re
-import socket
 import time
 import urllib.request
 
@@ -23,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling_params import SamplingParams
-from kvstore.embedded_redis import EmbeddedRedis
+from kvstore.embedded_redis import EmbeddedRedis, free_ports
 from protos.pdserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from protos.worker_metrics import LoadSnapshot
 from tests.integration.cluster import RPC_TIMEOUT_S, Cluster, assert_idle
@@ -44,17 +43,13 @@ UNITS = ("seconds", "bytes", "ratio")
 SUFFIXES = ("_bucket", "_count", "_sum", "_created", "_total")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def cluster(default_model_path):
     with EmbeddedRedis() as redis:
         cluster = Cluster(default_model_path, redis)
-        cluster.ports = {w: (free_port(), free_port()) for w in ("p0", "d0")}    # (metrics, health)
+        ports = free_ports(4)
+        cluster.ports = {"p0": tuple(ports[:2]), "d0": tuple(ports[2:])}    # (metrics, health)
         try:
             for role, worker_id in (("prefill", "p0"), ("decode", "d0")):
                 metrics_port, health_port = cluster.ports[worker_id]
