@@ -28,8 +28,9 @@ so that a loaded machine slows them alike; the median of the rounds is reported.
                    cache and hashes it as it lands, while the sender hashes the same blocks in place
     shm            KvSender.push with a segment pool (pre-faulted, reused segments; a cache not in shared memory)
     shm one-shot   KvSender.push with a fresh segment per transfer (a sender without a pool)
-    grpc           KvSender.push over grpc: chunks joined straight out of the cache, digests in the trailer, each
-                   chunk landed straight in the receiver's destination blocks (kvstore.paged_records)
+    grpc           KvSender.push over grpc: each chunk's message filled straight out of the cache and hashed as it
+                   is filled, digests in the trailer; each chunk landed straight in the receiver's destination
+                   blocks and hashed as it lands (kvstore.paged_records: one native pass a side)
 
 "wire GB/s" is payload bytes per second; "KV GB/s" is the raw float32 KV moved per second (what int8 buys).
 "CPU ms" and "page faults" are per call, of every thread of the sending (this) and the receiving process

@@ -8,6 +8,7 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* xxhash.h's XXH128_hash_t and XXH128_canonical_t, by value the same structs (the ABI is the platform's). */
@@ -96,4 +97,69 @@ int pd_hash_pieces(const uint8_t *src, const int64_t *bases, int64_t stride, int
                    int64_t piece_bytes, uint8_t *digests)
 {
     return copy_hash(src, bases, stride, NULL, NULL, 0, num_blocks, num_pieces, piece_bytes, digests);
+}
+
+/* A payload of records streamed in order, in pieces of any length, between a contiguous run of its bytes and the
+ * blocks' pieces where they are: the grpc transport's two ends (kvstore.paged_records). */
+typedef struct {
+    void *hash;      /* xxh3-128 of the current record's bytes so far */
+    int64_t fed;     /* payload bytes moved so far */
+} pd_stream;
+
+void *pd_stream_new(void)
+{
+    pd_stream *stream = calloc(1, sizeof(pd_stream));
+    if (!stream)
+        return NULL;
+    stream->hash = xxh3_create_state();
+    if (!stream->hash) {
+        free(stream);
+        return NULL;
+    }
+    xxh3_128_reset(stream->hash);
+    return stream;
+}
+
+void pd_stream_free(void *stream)
+{
+    if (stream) {
+        xxh3_free_state(((pd_stream *)stream)->hash);
+        free(stream);
+    }
+}
+
+/* Move the payload's next `len` bytes: land != 0, from `run` into the blocks (record i's piece p at
+ * blocks + bases[i] + p * stride); land == 0, from the blocks into `run`. Every stretch is hashed where it was
+ * written, right after (in L1): the digest of what landed. A record's last byte writes its canonical digest to
+ * digests[16 i] and starts the next hash. Returns the records complete so far; -1 when `len` runs past the
+ * num_records records (nothing moved). */
+int64_t pd_stream_move(void *stream_, uint8_t *run, int64_t len, int land, uint8_t *blocks, const int64_t *bases,
+                       int64_t stride, int64_t num_records, int64_t num_pieces, int64_t piece_bytes,
+                       uint8_t *digests)
+{
+    pd_stream *stream = stream_;
+    const int64_t record_bytes = num_pieces * piece_bytes;
+    if (len < 0 || len > num_records * record_bytes - stream->fed)
+        return -1;
+    for (int64_t pos = 0; pos < len;) {
+        const int64_t record = stream->fed / record_bytes, within = stream->fed % record_bytes;
+        const int64_t piece = within / piece_bytes, offset = within % piece_bytes;
+        const int64_t n = piece_bytes - offset < len - pos ? piece_bytes - offset : len - pos;
+        uint8_t *at = blocks + bases[record] + piece * stride + offset;
+        uint8_t *written = land ? at : run + pos;
+        memcpy(written, land ? run + pos : at, (size_t)n);
+        if (!land && offset == 0) {  /* reading scattered pieces: prefetched as copy_hash does */
+            int64_t ahead = piece + PREFETCH_AHEAD, ahead_record = record + ahead / num_pieces;
+            if (ahead_record < num_records)
+                prefetch_piece(blocks + bases[ahead_record] + ahead % num_pieces * stride, piece_bytes);
+        }
+        xxh3_128_update(stream->hash, written, (size_t)n);
+        pos += n;
+        stream->fed += n;
+        if (stream->fed % record_bytes == 0) {
+            xxh128_canonical_from_hash((pd_xxh128_canonical *)(digests + 16 * record), xxh3_128_digest(stream->hash));
+            xxh3_128_reset(stream->hash);
+        }
+    }
+    return stream->fed / record_bytes;
 }

@@ -11,8 +11,12 @@ stride = num_blocks * piece_bytes, num_pieces = 2 * L (kvstore.shm_cache's modul
     copy_hash_pieces(src, src_bases, src_stride, dst, dst_bases, dst_stride, num_pieces, piece_bytes)
         copy block i of src to block i of dst piece by piece, each piece hashed right after it landed (in L1/L2):
         the digests of the bytes in dst, never of what was read from src (kvstore.shm_cache says why)
+    PieceStream(blocks, bases, stride, num_pieces, piece_bytes)
+        the blocks' records as one payload (block 0's pieces in order, then block 1's, ...), moved in order, any
+        number of bytes at a time, into the blocks (land) or out of them into a contiguous buffer (gather), each
+        stretch hashed where it was written; `digests` grows as records complete (the grpc transport's two ends)
 
-Both check first that every piece of every block lies inside its buffer (ValueError naming the block, before
+All check first that every piece of every block lies inside its buffer (ValueError naming the block, before
 any byte is written), then run the C loop when `available()`, else the Python loops `*_ref` (the definition:
 same digests, same bytes landed). The C code is compiled on first use by kernels.native_build and calls the
 installed xxhash package's own xxh3 functions (resolved with ctypes from its extension module; the runtime-
@@ -73,6 +77,10 @@ def library() -> ctypes.CDLL | None:
     lib.pd_copy_hash_pieces.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr]
     lib.pd_hash_pieces.restype = ctypes.c_int
     lib.pd_hash_pieces.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr]
+    lib.pd_stream_new.restype, lib.pd_stream_new.argtypes = ptr, []
+    lib.pd_stream_free.restype, lib.pd_stream_free.argtypes = None, [ptr]
+    lib.pd_stream_move.restype = i64
+    lib.pd_stream_move.argtypes = [ptr, ptr, i64, ctypes.c_int, ptr, ptr, i64, i64, i64, i64, ptr]
     lib.pd_kv_copy_init(*functions)
     lib.xxhash_extension = ext  # the C code holds its function pointers: keep the library referenced
     return lib
@@ -170,3 +178,88 @@ def copy_hash_pieces(src, src_bases: Sequence[int], src_stride: int, dst, dst_ba
                                _offsets(dst_bases), dst_stride, len(src_bases), num_pieces, piece_bytes, out):
         raise MemoryError("native kv copy: out of memory for an xxh3 state")
     return _split(out, len(src_bases))
+
+
+class PieceStream:
+    """The records of blocks `bases` of `blocks` (module doc) as one payload, moved in order between it and
+    contiguous bytes: land(data) writes the payload's next len(data) bytes into the blocks, gather(out) fills
+    `out` with the next len(out) bytes of them. Each stretch is hashed right where it was written, so `digests`
+    are of what landed (land) or of what was sent (gather); a record's digest is appended when its last byte
+    has moved. Not thread-safe; close() (or the with block's end) frees the native state."""
+
+    def __init__(self, blocks, bases: Sequence[int], stride: int, num_pieces: int, piece_bytes: int) -> None:
+        self._view = _checked("blocks", blocks, bases, stride, num_pieces, piece_bytes)
+        self._bases, self._stride, self._num_pieces, self._piece_bytes = list(bases), stride, num_pieces, piece_bytes
+        self.num_records = len(self._bases)
+        self.record_bytes = num_pieces * piece_bytes
+        self.payload_bytes = self.num_records * self.record_bytes
+        self.fed = 0
+        """Payload bytes moved so far."""
+        self.digests: list[bytes] = []
+        """xxh3-128 digests (16 bytes each) of the records complete so far, in order."""
+        self._native = None
+        if self._bases and available():
+            self._native = library().pd_stream_new()
+            if not self._native:
+                raise MemoryError("native kv copy: out of memory for a stream's xxh3 state")
+            self._address = _address(self._view)
+            self._offsets = _offsets(self._bases)
+            self._out = ctypes.create_string_buffer(len(self._bases) * DIGEST_BYTES)
+        else:
+            self._hash = xxhash.xxh3_128()
+
+    def land(self, data) -> int:
+        """Write the payload's next len(data) bytes into the blocks; returns how many records are complete."""
+        return self._move(memoryview(data).cast("B"), land=True)
+
+    def gather(self, out) -> int:
+        """Fill the writable buffer `out` with the payload's next len(out) bytes; returns how many records are
+        complete."""
+        view = memoryview(out).cast("B")
+        if view.readonly:
+            raise ValueError("gather needs a writable buffer")
+        return self._move(view, land=False)
+
+    def _move(self, run: memoryview, land: bool) -> int:
+        if len(run) > self.payload_bytes - self.fed:
+            raise ValueError(f"{len(run)} more bytes after {self.fed} of a {self.payload_bytes}-byte payload")
+        if self._native is not None:
+            done = library().pd_stream_move(self._native, _address(run), len(run), int(land), self._address,
+                                            self._offsets, self._stride, len(self._bases), self._num_pieces,
+                                            self._piece_bytes, self._out)
+            raw = self._out.raw
+            self.digests.extend(raw[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES] for i in range(len(self.digests), done))
+        else:
+            self._move_ref(run, land)
+        self.fed += len(run)
+        return len(self.digests)
+
+    def _move_ref(self, run: memoryview, land: bool) -> None:
+        """_move, one Python iteration per stretch of a piece."""
+        pos, fed = 0, self.fed
+        while pos < len(run):
+            record, within = divmod(fed, self.record_bytes)
+            piece, offset = divmod(within, self._piece_bytes)
+            n = min(self._piece_bytes - offset, len(run) - pos)
+            at = self._bases[record] + piece * self._stride + offset
+            written = self._view[at:at + n] if land else run[pos:pos + n]
+            written[:] = run[pos:pos + n] if land else self._view[at:at + n]
+            self._hash.update(written)
+            pos, fed = pos + n, fed + n
+            if fed % self.record_bytes == 0:
+                self.digests.append(self._hash.digest())
+                self._hash.reset()
+
+    def close(self) -> None:
+        if getattr(self, "_native", None) is not None:
+            library().pd_stream_free(self._native)
+            self._native = None
+
+    def __enter__(self) -> PieceStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()

@@ -2,8 +2,8 @@
 
 KvSender.push: the transport is the caller's explicit choice and is reported in TransferStats; there is no
 fallback. grpc: manifest (digests_in_trailer), then 2 MiB chunks, then the trailer with the digests; a raw-codec
-push of a contiguous CPU cache joins each chunk's message straight out of the cache's pieces
-(kvstore.paged_records) and hashes it there, any other is encoded a group (``group_bytes``) at a time into a
+push of a contiguous CPU cache fills each chunk's message straight out of the cache's pieces, hashing each
+stretch in the message as it is copied there (kvstore.paged_records, one native pass), any other is encoded a group (``group_bytes``) at a time into a
 reused staging buffer (kvstore.transfer.write_records), hashed there and cut into chunks. shm: the blocks are
 encoded a group at a time straight into a segment (from the sender's SegmentPool when it has one: pre-faulted
 and reused; else a fresh one-shot segment), then the manifest with the digests names it; the segment goes back
@@ -26,14 +26,14 @@ import grpc
 import torch
 
 from kvstore.malloc_tuning import keep_freed_memory_for_reuse
-from kvstore.paged_records import PagedRecords, RecordDigests, is_paged_cache
+from kvstore.paged_records import PagedRecords, is_paged_cache
 from kvstore.shm import OutgoingSegment
 from kvstore.shm_cache import SharedKvCache, block_digests_in_place
 from kvstore.shm_pool import SegmentPool, SegmentPoolExhausted
 from kvstore.transfer import BufferPool, iter_chunks, write_records
 from kvstore.transfer_manifest import (CODECS, DEFAULT_CHUNK_BYTES, TRANSPORTS, KvLayoutSpec, TransferManifest,
                                        check_chunk_bytes, num_chunks)
-from kvstore.transfer_service import GRPC_OPTIONS, encode_data_chunk, encode_data_parts, serialize_chunk
+from kvstore.transfer_service import GRPC_OPTIONS, encode_data_chunk, new_data_chunk, serialize_chunk
 from kvstore.transfer_slices import KvSlices
 from protos.convert import manifest_to_pb
 from protos.pdserve.v1 import kv_transfer_pb2
@@ -290,19 +290,22 @@ class KvSender:
 
     def _paged_messages(self, manifest: kv_transfer_pb2.KvChunk, records: PagedRecords, fault: FaultInjection,
                         errors: list[BaseException]) -> Iterator[kv_transfer_pb2.KvChunk | bytes]:
-        # Runs in grpc's request-consumer thread: each chunk's message is joined straight out of the cache's
-        # pieces (one copy, no gather into a staging buffer) and its records hashed in the message just built;
-        # after the last one, the trailer.
+        # Runs in grpc's request-consumer thread: each chunk's message is filled straight out of the cache's
+        # pieces (one copy, no staging buffer), each stretch hashed in the message right after it was copied
+        # there; after the last one, the trailer.
         try:
             yield manifest
-            digests = RecordDigests(records.record_bytes, records.payload_bytes // max(1, records.record_bytes))
-            for index, pieces in enumerate(records.chunks(self.chunk_bytes)):
-                message, header = encode_data_parts(pieces)
-                digests.update(memoryview(message)[header:])
-                if index == fault.corrupt_chunk_index:
-                    message = message[:header] + bytes([message[header] ^ 0xFF]) + message[header + 1:]
-                yield message
-            yield fault.trailer(digests.digests)
+            with records.stream() as stream:
+                for index, start in enumerate(range(0, records.payload_bytes, self.chunk_bytes)):
+                    num_bytes = min(self.chunk_bytes, records.payload_bytes - start)
+                    message, data = new_data_chunk(num_bytes)
+                    stream.gather(data)
+                    del data  # written: from here on the message is an ordinary bytes object
+                    if index == fault.corrupt_chunk_index:
+                        header = len(message) - num_bytes
+                        message = message[:header] + bytes([message[header] ^ 0xFF]) + message[header + 1:]
+                    yield message
+            yield fault.trailer(stream.digests)
         except Exception as exc:  # grpc would only report "Exception iterating requests"
             errors.append(exc)
             raise

@@ -1,5 +1,5 @@
 """Raw block records as pieces of a paged KV cache, so that the grpc transport needs no staging buffer on either
-side: the sender joins each data chunk straight out of its cache, the receiver lands each chunk straight in its
+side: the sender fills each data chunk straight out of its cache, the receiver lands each chunk straight in its
 cache (kvstore.kv_sender and kvstore.transfer_service use it for raw-codec transfers of a contiguous CPU cache).
 
 A cache ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (contiguous) holds block b of layer l,
@@ -11,15 +11,21 @@ is the sequence of its blocks' pieces, and a cut of the payload into chunks anyw
     payload  | block 0: piece (0,K) (0,V) (1,K) ... (L-1,V) | block 1: ... |
     chunks   |<-- chunk 0 -->|<-- chunk 1 -->|<-- ...      (chunk_bytes each, boundaries anywhere)
 
-``RecordDigests`` hashes records as their bytes stream past in payload order (xxh3-128 streamed: the same digest
-as kvstore.transfer.block_digest of the whole record), whatever the chunking.
+``PagedRecords.stream()`` moves that payload in order, cut anywhere, out of the blocks or into them, and hashes
+each stretch right where it was written (one native pass over the bytes: kernels.cpu_kv_copy.PieceStream), so the
+sender's digests are of what it sent and the receiver's of what landed. ``RecordDigests`` hashes records as their
+bytes stream past in payload order, for a payload that lands in a staging buffer instead. Both give xxh3-128
+streamed over each record: the same digest as kvstore.transfer.block_digest of the whole record, whatever the
+chunking.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 import xxhash
+
+from kernels.cpu_kv_copy import PieceStream
 
 
 def is_paged_cache(kv_cache) -> bool:
@@ -41,32 +47,13 @@ class PagedRecords:
         self.payload_bytes = len(block_ids) * self.record_bytes
         self._stride = num_blocks * self.piece_bytes  # from piece (l, kv) of a block to piece (l, kv) + 1
         self._bases = [int(b) * self.piece_bytes for b in block_ids]
-        self._view = memoryview(kv_cache.reshape(-1).view(torch.uint8).numpy())
+        self._cache = kv_cache
 
-    def _ranges(self, start: int, stop: int) -> Iterator[tuple[int, int]]:
-        """(cache offset, length) of the payload bytes [start, stop), in order."""
-        pos = start
-        while pos < stop:
-            record, within = divmod(pos, self.record_bytes)
-            piece, offset = divmod(within, self.piece_bytes)
-            length = min(self.piece_bytes - offset, stop - pos)
-            yield self._bases[record] + piece * self._stride + offset, length
-            pos += length
-
-    def chunks(self, chunk_bytes: int) -> Iterator[list[memoryview]]:
-        """The payload cut into pieces of `chunk_bytes` (the last one possibly shorter), each as the views of the
-        cache that make it up (valid while the blocks stay unchanged)."""
-        view = self._view
-        for start in range(0, self.payload_bytes, chunk_bytes):
-            stop = min(start + chunk_bytes, self.payload_bytes)
-            yield [view[o:o + n] for o, n in self._ranges(start, stop)]
-
-    def write(self, start: int, data) -> None:
-        """Land `data`, the payload bytes from offset `start` on, in the cache's pieces."""
-        data, view, pos = memoryview(data).cast("B"), self._view, 0
-        for o, n in self._ranges(start, start + len(data)):
-            view[o:o + n] = data[pos:pos + n]
-            pos += n
+    def stream(self) -> PieceStream:
+        """The payload, moved in order out of the blocks (gather: the sender's chunks) or into them (land: the
+        receiver's), each stretch hashed where it was written (kernels.cpu_kv_copy.PieceStream)."""
+        view = memoryview(self._cache.reshape(-1).view(torch.uint8).numpy())
+        return PieceStream(view, self._bases, self._stride, self.num_pieces, self.piece_bytes)
 
 
 class RecordDigests:

@@ -154,13 +154,14 @@ class PayloadAssembler:
     def __init__(self, manifest: TransferManifest, records: int | Sequence[tuple[int, int]],
                  buffer: torch.Tensor | None = None, *, landing=None) -> None:
         self._manifest = manifest
-        self._digests = RecordDigests(records, len(manifest.block_ids))
         self._landing = landing
         if landing is not None:
             if landing.payload_bytes != manifest.payload_bytes:
                 raise ValueError(f"landing holds {landing.payload_bytes} bytes, the payload {manifest.payload_bytes}")
+            self._digests = landing.stream()
             self.buffer = None
         else:
+            self._digests = RecordDigests(records, len(manifest.block_ids))
             if buffer is None:
                 buffer = torch.empty(manifest.payload_bytes, dtype=torch.uint8)
             if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < manifest.payload_bytes:
@@ -176,11 +177,11 @@ class PayloadAssembler:
             raise TransferRejected(f"more than the announced {self._manifest.payload_bytes} bytes arrived",
                                    "payload_bytes")
         if self._landing is not None:
-            self._landing.write(self._received, data)
+            done = self._digests.land(data)  # landed and hashed where it landed, in one pass
         else:
             self._view[self._received:end] = data
+            done = self._digests.update(data)
         self._received = end
-        done = self._digests.update(data)
         if not self._manifest.digests_in_trailer:
             for k in range(self._checked, done):
                 if self._digests.digests[k] != self._manifest.block_digests[k]:

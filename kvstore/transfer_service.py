@@ -31,6 +31,7 @@ grpc's default 4 MiB message limit once framed; large frames and socket reads cu
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -320,15 +321,26 @@ def _varint(n: int) -> bytes:
 
 def encode_data_chunk(data) -> bytes:
     """The serialized KvChunk(data=data), built in one copy."""
-    return encode_data_parts([data])[0]
+    view = memoryview(data).cast("B")
+    return b"".join((_DATA_TAG + _varint(len(view)), view))
 
 
-def encode_data_parts(parts) -> tuple[bytes, int]:
-    """The serialized KvChunk whose data is the concatenation of `parts` (bytes-like), built in one copy, and
-    the offset of that data in it."""
-    views = [memoryview(p).cast("B") for p in parts]
-    header = _DATA_TAG + _varint(sum(len(v) for v in views))
-    return b"".join((header, *views)), len(header)
+def new_data_chunk(num_bytes: int) -> tuple[bytes, memoryview]:
+    """A serialized KvChunk whose `num_bytes` of data are not written yet, and a writable view of them: the
+    bytes object is fresh and shared with no one until the caller has filled the view (CPython's
+    PyBytes_FromStringAndSize(NULL, n), whose contents the caller writes before handing the object on), so a
+    chunk's data is written once, where grpc will send it from."""
+    header = _DATA_TAG + _varint(num_bytes)
+    message = _new_bytes(None, len(header) + num_bytes)
+    address = _bytes_address(message)
+    ctypes.memmove(address, header, len(header))
+    return message, memoryview((ctypes.c_char * num_bytes).from_address(address + len(header))).cast("B")
+
+
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype, _new_bytes.argtypes = ctypes.py_object, [ctypes.c_char_p, ctypes.c_ssize_t]
+_bytes_address = ctypes.pythonapi.PyBytes_AsString
+_bytes_address.restype, _bytes_address.argtypes = ctypes.c_void_p, [ctypes.py_object]
 
 
 def serialize_chunk(message: kv_transfer_pb2.KvChunk | bytes) -> bytes:

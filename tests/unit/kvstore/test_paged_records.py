@@ -1,5 +1,5 @@
-"""kvstore.paged_records: a payload of raw records cut out of / landed in a paged cache at any chunk boundary,
-and digests streamed over any cut, all equal to the gathered payload and its per-record digests."""
+"""kvstore.paged_records: a payload of raw records gathered out of / landed in a paged cache at any chunk boundary,
+hashed as it moves, equal to the gathered payload and its per-record digests, natively and in Python."""
 from __future__ import annotations
 
 from itertools import pairwise
@@ -7,8 +7,8 @@ from itertools import pairwise
 import pytest
 import torch
 
-from kernels import gather_blocks
-from kvstore.paged_records import PagedRecords, RecordDigests, is_paged_cache
+from kernels import cpu_kv_copy, gather_blocks
+from kvstore.paged_records import PagedRecords, is_paged_cache
 from kvstore.transfer import PayloadAssembler, block_digest, encode_records
 from kvstore.transfer_manifest import KvLayoutSpec, TransferManifest, TransferRejected
 
@@ -24,34 +24,64 @@ def make_cache(seed: int = 0) -> torch.Tensor:
     return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))  # [L, 2, num_blocks, bs, Hkv, D]
 
 
+@pytest.fixture(params=["native", "python"])
+def stream_impl(request, monkeypatch):
+    """Each test once with the native stream (kernels/cpu_kv_copy.c) and once with its Python loops."""
+    if request.param == "native" and not cpu_kv_copy.available():
+        pytest.skip("native kv copy unavailable: the Python loops are what runs")
+    if request.param == "python":
+        monkeypatch.setattr(cpu_kv_copy, "available", lambda: False)
+    return request.param
+
+
+def cuts_of(total: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    return [(lo, min(lo + chunk_bytes, total)) for lo in range(0, total, chunk_bytes)]
+
+
 @pytest.mark.parametrize("chunk_bytes", [1, 1000, 1024, 6144, 7000, 1 << 20])
-def test_chunks_joined_out_of_the_cache_are_the_gathered_payload_and_digests_stream_over_any_cut(chunk_bytes):
+def test_chunks_gathered_out_of_the_cache_are_the_payload_with_each_records_digest(chunk_bytes, stream_impl):
     cache = make_cache()
     records = PagedRecords(cache, SRC_IDS)
     payload = encode_records(cache, SRC_IDS, "raw")  # [n * block_bytes] uint8, gathered by the kernels
     assert records.record_bytes == LAYOUT.block_bytes("raw") and records.payload_bytes == payload.numel()
-    chunks = [b"".join(pieces) for pieces in records.chunks(chunk_bytes)]
-    assert all(len(c) == chunk_bytes for c in chunks[:-1]) and 0 < len(chunks[-1]) <= chunk_bytes
+    chunks, counts = [], []
+    with records.stream() as stream:
+        for lo, hi in cuts_of(records.payload_bytes, chunk_bytes):
+            chunk = bytearray(hi - lo)
+            counts.append(stream.gather(chunk))
+            chunks.append(bytes(chunk))
+        with pytest.raises(ValueError, match="more bytes after"):
+            stream.gather(bytearray(1))
     assert b"".join(chunks) == payload.numpy().tobytes()
-    digests = RecordDigests(records.record_bytes, len(SRC_IDS))
-    counts = [digests.update(c) for c in chunks]
     bb = records.record_bytes
-    assert digests.digests == [block_digest(payload[i * bb:(i + 1) * bb].numpy()) for i in range(len(SRC_IDS))]
+    assert stream.digests == [block_digest(payload[i * bb:(i + 1) * bb].numpy()) for i in range(len(SRC_IDS))]
     assert counts[-1] == len(SRC_IDS) and counts == sorted(counts)
+    assert counts[0] == (chunk_bytes // bb if chunk_bytes < records.payload_bytes else len(SRC_IDS))
 
 
 @pytest.mark.parametrize("cuts", [[], [1], [1000, 1001, 5000], [6144, 12288], [30719]])
-def test_write_at_any_cut_lands_each_record_in_its_block_and_nothing_else(cuts):
+def test_landing_at_any_cut_writes_each_record_in_its_block_and_nothing_else(cuts, stream_impl):
     src, dst = make_cache(1), make_cache(2)
     before = dst.clone()
     payload = encode_records(src, SRC_IDS, "raw").numpy().tobytes()
-    landing = PagedRecords(dst, DST_IDS)
+    stream = PagedRecords(dst, DST_IDS).stream()
     bounds = [0, *cuts, len(payload)]
     for lo, hi in pairwise(bounds):
-        landing.write(lo, payload[lo:hi])
+        stream.land(payload[lo:hi])
     assert torch.equal(gather_blocks(dst, torch.tensor(DST_IDS)), gather_blocks(src, torch.tensor(SRC_IDS)))
     rest = [b for b in range(SHAPE[2]) if b not in DST_IDS]
     assert torch.equal(dst[:, :, rest], before[:, :, rest])
+    bb = LAYOUT.block_bytes("raw")
+    assert stream.digests == [block_digest(payload[i * bb:(i + 1) * bb]) for i in range(len(SRC_IDS))]
+    stream.close()
+
+
+def test_a_stream_refuses_a_read_only_gather_buffer_and_blocks_outside_the_cache():
+    records = PagedRecords(make_cache(), SRC_IDS)
+    with records.stream() as stream, pytest.raises(ValueError, match="writable"):
+        stream.gather(bytes(16))
+    with pytest.raises(ValueError, match="block 1 at byte"):
+        cpu_kv_copy.PieceStream(bytearray(6144 * 2), [0, 6144 * 2], 1024, 6, 1024)
 
 
 def test_only_a_contiguous_cpu_cache_is_paged():
