@@ -114,9 +114,11 @@ def test_rows_are_batch_and_thread_invariant(layer0, name, isa):
     for nthreads in (2, 4):
         assert torch.equal(run(kind, x, args, nthreads=nthreads, isa=isa), together)
     # From Q4P_DEQUANT_ROWS (32) rows the AVX512 q4 path reads a dequantized tile instead, 3 rows a pass (35: 11
-    # passes of 3 and one of 2); the AVX512 q8 one from 12 rows, 6 a pass (5 passes of 6 and one of 5).
-    many = x.repeat(5, 1)                                                            # [35, in]
-    assert torch.equal(run(kind, many, args, nthreads=1, isa=isa), together.repeat(5, 1))
+    # passes of 3 and one of 2); the AVX512 q8 one from 12 rows, 6 a pass (5 passes of 6 and one of 5), at
+    # ISA_AVX512_BF16 4 a pass up to 64 rows (8 of 4 and one of 3) and 6 from 65 (70: 11 of 6 and one of 4).
+    for copies in (5, 10):
+        many = x.repeat(copies, 1)                                                   # [35 or 70, in]
+        assert torch.equal(run(kind, many, args, nthreads=1, isa=isa), together.repeat(copies, 1))
 
 
 @pytest.mark.parametrize("block_rows", [32, 64])
@@ -144,8 +146,8 @@ def test_q4_every_path_gives_the_scalar_bits_at_both_block_sizes(isa, block_rows
 def test_q8_rows_are_the_same_in_every_tile(isa):
     """A weight row's outputs do not depend on the tile holding it: the first n rows of a 23-row weight (blocks
     of 8, tiles of up to 4 rows: 4 + 3 at its tail) against the n-row weight alone, 13 rows of x (passes of 6,
-    6, 1; on AVX512 over the block dequantized once, its sums reduced 16 at a time) and 5 (the codes read in
-    every pass), and torch's int8pack_mm where it runs the AVX512 order."""
+    6, 1, at ISA_AVX512_BF16 of 4, 4, 4, 1; on AVX512 over the block dequantized once, its sums reduced 16 at a
+    time) and 5 (the codes read in every pass), and torch's int8pack_mm where it runs the AVX512 order."""
     g = torch.Generator().manual_seed(5)
     qweight = torch.randint(-127, 128, (23, 96), generator=g, dtype=torch.int8)
     scale = torch.rand(23, generator=g).bfloat16().float() / 64
