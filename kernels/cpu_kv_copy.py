@@ -227,8 +227,10 @@ class PieceStream:
             done = library().pd_stream_move(self._native, _address(run), len(run), int(land), self._address,
                                             self._offsets, self._stride, len(self._bases), self._num_pieces,
                                             self._piece_bytes, self._out)
-            raw = self._out.raw
-            self.digests.extend(raw[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES] for i in range(len(self.digests), done))
+            have = len(self.digests)
+            if done > have:  # only the digests completed by this call
+                raw = ctypes.string_at(ctypes.addressof(self._out) + have * DIGEST_BYTES, (done - have) * DIGEST_BYTES)
+                self.digests.extend(raw[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES] for i in range(done - have))
         else:
             self._move_ref(run, land)
         self.fed += len(run)

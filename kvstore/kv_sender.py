@@ -3,8 +3,9 @@
 KvSender.push: the transport is the caller's explicit choice and is reported in TransferStats; there is no
 fallback. grpc: manifest (digests_in_trailer), then 2 MiB chunks, then the trailer with the digests; a raw-codec
 push of a contiguous CPU cache fills each chunk's message straight out of the cache's pieces, hashing each
-stretch in the message as it is copied there (kvstore.paged_records, one native pass), any other is encoded a group (``group_bytes``) at a time into a
-reused staging buffer (kvstore.transfer.write_records), hashed there and cut into chunks. shm: the blocks are
+stretch in the message as it is copied there (kvstore.paged_records, one native pass), any other is encoded a
+group (``group_bytes``) at a time into a reused staging buffer (kvstore.transfer.write_records), hashed there and
+cut into chunks. shm: the blocks are
 encoded a group at a time straight into a segment (from the sender's SegmentPool when it has one: pre-faulted
 and reused; else a fresh one-shot segment), then the manifest with the digests names it; the segment goes back
 to the pool only after a committed Push, and is unlinked on every other outcome. Zero copy (KvSender.data_path

@@ -196,6 +196,8 @@ class PayloadAssembler:
             raise TransferRejected(f"stream ended after {self._received} of {self._manifest.payload_bytes} bytes",
                                    "payload_bytes")
         assert len(self._digests.digests) == self._digests.num_records
+        if self._landing is not None:
+            self._digests.close()  # every byte landed: the native stream's state is done with
         if self._manifest.digests_in_trailer:
             if trailer_digests is None:
                 raise TransferRejected("the stream ended without the trailer its manifest announced", "trailer",
