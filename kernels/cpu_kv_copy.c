@@ -1,7 +1,14 @@
 /* Copy-and-hash of paged KV pieces (kernels/cpu_kv_copy.py builds and loads this file; its docstring is the
- * contract, its Python loops the definition). Plain C11, no torch headers, no xxhash headers: xxh3-128 is the
- * installed xxhash package's own build, whose functions Python resolves and hands over once (pd_kv_copy_init), so
- * the digests are the package's by construction.
+ * contract, its Python loops the definition). Plain C11, no torch headers, no xxhash headers.
+ *
+ * Two xxh3-128s: the installed xxhash package's own build, whose functions Python resolves and hands over once
+ * (pd_kv_copy_init), for any layout; and, for blocks whose pieces are whole 64-byte stripes (every KV layout with
+ * blocks of 16 tokens), xxh3-128's long-input loop written out here (XXH3_hashLong_128b over the default secret,
+ * seed 0: the same digests, tested against the package over many layouts) so that the copy and the hash are one
+ * pass: each stripe is loaded once, stored to its destination and folded into the accumulators from the register
+ * it was stored from. What is hashed is then exactly what was written: the destination is the caller's own
+ * memory, which nothing else writes. The stores stream past the caches (a landed block is read again only by
+ * a later decode step), so the destination's lines are not read first either: one read and one write per byte.
  *
  * Block i is num_pieces pieces of piece_bytes bytes at base + bases[i] + p * stride, p = 0 .. num_pieces - 1. The
  * caller has checked that every piece lies inside its buffer: nothing here checks a bound.
@@ -10,6 +17,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define PD_X86 1
+#else
+#define PD_X86 0
+#endif
 
 /* xxhash.h's XXH128_hash_t and XXH128_canonical_t, by value the same structs (the ABI is the platform's). */
 typedef struct { uint64_t low64, high64; } pd_xxh128;
@@ -54,12 +68,290 @@ static void prefetch_piece(const uint8_t *piece, int64_t piece_bytes)
             PREFETCH(piece + off);
 }
 
-/* dst NULL: hash the source pieces where they are. Otherwise copy each piece, then hash the bytes that landed
- * while they are still in L1/L2 (the receiver must hash what landed, not what it read: kvstore.shm_cache). */
+/* ------------------------------------------------------------------------------ xxh3-128, long inputs, fused */
+/* xxhash.h's XXH3_kSecret, XXH_PRIME*, XXH3_INIT_ACC, XXH_SECRET_LASTACC_START / MERGEACCS_START (v0.8). */
+static const uint8_t XXH3_SECRET[192] __attribute__((aligned(64))) = {
+    0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad, 0x1c,
+    0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3, 0x67, 0x1f,
+    0xcb, 0x79, 0xe6, 0x4e, 0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc, 0xff, 0x72, 0x21,
+    0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e, 0xe0, 0x35, 0x90, 0xe6, 0x81, 0x3a, 0x26, 0x4c,
+    0x3c, 0x28, 0x52, 0xbb, 0x91, 0xc3, 0x00, 0xcb, 0x88, 0xd0, 0x65, 0x8b, 0x1b, 0x53, 0x2e, 0xa3,
+    0x71, 0x64, 0x48, 0x97, 0xa2, 0x0d, 0xf9, 0x4e, 0x38, 0x19, 0xef, 0x46, 0xa9, 0xde, 0xac, 0xd8,
+    0xa8, 0xfa, 0x76, 0x3f, 0xe3, 0x9c, 0x34, 0x3f, 0xf9, 0xdc, 0xbb, 0xc7, 0xc7, 0x0b, 0x4f, 0x1d,
+    0x8a, 0x51, 0xe0, 0x4b, 0xcd, 0xb4, 0x59, 0x31, 0xc8, 0x9f, 0x7e, 0xc9, 0xd9, 0x78, 0x73, 0x64,
+    0xea, 0xc5, 0xac, 0x83, 0x34, 0xd3, 0xeb, 0xc3, 0xc5, 0x81, 0xa0, 0xff, 0xfa, 0x13, 0x63, 0xeb,
+    0x17, 0x0d, 0xdd, 0x51, 0xb7, 0xf0, 0xda, 0x49, 0xd3, 0x16, 0x55, 0x26, 0x29, 0xd4, 0x68, 0x9e,
+    0x2b, 0x16, 0xbe, 0x58, 0x7d, 0x47, 0xa1, 0xfc, 0x8f, 0xf8, 0xb8, 0xd1, 0x7a, 0xd0, 0x31, 0xce,
+    0x45, 0xcb, 0x3a, 0x8f, 0x95, 0x16, 0x04, 0x28, 0xaf, 0xd7, 0xfb, 0xca, 0xbb, 0x4b, 0x40, 0x7e,
+};
+#define XXH_P32_1 0x9E3779B1U
+#define XXH_P32_2 0x85EBCA77U
+#define XXH_P32_3 0xC2B2AE3DU
+#define XXH_P64_1 0x9E3779B185EBCA87ULL
+#define XXH_P64_2 0xC2B2AE3D27D4EB4FULL
+#define XXH_P64_3 0x165667B19E3779F9ULL
+#define XXH_P64_4 0x85EBCA77C2B2AE63ULL
+#define XXH_P64_5 0x27D4EB2F165667C5ULL
+#define STRIPE 64
+#define STRIPES_PER_BLOCK 16          /* (sizeof XXH3_SECRET - STRIPE) / 8: a scramble after each 1 KiB */
+#define SCRAMBLE_KEY (192 - STRIPE)
+#define LASTACC_KEY (192 - STRIPE - 7)
+#define MERGE_LOW_KEY 11
+#define MERGE_HIGH_KEY (192 - STRIPE - 11)
+#define STREAM_PREFETCH_BYTES 384     /* xxhash's XXH_PREFETCH_DIST: each stripe asks for the one 6 ahead */
+
+/* The xxh3 accumulators of one record being hashed: stripe `next` of `last + 1` comes next. The last stripe of a
+ * record (its last 64 bytes: the record is whole stripes) is folded with its own key and not followed by a
+ * scramble, as XXH3_hashLong_internal_loop does. */
+typedef struct {
+    uint64_t acc[8] __attribute__((aligned(64)));
+    int64_t next, last;
+} pd_xxh3_long;
+
+static void xxh3_long_start(pd_xxh3_long *h, int64_t record_bytes)
+{
+    static const uint64_t init[8] = {XXH_P32_3, XXH_P64_1, XXH_P64_2, XXH_P64_3, XXH_P64_4, XXH_P32_2, XXH_P64_5,
+                                     XXH_P32_1};
+    memcpy(h->acc, init, sizeof init);
+    h->next = 0;
+    h->last = record_bytes / STRIPE - 1;
+}
+
+static inline uint64_t read64(const uint8_t *p)
+{
+    uint64_t v;
+    memcpy(&v, p, 8);  /* little endian: x86 and every platform torch's CPU build runs on */
+    return v;
+}
+
+/* The run of stripes from h->next that share one key sequence: up to the end of the 1 KiB block (a scramble follows
+ * when it ends there), n at most, and never the record's last stripe, which goes alone with its own key. Returns
+ * the run's length (0: the next stripe is the last) and its first key. */
+static inline int64_t stripe_run(const pd_xxh3_long *h, int64_t n, const uint8_t **key)
+{
+    const int64_t in_block = h->next % STRIPES_PER_BLOCK;
+    int64_t m = STRIPES_PER_BLOCK - in_block;
+    m = m < n ? m : n;
+    m = m < h->last - h->next ? m : h->last - h->next;
+    *key = XXH3_SECRET + (m ? in_block * 8 : LASTACC_KEY);
+    return m;
+}
+
+/* Whether the run that ended at h->next completed a block (a scramble follows; never after the last stripe). */
+static inline int block_done(const pd_xxh3_long *h)
+{
+    return h->next % STRIPES_PER_BLOCK == 0 && h->next <= h->last;
+}
+
+static void fold_stripe_scalar(uint64_t *acc, const uint8_t *in, const uint8_t *key)
+{
+    for (int lane = 0; lane < 8; lane++) {
+        uint64_t data = read64(in + 8 * lane), data_key = data ^ read64(key + 8 * lane);
+        acc[lane ^ 1] += data;
+        acc[lane] += (data_key & 0xFFFFFFFFULL) * (data_key >> 32);
+    }
+}
+
+/* n stripes of src folded into h, and copied to dst unless it is NULL: portable, AVX2, AVX512 (their stores to
+ * dst stream past the caches when dst is aligned to the vector). */
+static void xxh3_stripes_scalar(pd_xxh3_long *h, const uint8_t *src, uint8_t *dst, int64_t n)
+{
+    uint64_t *acc = h->acc;
+    while (n > 0) {
+        const uint8_t *key;
+        int64_t m = stripe_run(h, n, &key), run = m ? m : 1;
+        if (dst) {
+            memcpy(dst, src, (size_t)(run * STRIPE));
+            dst += run * STRIPE;
+        }
+        for (int64_t s = 0; s < run; s++)
+            fold_stripe_scalar(acc, src + s * STRIPE, key + 8 * s);
+        src += run * STRIPE, n -= run, h->next += run;
+        if (m && block_done(h))
+            for (int lane = 0; lane < 8; lane++) {
+                uint64_t a = acc[lane];
+                a ^= a >> 47;
+                a ^= read64(XXH3_SECRET + SCRAMBLE_KEY + 8 * lane);
+                acc[lane] = a * XXH_P32_1;
+            }
+    }
+}
+
+#if PD_X86
+#define KV_AVX2_TARGET __attribute__((target("avx2")))
+#define KV_AVX512_TARGET __attribute__((target("avx512f,avx2")))
+
+KV_AVX2_TARGET static void xxh3_stripes_avx2(pd_xxh3_long *h, const uint8_t *src, uint8_t *dst, int64_t n)
+{
+    __m256i acc0 = _mm256_load_si256((const __m256i *)h->acc), acc1 = _mm256_load_si256((const __m256i *)h->acc + 1);
+    const __m256i prime = _mm256_set1_epi32((int)XXH_P32_1);
+    const int stream = dst && ((uintptr_t)dst % 32) == 0;
+    while (n > 0) {
+        const uint8_t *key;
+        int64_t m = stripe_run(h, n, &key), run = m ? m : 1;
+        for (int64_t s = 0; s < run; s++, src += STRIPE, key += 8) {
+            PREFETCH(src + STREAM_PREFETCH_BYTES);
+            __m256i d0 = _mm256_loadu_si256((const __m256i *)src), d1 = _mm256_loadu_si256((const __m256i *)src + 1);
+            if (stream) {
+                _mm256_stream_si256((__m256i *)dst, d0);
+                _mm256_stream_si256((__m256i *)dst + 1, d1);
+            } else if (dst) {
+                _mm256_storeu_si256((__m256i *)dst, d0);
+                _mm256_storeu_si256((__m256i *)dst + 1, d1);
+            }
+            dst = dst ? dst + STRIPE : NULL;
+            __m256i k0 = _mm256_xor_si256(d0, _mm256_loadu_si256((const __m256i *)key));
+            __m256i k1 = _mm256_xor_si256(d1, _mm256_loadu_si256((const __m256i *)key + 1));
+            acc0 = _mm256_add_epi64(_mm256_mul_epu32(k0, _mm256_srli_epi64(k0, 32)),
+                                    _mm256_add_epi64(acc0, _mm256_shuffle_epi32(d0, _MM_SHUFFLE(1, 0, 3, 2))));
+            acc1 = _mm256_add_epi64(_mm256_mul_epu32(k1, _mm256_srli_epi64(k1, 32)),
+                                    _mm256_add_epi64(acc1, _mm256_shuffle_epi32(d1, _MM_SHUFFLE(1, 0, 3, 2))));
+        }
+        n -= run, h->next += run;
+        if (m && block_done(h)) {
+            __m256i *accs[2] = {&acc0, &acc1};
+            for (int half = 0; half < 2; half++) {
+                __m256i a = _mm256_xor_si256(*accs[half], _mm256_srli_epi64(*accs[half], 47));
+                a = _mm256_xor_si256(a, _mm256_loadu_si256((const __m256i *)(XXH3_SECRET + SCRAMBLE_KEY) + half));
+                __m256i lo = _mm256_mul_epu32(a, prime), hi = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), prime);
+                *accs[half] = _mm256_add_epi64(lo, _mm256_slli_epi64(hi, 32));
+            }
+        }
+    }
+    _mm256_store_si256((__m256i *)h->acc, acc0);
+    _mm256_store_si256((__m256i *)h->acc + 1, acc1);
+}
+
+KV_AVX512_TARGET static void xxh3_stripes_avx512(pd_xxh3_long *h, const uint8_t *src, uint8_t *dst, int64_t n)
+{
+    __m512i acc = _mm512_load_si512(h->acc);
+    const __m512i prime = _mm512_set1_epi32((int)XXH_P32_1);
+    const int stream = dst && ((uintptr_t)dst % 64) == 0;
+    while (n > 0) {
+        const uint8_t *key;
+        int64_t m = stripe_run(h, n, &key), run = m ? m : 1;
+        for (int64_t s = 0; s < run; s++, src += STRIPE, key += 8) {
+            PREFETCH(src + STREAM_PREFETCH_BYTES);
+            __m512i data = _mm512_loadu_si512(src);
+            if (stream)
+                _mm512_stream_si512((__m512i *)dst, data);
+            else if (dst)
+                _mm512_storeu_si512(dst, data);
+            dst = dst ? dst + STRIPE : NULL;
+            __m512i data_key = _mm512_xor_si512(data, _mm512_loadu_si512(key));
+            acc = _mm512_add_epi64(_mm512_mul_epu32(data_key, _mm512_srli_epi64(data_key, 32)),
+                                   _mm512_add_epi64(acc, _mm512_shuffle_epi32(data, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 3, 2))));
+        }
+        n -= run, h->next += run;
+        if (m && block_done(h)) {
+            __m512i a = _mm512_xor_si512(acc, _mm512_srli_epi64(acc, 47));
+            a = _mm512_xor_si512(a, _mm512_loadu_si512(XXH3_SECRET + SCRAMBLE_KEY));
+            __m512i lo = _mm512_mul_epu32(a, prime), hi = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), prime);
+            acc = _mm512_add_epi64(lo, _mm512_slli_epi64(hi, 32));
+        }
+    }
+    _mm512_store_si512(h->acc, acc);
+}
+#endif
+
+typedef void (*xxh3_stripes_fn)(pd_xxh3_long *, const uint8_t *, uint8_t *, int64_t);
+
+/* isa: 0 portable, 1 AVX2, 2 AVX512, -1 the best this CPU runs (one it lacks falls back to the best below it). */
+static xxh3_stripes_fn xxh3_stripes_for(int isa)
+{
+#if PD_X86
+    __builtin_cpu_init();
+    if ((isa < 0 || isa >= 2) && __builtin_cpu_supports("avx512f"))
+        return xxh3_stripes_avx512;
+    if ((isa < 0 || isa >= 1) && __builtin_cpu_supports("avx2"))
+        return xxh3_stripes_avx2;
+#endif
+    (void)isa;
+    return xxh3_stripes_scalar;
+}
+
+/* The path pd_copy_hash_pieces and pd_hash_pieces take for this layout and isa: 0 portable, 1 AVX2, 2 AVX512,
+ * -1 the xxhash package's streamed xxh3 (pieces that are not whole stripes, or records of 240 bytes or less). */
+int pd_kv_copy_path(int64_t num_pieces, int64_t piece_bytes, int isa)
+{
+    if (piece_bytes % STRIPE || num_pieces * piece_bytes <= 240)
+        return -1;
+    xxh3_stripes_fn fn = xxh3_stripes_for(isa);
+#if PD_X86
+    if (fn == xxh3_stripes_avx512)
+        return 2;
+    if (fn == xxh3_stripes_avx2)
+        return 1;
+#endif
+    return 0;
+}
+
+static uint64_t mul128_fold64(uint64_t a, uint64_t b)
+{
+    unsigned __int128 product = (unsigned __int128)a * b;
+    return (uint64_t)product ^ (uint64_t)(product >> 64);
+}
+
+static uint64_t merge_accs(const uint64_t *acc, const uint8_t *key, uint64_t start)
+{
+    uint64_t h = start;
+    for (int i = 0; i < 4; i++)
+        h += mul128_fold64(acc[2 * i] ^ read64(key + 16 * i), acc[2 * i + 1] ^ read64(key + 16 * i + 8));
+    h ^= h >> 37;
+    h *= 0x165667919E3779F9ULL;
+    return h ^ (h >> 32);
+}
+
+static void store_be64(uint8_t *out, uint64_t v)
+{
+    for (int i = 7; i >= 0; i--, v >>= 8)
+        out[i] = (uint8_t)v;
+}
+
+/* XXH3_finalizeLong_128b, then XXH128_canonicalFromHash: high64 then low64, big-endian. */
+static void xxh3_long_digest(const pd_xxh3_long *h, int64_t record_bytes, uint8_t *digest)
+{
+    uint64_t len = (uint64_t)record_bytes;
+    store_be64(digest, merge_accs(h->acc, XXH3_SECRET + MERGE_HIGH_KEY, ~(len * XXH_P64_2)));
+    store_be64(digest + 8, merge_accs(h->acc, XXH3_SECRET + MERGE_LOW_KEY, len * XXH_P64_1));
+}
+
+/* copy_hash (below) on whole stripes: one pass a piece, xxh3 folded from the registers each stripe is stored from. */
+static void fused_copy_hash(xxh3_stripes_fn stripes, const uint8_t *src, const int64_t *src_bases, int64_t src_stride,
+                            uint8_t *dst, const int64_t *dst_bases, int64_t dst_stride, int64_t num_blocks,
+                            int64_t num_pieces, int64_t piece_bytes, uint8_t *digests)
+{
+    const int64_t record_bytes = num_pieces * piece_bytes;
+    pd_xxh3_long h;
+    for (int64_t i = 0; i < num_blocks; i++) {
+        xxh3_long_start(&h, record_bytes);
+        for (int64_t p = 0; p < num_pieces; p++) {
+            int64_t ahead = p + PREFETCH_AHEAD, ahead_block = i + ahead / num_pieces;
+            if (ahead_block < num_blocks)
+                prefetch_piece(src + src_bases[ahead_block] + ahead % num_pieces * src_stride, piece_bytes);
+            stripes(&h, src + src_bases[i] + p * src_stride, dst ? dst + dst_bases[i] + p * dst_stride : NULL,
+                    piece_bytes / STRIPE);
+        }
+        xxh3_long_digest(&h, record_bytes, digests + 16 * i);
+    }
+#if PD_X86
+    if (dst)
+        _mm_sfence();  /* the streamed stores are visible before the caller reads, or reports, the blocks */
+#endif
+}
+
+/* dst NULL: hash the source pieces where they are. Otherwise copy each piece and hash the bytes that landed (the
+ * receiver must hash what landed, not what it read: kvstore.shm_cache): whole stripes in one pass (above), else
+ * each piece copied, then hashed while it is still in L1/L2 with the package's xxh3. */
 static int copy_hash(const uint8_t *src, const int64_t *src_bases, int64_t src_stride, uint8_t *dst,
                      const int64_t *dst_bases, int64_t dst_stride, int64_t num_blocks, int64_t num_pieces,
-                     int64_t piece_bytes, uint8_t *digests)
+                     int64_t piece_bytes, uint8_t *digests, int isa)
 {
+    if (pd_kv_copy_path(num_pieces, piece_bytes, isa) >= 0) {
+        fused_copy_hash(xxh3_stripes_for(isa), src, src_bases, src_stride, dst, dst_bases, dst_stride, num_blocks,
+                        num_pieces, piece_bytes, digests);
+        return 0;
+    }
     void *state = xxh3_create_state();
     if (!state)
         return -1;
@@ -83,20 +375,21 @@ static int copy_hash(const uint8_t *src, const int64_t *src_bases, int64_t src_s
     return 0;
 }
 
-/* Copy block i's pieces from src to dst and write the xxh3-128 canonical digest of what landed to digests[16 i]. */
+/* Copy block i's pieces from src to dst and write the xxh3-128 canonical digest of what landed to digests[16 i].
+ * isa: as pd_kv_copy_path. */
 int pd_copy_hash_pieces(const uint8_t *src, const int64_t *src_bases, int64_t src_stride, uint8_t *dst,
                         const int64_t *dst_bases, int64_t dst_stride, int64_t num_blocks, int64_t num_pieces,
-                        int64_t piece_bytes, uint8_t *digests)
+                        int64_t piece_bytes, uint8_t *digests, int isa)
 {
     return copy_hash(src, src_bases, src_stride, dst, dst_bases, dst_stride, num_blocks, num_pieces, piece_bytes,
-                     digests);
+                     digests, isa);
 }
 
-/* The xxh3-128 canonical digest of block i's pieces, where they are, to digests[16 i]. */
+/* The xxh3-128 canonical digest of block i's pieces, where they are, to digests[16 i]. isa: as pd_kv_copy_path. */
 int pd_hash_pieces(const uint8_t *src, const int64_t *bases, int64_t stride, int64_t num_blocks, int64_t num_pieces,
-                   int64_t piece_bytes, uint8_t *digests)
+                   int64_t piece_bytes, uint8_t *digests, int isa)
 {
-    return copy_hash(src, bases, stride, NULL, NULL, 0, num_blocks, num_pieces, piece_bytes, digests);
+    return copy_hash(src, bases, stride, NULL, NULL, 0, num_blocks, num_pieces, piece_bytes, digests, isa);
 }
 
 /* A payload of records streamed in order, in pieces of any length, between a contiguous run of its bytes and the

@@ -9,8 +9,8 @@ stride = num_blocks * piece_bytes, num_pieces = 2 * L (kvstore.shm_cache's modul
     hash_pieces(src, bases, stride, num_pieces, piece_bytes)
         the digest of each block, read where it is
     copy_hash_pieces(src, src_bases, src_stride, dst, dst_bases, dst_stride, num_pieces, piece_bytes)
-        copy block i of src to block i of dst piece by piece, each piece hashed right after it landed (in L1/L2):
-        the digests of the bytes in dst, never of what was read from src (kvstore.shm_cache says why)
+        copy block i of src to block i of dst piece by piece, hashing what landed: the digests of the bytes in
+        dst, never of what was read from src (kvstore.shm_cache says why)
     PieceStream(blocks, bases, stride, num_pieces, piece_bytes)
         the blocks' records as one payload (block 0's pieces in order, then block 1's, ...), moved in order, any
         number of bytes at a time, into the blocks (land) or out of them into a contiguous buffer (gather), each
@@ -18,10 +18,18 @@ stride = num_blocks * piece_bytes, num_pieces = 2 * L (kvstore.shm_cache's modul
 
 All check first that every piece of every block lies inside its buffer (ValueError naming the block, before
 any byte is written), then run the C loop when `available()`, else the Python loops `*_ref` (the definition:
-same digests, same bytes landed). The C code is compiled on first use by kernels.native_build and calls the
-installed xxhash package's own xxh3 functions (resolved with ctypes from its extension module; the runtime-
-dispatched update, AVX2/AVX512, when it exports one, as the package's own update uses): no second xxh3. No
-compiler, a failed build or a symbol the extension lacks logs one warning and `available()` is False. ctypes
+same digests, same bytes landed). The C code is compiled on first use by kernels.native_build. Its xxh3-128 is
+of two kinds:
+- hash_pieces and copy_hash_pieces, on blocks whose pieces are whole 64-byte stripes (every KV cache with blocks
+  of 16 tokens) and records over 240 bytes: xxh3-128's long-input loop written out in the C file (AVX512, AVX2
+  or portable C, picked at run time; `isa` forces one, ISA_BEST by default, and one the CPU lacks falls back),
+  one pass a piece: each stripe is loaded once, stored to the destination (streaming stores, past the caches),
+  and folded into the hash from the register it was stored from, i.e. the digest of what landed. The same
+  digests as the package's, tested against it over many layouts on every path. `native_path` says which runs.
+- everything else (other layouts, PieceStream): the installed xxhash package's own functions (resolved with
+  ctypes from its extension module; the runtime-dispatched update, AVX2/AVX512, when it exports one, as the
+  package's own update uses), each piece copied, then hashed while it is in L1/L2.
+No compiler, a failed build or a symbol the extension lacks logs one warning and `available()` is False. ctypes
 releases the GIL for the call: other threads run while a transfer copies.
 """
 
@@ -42,6 +50,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kv_copy.c")
 DIGEST_BYTES = 16
+ISA_BEST, ISA_PORTABLE, ISA_AVX2, ISA_AVX512 = -1, 0, 1, 2
 _XXH3_SYMBOLS = ("XXH3_createState", "XXH3_freeState", "XXH3_128bits_reset", "XXH3_128bits_update",
                  "XXH3_128bits_digest", "XXH128_canonicalFromHash")
 
@@ -74,9 +83,10 @@ def library() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.pd_kv_copy_init.restype, lib.pd_kv_copy_init.argtypes = None, [ptr] * 6
     lib.pd_copy_hash_pieces.restype = ctypes.c_int
-    lib.pd_copy_hash_pieces.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr]
+    lib.pd_copy_hash_pieces.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ctypes.c_int]
     lib.pd_hash_pieces.restype = ctypes.c_int
-    lib.pd_hash_pieces.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr]
+    lib.pd_hash_pieces.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ctypes.c_int]
+    lib.pd_kv_copy_path.restype, lib.pd_kv_copy_path.argtypes = ctypes.c_int, [i64, i64, ctypes.c_int]
     lib.pd_stream_new.restype, lib.pd_stream_new.argtypes = ptr, []
     lib.pd_stream_free.restype, lib.pd_stream_free.argtypes = None, [ptr]
     lib.pd_stream_move.restype = i64
@@ -150,20 +160,32 @@ def _split(out: ctypes.Array, num_blocks: int) -> list[bytes]:
     return [raw[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES] for i in range(num_blocks)]
 
 
-def hash_pieces(src, bases: Sequence[int], stride: int, num_pieces: int, piece_bytes: int) -> list[bytes]:
-    """The xxh3-128 digest of each block of `src` (module doc), hashed where it is."""
+def native_path(num_pieces: int, piece_bytes: int, isa: int = ISA_BEST) -> str:
+    """Which loop hash_pieces / copy_hash_pieces run for blocks of this shape (module doc): "portable", "avx2" or
+    "avx512" (the one-pass xxh3: whole 64-byte stripes, records over 240 bytes), "xxhash" (the package's xxh3,
+    piece by piece), or "python" (no native library)."""
+    if not available():
+        return "python"
+    return {-1: "xxhash", ISA_PORTABLE: "portable", ISA_AVX2: "avx2",
+            ISA_AVX512: "avx512"}[library().pd_kv_copy_path(num_pieces, piece_bytes, isa)]
+
+
+def hash_pieces(src, bases: Sequence[int], stride: int, num_pieces: int, piece_bytes: int,
+                isa: int = ISA_BEST) -> list[bytes]:
+    """The xxh3-128 digest of each block of `src` (module doc), hashed where it is. `isa`: module doc."""
     view = _checked("src", src, bases, stride, num_pieces, piece_bytes)
     if not bases or not available():
         return hash_pieces_ref(view, bases, stride, num_pieces, piece_bytes)
     lib, out = library(), ctypes.create_string_buffer(len(bases) * DIGEST_BYTES)
-    if lib.pd_hash_pieces(_address(view), _offsets(bases), stride, len(bases), num_pieces, piece_bytes, out):
+    if lib.pd_hash_pieces(_address(view), _offsets(bases), stride, len(bases), num_pieces, piece_bytes, out, isa):
         raise MemoryError("native kv copy: out of memory for an xxh3 state")
     return _split(out, len(bases))
 
 
 def copy_hash_pieces(src, src_bases: Sequence[int], src_stride: int, dst, dst_bases: Sequence[int],
-                     dst_stride: int, num_pieces: int, piece_bytes: int) -> list[bytes]:
-    """Block i of `src` -> block i of `dst` (module doc): the xxh3-128 digest of each block as it landed."""
+                     dst_stride: int, num_pieces: int, piece_bytes: int, isa: int = ISA_BEST) -> list[bytes]:
+    """Block i of `src` -> block i of `dst` (module doc): the xxh3-128 digest of each block as it landed. `isa`:
+    module doc."""
     if len(src_bases) != len(dst_bases):
         raise ValueError(f"{len(src_bases)} source blocks for {len(dst_bases)} destination blocks")
     src_view = _checked("src", src, src_bases, src_stride, num_pieces, piece_bytes)
@@ -175,7 +197,7 @@ def copy_hash_pieces(src, src_bases: Sequence[int], src_stride: int, dst, dst_ba
                                     piece_bytes)
     lib, out = library(), ctypes.create_string_buffer(len(src_bases) * DIGEST_BYTES)
     if lib.pd_copy_hash_pieces(_address(src_view), _offsets(src_bases), src_stride, _address(dst_view),
-                               _offsets(dst_bases), dst_stride, len(src_bases), num_pieces, piece_bytes, out):
+                               _offsets(dst_bases), dst_stride, len(src_bases), num_pieces, piece_bytes, out, isa):
         raise MemoryError("native kv copy: out of memory for an xxh3 state")
     return _split(out, len(src_bases))
 

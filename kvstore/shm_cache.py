@@ -24,8 +24,9 @@ One push (kvstore.kv_sender sends, kvstore.transfer_service receives):
               digests_in_trailer}, at once; then hashes the source blocks in place and sends the trailer
     receiver  maps the segment once (PooledSegmentReader.attach: the file checks of kvstore.shm; the mapping is
               kept while name, file and epoch stay), checks the header against the manifest, and copies each
-              source block into its destination piece by piece, hashing each piece right after it landed (still
-              in cache); then compares the hashes of what landed with the trailer's
+              source block into its destination piece by piece, hashing what landed (in C: one pass, each
+              64-byte stripe hashed from the register it was stored from); then compares the hashes of what
+              landed with the trailer's
     mismatch  (or any failure after the first write) the destination blocks are zeroed (a fresh cache's state:
               no byte of a rejected transfer stays, and no NaN pattern) and the transfer is rejected as a whole
 
@@ -172,7 +173,7 @@ class CacheRead:
         self._src_bases = [b * self._piece for b in manifest.src_block_ids]
 
     def _copy(self, dst: memoryview, dst_bases: Sequence[int], dst_stride: int) -> list[bytes]:
-        """Copy every source block to `dst` piece by piece, each piece hashed right after it landed: the digests
+        """Copy every source block to `dst` piece by piece, hashing what landed (kernels.cpu_kv_copy): the digests
         of what landed, in order. ValueError, before any byte is written, for a block outside either buffer."""
         return cpu_kv_copy.copy_hash_pieces(self._view, self._src_bases, self._src_stride, dst, dst_bases, dst_stride,
                                             self._num_pieces, self._piece)

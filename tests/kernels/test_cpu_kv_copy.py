@@ -1,14 +1,19 @@
 """kernels.cpu_kv_copy (the native copy-and-hash of paged KV pieces) against its Python loops and against the
 digest of each block's gathered record (kvstore.transfer.block_digest): byte-identical digests, identical landed
-bytes, on the default model's cache shape and a tiny one, in float32 and bfloat16; bounds refused before any
-byte is written; the Python loops when the native code is unavailable."""
+bytes, on the default model's cache shape and a tiny one, in float32 and bfloat16; the one-pass xxh3 on each
+ISA against the xxhash package over record lengths around its block and stripe boundaries, into aligned and
+unaligned destinations; bounds refused before any byte is written; the Python loops when the native code is
+unavailable."""
 
 from __future__ import annotations
 
 import logging
+import random
 
+import numpy as np
 import pytest
 import torch
+import xxhash
 
 from kernels import cpu_kv_copy
 from kvstore.shm_cache import block_digests_in_place
@@ -97,6 +102,52 @@ def test_copy_into_records_the_staging_layout():
     assert digests == record_digests(src, ids)
     for i, b in enumerate(ids):
         assert bytes(as_bytes(out)[i * record:(i + 1) * record]) == bytes(as_bytes(src[:, :, b].contiguous()))
+
+
+# (num_pieces, piece_bytes): records of 256 bytes (the shortest whole-stripe record of xxh3's long path), 1 KiB
+# (one block of 16 stripes), 1 KiB + 1 stripe (the last stripe alone after a scramble), 1 KiB + 2 stripes, many
+# blocks, pieces that cut blocks anywhere; and the default model's (60 pieces of 12 KiB).
+ONE_PASS_LAYOUTS = [(1, 256), (4, 64), (1, 1024), (16, 64), (17, 64), (1, 1088), (2, 576), (3, 1984), (7, 320),
+                    (5, 4096), (60, 12288)]
+ISAS = {"portable": cpu_kv_copy.ISA_PORTABLE, "avx2": cpu_kv_copy.ISA_AVX2, "avx512": cpu_kv_copy.ISA_AVX512}
+
+
+@native
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dst_offset", [0, 8], ids=["aligned", "unaligned"])
+def test_the_one_pass_xxh3_gives_the_package_digests_and_bytes(isa, dst_offset):
+    if cpu_kv_copy.native_path(*ONE_PASS_LAYOUTS[0], ISAS[isa]) != isa:
+        pytest.skip(f"this CPU does not run {isa}")
+    rng = random.Random(isa)
+    for num_pieces, piece in ONE_PASS_LAYOUTS:
+        num_blocks = 3
+        stride = num_blocks * piece + 64  # pieces of one block are apart, the blocks' pieces interleave
+        src = np.frombuffer(rng.randbytes(num_pieces * stride), dtype=np.uint8)
+        bases = [2 * piece, 0, piece]
+        dst = np.zeros(dst_offset + num_pieces * stride, dtype=np.uint8)
+        dst_view = memoryview(dst)[dst_offset:]
+        records = [b"".join(src[b + p * stride:b + p * stride + piece].tobytes() for p in range(num_pieces))
+                   for b in bases]
+        want = [xxhash.xxh3_128(r).digest() for r in records]
+        assert cpu_kv_copy.hash_pieces(src, bases, stride, num_pieces, piece, ISAS[isa]) == want, (num_pieces, piece)
+        dst_bases = [0, piece, 2 * piece]
+        got = cpu_kv_copy.copy_hash_pieces(src, bases, stride, dst_view, dst_bases, stride, num_pieces, piece,
+                                           ISAS[isa])
+        assert got == want, (num_pieces, piece)
+        for record, b in zip(records, dst_bases, strict=True):
+            landed = b"".join(bytes(dst_view[b + p * stride:b + p * stride + piece]) for p in range(num_pieces))
+            assert landed == record
+        assert not dst[:dst_offset].any()
+
+
+@native
+def test_layouts_the_one_pass_xxh3_does_not_take_use_the_package():
+    assert cpu_kv_copy.native_path(60, 12288) in ("avx512", "avx2", "portable")
+    for num_pieces, piece in ((2, 100), (3, 64), (1, 240), (5, 96)):  # not whole stripes, or 240 bytes or less
+        assert cpu_kv_copy.native_path(num_pieces, piece) == "xxhash"
+        src = np.frombuffer(random.Random(piece).randbytes(num_pieces * piece * 2), dtype=np.uint8)
+        want = cpu_kv_copy.hash_pieces_ref(memoryview(src), [0, piece], 2 * piece, num_pieces, piece)
+        assert cpu_kv_copy.hash_pieces(src, [0, piece], 2 * piece, num_pieces, piece) == want
 
 
 def test_the_python_loops_run_when_the_native_code_is_unavailable(monkeypatch):
