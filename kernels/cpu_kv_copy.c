@@ -98,7 +98,7 @@ static const uint8_t XXH3_SECRET[192] __attribute__((aligned(64))) = {
 #define LASTACC_KEY (192 - STRIPE - 7)
 #define MERGE_LOW_KEY 11
 #define MERGE_HIGH_KEY (192 - STRIPE - 11)
-#define STREAM_PREFETCH_BYTES 384     /* xxhash's XXH_PREFETCH_DIST: each stripe asks for the one 6 ahead */
+#define STREAM_PREFETCH_BYTES 512     /* xxhash's XXH_PREFETCH_DIST (AVX512 builds): each stripe asks for the 8th ahead */
 
 /* The xxh3 accumulators of one record being hashed: stripe `next` of `last + 1` comes next. The last stripe of a
  * record (its last 64 bytes: the record is whole stripes) is folded with its own key and not followed by a
@@ -180,26 +180,29 @@ static void xxh3_stripes_scalar(pd_xxh3_long *h, const uint8_t *src, uint8_t *ds
 #if PD_X86
 #define KV_AVX2_TARGET __attribute__((target("avx2")))
 #define KV_AVX512_TARGET __attribute__((target("avx512f,avx2")))
+#define KV_INLINE static inline __attribute__((always_inline))
+enum { HASH_ONLY, STREAM_STORES, PLAIN_STORES };  /* what the vector loops do with dst: one loop each */
 
-KV_AVX2_TARGET static void xxh3_stripes_avx2(pd_xxh3_long *h, const uint8_t *src, uint8_t *dst, int64_t n)
+KV_AVX2_TARGET KV_INLINE void stripes_avx2(pd_xxh3_long *h, const uint8_t *src, uint8_t *dst, int64_t n,
+                                           const int stores)
 {
     __m256i acc0 = _mm256_load_si256((const __m256i *)h->acc), acc1 = _mm256_load_si256((const __m256i *)h->acc + 1);
     const __m256i prime = _mm256_set1_epi32((int)XXH_P32_1);
-    const int stream = dst && ((uintptr_t)dst % 32) == 0;
     while (n > 0) {
         const uint8_t *key;
         int64_t m = stripe_run(h, n, &key), run = m ? m : 1;
         for (int64_t s = 0; s < run; s++, src += STRIPE, key += 8) {
             PREFETCH(src + STREAM_PREFETCH_BYTES);
             __m256i d0 = _mm256_loadu_si256((const __m256i *)src), d1 = _mm256_loadu_si256((const __m256i *)src + 1);
-            if (stream) {
+            if (stores == STREAM_STORES) {
                 _mm256_stream_si256((__m256i *)dst, d0);
                 _mm256_stream_si256((__m256i *)dst + 1, d1);
-            } else if (dst) {
+            } else if (stores == PLAIN_STORES) {
                 _mm256_storeu_si256((__m256i *)dst, d0);
                 _mm256_storeu_si256((__m256i *)dst + 1, d1);
             }
-            dst = dst ? dst + STRIPE : NULL;
+            if (stores != HASH_ONLY)
+                dst += STRIPE;
             __m256i k0 = _mm256_xor_si256(d0, _mm256_loadu_si256((const __m256i *)key));
             __m256i k1 = _mm256_xor_si256(d1, _mm256_loadu_si256((const __m256i *)key + 1));
             acc0 = _mm256_add_epi64(_mm256_mul_epu32(k0, _mm256_srli_epi64(k0, 32)),
@@ -222,22 +225,33 @@ KV_AVX2_TARGET static void xxh3_stripes_avx2(pd_xxh3_long *h, const uint8_t *src
     _mm256_store_si256((__m256i *)h->acc + 1, acc1);
 }
 
-KV_AVX512_TARGET static void xxh3_stripes_avx512(pd_xxh3_long *h, const uint8_t *src, uint8_t *dst, int64_t n)
+KV_AVX2_TARGET static void xxh3_stripes_avx2(pd_xxh3_long *h, const uint8_t *src, uint8_t *dst, int64_t n)
+{
+    if (!dst)
+        stripes_avx2(h, src, dst, n, HASH_ONLY);
+    else if ((uintptr_t)dst % 32 == 0)
+        stripes_avx2(h, src, dst, n, STREAM_STORES);
+    else
+        stripes_avx2(h, src, dst, n, PLAIN_STORES);
+}
+
+KV_AVX512_TARGET KV_INLINE void stripes_avx512(pd_xxh3_long *h, const uint8_t *src, uint8_t *dst, int64_t n,
+                                               const int stores)
 {
     __m512i acc = _mm512_load_si512(h->acc);
     const __m512i prime = _mm512_set1_epi32((int)XXH_P32_1);
-    const int stream = dst && ((uintptr_t)dst % 64) == 0;
     while (n > 0) {
         const uint8_t *key;
         int64_t m = stripe_run(h, n, &key), run = m ? m : 1;
         for (int64_t s = 0; s < run; s++, src += STRIPE, key += 8) {
             PREFETCH(src + STREAM_PREFETCH_BYTES);
             __m512i data = _mm512_loadu_si512(src);
-            if (stream)
+            if (stores == STREAM_STORES)
                 _mm512_stream_si512((__m512i *)dst, data);
-            else if (dst)
+            else if (stores == PLAIN_STORES)
                 _mm512_storeu_si512(dst, data);
-            dst = dst ? dst + STRIPE : NULL;
+            if (stores != HASH_ONLY)
+                dst += STRIPE;
             __m512i data_key = _mm512_xor_si512(data, _mm512_loadu_si512(key));
             acc = _mm512_add_epi64(_mm512_mul_epu32(data_key, _mm512_srli_epi64(data_key, 32)),
                                    _mm512_add_epi64(acc, _mm512_shuffle_epi32(data, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 3, 2))));
@@ -251,6 +265,16 @@ KV_AVX512_TARGET static void xxh3_stripes_avx512(pd_xxh3_long *h, const uint8_t 
         }
     }
     _mm512_store_si512(h->acc, acc);
+}
+
+KV_AVX512_TARGET static void xxh3_stripes_avx512(pd_xxh3_long *h, const uint8_t *src, uint8_t *dst, int64_t n)
+{
+    if (!dst)
+        stripes_avx512(h, src, dst, n, HASH_ONLY);
+    else if ((uintptr_t)dst % 64 == 0)
+        stripes_avx512(h, src, dst, n, STREAM_STORES);
+    else
+        stripes_avx512(h, src, dst, n, PLAIN_STORES);
 }
 #endif
 
