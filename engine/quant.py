@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from engine.config import CPU_MATMULS, QUANTIZATIONS
 from engine.fingerprint import quantized_fingerprint  # noqa: F401  (re-exported: torch-free home)
 from engine.packed_weight import GroupedWeight, PackedWeight
+import kernels
 from kernels import cpu_matmul as native_kernels
 
 INT8_MAX = 127
@@ -267,7 +268,7 @@ class Int8Linear:
         out = self.forward(x, max_rows=INT8PACK_HEAD_MAX_ROWS).float()
         if not (self._takes_int8pack(x, INT8PACK_HEAD_MAX_ROWS) or self._takes_native(x, INT8PACK_HEAD_MAX_ROWS)):
             return out
-        top = out.topk(min(LOGITS_EXACT_TOP_K, out.shape[-1]), dim=-1).indices        # [M, k]
+        top = kernels.top_k_indices(out, min(LOGITS_EXACT_TOP_K, out.shape[-1]))      # [M, k]
         rows = self.dequantize(torch.float32, top.flatten()).view(*top.shape, -1)     # [M, k, in]
         # Products summed along `in` row by row (not a bmm, whose kernel and so rounding depend on M): a row's
         # logits do not depend on the batch it is in.

@@ -254,6 +254,51 @@ void pd_silu_mul(const float *gu, int64_t gu_s, int64_t T, int64_t I, float *out
     for (int64_t t = 0; t < T; t++) silu_row(gu + t * gu_s, gu + t * gu_s + I, I, out + t * I);
 }
 
+/* ------------------------------------------------------------------------------------------------ top k */
+/* The indices of the k largest values of each row of x [M, N] (rows `stride` floats apart) to out [M, k], in no
+ * order: an LM head's candidates (engine.quant). One pass a row: the k best so far and the smallest of them, and
+ * only a value above that smallest is looked at twice (a run of 16 is first tested as a whole). Of equal values
+ * the earliest index wins; NaN never does. Returns the number of rows with fewer than k values above -inf (their
+ * out rows are not filled: the caller takes another way). */
+#define TOPK_MAX 64
+#define TOPK_RUN 16
+
+static int top_k_row(const float *row, int64_t n, int64_t k, int64_t *out) {
+    float best[TOPK_MAX];
+    int64_t at[TOPK_MAX];
+    for (int64_t j = 0; j < k; j++) best[j] = -INFINITY, at[j] = -1;
+    float floor_value = -INFINITY;  /* the smallest of best[] */
+    int64_t floor_slot = 0;
+    for (int64_t base = 0; base < n; base += TOPK_RUN) {
+        const int64_t end = base + TOPK_RUN < n ? base + TOPK_RUN : n;
+        int any = 0;
+        for (int64_t i = base; i < end; i++) any |= row[i] > floor_value;
+        if (!any) continue;
+        for (int64_t i = base; i < end; i++) {
+            if (!(row[i] > floor_value)) continue;
+            best[floor_slot] = row[i], at[floor_slot] = i;
+            floor_slot = 0;  /* the new smallest; of equals the latest slot, so a later index leaves first */
+            for (int64_t j = 1; j < k; j++)
+                if (best[j] < best[floor_slot] || (best[j] == best[floor_slot] && at[j] > at[floor_slot]))
+                    floor_slot = j;
+            floor_value = best[floor_slot];
+        }
+    }
+    for (int64_t j = 0; j < k; j++) {
+        if (at[j] < 0) return 1;
+        out[j] = at[j];
+    }
+    return 0;
+}
+
+int pd_top_k_rows(const float *x, int64_t M, int64_t N, int64_t stride, int64_t k, int64_t *out, int nthreads) {
+    if (k < 1 || k > TOPK_MAX || k > N) return -1;
+    int short_rows = 0;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) reduction(+ : short_rows) if (nthreads > 1 && M * N >= 65536)
+    for (int64_t m = 0; m < M; m++) short_rows += top_k_row(x + m * stride, N, k, out + m * k);
+    return short_rows;
+}
+
 /* ------------------------------------------------------------------------------------------------ attention */
 /* Fewer (position, kv head) pairs than this run on one thread: ~20 ns each, less than waking a second thread on a
  * loaded host (measured at batch 1: a 128-token context took 20 us on one thread, 90 us on two). */

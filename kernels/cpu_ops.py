@@ -1,5 +1,5 @@
 """Native CPU kernels for the decode step's small ops (kernels/cpu_ops.c): RMSNorm (with its residual add),
-rotary embedding, KV write, single-token paged attention and SiLU * up.
+rotary embedding, KV write, single-token paged attention, SiLU * up and the top k of each row.
 
 Each function has its kernels.reference twin's contract (same arguments, same results up to float rounding order,
 ~1e-6 relative: fp32 arithmetic throughout, nothing quantized) and is reached through kernels.dispatch (backend
@@ -15,6 +15,7 @@ Layouts taken (anything else runs the reference, so every call is served):
     paged_attention    query [T, Hq, D] float32 view, caches contiguous float32 or bfloat16, block_tables,
                        seq_lens and query_start_loc int32: decode, prefill, chunks, prefix hits, mixed batches
     silu_mul           gate_up [T, 2 I] float32 with rows of any stride -> [T, I]
+    top_k_indices      x [M, N] float32 with rows of any stride, k <= 64 -> [M, k] int64 (an LM head's candidates)
     DecoderLayers      a pure decode batch through every layer of a plain pre-norm decoder (RMSNorm, fused qkv with
                        RoPE, paged attention, SiLU-gated MLP; every linear a kernels.cpu_matmul.NativeMatmul) in
                        one C call: the ops above and the matmuls in the eager step's order, so the same bits
@@ -57,6 +58,7 @@ def library() -> ctypes.CDLL | None:
         "pd_rotary": (cint, [ptr, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, cint]),
         "pd_write_kv": (cint, [ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, ptr, cint, i64, ptr]),
         "pd_silu_mul": (None, [ptr, i64, i64, i64, ptr, cint]),
+        "pd_top_k_rows": (cint, [ptr, i64, i64, i64, i64, ptr, cint]),
         "pd_paged_attention": (cint, [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, cint, i64, i64, i64, ptr, i64,
                                       i64, ptr, ptr, f32, i64, f32, ptr, cint]),
         "pd_decode_layers": (cint, [ptr, ptr, i64, ptr, ptr, ptr, cint, i64, i64, ptr, i64, ptr, ptr, ptr, cint]),
@@ -244,6 +246,24 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if num_tokens:
         _lib().pd_silu_mul(gate_up.data_ptr(), gate_up.stride(0), num_tokens, width // 2, out.data_ptr(),
                            torch.get_num_threads())
+    return out
+
+
+TOP_K_MAX = 64
+"""Largest k top_k_indices computes natively (the C kernel's TOPK_MAX)."""
+
+
+def top_k_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """kernels.reference.top_k_indices_ref: the indices of the k largest values of each row of x [M, N] float32
+    -> [M, k] int64, in no promised order; of equal values the earliest index. Rows with fewer than k values
+    above -inf, k above TOP_K_MAX and other layouts take the reference."""
+    if not (x.dim() == 2 and x.dtype == _F32 and _rows_ok(x) and 1 <= k <= min(TOP_K_MAX, x.shape[1])):
+        return ref.top_k_indices_ref(x, k)
+    rows, width = x.shape
+    out = torch.empty(rows, k, dtype=torch.int64)
+    if rows and _lib().pd_top_k_rows(x.data_ptr(), rows, width, x.stride(0), k, out.data_ptr(),
+                                     torch.get_num_threads()):
+        return ref.top_k_indices_ref(x, k)
     return out
 
 

@@ -169,6 +169,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return ref.silu_mul_ref(gate_up)
 
 
+def top_k_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of the k largest values of each row of x [M, N] -> [M, k] int64, in no promised order."""
+    if (native := _native_ops(x)) is not None:
+        return native.top_k_indices(x, k)
+    return ref.top_k_indices_ref(x, k)
+
+
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]; block_ids: [n] -> [n, L, 2, block_size, Hkv, D]
     # (written into `out` and returned when given: contiguous, that shape, the cache's dtype and device)

@@ -230,6 +230,12 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def top_k_indices_ref(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest values of each row of x [M, N] -> [M, k] int64, in no promised order (the
+    candidates an LM head recomputes exactly: engine.quant.Int8Linear.logits)."""
+    return x.topk(k, dim=-1).indices
+
+
 # --------------------------------------------------------------------------------------------------- blocks
 def gather_blocks_ref(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Copy the given blocks of every layer into one contiguous staging buffer (the wire format). With `out`

@@ -237,6 +237,35 @@ def test_silu_mul_matches_reference():
     torch.testing.assert_close(cpu_ops.silu_mul(wide), ref.silu_mul_ref(wide), rtol=1e-6, atol=1e-6)
 
 
+# --------------------------------------------------------------------------------------------------- top k
+def test_top_k_indices_are_the_k_largest_of_each_row():
+    # the LM head's shape (vocab 49152) at 1, 32 and 65 rows, rows of any stride, k from 1 to the largest native k
+    logits = torch.randn(65, 49152 + 8) * 5
+    for rows in (1, 32, 65):
+        for k in (1, 16, cpu_ops.TOP_K_MAX):
+            x = logits[:rows, 4:4 + 49152]
+            got = cpu_ops.top_k_indices(x, k)
+            assert got.shape == (rows, k) and got.dtype == torch.int64
+            assert torch.equal(got.sort(dim=-1).values, ref.top_k_indices_ref(x, k).sort(dim=-1).values)
+
+
+def test_top_k_indices_ties_nan_and_what_falls_back():
+    x = torch.zeros(2, 40)
+    x[0, [5, 9, 30]] = 2.0
+    x[1, 3] = float("nan")
+    x[1, [7, 20]] = 1.0
+    # of equal values the earliest index; NaN is never taken
+    assert sorted(cpu_ops.top_k_indices(x, 5)[0].tolist()) == [0, 1, 5, 9, 30]
+    assert sorted(cpu_ops.top_k_indices(x, 4)[1].tolist()) == [0, 1, 7, 20]
+    # fewer than k values above -inf, k past TOP_K_MAX, k == N: the reference answers (torch.topk's choice)
+    masked = torch.full((1, 100), float("-inf"))
+    masked[0, :3] = 1.0
+    assert sorted(cpu_ops.top_k_indices(masked, 4)[0].tolist())[:3] == [0, 1, 2]
+    wide = torch.randn(2, 200)
+    assert torch.equal(cpu_ops.top_k_indices(wide, 65).sort(-1).values, wide.topk(65).indices.sort(-1).values)
+    assert sorted(cpu_ops.top_k_indices(wide[:, :16], 16)[0].tolist()) == list(range(16))
+
+
 # --------------------------------------------------------------------------------------------------- ISAs
 def _cpu_flags() -> set[str]:
     text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
@@ -261,6 +290,9 @@ def test_each_isa_path_matches_the_reference(flags, tmp_path, monkeypatch):
                                    ref.rms_norm_ref(x, weight, 1e-5, residual), rtol=2e-6, atol=2e-6)
         gate_up = torch.randn(3, 2 * INTERMEDIATE) * 4
         torch.testing.assert_close(cpu_ops.silu_mul(gate_up), ref.silu_mul_ref(gate_up), rtol=1e-6, atol=1e-6)
+        logits = torch.randn(3, 49152)
+        assert torch.equal(cpu_ops.top_k_indices(logits, 16).sort(-1).values,
+                           ref.top_k_indices_ref(logits, 16).sort(-1).values)
         q, k, _ = qkv_views(3)
         q2, k2 = q.clone(), k.clone()
         cache, positions = rope_cos_sin_cache(HEAD_DIM, 512, 10000.0, None), torch.tensor([0, 17, 511])
@@ -294,9 +326,11 @@ def test_dispatch_picks_native_on_cpu_and_torch_pins_the_reference():
             kernels.set_backend(backend)
             assert torch.equal(kernels.rms_norm(x, weight, 1e-5), cpu_ops.rms_norm(x, weight, 1e-5))
             assert torch.equal(kernels.silu_mul(gate_up), cpu_ops.silu_mul(gate_up))
+            assert torch.equal(kernels.top_k_indices(gate_up, 8), cpu_ops.top_k_indices(gate_up, 8))
         kernels.set_backend("torch")
         assert torch.equal(kernels.rms_norm(x, weight, 1e-5), ref.rms_norm_ref(x, weight, 1e-5))
         assert torch.equal(kernels.silu_mul(gate_up), ref.silu_mul_ref(gate_up))
+        assert torch.equal(kernels.top_k_indices(gate_up, 8), ref.top_k_indices_ref(gate_up, 8))
     finally:
         kernels.set_backend(previous)
 
