@@ -1,5 +1,6 @@
 """The native CPU small ops (kernels/cpu_ops.c) against the torch reference, one call at a time, on the default
-model's decode shapes (hidden 576, 9 query / 3 KV heads, head_dim 64, intermediate 1536, block size 16).
+model's decode shapes (hidden 576, 9 query / 3 KV heads, head_dim 64, intermediate 1536, block size 16, vocabulary
+49152: the LM head's 16 candidates a row, top_k_indices).
 
     python bench/bench_cpu_ops.py [--threads 1,2] [--batches 1,32] [--contexts 128,1024,4096] [--repeats 5]
         [--out bench/results/cpu_ops.json]
@@ -26,7 +27,7 @@ from kernels import reference as ref
 from pdserve.bench.roofline import cpu_model
 from pdserve.cli_args import parse_int_list
 
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, BLOCK = 576, 9, 3, 64, 1536, 16
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, BLOCK, VOCAB = 576, 9, 3, 64, 1536, 16, 49152
 
 
 def best_us(fn, repeats: int, budget_s: float = 0.05) -> float:
@@ -55,6 +56,7 @@ def small_ops(batch: int) -> dict[str, tuple]:
     kv = torch.zeros(2, batch * 4, BLOCK, KV_HEADS, HEAD_DIM)
     slots = torch.randperm(batch * 4 * BLOCK)[:batch]
     gate_up = torch.randn(batch, 2 * INTERMEDIATE)
+    logits = torch.randn(batch, VOCAB) * 5
     return {
         "rms_norm + residual": (lambda: cpu_ops.rms_norm(x, weight, 1e-5, residual),
                                 lambda: ref.rms_norm_ref(x, weight, 1e-5, residual)),
@@ -63,6 +65,7 @@ def small_ops(batch: int) -> dict[str, tuple]:
         "write_kv": (lambda: cpu_ops.write_kv(k, v, kv[0], kv[1], slots),
                      lambda: ref.write_kv_ref(k, v, kv[0], kv[1], slots)),
         "silu_mul": (lambda: cpu_ops.silu_mul(gate_up), lambda: ref.silu_mul_ref(gate_up)),
+        "top_k_indices (k 16)": (lambda: cpu_ops.top_k_indices(logits, 16), lambda: ref.top_k_indices_ref(logits, 16)),
     }
 
 

@@ -153,9 +153,10 @@ static void fold_stripe_scalar(uint64_t *acc, const uint8_t *in, const uint8_t *
 }
 
 /* n stripes of src folded into h, and copied to dst unless it is NULL: portable, AVX2, AVX512 (their stores to
- * dst stream past the caches when dst is aligned to the vector). */
-static void xxh3_stripes_scalar(pd_xxh3_long *h, const uint8_t *src, uint8_t *dst, int64_t n)
+ * dst stream past the caches when dst is aligned to the vector, unless keep_cached). */
+static void xxh3_stripes_scalar(pd_xxh3_long *h, const uint8_t *src, uint8_t *dst, int64_t n, int keep_cached)
 {
+    (void)keep_cached;
     uint64_t *acc = h->acc;
     while (n > 0) {
         const uint8_t *key;
@@ -225,11 +226,12 @@ KV_AVX2_TARGET KV_INLINE void stripes_avx2(pd_xxh3_long *h, const uint8_t *src, 
     _mm256_store_si256((__m256i *)h->acc + 1, acc1);
 }
 
-KV_AVX2_TARGET static void xxh3_stripes_avx2(pd_xxh3_long *h, const uint8_t *src, uint8_t *dst, int64_t n)
+KV_AVX2_TARGET static void xxh3_stripes_avx2(pd_xxh3_long *h, const uint8_t *src, uint8_t *dst, int64_t n,
+                                             int keep_cached)
 {
     if (!dst)
         stripes_avx2(h, src, dst, n, HASH_ONLY);
-    else if ((uintptr_t)dst % 32 == 0)
+    else if (!keep_cached && (uintptr_t)dst % 32 == 0)
         stripes_avx2(h, src, dst, n, STREAM_STORES);
     else
         stripes_avx2(h, src, dst, n, PLAIN_STORES);
@@ -267,18 +269,20 @@ KV_AVX512_TARGET KV_INLINE void stripes_avx512(pd_xxh3_long *h, const uint8_t *s
     _mm512_store_si512(h->acc, acc);
 }
 
-KV_AVX512_TARGET static void xxh3_stripes_avx512(pd_xxh3_long *h, const uint8_t *src, uint8_t *dst, int64_t n)
+KV_AVX512_TARGET static void xxh3_stripes_avx512(pd_xxh3_long *h, const uint8_t *src, uint8_t *dst, int64_t n,
+                                                 int keep_cached)
 {
     if (!dst)
         stripes_avx512(h, src, dst, n, HASH_ONLY);
-    else if ((uintptr_t)dst % 64 == 0)
+    else if (!keep_cached && (uintptr_t)dst % 64 == 0)
         stripes_avx512(h, src, dst, n, STREAM_STORES);
     else
         stripes_avx512(h, src, dst, n, PLAIN_STORES);
 }
 #endif
 
-typedef void (*xxh3_stripes_fn)(pd_xxh3_long *, const uint8_t *, uint8_t *, int64_t);
+/* keep_cached: plain stores even to an aligned dst (what is written is read again soon: a grpc message). */
+typedef void (*xxh3_stripes_fn)(pd_xxh3_long *, const uint8_t *, uint8_t *, int64_t, int keep_cached);
 
 /* isa: 0 portable, 1 AVX2, 2 AVX512, -1 the best this CPU runs (one it lacks falls back to the best below it). */
 static xxh3_stripes_fn xxh3_stripes_for(int isa)
@@ -354,7 +358,7 @@ static void fused_copy_hash(xxh3_stripes_fn stripes, const uint8_t *src, const i
             if (ahead_block < num_blocks)
                 prefetch_piece(src + src_bases[ahead_block] + ahead % num_pieces * src_stride, piece_bytes);
             stripes(&h, src + src_bases[i] + p * src_stride, dst ? dst + dst_bases[i] + p * dst_stride : NULL,
-                    piece_bytes / STRIPE);
+                    piece_bytes / STRIPE, 0);
         }
         xxh3_long_digest(&h, record_bytes, digests + 16 * i);
     }
@@ -417,17 +421,26 @@ int pd_hash_pieces(const uint8_t *src, const int64_t *bases, int64_t stride, int
 }
 
 /* A payload of records streamed in order, in pieces of any length, between a contiguous run of its bytes and the
- * blocks' pieces where they are: the grpc transport's two ends (kvstore.paged_records). */
+ * blocks' pieces where they are: the grpc transport's two ends (kvstore.paged_records). Records that are whole
+ * stripes and longer than 240 bytes take the one-pass xxh3 (stretches cut anywhere: a stripe cut by a stretch's end
+ * is copied, and kept in `carry` until the next stretch completes it); others the package's, stretch by stretch. */
 typedef struct {
-    void *hash;      /* xxh3-128 of the current record's bytes so far */
-    int64_t fed;     /* payload bytes moved so far */
+    pd_xxh3_long fused;           /* the one-pass xxh3 of the current record (first: 64-byte aligned) */
+    uint8_t carry[STRIPE];        /* the current record's bytes of a stripe not yet whole */
+    int64_t carry_len;
+    xxh3_stripes_fn stripes;
+    void *hash;                   /* the package's xxh3-128 of the current record's bytes so far */
+    int64_t fed;                  /* payload bytes moved so far */
 } pd_stream;
 
-void *pd_stream_new(void)
+/* isa: as pd_kv_copy_path (the one-pass loop's ISA). */
+void *pd_stream_new(int isa)
 {
-    pd_stream *stream = calloc(1, sizeof(pd_stream));
+    pd_stream *stream = aligned_alloc(64, (sizeof(pd_stream) + 63) / 64 * 64);
     if (!stream)
         return NULL;
+    memset(stream, 0, sizeof *stream);
+    stream->stripes = xxh3_stripes_for(isa);
     stream->hash = xxh3_create_state();
     if (!stream->hash) {
         free(stream);
@@ -445,17 +458,41 @@ void pd_stream_free(void *stream)
     }
 }
 
+/* n bytes src -> dst, folded into the current record's one-pass hash from what was written: a partial stripe at
+ * either end goes through `carry`. */
+static void stream_fused(pd_stream *stream, const uint8_t *src, uint8_t *dst, int64_t n, int keep_cached)
+{
+    if (stream->carry_len) {
+        int64_t t = STRIPE - stream->carry_len < n ? STRIPE - stream->carry_len : n;
+        memcpy(dst, src, (size_t)t);
+        memcpy(stream->carry + stream->carry_len, dst, (size_t)t);
+        stream->carry_len += t, src += t, dst += t, n -= t;
+        if (stream->carry_len < STRIPE)
+            return;
+        stream->stripes(&stream->fused, stream->carry, NULL, 1, keep_cached);
+        stream->carry_len = 0;
+    }
+    const int64_t whole = n / STRIPE, rest = n % STRIPE;
+    if (whole)
+        stream->stripes(&stream->fused, src, dst, whole, keep_cached);
+    if (rest) {
+        memcpy(dst + whole * STRIPE, src + whole * STRIPE, (size_t)rest);
+        memcpy(stream->carry, dst + whole * STRIPE, (size_t)rest);
+        stream->carry_len = rest;
+    }
+}
+
 /* Move the payload's next `len` bytes: land != 0, from `run` into the blocks (record i's piece p at
- * blocks + bases[i] + p * stride); land == 0, from the blocks into `run`. Every stretch is hashed where it was
- * written, right after (in L1): the digest of what landed. A record's last byte writes its canonical digest to
- * digests[16 i] and starts the next hash. Returns the records complete so far; -1 when `len` runs past the
- * num_records records (nothing moved). */
+ * blocks + bases[i] + p * stride); land == 0, from the blocks into `run`. Every stretch is hashed as it is written:
+ * the digest of what landed. A record's last byte writes its canonical digest to digests[16 i] and starts the next
+ * hash. Returns the records complete so far; -1 when `len` runs past the num_records records (nothing moved). */
 int64_t pd_stream_move(void *stream_, uint8_t *run, int64_t len, int land, uint8_t *blocks, const int64_t *bases,
                        int64_t stride, int64_t num_records, int64_t num_pieces, int64_t piece_bytes,
                        uint8_t *digests)
 {
     pd_stream *stream = stream_;
     const int64_t record_bytes = num_pieces * piece_bytes;
+    const int one_pass = record_bytes % STRIPE == 0 && record_bytes > 240;
     if (len < 0 || len > num_records * record_bytes - stream->fed)
         return -1;
     for (int64_t pos = 0; pos < len;) {
@@ -464,19 +501,35 @@ int64_t pd_stream_move(void *stream_, uint8_t *run, int64_t len, int land, uint8
         const int64_t n = piece_bytes - offset < len - pos ? piece_bytes - offset : len - pos;
         uint8_t *at = blocks + bases[record] + piece * stride + offset;
         uint8_t *written = land ? at : run + pos;
-        memcpy(written, land ? run + pos : at, (size_t)n);
+        const uint8_t *read = land ? run + pos : at;
         if (!land && offset == 0) {  /* reading scattered pieces: prefetched as copy_hash does */
             int64_t ahead = piece + PREFETCH_AHEAD, ahead_record = record + ahead / num_pieces;
             if (ahead_record < num_records)
                 prefetch_piece(blocks + bases[ahead_record] + ahead % num_pieces * stride, piece_bytes);
         }
-        xxh3_128_update(stream->hash, written, (size_t)n);
+        if (one_pass) {
+            if (within == 0)
+                xxh3_long_start(&stream->fused, record_bytes);
+            stream_fused(stream, read, written, n, !land);  /* a gathered message is read again soon: cached */
+        } else {
+            memcpy(written, read, (size_t)n);
+            xxh3_128_update(stream->hash, written, (size_t)n);
+        }
         pos += n;
         stream->fed += n;
         if (stream->fed % record_bytes == 0) {
-            xxh128_canonical_from_hash((pd_xxh128_canonical *)(digests + 16 * record), xxh3_128_digest(stream->hash));
-            xxh3_128_reset(stream->hash);
+            if (one_pass) {
+                xxh3_long_digest(&stream->fused, record_bytes, digests + 16 * record);
+            } else {
+                xxh128_canonical_from_hash((pd_xxh128_canonical *)(digests + 16 * record),
+                                           xxh3_128_digest(stream->hash));
+                xxh3_128_reset(stream->hash);
+            }
         }
     }
+#if PD_X86
+    if (land && one_pass)
+        _mm_sfence();  /* the streamed stores are visible before the caller reports the blocks */
+#endif
     return stream->fed / record_bytes;
 }

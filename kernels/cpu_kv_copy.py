@@ -21,12 +21,13 @@ any byte is written), then run the C loop when `available()`, else the Python lo
 same digests, same bytes landed). The C code is compiled on first use by kernels.native_build. Its xxh3-128 is
 of two kinds:
 - hash_pieces and copy_hash_pieces, on blocks whose pieces are whole 64-byte stripes (every KV cache with blocks
-  of 16 tokens) and records over 240 bytes: xxh3-128's long-input loop written out in the C file (AVX512, AVX2
+  of 16 tokens) and records over 240 bytes (PieceStream: records of whole stripes): xxh3-128's long-input loop written out in the C file (AVX512, AVX2
   or portable C, picked at run time; `isa` forces one, ISA_BEST by default, and one the CPU lacks falls back),
   one pass a piece: each stripe is loaded once, stored to the destination (streaming stores, past the caches),
   and folded into the hash from the register it was stored from, i.e. the digest of what landed. The same
   digests as the package's, tested against it over many layouts on every path. `native_path` says which runs.
-- everything else (other layouts, PieceStream): the installed xxhash package's own functions (resolved with
+- PieceStream on the same layouts: the same loop, a stripe cut by a stretch's end completed from the next one.
+- everything else (other layouts): the installed xxhash package's own functions (resolved with
   ctypes from its extension module; the runtime-dispatched update, AVX2/AVX512, when it exports one, as the
   package's own update uses), each piece copied, then hashed while it is in L1/L2.
 No compiler, a failed build or a symbol the extension lacks logs one warning and `available()` is False. ctypes
@@ -87,7 +88,7 @@ def library() -> ctypes.CDLL | None:
     lib.pd_hash_pieces.restype = ctypes.c_int
     lib.pd_hash_pieces.argtypes = [ptr, ptr, i64, i64, i64, i64, ptr, ctypes.c_int]
     lib.pd_kv_copy_path.restype, lib.pd_kv_copy_path.argtypes = ctypes.c_int, [i64, i64, ctypes.c_int]
-    lib.pd_stream_new.restype, lib.pd_stream_new.argtypes = ptr, []
+    lib.pd_stream_new.restype, lib.pd_stream_new.argtypes = ptr, [ctypes.c_int]
     lib.pd_stream_free.restype, lib.pd_stream_free.argtypes = None, [ptr]
     lib.pd_stream_move.restype = i64
     lib.pd_stream_move.argtypes = [ptr, ptr, i64, ctypes.c_int, ptr, ptr, i64, i64, i64, i64, ptr]
@@ -207,9 +208,12 @@ class PieceStream:
     contiguous bytes: land(data) writes the payload's next len(data) bytes into the blocks, gather(out) fills
     `out` with the next len(out) bytes of them. Each stretch is hashed right where it was written, so `digests`
     are of what landed (land) or of what was sent (gather); a record's digest is appended when its last byte
-    has moved. Not thread-safe; close() (or the with block's end) frees the native state."""
+    has moved. Natively, records of whole stripes take the one-pass xxh3 (`isa`: module doc; landing uses
+    streaming stores, gathering plain ones: a message is read again soon), others the package's. Not thread-safe;
+    close() (or the with block's end) frees the native state."""
 
-    def __init__(self, blocks, bases: Sequence[int], stride: int, num_pieces: int, piece_bytes: int) -> None:
+    def __init__(self, blocks, bases: Sequence[int], stride: int, num_pieces: int, piece_bytes: int,
+                 isa: int = ISA_BEST) -> None:
         self._view = _checked("blocks", blocks, bases, stride, num_pieces, piece_bytes)
         self._bases, self._stride, self._num_pieces, self._piece_bytes = list(bases), stride, num_pieces, piece_bytes
         self.num_records = len(self._bases)
@@ -221,7 +225,7 @@ class PieceStream:
         """xxh3-128 digests (16 bytes each) of the records complete so far, in order."""
         self._native = None
         if self._bases and available():
-            self._native = library().pd_stream_new()
+            self._native = library().pd_stream_new(isa)
             if not self._native:
                 raise MemoryError("native kv copy: out of memory for a stream's xxh3 state")
             self._address = _address(self._view)

@@ -24,12 +24,22 @@ def make_cache(seed: int = 0) -> torch.Tensor:
     return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))  # [L, 2, num_blocks, bs, Hkv, D]
 
 
-@pytest.fixture(params=["native", "python"])
+NATIVE_ISAS = {"native": cpu_kv_copy.ISA_BEST, "native-avx2": cpu_kv_copy.ISA_AVX2,
+               "native-portable": cpu_kv_copy.ISA_PORTABLE}
+
+
+@pytest.fixture(params=[*NATIVE_ISAS, "python"])
 def stream_impl(request, monkeypatch):
-    """Each test once with the native stream (kernels/cpu_kv_copy.c) and once with its Python loops."""
-    if request.param == "native" and not cpu_kv_copy.available():
-        pytest.skip("native kv copy unavailable: the Python loops are what runs")
-    if request.param == "python":
+    """Each test with the native stream (kernels/cpu_kv_copy.c) on the best ISA, on AVX2 and portable C, and with
+    its Python loops."""
+    if request.param in NATIVE_ISAS:
+        if not cpu_kv_copy.available():
+            pytest.skip("native kv copy unavailable: the Python loops are what runs")
+        isa = NATIVE_ISAS[request.param]
+        if isa != cpu_kv_copy.ISA_BEST and cpu_kv_copy.native_path(1, 1024, isa) != request.param[len("native-"):]:
+            pytest.skip(f"this CPU does not run {request.param}")
+        monkeypatch.setattr(cpu_kv_copy.PieceStream.__init__, "__defaults__", (isa,))
+    else:
         monkeypatch.setattr(cpu_kv_copy, "available", lambda: False)
     return request.param
 
@@ -74,6 +84,30 @@ def test_landing_at_any_cut_writes_each_record_in_its_block_and_nothing_else(cut
     bb = LAYOUT.block_bytes("raw")
     assert stream.digests == [block_digest(payload[i * bb:(i + 1) * bb]) for i in range(len(SRC_IDS))]
     stream.close()
+
+
+@pytest.mark.parametrize("piece_bytes", [96, 100], ids=["records-of-whole-stripes", "the-package-xxh3"])
+def test_a_stream_of_any_piece_size_lands_and_gathers_the_payload_and_its_digests(piece_bytes, stream_impl):
+    # 96-byte pieces: 576-byte records, 9 whole stripes, half of them across two pieces; 100: 600-byte records
+    num_pieces, bases = 6, [0, 2 * piece_bytes, piece_bytes]
+    stride = 4 * piece_bytes
+    blocks = bytes(range(256)) * (stride * num_pieces // 256 + 1)
+    blocks = bytearray(blocks[:stride * num_pieces])
+    records = [b"".join(blocks[b + p * stride:b + (p + 1) * stride][:piece_bytes] for p in range(num_pieces))
+               for b in bases]
+    payload = b"".join(records)
+    with cpu_kv_copy.PieceStream(blocks, bases, stride, num_pieces, piece_bytes) as out:
+        chunks = [bytearray(n) for n in (7, 64, 300, len(payload) - 371)]
+        for chunk in chunks:
+            out.gather(chunk)
+    assert b"".join(chunks) == payload and out.digests == [block_digest(r) for r in records]
+    landing = bytearray(len(blocks))
+    with cpu_kv_copy.PieceStream(landing, bases, stride, num_pieces, piece_bytes) as into:
+        for lo, hi in pairwise([0, 1, 65, 200, len(payload)]):
+            into.land(payload[lo:hi])
+    assert into.digests == out.digests
+    assert [b"".join(landing[b + p * stride:b + p * stride + piece_bytes] for p in range(num_pieces))
+            for b in bases] == records
 
 
 def test_a_stream_refuses_a_read_only_gather_buffer_and_blocks_outside_the_cache():
