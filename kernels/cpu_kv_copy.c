@@ -3,12 +3,13 @@
  *
  * Two xxh3-128s: the installed xxhash package's own build, whose functions Python resolves and hands over once
  * (pd_kv_copy_init), for any layout; and, for blocks whose pieces are whole 64-byte stripes (every KV layout with
- * blocks of 16 tokens), xxh3-128's long-input loop written out here (XXH3_hashLong_128b over the default secret,
- * seed 0: the same digests, tested against the package over many layouts) so that the copy and the hash are one
- * pass: each stripe is loaded once, stored to its destination and folded into the accumulators from the register
- * it was stored from. What is hashed is then exactly what was written: the destination is the caller's own
- * memory, which nothing else writes. The stores stream past the caches (a landed block is read again only by
- * a later decode step), so the destination's lines are not read first either: one read and one write per byte.
+ * blocks of 16 tokens; for a stream, records of whole stripes), xxh3-128's long-input loop written out here
+ * (XXH3_hashLong_128b over the default secret, seed 0: the same digests, tested against the package over many
+ * layouts) so that the copy and the hash are one pass: each stripe is loaded once, stored to its destination and
+ * folded into the accumulators from the register it was stored from. What is hashed is then exactly what was
+ * written: the destination is the caller's own memory, which nothing else writes. The stores stream past the
+ * caches (a landed block is read again only by a later decode step), so the destination's lines are not read
+ * first either: one read and one write per byte.
  *
  * Block i is num_pieces pieces of piece_bytes bytes at base + bases[i] + p * stride, p = 0 .. num_pieces - 1. The
  * caller has checked that every piece lies inside its buffer: nothing here checks a bound.
@@ -98,7 +99,7 @@ static const uint8_t XXH3_SECRET[192] __attribute__((aligned(64))) = {
 #define LASTACC_KEY (192 - STRIPE - 7)
 #define MERGE_LOW_KEY 11
 #define MERGE_HIGH_KEY (192 - STRIPE - 11)
-#define STREAM_PREFETCH_BYTES 512     /* xxhash's XXH_PREFETCH_DIST (AVX512 builds): each stripe asks for the 8th ahead */
+#define STREAM_PREFETCH_BYTES 512     /* xxhash's XXH_PREFETCH_DIST (AVX512 builds): the 8th stripe ahead */
 
 /* The xxh3 accumulators of one record being hashed: stripe `next` of `last + 1` comes next. The last stripe of a
  * record (its last 64 bytes: the record is whole stripes) is folded with its own key and not followed by a
@@ -255,8 +256,9 @@ KV_AVX512_TARGET KV_INLINE void stripes_avx512(pd_xxh3_long *h, const uint8_t *s
             if (stores != HASH_ONLY)
                 dst += STRIPE;
             __m512i data_key = _mm512_xor_si512(data, _mm512_loadu_si512(key));
+            __m512i swapped = _mm512_shuffle_epi32(data, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 3, 2));
             acc = _mm512_add_epi64(_mm512_mul_epu32(data_key, _mm512_srli_epi64(data_key, 32)),
-                                   _mm512_add_epi64(acc, _mm512_shuffle_epi32(data, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 3, 2))));
+                                   _mm512_add_epi64(acc, swapped));
         }
         n -= run, h->next += run;
         if (m && block_done(h)) {

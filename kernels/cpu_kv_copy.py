@@ -21,12 +21,13 @@ any byte is written), then run the C loop when `available()`, else the Python lo
 same digests, same bytes landed). The C code is compiled on first use by kernels.native_build. Its xxh3-128 is
 of two kinds:
 - hash_pieces and copy_hash_pieces, on blocks whose pieces are whole 64-byte stripes (every KV cache with blocks
-  of 16 tokens) and records over 240 bytes (PieceStream: records of whole stripes): xxh3-128's long-input loop written out in the C file (AVX512, AVX2
+  of 16 tokens) and records over 240 bytes: xxh3-128's long-input loop written out in the C file (AVX512, AVX2
   or portable C, picked at run time; `isa` forces one, ISA_BEST by default, and one the CPU lacks falls back),
   one pass a piece: each stripe is loaded once, stored to the destination (streaming stores, past the caches),
   and folded into the hash from the register it was stored from, i.e. the digest of what landed. The same
   digests as the package's, tested against it over many layouts on every path. `native_path` says which runs.
-- PieceStream on the same layouts: the same loop, a stripe cut by a stretch's end completed from the next one.
+- PieceStream on records of whole stripes over 240 bytes (its pieces may cut stripes): the same loop, a stripe
+  cut by a stretch's or a piece's end completed from the next one.
 - everything else (other layouts): the installed xxhash package's own functions (resolved with
   ctypes from its extension module; the runtime-dispatched update, AVX2/AVX512, when it exports one, as the
   package's own update uses), each piece copied, then hashed while it is in L1/L2.

@@ -294,7 +294,8 @@ static int top_k_row(const float *row, int64_t n, int64_t k, int64_t *out) {
 int pd_top_k_rows(const float *x, int64_t M, int64_t N, int64_t stride, int64_t k, int64_t *out, int nthreads) {
     if (k < 1 || k > TOPK_MAX || k > N) return -1;
     int short_rows = 0;
-    #pragma omp parallel for schedule(static) num_threads(nthreads) reduction(+ : short_rows) if (nthreads > 1 && M * N >= 65536)
+    #pragma omp parallel for schedule(static) num_threads(nthreads) reduction(+ : short_rows) \
+        if (nthreads > 1 && M * N >= 65536)
     for (int64_t m = 0; m < M; m++) short_rows += top_k_row(x + m * stride, N, k, out + m * k);
     return short_rows;
 }

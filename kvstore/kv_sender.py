@@ -292,8 +292,8 @@ class KvSender:
     def _paged_messages(self, manifest: kv_transfer_pb2.KvChunk, records: PagedRecords, fault: FaultInjection,
                         errors: list[BaseException]) -> Iterator[kv_transfer_pb2.KvChunk | bytes]:
         # Runs in grpc's request-consumer thread: each chunk's message is filled straight out of the cache's
-        # pieces (one copy, no staging buffer), each stretch hashed in the message right after it was copied
-        # there; after the last one, the trailer.
+        # pieces (one copy, no staging buffer), hashing what was written there (kernels.cpu_kv_copy.PieceStream);
+        # after the last one, the trailer.
         try:
             yield manifest
             with records.stream() as stream:
