@@ -300,11 +300,18 @@ static xxh3_stripes_fn xxh3_stripes_for(int isa)
     return xxh3_stripes_scalar;
 }
 
+/* Whether xxh3 hashes a record of this length by the long-input loop written out here: whole stripes (so that its
+ * last stripe is its last 64 bytes), over 240 bytes (shorter inputs take other formulas). */
+static int long_stripes(int64_t record_bytes)
+{
+    return record_bytes % STRIPE == 0 && record_bytes > 240;
+}
+
 /* The path pd_copy_hash_pieces and pd_hash_pieces take for this layout and isa: 0 portable, 1 AVX2, 2 AVX512,
  * -1 the xxhash package's streamed xxh3 (pieces that are not whole stripes, or records of 240 bytes or less). */
 int pd_kv_copy_path(int64_t num_pieces, int64_t piece_bytes, int isa)
 {
-    if (piece_bytes % STRIPE || num_pieces * piece_bytes <= 240)
+    if (piece_bytes % STRIPE || !long_stripes(num_pieces * piece_bytes))
         return -1;
     xxh3_stripes_fn fn = xxh3_stripes_for(isa);
 #if PD_X86
@@ -494,7 +501,7 @@ int64_t pd_stream_move(void *stream_, uint8_t *run, int64_t len, int land, uint8
 {
     pd_stream *stream = stream_;
     const int64_t record_bytes = num_pieces * piece_bytes;
-    const int one_pass = record_bytes % STRIPE == 0 && record_bytes > 240;
+    const int one_pass = long_stripes(record_bytes);
     if (len < 0 || len > num_records * record_bytes - stream->fed)
         return -1;
     for (int64_t pos = 0; pos < len;) {
