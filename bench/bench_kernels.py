@@ -16,7 +16,8 @@ SmolLM2-135M's 30 layers (qkv 960x576, o 576x576, gate_up 3072x576, down 576x153
 49152x576 LM head, as float32 (F.linear), int8 (Int8Linear: int8pack_mm) and int4 (Int4Linear: int4pack_mm),
 and, where kernels.cpu_matmul builds, int8 and int4 on the native kernels (cpu_matmul="native": int8 activations;
 "native-bf16": bfloat16 activations); every kind over the same weights, timed in interleaved rounds; `--rows
-1,32,512` repeats the layer pass at those rows of x, `--kinds` keeps the kinds whose label contains a string;
+1,32,512` repeats the layer pass and the LM head (its `logits`, with the exact top-k recompute, where the kind
+has one) at those rows of x, `--kinds` keeps the kinds whose label contains a string;
 each at GB/s = weight bytes read / time and as a % of a large tensor copy (read + write bytes,
 pdserve.bench.roofline.copy_bandwidth) and of a read-only sweep (a float32 sum), and at GFLOP/s (2 M N K) as a %
 of the float32 FMA peak on the same threads (bench/fma_peak.c; the compute ceiling of the M = 32 rows; for the
@@ -354,19 +355,20 @@ def bench_cpu_matmuls(repeats: int, batch_rows: tuple[int, ...] = (1,), only: tu
                 print("cpu matmuls", rows[-1], flush=True)
             del chains
         del layers, weights
-        x = torch.randn(1, SMOLLM2_HEAD[1], generator=g)
         heads = {}
         for kind, make in kinds.items():
             head = make(torch.randn(SMOLLM2_HEAD, generator=g) * 0.02)
             heads[kind] = [head] + [make(torch.randn(SMOLLM2_HEAD, generator=g) * 0.02)
                                     for _ in range(max(0, -(-(96 << 20) // head.nbytes) - 1))]  # > 96 MiB in all
         calls = {kind: "logits" if hasattr(copies[0], "logits") else "forward" for kind, copies in heads.items()}
-        times = _interleaved({kind: _rotating(copies, calls[kind], x) for kind, copies in heads.items()},
-                             max(repeats, 2 * max(len(c) for c in heads.values())))
-        for kind, copies in heads.items():
-            rows.append(_row(f"LM head 49152x576 `{calls[kind]}`, {kind}", 1, copies[0].nbytes, times[kind],
-                             SMOLLM2_HEAD[0] * SMOLLM2_HEAD[1]))
-            print("cpu matmuls", rows[-1], flush=True)
+        for m in batch_rows:  # the LM head at each row count too: `logits` includes the exact top-k recompute
+            x = torch.randn(m, SMOLLM2_HEAD[1], generator=g)
+            rounds = max(repeats if m < 64 else max(2, repeats // 5), 2 * max(len(c) for c in heads.values()))
+            times = _interleaved({kind: _rotating(copies, calls[kind], x) for kind, copies in heads.items()}, rounds)
+            for kind, copies in heads.items():
+                rows.append(_row(f"LM head 49152x576 `{calls[kind]}`, {kind}", m, copies[0].nbytes, times[kind],
+                                 SMOLLM2_HEAD[0] * SMOLLM2_HEAD[1]))
+                print("cpu matmuls", rows[-1], flush=True)
     for row in rows:
         row["pct_of_copy"] = 100 * row["gbs"] / copy_gbs
         row["pct_of_read"] = 100 * row["gbs"] / read_gbs
