@@ -24,8 +24,11 @@ of two kinds:
   of 16 tokens) and records over 240 bytes: xxh3-128's long-input loop written out in the C file (AVX512, AVX2
   or portable C, picked at run time; `isa` forces one, ISA_BEST by default, and one the CPU lacks falls back),
   one pass a piece: each stripe is loaded once, stored to the destination (streaming stores, past the caches),
-  and folded into the hash from the register it was stored from, i.e. the digest of what landed. The same
-  digests as the package's, tested against it over many layouts on every path. `native_path` says which runs.
+  and folded into the hash from the register it was stored from, i.e. the digest of what landed. The walk goes
+  plane by plane (piece p of every block, in source-address order, before piece p + 1), each block's hash kept
+  apart: pieces of one plane are near each other (fewer page walks, sequential runs of adjacent blocks), 1.3-1.7x
+  faster than block by block on 256 blocks. The same digests as the package's, tested against it over many
+  layouts, block orders and every ISA. `native_path` says which runs.
 - PieceStream on records of whole stripes over 240 bytes (its pieces may cut stripes): the same loop, a stripe
   cut by a stretch's or a piece's end completed from the next one.
 - everything else (other layouts): the installed xxhash package's own functions (resolved with

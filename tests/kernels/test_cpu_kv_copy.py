@@ -141,6 +141,33 @@ def test_the_one_pass_xxh3_gives_the_package_digests_and_bytes(isa, dst_offset):
 
 
 @native
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_plane_by_plane_walk_returns_each_block_its_own_digest(isa):
+    # The C loop walks piece p of every block in source-address order before piece p + 1, one hash per block:
+    # digests and landed bytes must come back in the caller's block order, whatever that order, with repeats.
+    if cpu_kv_copy.native_path(*ONE_PASS_LAYOUTS[0], ISAS[isa]) != isa:
+        pytest.skip(f"this CPU does not run {isa}")
+    rng = random.Random(f"walk-{isa}")
+    num_pieces, piece, num_blocks = 6, 320, 40
+    stride = num_blocks * piece
+    src = np.frombuffer(rng.randbytes(num_pieces * stride), dtype=np.uint8)
+    for ids in (list(range(num_blocks))[::-1], rng.sample(range(num_blocks), 17), [5, 5, 0, 39, 5, 12], [],
+                [rng.randrange(num_blocks) for _ in range(60)]):
+        bases = [b * piece for b in ids]
+        want = [xxhash.xxh3_128(b"".join(src[b + p * stride:b + p * stride + piece].tobytes()
+                                         for p in range(num_pieces))).digest() for b in bases]
+        assert cpu_kv_copy.hash_pieces(src, bases, stride, num_pieces, piece, ISAS[isa]) == want
+        dst = np.zeros(max(len(ids), 1) * num_pieces * piece, dtype=np.uint8)
+        record = num_pieces * piece  # block i lands as record i: destinations in the caller's order
+        got = cpu_kv_copy.copy_hash_pieces(src, bases, stride, dst, [i * record for i in range(len(ids))], piece,
+                                           num_pieces, piece, ISAS[isa])
+        assert got == want
+        for i, b in enumerate(bases):
+            assert dst[i * record:(i + 1) * record].tobytes() == b"".join(
+                src[b + p * stride:b + p * stride + piece].tobytes() for p in range(num_pieces))
+
+
+@native
 def test_layouts_the_one_pass_xxh3_does_not_take_use_the_package():
     assert cpu_kv_copy.native_path(60, 12288) in ("avx512", "avx2", "portable")
     for num_pieces, piece in ((2, 100), (3, 64), (1, 240), (5, 96)):  # not whole stripes, or 240 bytes or less
