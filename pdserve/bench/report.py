@@ -87,7 +87,8 @@ def render(results: SuiteResults, pngs: Mapping[str, str]) -> str:
         f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (best of one 1 GiB copy at the start, "
         f"{meta['copy_bandwidth_start_end'][0] / 1e9:.1f}, and one at the end, "
         f"{meta['copy_bandwidth_start_end'][1] / 1e9:.1f}) -> at most {roof_stored:.0f} tok/s as stored, "
-        f"{roof_kept:.0f} tok/s kept codes, {roof_f32:.1f} tok/s float32, {roof_int8:.0f} tok/s int8, {roof_int4:.0f} tok/s int4",
+        f"{roof_kept:.0f} tok/s kept codes, {roof_f32:.1f} tok/s float32, {roof_int8:.0f} tok/s int8, "
+        f"{roof_int4:.0f} tok/s int4",
         f"- other jobs (CPUs): how many of the {machine['logical_cpus']} CPUs processes outside the benchmark kept "
         "busy during a run, on average (all CPUs' busy time minus that of the benchmark and the servers it "
         "started); a run with much of it measured a slowed system, llama-server the most (its threads wait "
@@ -484,7 +485,9 @@ def _max_rate_cell(runs: Mapping[float, RunResult], slos: goodput.GoodputSlos | 
 
 def goodput_goal(results: SuiteResults) -> tuple[float, str, str | None] | None:
     """1P+1D / colocated, what was compared, and which bound the ratio is. Compared: their highest rates at 90%
-    attainment when both attain it somewhere, else their goodput at the highest rate both ran. Bound: "lower"
+    attainment when both attain it somewhere, else their peak goodput: the most requests per second either
+    served within its SLOs at any rate both ran (at the highest rate both may have collapsed, a figure of overload
+    rather than of capacity; the peak is where each system did best). Bound: "lower"
     when 1P+1D still attains 90% at its highest measured rate (its capacity lies above: the ratio is at least
     this), "upper" when colocated does and 1P+1D does not, "unknown" when both do, None when both figures are
     interpolated between measured rates. None without both systems."""
@@ -501,11 +504,12 @@ def goodput_goal(results: SuiteResults) -> tuple[float, str, str | None] | None:
     common = {p["rate"] for p in disagg["points"]} & {p["rate"] for p in coloc["points"]}
     if not common:
         return None
-    top = max(common)
-    a, b = (next(p["goodput"] for p in d["points"] if p["rate"] == top) for d in (disagg, coloc))
-    ratio = _ratio(a, b)
-    return None if ratio is None else (ratio, f"goodput at {top:g} req/s (not both attain 90% at a measured rate)",
-                                       None)
+    peaks = [max((p for p in d["points"] if p["rate"] in common), key=lambda p: p["goodput"])
+             for d in (disagg, coloc)]
+    ratio = _ratio(peaks[0]["goodput"], peaks[1]["goodput"])
+    return None if ratio is None else (ratio, f"peak goodput over the measured rates (1P+1D at {peaks[0]['rate']:g} "
+                                       f"req/s, colocated at {peaks[1]['rate']:g}; not both attain 90% at a "
+                                       "measured rate)", None)
 
 
 _BOUND_NOTES = {"lower": " (1P+1D attains 90% at its highest measured rate: at least this; raise --goodput-rates)",

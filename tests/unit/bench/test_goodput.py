@@ -119,6 +119,26 @@ def test_the_suite_builds_goodput_scenarios_that_share_nothing_across_rates_and_
     assert "--goodput-long-len 100-200" in report._non_default_flags(cfg)
 
 
+def test_without_a_rate_at_90_percent_for_both_the_goal_compares_peak_goodputs(tmp_path: Path):
+    # Neither system attains 90% at any measured rate. At the highest rate both collapsed (overload, 1.0x): the goal
+    # compares what each served best, at whichever rate that was, not the collapse.
+    cfg = SuiteConfig(out_dir=tmp_path, systems=GOODPUT_SYSTEMS, only=("goodput",), goodput_rates=(0.1, 0.2, 0.4),
+                      goodput_requests=8, goodput_long_len=(100, 200), goodput_ttft_scale=2, goodput_tpot_scale=2)
+    results = SuiteResults(cfg, build_scenarios(cfg, RAW, (1000, 30000)))
+    results.runs[("goodput-idle", COLOCATED)] = _run("idle", float("inf"), [rec("long-0", 1.0, 0.05),
+                                                                             rec("short-0", 0.1, 0.05)])
+    good, late = rec("short-0", 0.15, 0.05), rec("short-0", 0.5, 0.05)  # short TTFT SLO: 200 ms
+    runs = {COLOCATED: {0.1: [good, late, late], 0.2: [good, good, late, late], 0.4: [good, late, late]},
+            ONE_P_ONE_D_PINNED: {0.1: [good, good, late], 0.2: [good] * 7 + [late], 0.4: [good, late, late]}}
+    for system, by_rate in runs.items():
+        for rate, records in by_rate.items():
+            results.runs[(f"goodput@{rate:g}", system)] = _run(system, rate, records)
+    ratio, basis, bound = report.goodput_goal(results)
+    assert ratio == pytest.approx(0.7 / 0.2)  # both peak at 0.2 req/s: 7 and 2 good requests in 10 s
+    assert basis.startswith("peak goodput over the measured rates (1P+1D at 0.2 req/s, colocated at 0.2")
+    assert bound is None and report.goal_met(ratio, 1.5, bound)
+
+
 def test_unknown_scenario_families_are_refused(tmp_path: Path):
     with pytest.raises(ValueError, match="famil"):
         SuiteConfig(out_dir=tmp_path, only=("goodputs",))
