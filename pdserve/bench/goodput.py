@@ -16,6 +16,9 @@ A request meets its SLOs when it completed, its TTFT <= its class's TTFT SLO and
     max rate at 90%: the highest rate r with attainment >= 90% at every measured rate <= r, interpolated
                 linearly between the last measured rate that attains it and the first that does not (DistServe's
                 goodput); None when even the lowest rate misses, the highest rate when none misses.
+    peak goodput: the most goodput at any measured rate. The issue's goal (1P+1D >= 1.5x colocated) compares the
+                two systems' max rates at 90% when both have one, else their peak goodputs over the rates both
+                ran (report.goodput_goal): at the highest rate both may have collapsed.
 """
 
 from __future__ import annotations
