@@ -107,7 +107,9 @@ def test_the_suite_builds_goodput_scenarios_that_share_nothing_across_rates_and_
     assert coloc["max_rate_at_90"] == pytest.approx(0.1 + 0.1 * 0.1 / 0.5)
     assert disagg["max_rate_at_90"] == 0.2 and disagg["points"][1]["goodput"] == pytest.approx(0.2)
     # 1P+1D attains at its highest rate (0.2): its capacity is above, the ratio a lower bound, enough for the goal
-    assert report.goodput_goal(results) == (pytest.approx(0.2 / 0.12), "highest rate at 90% SLO attainment", "lower")
+    assert report.goodput_goal(results) == (pytest.approx(0.2 / 0.12), "highest rate at 90% SLO attainment (1P+1D "
+                                            "attains 90% at its highest measured rate: at least this; raise "
+                                            "--goodput-rates)", "lower")
     assert "at least this; raise --goodput-rates) | pdserve-1p1d-pinned | 1.67x | >= 1.5x | yes |" in "\n".join(
         report._goals(results))
     lines = report._goodput(results)
@@ -137,6 +139,33 @@ def test_without_a_rate_at_90_percent_for_both_the_goal_compares_peak_goodputs(t
     assert ratio == pytest.approx(0.7 / 0.2)  # both peak at 0.2 req/s: 7 and 2 good requests in 10 s
     assert basis.startswith("peak goodput over the measured rates (1P+1D at 0.2 req/s, colocated at 0.2")
     assert bound is None and report.goal_met(ratio, 1.5, bound)
+
+
+@pytest.mark.parametrize("attains", [ONE_P_ONE_D_PINNED, COLOCATED])
+def test_when_only_one_system_attains_90_percent_the_goal_is_a_bound_from_the_others_lowest_rate(tmp_path: Path,
+                                                                                             attains: str):
+    # One system attains 90% up to 0.24 req/s (100% at 0.2, 50% at 0.4, interpolated); the other misses it already
+    # at 0.1, its lowest measured rate, so its highest rate at 90% lies below 0.1: the ratio is at least (or, the
+    # other way round, at most) 0.24 / 0.1.
+    cfg = SuiteConfig(out_dir=tmp_path, systems=GOODPUT_SYSTEMS, only=("goodput",), goodput_rates=(0.1, 0.2, 0.4),
+                      goodput_requests=8, goodput_long_len=(100, 200), goodput_ttft_scale=2, goodput_tpot_scale=2)
+    results = SuiteResults(cfg, build_scenarios(cfg, RAW, (1000, 30000)))
+    results.runs[("goodput-idle", COLOCATED)] = _run("idle", float("inf"), [rec("long-0", 1.0, 0.05),
+                                                                             rec("short-0", 0.1, 0.05)])
+    good, late = rec("short-0", 0.15, 0.05), rec("short-0", 0.5, 0.05)
+    other = COLOCATED if attains == ONE_P_ONE_D_PINNED else ONE_P_ONE_D_PINNED
+    runs = {attains: {0.1: [good] * 10, 0.2: [good] * 10, 0.4: [good, late]},
+            other: {0.1: [good] * 8 + [late] * 2, 0.2: [good] * 9 + [late], 0.4: [late]}}
+    for system, by_rate in runs.items():
+        for rate, records in by_rate.items():
+            results.runs[(f"goodput@{rate:g}", system)] = _run(system, rate, records)
+    ratio, basis, bound = report.goodput_goal(results)
+    if attains == ONE_P_ONE_D_PINNED:
+        assert (ratio, bound) == (pytest.approx(0.24 / 0.1), "lower") and report.goal_met(ratio, 1.5, bound)
+        assert "colocated misses 90% already at its lowest measured rate, 0.1 req/s: at least this" in basis
+    else:
+        assert (ratio, bound) == (pytest.approx(0.1 / 0.24), "upper") and report.goal_met(ratio, 1.5, bound) is False
+        assert "1P+1D misses 90% already at its lowest measured rate, 0.1 req/s: at most this" in basis
 
 
 def test_unknown_scenario_families_are_refused(tmp_path: Path):
