@@ -12,18 +12,17 @@ Writes one markdown report to $OUT/kernels.md when OUT is set, else bench/result
 so and exits 0. `--smoke` runs tiny shapes on CPU through the torch reference to check this script itself.
 
 `--cpu-matmuls` instead measures, on CPU, the batch-1 matmuls engine.quant runs (issues 15 and 16): every linear of
-SmolLM2-135M's 30 layers (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536) in one pass, and the
-49152x576 LM head, as float32 (F.linear), int8 (Int8Linear: int8pack_mm) and int4 (Int4Linear: int4pack_mm),
-and, where kernels.cpu_matmul builds, int8 and int4 on the native kernels (cpu_matmul="native": int8 activations;
-"native-bf16": bfloat16 activations); every kind over the same weights, timed in interleaved rounds; `--rows
-1,32,512` repeats the layer pass and the LM head (its `logits`, with the exact top-k recompute, where the kind
-has one) at those rows of x, `--kinds` keeps the kinds whose label contains a string;
-each at GB/s = weight bytes read / time and as a % of a large tensor copy (read + write bytes,
-pdserve.bench.roofline.copy_bandwidth) and of a read-only sweep (a float32 sum), and at GFLOP/s (2 M N K) as a %
-of the float32 FMA peak on the same threads (bench/fma_peak.c; the compute ceiling of the M = 32 rows; for the
-kinds on kernels.cpu_matmul's avx512-bf16 level also of vdpbf16ps's peak, their ceiling); the LM head rotates over
-copies whose bytes exceed the last-level cache; the native kinds' layer pass is timed twice, called one by
-one from Python (the engine's layer loop) and as one C call over the 120 matmuls (kernels.cpu_matmul.MatmulChain:
+SmolLM2-135M's 30 layers (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536) in one pass, and the 49152x576 LM
+head, as float32 (F.linear), int8 (Int8Linear: int8pack_mm) and int4 (Int4Linear: int4pack_mm), and, where
+kernels.cpu_matmul builds, int8 and int4 on the native kernels (cpu_matmul="native": int8 activations; "native-bf16":
+bfloat16 activations); every kind over the same weights, timed in interleaved rounds; `--rows 1,32,512` repeats the
+layer pass and the LM head (`logits` with its top-k recompute where the kind has one) at those rows of x, `--kinds`
+keeps the kinds whose label contains a string; each at GB/s = weight bytes read / time and as a % of a large tensor
+copy (read + write bytes, pdserve.bench.roofline.copy_bandwidth) and of a read-only sweep (a float32 sum), and at
+GFLOP/s (2 M N K) as a % of the float32 FMA peak on the same threads (bench/fma_peak.c; the compute ceiling of the
+M = 32 rows; for the kinds on kernels.cpu_matmul's avx512-bf16 level also of vdpbf16ps's peak, their ceiling); the LM
+head rotates over copies whose bytes exceed the last-level cache; the native kinds' layer pass is timed twice, called
+one by one from Python (the engine's layer loop) and as one C call over the 120 matmuls (kernels.cpu_matmul.MatmulChain:
 what the native decoder pays). Writes bench/results/cpu_matmuls.md and .json (or under $OUT).
 `--cpu-attention` instead times the CPU prefill attention of one whole prompt of 128, 512 and 2048 tokens:
 the native kernel the engine runs (kernels/cpu_ops.c: causal, one fixed order per row), kernels.reference's
