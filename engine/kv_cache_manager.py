@@ -135,5 +135,6 @@ class KVCacheManager:
         """Release all of `seq`'s blocks, tail first so a sequence's last blocks are evicted before its prefix."""
         self.pool.free(list(reversed(seq.block_ids)))
         seq.block_ids = []
+        seq.kv_digests = {}
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0

@@ -59,6 +59,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor     # [batch, max_blocks_per_seq] int32
     seq_lens: torch.Tensor         # [batch] int32: context length of each sequence including its new tokens
     query_start_loc: torch.Tensor  # [batch + 1] int32: offsets of each sequence's tokens in the flat batch
+    after_kv_write: Callable[[int], None] | None = None
+    """Called with the layer index right after each layer's K/V are written (engine.kv_digests), or None."""
 
 
 class DenseMLP:
@@ -240,6 +242,8 @@ class DecoderModel:
         layer = self.layers[index]
         k_cache, v_cache = kv_cache[index, 0], kv_cache[index, 1]  # [blocks, block_size, kv_heads, head_dim]
         kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.after_kv_write is not None:
+            meta.after_kv_write(index)
         return kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                        self.scale, sliding_window=layer.window,
                                        softcap=self.config.attn_logit_softcapping)

@@ -8,6 +8,7 @@ parallelism (EngineConfig.tensor_parallel_size > 1) it is rank 0: its model and 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -16,12 +17,13 @@ import torch
 
 from engine.compiled_step import CompiledDecodeStep, compile_unsupported_reason
 from engine.config import EngineConfig, ModelConfig
+from engine.kv_digests import StepDigests, finished_blocks
 from engine.model import LlamaModel
 from engine.parallel.ranks import TensorParallelGroup
 from engine.parallel.shard import build_rank_model, rank_shards, shard_config
 from engine.sampler import RowResult, SamplingRow, choice_seed, sample_rows
 from engine.scheduler import SchedulerOutput
-from engine.sequence import PromptLogprob
+from engine.sequence import PromptLogprob, Sequence
 from engine.step_batch import StepBatch, copy_blocks, run_step
 from kvstore.shm_cache import SharedKvCache
 
@@ -106,6 +108,9 @@ class ModelRunner:
         shape = (c.num_layers, 2, self.num_blocks, self.block_size, local.num_kv_heads, c.head_dim)
         self.kv_segment = self._shared_kv_cache(shape) if kv_cache_in_shm else None
         """The shared-memory segment the cache lives in (kv_cache_in_shm), or None."""
+        self.kv_digests = self.kv_segment is not None
+        """Whether prefill steps take the digests of the blocks they finish as they write them (engine.kv_digests:
+        Sequence.kv_digests, the zero-copy push's trailer): on with the cache in shared memory."""
         self.kv_cache = (self.kv_segment.tensor if self.kv_segment is not None
                          else torch.zeros(shape, dtype=self.dtype, device=self.device))
         """This rank's heads: [L, 2, blocks, block_size, kv_heads of rank 0, D] (all of them without TP)."""
@@ -151,10 +156,13 @@ class ModelRunner:
         batch = StepBatch([], [], [], [], [], [0], [])
         sampling: list[SamplingRow] = []
         prompt_ids: list[str] = []                   # the request id of each of batch.prompt_rows
+        finished: list[tuple[Sequence, int]] = []    # (sequence, block id) of the blocks whose digests are taken
         bs = self.block_size
         for chunk in out.chunks:
             seq = chunk.seq
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + chunk.num_new_tokens
+            if self.kv_digests and start < seq.num_prompt_tokens:
+                finished += [(seq, seq.block_ids[j]) for j in finished_blocks(seq, start, end, bs)]
             batch.input_ids.extend(seq.token_ids[start:end])
             batch.positions.extend(range(start, end))
             batch.slot_mapping.extend(seq.block_ids[p // bs] * bs + p % bs for p in range(start, end))
@@ -182,7 +190,10 @@ class ModelRunner:
         elif self.compiled is not None and self.compiled.takes(batch):
             logits, prompt_logprobs = self.compiled.run(batch), []
         else:
-            logits, prompt_logprobs = run_step(self.model, self.kv_cache, batch, self.device)
+            digests = StepDigests.build(self.kv_cache, finished)
+            with digests or contextlib.nullcontext():
+                logits, prompt_logprobs = run_step(self.model, self.kv_cache, batch, self.device,
+                                                   digests.after_kv_write if digests else None)
         result = RunnerOutput(prompt_logprobs=dict(zip(prompt_ids, prompt_logprobs)))
         if logits is not None:  # logits: [num_sampling, vocab], inference tensor
             for row, r in zip(sampling, sample_rows(logits, sampling)):

@@ -72,6 +72,9 @@ class Sequence:
     """KV blocks in logical order; block i holds tokens [i*block_size, (i+1)*block_size)."""
     block_hashes: list[int] = field(default_factory=list)
     """Chained hashes of the full blocks of token_ids computed so far (prefix caching keys)."""
+    kv_digests: dict[int, bytes] = field(default_factory=dict)
+    """Block id -> xxh3-128 digest of the block's KV record, taken as the step that finished it wrote it
+    (engine.kv_digests; a runner with kv_digests on); cleared with the blocks."""
     num_registered_blocks: int = 0
     """Leading blocks already offered to the prefix cache (each block is offered once)."""
     num_computed_tokens: int = 0

@@ -6,6 +6,7 @@ the same step over its own slice of the model and of the paged KV cache (block i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,9 +31,11 @@ class StepBatch:
     alternatives). Never under tensor parallelism (LLMEngine.validate refuses such requests there)."""
 
 
-def run_step(model: DecoderModel, kv_cache: torch.Tensor, batch: StepBatch,
-             device: torch.device) -> tuple[torch.Tensor | None, list[list[PromptLogprob]]]:
-    """Run `batch` through `model`, writing its K/V into kv_cache [L, 2, blocks, block_size, kv_heads, D].
+def run_step(model: DecoderModel, kv_cache: torch.Tensor, batch: StepBatch, device: torch.device,
+             after_kv_write: Callable[[int], None] | None = None
+             ) -> tuple[torch.Tensor | None, list[list[PromptLogprob]]]:
+    """Run `batch` through `model`, writing its K/V into kv_cache [L, 2, blocks, block_size, kv_heads, D]
+    (`after_kv_write`: AttentionMetadata's).
 
     Returns the sampled rows' logits [num_sampling, vocab] on CPU (an inference tensor), or None when no row
     samples, and the prompt logprobs of each of batch.prompt_rows (engine.prompt_logprobs). On a
@@ -42,6 +45,7 @@ def run_step(model: DecoderModel, kv_cache: torch.Tensor, batch: StepBatch,
         block_tables=torch.tensor(batch.block_tables, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=device),
         query_start_loc=torch.tensor(batch.query_start_loc, dtype=torch.int32, device=device),
+        after_kv_write=after_kv_write,
     )
     hidden = model.forward(torch.tensor(batch.input_ids, dtype=torch.int64, device=device),
                            torch.tensor(batch.positions, dtype=torch.int64, device=device), kv_cache, meta)

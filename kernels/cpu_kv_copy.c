@@ -366,6 +366,64 @@ static int by_source_base(const void *a, const void *b)
     return x->base < y->base ? -1 : x->base > y->base;
 }
 
+/* A plane-by-plane walk (fused_copy_hash) that may be taken a few planes at a time: each block's xxh3 state, the
+ * blocks in the order of their source bases, and the next piece to walk. pd_planes_new / _walk / _free
+ * expose it: a prefill step hashes each layer's two pieces of its blocks right after writing them (engine.kv_digests),
+ * while they are still in the caches. */
+typedef struct {
+    xxh3_stripes_fn stripes;
+    int64_t num_blocks, num_pieces, piece_bytes, next_piece;
+    pd_xxh3_long *h;       /* [num_blocks], 64-byte aligned */
+    pd_block_ref *order;   /* [num_blocks], by source base */
+} pd_planes;
+
+static void planes_release(pd_planes *w)
+{
+    free(w->h);
+    free(w->order);
+}
+
+/* Returns -1 when the per-block states cannot be allocated. */
+static int planes_init(pd_planes *w, xxh3_stripes_fn stripes, const int64_t *src_bases, int64_t num_blocks,
+                       int64_t num_pieces, int64_t piece_bytes)
+{
+    const size_t n = (size_t)(num_blocks > 0 ? num_blocks : 1);
+    *w = (pd_planes){stripes, num_blocks, num_pieces, piece_bytes, 0, aligned_alloc(64, n * sizeof(pd_xxh3_long)),
+                     malloc(n * sizeof(pd_block_ref))};
+    if (!w->h || !w->order) {
+        planes_release(w);
+        return -1;
+    }
+    for (int64_t i = 0; i < num_blocks; i++) {
+        xxh3_long_start(&w->h[i], num_pieces * piece_bytes);
+        w->order[i].base = src_bases[i], w->order[i].index = i;
+    }
+    qsort(w->order, n, sizeof *w->order, by_source_base);
+    return 0;
+}
+
+/* The walk's next `pieces` planes: piece p of every block (in source order) before piece p + 1. */
+static void planes_walk(pd_planes *w, const uint8_t *src, int64_t src_stride, uint8_t *dst, const int64_t *dst_bases,
+                        int64_t dst_stride, int64_t pieces)
+{
+    const int64_t nb = w->num_blocks, end = (w->next_piece + pieces) * nb;
+    for (int64_t step = w->next_piece * nb; step < end; step++) {
+        const int64_t p = step / nb;
+        const pd_block_ref *block = &w->order[step % nb];
+        if (step + PREFETCH_AHEAD < end) {
+            const int64_t ahead = step + PREFETCH_AHEAD;
+            prefetch_piece(src + w->order[ahead % nb].base + ahead / nb * src_stride, w->piece_bytes);
+        }
+        w->stripes(&w->h[block->index], src + block->base + p * src_stride,
+                   dst ? dst + dst_bases[block->index] + p * dst_stride : NULL, w->piece_bytes / STRIPE, 0);
+    }
+    w->next_piece += pieces;
+#if PD_X86
+    if (dst)
+        _mm_sfence();  /* the streamed stores are visible before the caller reads, or reports, the blocks */
+#endif
+}
+
 /* copy_hash (below) on whole stripes: one pass a piece, xxh3 folded from the registers each stripe is stored from.
  * The walk goes plane by plane (every block's piece of layer 0 K, then of layer 0 V, ...), and within a plane in
  * the order of the source addresses, each block's xxh3 kept apart, so that a block's pieces still enter its hash
@@ -378,37 +436,13 @@ static int fused_copy_hash(xxh3_stripes_fn stripes, const uint8_t *src, const in
                            uint8_t *dst, const int64_t *dst_bases, int64_t dst_stride, int64_t num_blocks,
                            int64_t num_pieces, int64_t piece_bytes, uint8_t *digests)
 {
-    const int64_t record_bytes = num_pieces * piece_bytes;
-    pd_xxh3_long *h = aligned_alloc(64, (size_t)(num_blocks > 0 ? num_blocks : 1) * sizeof(pd_xxh3_long));
-    pd_block_ref *order = malloc((size_t)(num_blocks > 0 ? num_blocks : 1) * sizeof(pd_block_ref));
-    if (!h || !order) {
-        free(h);
-        free(order);
+    pd_planes w;
+    if (planes_init(&w, stripes, src_bases, num_blocks, num_pieces, piece_bytes))
         return -1;
-    }
-    for (int64_t i = 0; i < num_blocks; i++) {
-        xxh3_long_start(&h[i], record_bytes);
-        order[i].base = src_bases[i], order[i].index = i;
-    }
-    qsort(order, (size_t)num_blocks, sizeof *order, by_source_base);
-    const int64_t steps = num_pieces * num_blocks;
-    for (int64_t step = 0; step < steps; step++) {
-        const int64_t p = step / num_blocks, i = order[step % num_blocks].index;
-        if (step + PREFETCH_AHEAD < steps) {
-            const int64_t ahead = step + PREFETCH_AHEAD;
-            prefetch_piece(src + order[ahead % num_blocks].base + ahead / num_blocks * src_stride, piece_bytes);
-        }
-        stripes(&h[i], src + src_bases[i] + p * src_stride, dst ? dst + dst_bases[i] + p * dst_stride : NULL,
-                piece_bytes / STRIPE, 0);
-    }
+    planes_walk(&w, src, src_stride, dst, dst_bases, dst_stride, num_pieces);
     for (int64_t i = 0; i < num_blocks; i++)
-        xxh3_long_digest(&h[i], record_bytes, digests + 16 * i);
-    free(h);
-    free(order);
-#if PD_X86
-    if (dst)
-        _mm_sfence();  /* the streamed stores are visible before the caller reads, or reports, the blocks */
-#endif
+        xxh3_long_digest(&w.h[i], num_pieces * piece_bytes, digests + 16 * i);
+    planes_release(&w);
     return 0;
 }
 
@@ -460,6 +494,42 @@ int pd_hash_pieces(const uint8_t *src, const int64_t *bases, int64_t stride, int
                    int64_t piece_bytes, uint8_t *digests, int isa)
 {
     return copy_hash(src, bases, stride, NULL, NULL, 0, num_blocks, num_pieces, piece_bytes, digests, isa);
+}
+
+/* The hash_pieces walk of blocks at `bases`, taken a few planes at a time (pd_planes above): NULL when the layout
+ * does not take the one-pass loop (pd_kv_copy_path < 0) or out of memory. */
+void *pd_planes_new(const int64_t *bases, int64_t num_blocks, int64_t num_pieces, int64_t piece_bytes, int isa)
+{
+    if (pd_kv_copy_path(num_pieces, piece_bytes, isa) < 0)
+        return NULL;
+    pd_planes *w = malloc(sizeof *w);
+    if (w && planes_init(w, xxh3_stripes_for(isa), bases, num_blocks, num_pieces, piece_bytes)) {
+        free(w);
+        return NULL;
+    }
+    return w;
+}
+
+/* Hash planes next .. next + pieces - 1 of the blocks in src (piece p of block i at src + bases[i] + p * stride);
+ * once the last is walked, each block's xxh3-128 canonical digest to digests[16 i]. Returns the planes walked so
+ * far; -1 (nothing walked) when that would run past the record's last piece. */
+int64_t pd_planes_walk(void *planes, const uint8_t *src, int64_t stride, int64_t pieces, uint8_t *digests)
+{
+    pd_planes *w = planes;
+    if (pieces < 0 || pieces > w->num_pieces - w->next_piece)
+        return -1;
+    planes_walk(w, src, stride, NULL, NULL, 0, pieces);
+    for (int64_t i = 0; w->next_piece == w->num_pieces && i < w->num_blocks; i++)
+        xxh3_long_digest(&w->h[i], w->num_pieces * w->piece_bytes, digests + 16 * i);
+    return w->next_piece;
+}
+
+void pd_planes_free(void *planes)
+{
+    if (planes) {
+        planes_release(planes);
+        free(planes);
+    }
 }
 
 /* A payload of records streamed in order, in pieces of any length, between a contiguous run of its bytes and the

@@ -11,6 +11,9 @@ stride = num_blocks * piece_bytes, num_pieces = 2 * L (kvstore.shm_cache's modul
     copy_hash_pieces(src, src_bases, src_stride, dst, dst_bases, dst_stride, num_pieces, piece_bytes)
         copy block i of src to block i of dst piece by piece, hashing what landed: the digests of the bytes in
         dst, never of what was read from src (kvstore.shm_cache says why)
+    PlaneHasher(blocks, bases, stride, num_pieces, piece_bytes)
+        hash_pieces taken a few planes at a time: hash(n) walks the next n pieces of every block (a prefill step
+        hashes each layer's pieces right after writing them), digests() once every piece was walked
     PieceStream(blocks, bases, stride, num_pieces, piece_bytes)
         the blocks' records as one payload (block 0's pieces in order, then block 1's, ...), moved in order, any
         number of bytes at a time, into the blocks (land) or out of them into a contiguous buffer (gather), each
@@ -96,6 +99,9 @@ def library() -> ctypes.CDLL | None:
     lib.pd_stream_free.restype, lib.pd_stream_free.argtypes = None, [ptr]
     lib.pd_stream_move.restype = i64
     lib.pd_stream_move.argtypes = [ptr, ptr, i64, ctypes.c_int, ptr, ptr, i64, i64, i64, i64, ptr]
+    lib.pd_planes_new.restype, lib.pd_planes_new.argtypes = ptr, [ptr, i64, i64, i64, ctypes.c_int]
+    lib.pd_planes_walk.restype, lib.pd_planes_walk.argtypes = i64, [ptr, ptr, i64, i64, ptr]
+    lib.pd_planes_free.restype, lib.pd_planes_free.argtypes = None, [ptr]
     lib.pd_kv_copy_init(*functions)
     lib.xxhash_extension = ext  # the C code holds its function pointers: keep the library referenced
     return lib
@@ -205,6 +211,73 @@ def copy_hash_pieces(src, src_bases: Sequence[int], src_stride: int, dst, dst_ba
                                _offsets(dst_bases), dst_stride, len(src_bases), num_pieces, piece_bytes, out, isa):
         raise MemoryError("native kv copy: out of memory for an xxh3 state")
     return _split(out, len(src_bases))
+
+
+class PlaneHasher:
+    """hash_pieces of blocks `bases` of `blocks` (module doc), walked a few planes at a time: hash(n) folds the
+    next n pieces of every block into its digest (pieces 0 .. n - 1 first), reading them where they are then;
+    digests() gives hash_pieces' digests once all num_pieces were walked. The bytes of a piece must not change
+    between its walk and the use of the digest. Natively when the layout takes the one-pass loop (`native`),
+    else one xxhash state per block. Not thread-safe; close() (or the with block's end) frees the native
+    state."""
+
+    def __init__(self, blocks, bases: Sequence[int], stride: int, num_pieces: int, piece_bytes: int,
+                 isa: int = ISA_BEST) -> None:
+        self._view = _checked("blocks", blocks, bases, stride, num_pieces, piece_bytes)
+        self._bases, self._stride, self.num_pieces, self._piece_bytes = list(bases), stride, num_pieces, piece_bytes
+        self.walked = 0
+        """Pieces of every block hashed so far."""
+        self._native = None
+        if self._bases and available() and library().pd_kv_copy_path(num_pieces, piece_bytes, isa) >= 0:
+            self._lib = library()  # held: close() may run at interpreter exit
+            self._native = self._lib.pd_planes_new(_offsets(self._bases), len(self._bases), num_pieces,
+                                                   piece_bytes, isa)
+            if not self._native:
+                raise MemoryError("native kv copy: out of memory for the blocks' xxh3 states")
+            self._address = _address(self._view)
+            self._out = ctypes.create_string_buffer(len(self._bases) * DIGEST_BYTES)  # written by the last walk
+        else:
+            self._hashes = [xxhash.xxh3_128() for _ in self._bases]
+
+    @property
+    def native(self) -> bool:
+        """Whether the C loop walks the pieces (else the xxhash package, piece by piece from Python)."""
+        return self._native is not None
+
+    def hash(self, pieces: int) -> None:
+        """Fold pieces walked .. walked + pieces - 1 of every block into its digest."""
+        if not 0 <= pieces <= self.num_pieces - self.walked:
+            raise ValueError(f"{pieces} more pieces after {self.walked} of {self.num_pieces}")
+        if self._native is not None:
+            self._lib.pd_planes_walk(self._native, self._address, self._stride, pieces, self._out)
+        else:
+            for h, base in zip(self._hashes, self._bases):
+                for p in range(self.walked, self.walked + pieces):
+                    start = base + p * self._stride
+                    h.update(self._view[start:start + self._piece_bytes])
+        self.walked += pieces
+
+    def digests(self) -> list[bytes]:
+        """Each block's xxh3-128 digest (hash_pieces'); ValueError before every piece was walked."""
+        if self.walked != self.num_pieces:
+            raise ValueError(f"{self.walked} of {self.num_pieces} pieces walked: no digest yet")
+        if self._native is None:
+            return [h.digest() for h in self._hashes]
+        return _split(self._out, len(self._bases))
+
+    def close(self) -> None:
+        if getattr(self, "_native", None) is not None:
+            self._lib.pd_planes_free(self._native)
+            self._native = None
+
+    def __enter__(self) -> PlaneHasher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class PieceStream:

@@ -11,8 +11,9 @@ and reused; else a fresh one-shot segment), then the manifest with the digests n
 to the pool only after a committed Push, and is unlinked on every other outcome. Zero copy (KvSender.data_path
 decides, in one place): when the blocks are those of the engine's shared cache (raw codec) and the receiver
 answered the probe, the manifest names the cache segment and the source block ids and goes at once; the sender
-hashes the blocks in place meanwhile and sends the digests in the trailer. The caller holds the blocks until
-push returns.
+hashes in place meanwhile the blocks whose digests the caller did not pass (a prefill worker has those it
+computed: engine.kv_digests) and sends all of them in the trailer. The caller holds the blocks until push
+returns.
 """
 
 from __future__ import annotations
@@ -123,12 +124,16 @@ class KvSender:
     def push(self, endpoint: str, *, request_id: str, handle: str, layout: KvLayoutSpec,
              kv_cache: torch.Tensor | KvSlices,
              src_block_ids: Sequence[int], dst_block_ids: Sequence[int], transport: str, codec: str = "raw",
-             timeout_s: float = 30.0, fault: FaultInjection | None = None) -> TransferStats:
+             timeout_s: float = 30.0, fault: FaultInjection | None = None,
+             block_digests: Sequence[bytes | None] | None = None) -> TransferStats:
         """Send blocks `src_block_ids` of `kv_cache` to land in `dst_block_ids` of the receiver reservation
         `handle`, over `transport` exactly (no fallback). The source blocks must not change until push returns
         (blocks are gathered as they are sent; a change shows up as a digest rejection). `kv_cache` as KvSlices:
         a tensor-parallel sender's payload slices (kvstore.transfer_slices), sent slice by slice. Raises
-        TransferFailed (the receiver's status and message) or ValueError (bad arguments)."""
+        TransferFailed (the receiver's status and message) or ValueError (bad arguments). `block_digests`: the
+        digest of each source block's raw record where the caller has it (engine.kv_digests: taken as prefill
+        wrote the block; None where not): the zero-copy path sends those as they are and hashes only the others
+        in place (the receiver checks every one against what it copied); other paths hash as they send."""
         # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]
         start = time.perf_counter()
         deadline = start + timeout_s
@@ -146,6 +151,9 @@ class KvSender:
         num_cache_blocks = kv_cache.num_blocks if sliced else kv_cache.shape[2]
         if any(not 0 <= b < num_cache_blocks for b in src_block_ids):
             raise ValueError(f"src_block_ids outside the cache of {num_cache_blocks} blocks")
+        known = list(block_digests) if block_digests is not None else [None] * len(src_block_ids)
+        if len(known) != len(src_block_ids) or any(d is not None and len(d) != 16 for d in known):
+            raise ValueError(f"block_digests: one 16-byte digest or None per source block ({len(src_block_ids)})")
         # What goes on the wire, in order: each payload slice's blocks, a group at a time.
         units: list[tuple[torch.Tensor, list[int], int]] = []  # (cache, block ids, their records' bytes)
         for cache in (kv_cache.caches if sliced else (kv_cache,)):
@@ -171,7 +179,8 @@ class KvSender:
         path = self.data_path(endpoint, kv_cache, layout, transport, codec, deadline)
         if path == "cache":
             try:
-                result = self._push_cache(stub, manifest, src_block_ids, layout.block_bytes(codec), fault, deadline)
+                result = self._push_cache(stub, manifest, src_block_ids, known, layout.block_bytes(codec), fault,
+                                          deadline)
             except TransferFailed as exc:
                 if exc.code == grpc.StatusCode.INVALID_ARGUMENT and exc.details.startswith(("shm_name: ",
                                                                                             "transport: ")):
@@ -232,23 +241,29 @@ class KvSender:
                 self._cache_peers[endpoint] = known
         return "cache" if known else segment_path
 
-    def _push_cache(self, stub, manifest, src_block_ids: list[int], block_bytes: int, fault: FaultInjection,
-                    deadline: float) -> kv_transfer_pb2.PushResult:
-        # The manifest goes first, so that the receiver copies while this thread hashes the same blocks in place;
-        # the digests follow in the trailer. The caller holds the blocks until this returns.
+    def _push_cache(self, stub, manifest, src_block_ids: list[int], known: list[bytes | None], block_bytes: int,
+                    fault: FaultInjection, deadline: float) -> kv_transfer_pb2.PushResult:
+        # The manifest goes first, so that the receiver copies while this thread hashes in place the blocks
+        # whose digests it lacks; the digests follow in the trailer. The caller holds the blocks until this
+        # returns.
         cache = self.shared_cache
         head = manifest(cache_segment=cache.name, src_block_ids=tuple(src_block_ids),
                         cache_num_blocks=cache.num_blocks, sender_epoch=cache.epoch)
         flipped: list[int] = []
         errors: list[BaseException] = []
 
+        def all_digests() -> list[bytes]:
+            missing = [i for i, d in enumerate(known) if d is None]
+            hashed = iter(block_digests_in_place(cache.tensor, [src_block_ids[i] for i in missing]))
+            return [d if d is not None else next(hashed) for d in known]
+
         def messages() -> Iterator[kv_transfer_pb2.KvChunk]:
             try:
                 if fault.corrupt_chunk_index is None:
                     yield head
-                    digests = list(block_digests_in_place(cache.tensor, src_block_ids))
+                    digests = all_digests()
                 else:  # test hook: the digests, then the corruption of the source block, then the manifest
-                    digests = list(block_digests_in_place(cache.tensor, src_block_ids))
+                    digests = all_digests()
                     flipped.append(src_block_ids[fault.corrupt_chunk_index * self.chunk_bytes // block_bytes])
                     cache.flip_byte(flipped[0])
                     yield head

@@ -16,9 +16,12 @@ that arrives before the pin releases the blocks and the pin is refused (no push)
 push is deferred until the push ends. On the same host the engine's KV cache itself lives in shared memory
 (LLMEngine(kv_cache_in_shm=True), which the server asks for unless the transport is grpc) and the decode
 worker copies the blocks straight out of it (kvstore.shm_cache: one copy; the pin is what keeps them from being
-reused under the reader, and the digests of what landed catch a push that ended early); else the sender
-gathers each group of blocks straight into what carries it (a pooled, pre-faulted shared-memory segment, or
-chunks of a streamed grpc Push whose digests follow in a trailer); sending layer by layer during the forward pass is not done (see BENCHMARKS.md, issue 16).
+reused under the reader, and the digests of what landed catch a push that ended early). Those digests were
+taken as the prefill steps wrote the blocks (engine.kv_digests: each layer's pieces hashed while still in the
+caches), so the push itself reads only prefix-cache hits a second time; else the sender gathers each group of
+blocks straight into what carries it (a pooled, pre-faulted shared-memory segment, or chunks of a streamed grpc
+Push whose digests follow in a trailer). Sending layer by layer during the forward pass is not done (see
+BENCHMARKS.md, issue 16).
 """
 
 from __future__ import annotations
@@ -95,7 +98,8 @@ class PrefillWorker:
             except IllegalTransition:
                 raise RequestAborted(f"request {rid!r} was aborted before its KV push") from None
             try:
-                stats = self._push(rid, seq.block_ids[target.num_cached_blocks:], target, start, timeout_s)
+                src = seq.block_ids[target.num_cached_blocks:]
+                stats = self._push(rid, src, [seq.kv_digests.get(b) for b in src], target, start, timeout_s)
             finally:
                 aborted = seq.lease.unpin(LeaseState.HELD)
             if aborted:
@@ -108,9 +112,10 @@ class PrefillWorker:
                              stats.transport, prefill_ms, out.prompt_logprobs, stats.reshard_bytes,
                              stats.reshard_slices)
 
-    def _push(self, rid: str, src_block_ids: list[int], target: TransferTargetData, start: float,
-              timeout_s: float):
-        """Send `src_block_ids` (pinned by the caller) to the target reservation; returns TransferStats."""
+    def _push(self, rid: str, src_block_ids: list[int], digests: list[bytes | None], target: TransferTargetData,
+              start: float, timeout_s: float):
+        """Send `src_block_ids` (pinned by the caller; `digests`: those the engine took as it wrote them) to the
+        target reservation; returns TransferStats."""
         if len(src_block_ids) != len(target.block_ids):
             raise InvalidRequestError("target.block_ids", f"{len(target.block_ids)} destination blocks for "
                                       f"{len(src_block_ids)} blocks the decode worker lacks")
@@ -124,7 +129,7 @@ class PrefillWorker:
                 target.endpoint, request_id=rid, handle=target.handle, layout=self.layout,
                 kv_cache=kv_cache, src_block_ids=src_block_ids,
                 dst_block_ids=target.block_ids, transport=self._transport(target), codec=self.config.codec,
-                timeout_s=max(timeout_s - (time.perf_counter() - start), 0.001), fault=fault)
+                timeout_s=max(timeout_s - (time.perf_counter() - start), 0.001), fault=fault, block_digests=digests)
         except TransferFailed as exc:
             with self._lock:
                 self.num_transfer_failures += 1

@@ -125,6 +125,30 @@ def test_a_corrupted_source_block_rejects_the_whole_transfer_and_leaves_nothing(
     assert len(receiver.rejected) == 1                               # released once
 
 
+def test_digests_the_caller_passes_go_as_they_are_and_the_receiver_checks_them(kv_served, layout, shared):
+    # A prefill worker passes the digests its steps took (engine.kv_digests); the sender hashes only the others.
+    # A passed digest that does not match the bytes (blocks changed since) rejects the transfer at the receiver.
+    shared.tensor.copy_(source_cache(layout, CACHE_BLOCKS))
+    truth = list(block_digests_in_place(shared.tensor, SRC_IDS))
+    receiver = CacheReceiver(layout, 100)
+    endpoint, _ = kv_served(receiver)
+    with KvSender(shared_cache=shared) as sender:
+        for i, known in enumerate((truth, [d if k % 3 else None for k, d in enumerate(truth)], [None] * 40)):
+            stats = push(sender, endpoint, receiver, shared.tensor, layout, f"ok-{i}", block_digests=known)
+            assert stats.data_path == "cache" and landed(receiver, shared.tensor)
+        stale = list(truth)
+        stale[5] = bytes(16)
+        with pytest.raises(TransferFailed) as info:
+            push(sender, endpoint, receiver, shared.tensor, layout, "stale", block_digests=stale)
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert info.value.details.startswith("block_digests[5]: ")
+        assert not receiver.kv_cache[:, :, DST_IDS].any()            # no byte of the rejected transfer stays
+        for bad in (truth[:-1], [*truth[:-1], b"short"]):
+            with pytest.raises(ValueError, match="block_digests"):
+                push(sender, endpoint, receiver, shared.tensor, layout, "bad", block_digests=bad)
+    assert [r[0] for r in receiver.committed] == ["ok-0", "ok-1", "ok-2"]
+
+
 def test_blocks_reused_after_a_push_timed_out_are_caught_by_the_digests_of_what_landed(kv_served, layout, shared):
     # The sender holds the blocks until its push returns; one that times out frees them while the receiver may
     # still copy. Blocks rewritten then must not be committed: the receiver hashes what landed.
@@ -310,12 +334,23 @@ def test_a_1p1d_pair_with_the_prefill_cache_in_shared_memory_gives_the_offline_t
     p = start_prefill(PrefillWorkerConfig("p0", None, transport="shm", decode_endpoints=(endpoint,)), ENGINE,
                       engine=LLMEngine(ENGINE, loaded=tiny_loaded(), kv_cache_in_shm=True))
     segment = p.worker.loop.engine.runner.kv_segment
+    passed = {}  # request id -> the digests the worker passed, each checked against its block's bytes then
+    real_push = p.worker.sender.push
+
+    def push_spy(endpoint, **kw):
+        now = block_digests_in_place(kw["kv_cache"], kw["src_block_ids"])
+        assert all(d in (None, h) for d, h in zip(kw["block_digests"], now, strict=True))
+        passed[kw["request_id"]] = kw["block_digests"]
+        return real_push(endpoint, **kw)
+
+    p.worker.sender.push = push_spy
     try:
         pstub, dstub = stubs(p, d)
         for rid, prompt in (("r1", PROMPT), ("r2", PROMPT + [7, 8, 9])):  # r2: a delta of r1's blocks
             tokens, pre, _ = disaggregated(pstub, dstub, rid, prompt, GREEDY)
             assert tokens == run(tiny_engine(), [prompt], [GREEDY])[0]
             assert pre.transport == "shm" and pre.transfer_bytes > 0
+        assert passed["r1"] and None not in passed["r1"]             # the prefill steps took every digest
         sender = p.worker.sender
         assert sender.data_path(endpoint, segment.tensor, p.worker.layout, "shm", "raw",
                                 time.perf_counter() + 10) == "cache"

@@ -167,6 +167,29 @@ def test_the_plane_by_plane_walk_returns_each_block_its_own_digest(isa):
                 src[b + p * stride:b + p * stride + piece].tobytes() for p in range(num_pieces))
 
 
+@pytest.mark.parametrize("isa", [*ISAS, "package"])
+def test_a_walk_taken_a_few_planes_at_a_time_gives_the_digests_of_the_whole_blocks(isa):
+    # What a prefill step does: each layer's pieces hashed right after they were written, the digests at the end.
+    rng = random.Random(f"planes-{isa}")
+    num_pieces, piece, num_blocks = 6, 320 if isa != "package" else 100, 40  # 100: not whole stripes
+    if isa != "package" and cpu_kv_copy.native_path(num_pieces, piece, ISAS[isa]) != isa:
+        pytest.skip(f"this CPU does not run {isa}")
+    stride = num_blocks * piece
+    src = np.frombuffer(bytearray(rng.randbytes(num_pieces * stride)), dtype=np.uint8)
+    ids = [5, 5, 0, 39, 12] + rng.sample(range(num_blocks), 9)
+    bases = [b * piece for b in ids]
+    hasher = cpu_kv_copy.PlaneHasher(src, bases, stride, num_pieces, piece, ISAS.get(isa, cpu_kv_copy.ISA_BEST))
+    assert hasher.native == (isa != "package" and cpu_kv_copy.available())
+    with hasher:
+        for n in (2, 0, 1, 3):
+            with pytest.raises(ValueError, match="pieces walked"):
+                hasher.digests()
+            hasher.hash(n)
+        with pytest.raises(ValueError, match="more pieces"):
+            hasher.hash(1)
+        assert hasher.digests() == cpu_kv_copy.hash_pieces_ref(memoryview(src), bases, stride, num_pieces, piece)
+
+
 @native
 def test_layouts_the_one_pass_xxh3_does_not_take_use_the_package():
     assert cpu_kv_copy.native_path(60, 12288) in ("avx512", "avx2", "portable")
