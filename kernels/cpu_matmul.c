@@ -973,23 +973,83 @@ static int run(int q8, const float *x, int64_t M, int64_t K, const void *w, cons
     return j.isa;
 }
 
+#if PD_X86
+/* round_bf16 and the flush of a subnormal result to +0, 16 lanes at a time over x[0 .. K) into xb; returns how
+ * many it did (a multiple of 16: the scalar loop does the rest). */
+AVX512_TARGET static int64_t round_avx512(const float *x, int64_t K, float *xb) {
+    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
+    const __m512i nan = _mm512_set1_epi32(0x7FC00000), bias = _mm512_set1_epi32(0x7FFF);
+    const __m512i one = _mm512_set1_epi32(1), high = _mm512_set1_epi32((int)0xFFFF0000u);
+    const __m512i flt_min = _mm512_set1_epi32(0x00800000);
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        const __m512i u = _mm512_loadu_si512((const void *)(x + k));
+        const __mmask16 is_nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
+        __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, bias), _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
+        r = _mm512_mask_mov_epi32(_mm512_and_si512(r, high), is_nan, nan);
+        const __mmask16 tiny = _mm512_cmplt_epu32_mask(_mm512_and_si512(r, abs_mask), flt_min);
+        _mm512_storeu_si512((void *)(xb + k), _mm512_maskz_mov_epi32((__mmask16)~tiny, r));
+    }
+    return k;
+}
+
+/* The (x_k, x_k+1) bfloat16 pairs of the rounded row xb into xp, 16 pairs at a time; returns how many. */
+AVX512_TARGET static int64_t pairs_avx512(const float *xb, int64_t K, uint32_t *xp) {
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    int64_t p = 0;
+    for (; p + 16 <= K / 2; p += 16) {
+        const __m512i lo = _mm512_loadu_si512((const void *)(xb + 2 * p));
+        const __m512i hi = _mm512_loadu_si512((const void *)(xb + 2 * p + 16));
+        const __m512i e = _mm512_permutex2var_epi32(lo, even, hi), o = _mm512_permutex2var_epi32(lo, odd, hi);
+        _mm512_storeu_si512((void *)(xp + p), _mm512_or_si512(_mm512_srli_epi32(e, 16), _mm512_and_si512(o, high)));
+    }
+    return p;
+}
+#endif
+
+/* Each group of 32 of xb summed in order from 0 (the q4 kernels' X_g). */
+static void round_sums(const float *xb, int64_t K, float *xs) {
+    const int64_t G = K / 32;
+    int64_t g = 0;
+    for (; g + 4 <= G; g += 4) {
+        const float *a = xb + 32 * g;
+        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+        for (int t = 0; t < 32; t++) { s0 += a[t]; s1 += a[32 + t]; s2 += a[64 + t]; s3 += a[96 + t]; }
+        xs[g] = s0, xs[g + 1] = s1, xs[g + 2] = s2, xs[g + 3] = s3;
+    }
+    for (; g < G; g++) {
+        float sum = 0.0f;
+        for (int64_t k = 32 * g; k < 32 * g + 32; k++) sum += xb[k];
+        xs[g] = sum;
+    }
+}
+
 /* Row i of x rounded to bfloat16 (a subnormal result to +0); for q4 also its group sums, and its bfloat16 pairs
- * where vdpbf16ps reads them (run_bf16). */
+ * where vdpbf16ps reads them (run_bf16). Every path gives the same bits: the rounding and the pairs are per
+ * element; each group's sum is its 32 values added in order from 0, four groups' chains interleaved (a chain of
+ * dependent additions was the cost). */
 static void round_one(const struct job *j, int64_t i) {
     const int64_t K = j->K;
     float *xb = j->xb + i * K;
-    for (int64_t k = 0; k < K; k++) {
+    uint32_t *xp = j->xp ? j->xp + i * (K / 2) : NULL;
+    int64_t k = 0, p = 0;
+#if PD_X86
+    if (j->isa >= 2) k = round_avx512(j->x + i * K, K, xb);
+#endif
+    for (; k < K; k++) {
         float v = round_bf16(j->x[i * K + k]);
         xb[k] = fabsf(v) < FLT_MIN ? 0.0f : v;
     }
-    for (int64_t g = 0; j->xs && g < K / 32; g++) {
-        float sum = 0.0f;
-        for (int64_t k = 32 * g; k < 32 * g + 32; k++) sum += xb[k];
-        j->xs[i * (K / 32) + g] = sum;
-    }
-    for (int64_t p = 0; j->xp && p < K / 2; p++) {
+    if (j->xs) round_sums(xb, K, j->xs + i * (K / 32));
+    if (!xp) return;
+#if PD_X86
+    if (j->isa >= 2) p = pairs_avx512(xb, K, xp);
+#endif
+    for (; p < K / 2; p++) {
         union { float f; uint32_t u; } lo = {xb[2 * p]}, hi = {xb[2 * p + 1]};
-        j->xp[i * (K / 2) + p] = (lo.u >> 16) | (hi.u & 0xFFFF0000u);
+        xp[p] = (lo.u >> 16) | (hi.u & 0xFFFF0000u);
     }
 }
 

@@ -125,8 +125,8 @@ def test_rows_are_batch_and_thread_invariant(layer0, name, isa):
 @pytest.mark.parametrize("isa", [isa_param(i) for i in (cm.ISA_AVX2, cm.ISA_AVX512, cm.ISA_AVX512_BF16)])
 def test_q4_every_path_gives_the_scalar_bits_at_both_block_sizes(isa, block_rows):
     """Random codes read as int4pack's layout of 32-row blocks (torch's AVX2 packing) or 64-row ones, scales and
-    zeros of mixed sign and size, x spanning 2^-20 .. 2^6 with exact zeros, -0 and values about the smallest
-    normal float (rounded to bfloat16, a subnormal is +0): 5 rows (the codes read in every pass)
+    zeros of mixed sign and size, x spanning 2^-20 .. 2^6 with exact zeros, -0, values about the smallest
+    normal float (rounded to bfloat16, a subnormal is +0) and halfway ones (ties to even): 5 rows (the codes read in every pass)
     and 35 (from 32: the dequantized tile, bfloat16 pairs at ISA_AVX512_BF16), 1 and 3 threads, the scalar
     path's bits."""
     g = torch.Generator().manual_seed(7)
@@ -136,6 +136,7 @@ def test_q4_every_path_gives_the_scalar_bits_at_both_block_sizes(isa, block_rows
     x = torch.randn(35, k, generator=g) * torch.pow(2.0, torch.randint(-20, 7, (35, k), generator=g).float())
     x[x.abs() < 1e-5] = 0.0
     x[:, :6] = torch.tensor([1e-39, -1e-40, -0.0, 1.1754e-38, -1.1755e-38, 3e-38])  # subnormal (to +0) or not
+    x[:, 6:10] = torch.tensor([1 + 2**-8, -(1 + 3 * 2**-8), 3 * 2**-9, 1 + 2**-8 + 2**-20])  # ties to even, not a tie
     expected = cm.q4_bf16_matmul(x, packed, table, block_rows, isa=cm.ISA_SCALAR, round_output=False, nthreads=1)
     for rows in (5, 35):
         for nthreads in (1, 3):
