@@ -644,10 +644,10 @@ AVX512BF16_TARGET static void q4p_bf16dot(const uint32_t *tab, const uint32_t *W
     if (B == 64) { Q4P_UNITS(CALL_Q4P_R, 64) } else { Q4P_UNITS(CALL_Q4P_R, 32) }
 }
 
-/* out[i] = _mm512_reduce_add_ps(v[i]) for i < 16, bit for bit, in 30 shuffles and 15 additions rather than 16 x 7
+/* Lane i: _mm512_reduce_add_ps(v[i]) for i < 16, bit for bit, in 30 shuffles and 15 additions rather than 16 x 7
  * operations: the same additions (lanes i + (i + 8), then + 4, then + 2, then + 1), done for the 16 vectors at
  * once by a transposed tree. */
-AVX512_TARGET static inline __attribute__((always_inline)) void reduce_add16(const __m512 *v, float *out) {
+AVX512_TARGET static inline __attribute__((always_inline)) __m512 reduce_add16(const __m512 *v) {
     __m512 s[8], t[4], u[2];
     for (int p = 0; p < 8; p++)  /* s[p]: [v[2p] lanes 0-7 + 8-15 | v[2p + 1] likewise] */
         s[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44),
@@ -662,11 +662,21 @@ AVX512_TARGET static inline __attribute__((always_inline)) void reduce_add16(con
     __m512 r = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
                              _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
     const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-    _mm512_storeu_ps(out, _mm512_permutexvar_ps(order, r));
+    return _mm512_permutexvar_ps(order, r);
+}
+
+/* round_bf16 of each lane (half to even, a NaN to 0x7FC0), bit for bit. */
+AVX512_TARGET static inline __attribute__((always_inline)) __m512i round_bf16_avx512(__m512i u) {
+    const __mmask16 is_nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                     _mm512_set1_epi32(0x7F800000));
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                                       _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+    return _mm512_mask_mov_epi32(_mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u)), is_nan,
+                                 _mm512_set1_epi32(0x7FC00000));
 }
 
 /* A q8 tile's outputs: each lane sum reduced by reduce_add16, times ws[n + c] when ws is not NULL, rounded to
- * bfloat16 when round_out. */
+ * bfloat16 when round_out, 16 outputs at a time (the scalar path's products and roundings, bit for bit). */
 AVX512_TARGET static inline __attribute__((always_inline)) void q8b_avx512_store(
         __m512 (*acc)[MT_Q8B], const float *ws, int64_t n, const int C, int64_t i0, const int R, int64_t N,
         int round_out, float *y) {
@@ -675,13 +685,19 @@ AVX512_TARGET static inline __attribute__((always_inline)) void q8b_avx512_store
     for (int c = 0; c < C; c++)
         for (int r = 0; r < R; r++) v[c * R + r] = acc[c][r];
     for (int i = C * R; i < (C * R > 16 ? 32 : 16); i++) v[i] = _mm512_setzero_ps();
-    reduce_add16(v, sums);
-    if (C * R > 16) reduce_add16(v + 16, sums + 16);
-    for (int c = 0; c < C; c++)
-        for (int r = 0; r < R; r++) {
-            float sum = ws ? ws[n + c] * sums[c * R + r] : sums[c * R + r];
-            y[(i0 + r) * N + n + c] = round_out ? round_bf16(sum) : sum;
+    for (int h = 0; h < (C * R > 16 ? 2 : 1); h++) {
+        __m512 out = reduce_add16(v + 16 * h);
+        if (ws) {  /* lane i is output (c, r) = ((16 h + i) / R, (16 h + i) % R) */
+            int lane_c[16];
+            for (int i = 0; i < 16; i++) lane_c[i] = (16 * h + i) / R < C ? (16 * h + i) / R : 0;
+            out = _mm512_mul_ps(out, _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)lane_c),
+                                                           _mm512_maskz_loadu_ps((__mmask16)((1u << C) - 1), ws + n)));
         }
+        if (round_out) out = _mm512_castsi512_ps(round_bf16_avx512(_mm512_castps_si512(out)));
+        _mm512_storeu_ps(sums + 16 * h, out);
+    }
+    for (int c = 0; c < C; c++)
+        for (int r = 0; r < R; r++) y[(i0 + r) * N + n + c] = sums[c * R + r];
 }
 
 AVX512_TARGET static inline __attribute__((always_inline)) void q8b_avx512_tile(
@@ -977,16 +993,10 @@ static int run(int q8, const float *x, int64_t M, int64_t K, const void *w, cons
 /* round_bf16 and the flush of a subnormal result to +0, 16 lanes at a time over x[0 .. K) into xb; returns how
  * many it did (a multiple of 16: the scalar loop does the rest). */
 AVX512_TARGET static int64_t round_avx512(const float *x, int64_t K, float *xb) {
-    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), inf = _mm512_set1_epi32(0x7F800000);
-    const __m512i nan = _mm512_set1_epi32(0x7FC00000), bias = _mm512_set1_epi32(0x7FFF);
-    const __m512i one = _mm512_set1_epi32(1), high = _mm512_set1_epi32((int)0xFFFF0000u);
-    const __m512i flt_min = _mm512_set1_epi32(0x00800000);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), flt_min = _mm512_set1_epi32(0x00800000);
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
-        const __m512i u = _mm512_loadu_si512((const void *)(x + k));
-        const __mmask16 is_nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs_mask), inf);
-        __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, bias), _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
-        r = _mm512_mask_mov_epi32(_mm512_and_si512(r, high), is_nan, nan);
+        const __m512i r = round_bf16_avx512(_mm512_loadu_si512((const void *)(x + k)));
         const __mmask16 tiny = _mm512_cmplt_epu32_mask(_mm512_and_si512(r, abs_mask), flt_min);
         _mm512_storeu_si512((void *)(xb + k), _mm512_maskz_mov_epi32((__mmask16)~tiny, r));
     }
