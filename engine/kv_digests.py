@@ -1,16 +1,17 @@
-"""Digests of KV blocks taken while a prefill step writes them: what a zero-copy push sends in its trailer.
+"""Digests of KV blocks taken while a prefill step writes them: what a prefill worker's push sends in its trailer.
 
 A prefill worker's push names each block's xxh3-128 digest (kvstore.transfer.block_digest of its raw record: its
-2 x layers pieces in order), which the decode worker checks against what it copied. Hashed at push time, the
-blocks are read from memory a second time while the decode worker copies them out: two readers of the same bytes
-sharing the memory bandwidth. Here each layer's two pieces of the blocks a step finishes are hashed right after
+2 x layers pieces in order), which the decode worker checks against what landed. Hashed at push time, the blocks
+are read from memory a second time: on the same host while the decode worker copies them out (two readers of the
+same bytes sharing the memory bandwidth), over grpc by the sender beside its copy of each block into a message
+(kvstore.kv_sender). Here each layer's two pieces of the blocks a step finishes are hashed right after
 kernels.write_kv wrote them, while they are still in the caches (DecoderModel.attention calls `after_kv_write`),
 and a block's digest lands in its sequence's `kv_digests` once every layer was hashed.
 
 A block is finished by a step when the step writes its last token slot, or when it is the last block of a
 prompt whose prefill the step ends (its unwritten slots hold what they held: the bytes a push sends). Blocks
 this sequence did not write (prefix-cache hits), and those of a step that did not go through the layer loop
-(the native decoder, a compiled step: decode batches), get none: the push hashes them in place.
+(the native decoder, a compiled step: decode batches), get none: the push hashes them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from engine.sequence import Sequence
-from kernels import cpu_kv_copy
+from kvstore.paged_records import PagedRecords
 
 
 def finished_blocks(seq: Sequence, start: int, end: int, block_size: int) -> list[int]:
@@ -36,14 +37,10 @@ class StepDigests:
     repeated or missing). Native only: `build` returns None where the layout would take the Python loop."""
 
     def __init__(self, kv_cache: torch.Tensor, blocks: list[tuple[Sequence, int]]) -> None:
-        num_layers, _, num_blocks = kv_cache.shape[:3]
-        piece = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
         self._blocks = blocks
-        self._num_layers = num_layers
+        self._num_layers = kv_cache.shape[0]
         self._in_order = True
-        self._hasher = cpu_kv_copy.PlaneHasher(
-            memoryview(kv_cache.reshape(-1).view(torch.uint8).numpy()), [b * piece for _, b in blocks],
-            num_blocks * piece, 2 * num_layers, piece)
+        self._hasher = PagedRecords(kv_cache, [b for _, b in blocks]).plane_hasher()
 
     @classmethod
     def build(cls, kv_cache: torch.Tensor, blocks: list[tuple[Sequence, int]]) -> StepDigests | None:

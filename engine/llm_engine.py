@@ -95,9 +95,11 @@ class StepOutput:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True, loaded: LoadedModel | None = None, *,
-                 kv_cache_in_shm: bool = False) -> None:
+                 kv_cache_in_shm: bool = False, kv_digests: bool = False) -> None:
         """Load `config.model` (or take an already `loaded` model) and size the KV cache; `kv_cache_in_shm`: in a
-        named shared-memory segment (engine.model_runner.ModelRunner, the prefill worker's same-host pushes)."""
+        named shared-memory segment (engine.model_runner.ModelRunner, the prefill worker's same-host pushes);
+        `kv_digests`: prefill steps take the digests of the blocks they finish (engine.kv_digests: what a prefill
+        worker's pushes send)."""
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -111,7 +113,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         self.runner = ModelRunner(loaded.config, loaded.weights, config, self.max_model_len,
-                                  kv_cache_in_shm=kv_cache_in_shm)
+                                  kv_cache_in_shm=kv_cache_in_shm, kv_digests=kv_digests)
         if self.runner.device.type == "cpu":
             keep_freed_memory_for_reuse()  # a large step's activations stay mapped for the next (kvstore.malloc_tuning)
         self.weight_memory_bytes = self.runner.model.weight_memory_bytes()

@@ -66,10 +66,11 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor], config: EngineConfig,
-                 max_model_len: int, *, kv_cache_in_shm: bool = False) -> None:
+                 max_model_len: int, *, kv_cache_in_shm: bool = False, kv_digests: bool = False) -> None:
         """`kv_cache_in_shm`: allocate the KV cache over a named shared-memory segment (kvstore.shm_cache; CPU,
         one rank), so that a decode worker on the same host copies pushed blocks straight out of it. Where
-        /dev/shm cannot hold it, under tensor parallelism or on CUDA it stays private, with a warning."""
+        /dev/shm cannot hold it, under tensor parallelism or on CUDA it stays private, with a warning.
+        `kv_digests`: prefill steps take the digests of the blocks they finish (CPU, one rank; engine.kv_digests)."""
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
@@ -108,9 +109,9 @@ class ModelRunner:
         shape = (c.num_layers, 2, self.num_blocks, self.block_size, local.num_kv_heads, c.head_dim)
         self.kv_segment = self._shared_kv_cache(shape) if kv_cache_in_shm else None
         """The shared-memory segment the cache lives in (kv_cache_in_shm), or None."""
-        self.kv_digests = self.kv_segment is not None
+        self.kv_digests = kv_digests and self.tp is None and self.device.type == "cpu"
         """Whether prefill steps take the digests of the blocks they finish as they write them (engine.kv_digests:
-        Sequence.kv_digests, the zero-copy push's trailer): on with the cache in shared memory."""
+        Sequence.kv_digests, what a prefill worker's push sends in its trailer)."""
         self.kv_cache = (self.kv_segment.tensor if self.kv_segment is not None
                          else torch.zeros(shape, dtype=self.dtype, device=self.device))
         """This rank's heads: [L, 2, blocks, block_size, kv_heads of rank 0, D] (all of them without TP)."""

@@ -597,10 +597,12 @@ static void stream_fused(pd_stream *stream, const uint8_t *src, uint8_t *dst, in
 /* Move the payload's next `len` bytes: land != 0, from `run` into the blocks (record i's piece p at
  * blocks + bases[i] + p * stride); land == 0, from the blocks into `run`. Every stretch is hashed as it is written:
  * the digest of what landed. A record's last byte writes its canonical digest to digests[16 i] and starts the next
- * hash. Returns the records complete so far; -1 when `len` runs past the num_records records (nothing moved). */
+ * hash. `known` (NULL, or a flag per record): a gathered record flagged nonzero is only copied, its digest left to
+ * the caller (one it already has). Returns the records complete so far; -1 when `len` runs past the num_records
+ * records (nothing moved). */
 int64_t pd_stream_move(void *stream_, uint8_t *run, int64_t len, int land, uint8_t *blocks, const int64_t *bases,
                        int64_t stride, int64_t num_records, int64_t num_pieces, int64_t piece_bytes,
-                       uint8_t *digests)
+                       const uint8_t *known, uint8_t *digests)
 {
     pd_stream *stream = stream_;
     const int64_t record_bytes = num_pieces * piece_bytes;
@@ -619,7 +621,10 @@ int64_t pd_stream_move(void *stream_, uint8_t *run, int64_t len, int land, uint8
             if (ahead_record < num_records)
                 prefetch_piece(blocks + bases[ahead_record] + ahead % num_pieces * stride, piece_bytes);
         }
-        if (one_pass) {
+        const int copy_only = !land && known && known[record];
+        if (copy_only) {
+            memcpy(written, read, (size_t)n);
+        } else if (one_pass) {
             if (within == 0)
                 xxh3_long_start(&stream->fused, record_bytes);
             stream_fused(stream, read, written, n, !land);  /* a gathered message is read again soon: cached */
@@ -629,7 +634,7 @@ int64_t pd_stream_move(void *stream_, uint8_t *run, int64_t len, int land, uint8
         }
         pos += n;
         stream->fed += n;
-        if (stream->fed % record_bytes == 0) {
+        if (stream->fed % record_bytes == 0 && !copy_only) {
             if (one_pass) {
                 xxh3_long_digest(&stream->fused, record_bytes, digests + 16 * record);
             } else {

@@ -98,7 +98,7 @@ def library() -> ctypes.CDLL | None:
     lib.pd_stream_new.restype, lib.pd_stream_new.argtypes = ptr, [ctypes.c_int]
     lib.pd_stream_free.restype, lib.pd_stream_free.argtypes = None, [ptr]
     lib.pd_stream_move.restype = i64
-    lib.pd_stream_move.argtypes = [ptr, ptr, i64, ctypes.c_int, ptr, ptr, i64, i64, i64, i64, ptr]
+    lib.pd_stream_move.argtypes = [ptr, ptr, i64, ctypes.c_int, ptr, ptr, i64, i64, i64, i64, ptr, ptr]
     lib.pd_planes_new.restype, lib.pd_planes_new.argtypes = ptr, [ptr, i64, i64, i64, ctypes.c_int]
     lib.pd_planes_walk.restype, lib.pd_planes_walk.argtypes = i64, [ptr, ptr, i64, i64, ptr]
     lib.pd_planes_free.restype, lib.pd_planes_free.argtypes = None, [ptr]
@@ -285,17 +285,23 @@ class PieceStream:
     contiguous bytes: land(data) writes the payload's next len(data) bytes into the blocks, gather(out) fills
     `out` with the next len(out) bytes of them. Each stretch is hashed right where it was written, so `digests`
     are of what landed (land) or of what was sent (gather); a record's digest is appended when its last byte
-    has moved. Natively, records of whole stripes take the one-pass xxh3 (`isa`: module doc; landing uses
-    streaming stores, gathering plain ones: a message is read again soon), others the package's. Not thread-safe;
-    close() (or the with block's end) frees the native state."""
+    has moved. `known`: a digest or None per record, the ones the caller already has (a prefill worker's,
+    engine.kv_digests); gathering copies those records without hashing them and `digests` takes them as given.
+    Natively, records of whole stripes take the one-pass xxh3 (`isa`: module doc; landing uses streaming stores,
+    gathering plain ones: a message is read again soon), others the package's. Not thread-safe; close() (or the
+    with block's end) frees the native state."""
 
     def __init__(self, blocks, bases: Sequence[int], stride: int, num_pieces: int, piece_bytes: int,
-                 isa: int = ISA_BEST) -> None:
+                 isa: int = ISA_BEST, known: Sequence[bytes | None] | None = None) -> None:
         self._view = _checked("blocks", blocks, bases, stride, num_pieces, piece_bytes)
         self._bases, self._stride, self._num_pieces, self._piece_bytes = list(bases), stride, num_pieces, piece_bytes
         self.num_records = len(self._bases)
         self.record_bytes = num_pieces * piece_bytes
         self.payload_bytes = self.num_records * self.record_bytes
+        self._known = list(known) if known is not None else [None] * self.num_records
+        if len(self._known) != self.num_records or any(d is not None and len(d) != DIGEST_BYTES for d in self._known):
+            raise ValueError(f"known: one {DIGEST_BYTES}-byte digest or None per record ({self.num_records})")
+        self._any_known = any(d is not None for d in self._known)
         self.fed = 0
         """Payload bytes moved so far."""
         self.digests: list[bytes] = []
@@ -307,12 +313,16 @@ class PieceStream:
                 raise MemoryError("native kv copy: out of memory for a stream's xxh3 state")
             self._address = _address(self._view)
             self._offsets = _offsets(self._bases)
+            self._flags = ((ctypes.c_uint8 * self.num_records)(*(d is not None for d in self._known))
+                           if self._any_known else None)
             self._out = ctypes.create_string_buffer(len(self._bases) * DIGEST_BYTES)
         else:
             self._hash = xxhash.xxh3_128()
 
     def land(self, data) -> int:
         """Write the payload's next len(data) bytes into the blocks; returns how many records are complete."""
+        if self._any_known:
+            raise ValueError("known digests are for gathering: landed bytes are hashed as they land")
         return self._move(memoryview(data).cast("B"), land=True)
 
     def gather(self, out) -> int:
@@ -329,11 +339,12 @@ class PieceStream:
         if self._native is not None:
             done = library().pd_stream_move(self._native, _address(run), len(run), int(land), self._address,
                                             self._offsets, self._stride, len(self._bases), self._num_pieces,
-                                            self._piece_bytes, self._out)
+                                            self._piece_bytes, self._flags, self._out)
             have = len(self.digests)
             if done > have:  # only the digests completed by this call
                 raw = ctypes.string_at(ctypes.addressof(self._out) + have * DIGEST_BYTES, (done - have) * DIGEST_BYTES)
-                self.digests.extend(raw[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES] for i in range(done - have))
+                self.digests.extend(self._known[have + i] or raw[i * DIGEST_BYTES:(i + 1) * DIGEST_BYTES]
+                                    for i in range(done - have))
         else:
             self._move_ref(run, land)
         self.fed += len(run)
@@ -349,10 +360,11 @@ class PieceStream:
             at = self._bases[record] + piece * self._stride + offset
             written = self._view[at:at + n] if land else run[pos:pos + n]
             written[:] = run[pos:pos + n] if land else self._view[at:at + n]
-            self._hash.update(written)
+            if self._known[record] is None:
+                self._hash.update(written)
             pos, fed = pos + n, fed + n
             if fed % self.record_bytes == 0:
-                self.digests.append(self._hash.digest())
+                self.digests.append(self._known[record] or self._hash.digest())
                 self._hash.reset()
 
     def close(self) -> None:

@@ -3,7 +3,8 @@
 KvSender.push: the transport is the caller's explicit choice and is reported in TransferStats; there is no
 fallback. grpc: manifest (digests_in_trailer), then 2 MiB chunks, then the trailer with the digests; a raw-codec
 push of a contiguous CPU cache fills each chunk's message straight out of the cache's pieces, hashing each
-stretch in the message as it is copied there (kvstore.paged_records, one native pass), any other is encoded a
+stretch in the message as it is copied there (kvstore.paged_records, one native pass) unless the caller passed
+that block's digest (a prefill worker's: engine.kv_digests), any other is encoded a
 group (``group_bytes``) at a time into a reused staging buffer (kvstore.transfer.write_records), hashed there and
 cut into chunks. shm: the blocks are
 encoded a group at a time straight into a segment (from the sender's SegmentPool when it has one: pre-faulted
@@ -132,8 +133,9 @@ class KvSender:
         a tensor-parallel sender's payload slices (kvstore.transfer_slices), sent slice by slice. Raises
         TransferFailed (the receiver's status and message) or ValueError (bad arguments). `block_digests`: the
         digest of each source block's raw record where the caller has it (engine.kv_digests: taken as prefill
-        wrote the block; None where not): the zero-copy path sends those as they are and hashes only the others
-        in place (the receiver checks every one against what it copied); other paths hash as they send."""
+        wrote the block; None where not): the zero-copy path and the grpc raw path of a contiguous CPU cache send
+        those as they are and hash only the others (the receiver checks every one against what landed); the other
+        paths (shm segments, a codec, tensor-parallel slices) hash as they send."""
         # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]
         start = time.perf_counter()
         deadline = start + timeout_s
@@ -190,7 +192,8 @@ class KvSender:
         elif transport == "grpc":
             errors: list[BaseException] = []
             if codec == "raw" and not sliced and is_paged_cache(kv_cache):
-                messages = self._paged_messages(manifest(), PagedRecords(kv_cache, src_block_ids), fault, errors)
+                messages = self._paged_messages(manifest(), PagedRecords(kv_cache, src_block_ids), known, fault,
+                                                errors)
             else:
                 messages = self._grpc_messages(manifest(), units, codec, fault, errors)
             try:
@@ -304,14 +307,14 @@ class KvSender:
         finally:
             segment.release(reusable=committed)
 
-    def _paged_messages(self, manifest: kv_transfer_pb2.KvChunk, records: PagedRecords, fault: FaultInjection,
-                        errors: list[BaseException]) -> Iterator[kv_transfer_pb2.KvChunk | bytes]:
+    def _paged_messages(self, manifest: kv_transfer_pb2.KvChunk, records: PagedRecords, known: list[bytes | None],
+                        fault: FaultInjection, errors: list[BaseException]) -> Iterator[kv_transfer_pb2.KvChunk | bytes]:
         # Runs in grpc's request-consumer thread: each chunk's message is filled straight out of the cache's
-        # pieces (one copy, no staging buffer), hashing what was written there (kernels.cpu_kv_copy.PieceStream);
-        # after the last one, the trailer.
+        # pieces (one copy, no staging buffer), hashing what was written there unless the caller passed that
+        # block's digest (kernels.cpu_kv_copy.PieceStream); after the last one, the trailer.
         try:
             yield manifest
-            with records.stream() as stream:
+            with records.stream(known) as stream:
                 for index, start in enumerate(range(0, records.payload_bytes, self.chunk_bytes)):
                     num_bytes = min(self.chunk_bytes, records.payload_bytes - start)
                     message, data = new_data_chunk(num_bytes)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 import xxhash
 
-from kernels.cpu_kv_copy import PieceStream
+from kernels.cpu_kv_copy import PieceStream, PlaneHasher, hash_pieces
 
 
 def is_paged_cache(kv_cache) -> bool:
@@ -49,11 +49,23 @@ class PagedRecords:
         self._bases = [int(b) * self.piece_bytes for b in block_ids]
         self._cache = kv_cache
 
-    def stream(self) -> PieceStream:
+    def _view(self) -> memoryview:
+        return memoryview(self._cache.reshape(-1).view(torch.uint8).numpy())
+
+    def stream(self, known: Sequence[bytes | None] | None = None) -> PieceStream:
         """The payload, moved in order out of the blocks (gather: the sender's chunks) or into them (land: the
-        receiver's), each stretch hashed where it was written (kernels.cpu_kv_copy.PieceStream)."""
-        view = memoryview(self._cache.reshape(-1).view(torch.uint8).numpy())
-        return PieceStream(view, self._bases, self._stride, self.num_pieces, self.piece_bytes)
+        receiver's), each stretch hashed where it was written (kernels.cpu_kv_copy.PieceStream); `known`: the
+        digests the sender already has, one or None per block (those blocks are gathered without hashing)."""
+        return PieceStream(self._view(), self._bases, self._stride, self.num_pieces, self.piece_bytes, known=known)
+
+    def digests_in_place(self) -> list[bytes]:
+        """Each record's digest, hashed where its pieces are (kernels.cpu_kv_copy.hash_pieces): no gather."""
+        return hash_pieces(self._view(), self._bases, self._stride, self.num_pieces, self.piece_bytes)
+
+    def plane_hasher(self) -> PlaneHasher:
+        """The records' digests taken a few planes (layer, K/V) at a time, as they are written
+        (kernels.cpu_kv_copy.PlaneHasher: engine.kv_digests)."""
+        return PlaneHasher(self._view(), self._bases, self._stride, self.num_pieces, self.piece_bytes)
 
 
 class RecordDigests:

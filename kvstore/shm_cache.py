@@ -54,6 +54,7 @@ from multiprocessing import resource_tracker, shared_memory
 import torch
 
 from kernels import cpu_kv_copy
+from kvstore.paged_records import PagedRecords
 from kvstore.shm import SEGMENT_PREFIX, SHM_DIR, SegmentRefused
 from kvstore.shm_pool import PooledSegmentReader
 from kvstore.transfer_manifest import (DTYPE_BYTES, KvLayoutSpec, TransferManifest, TransferRejected,
@@ -79,14 +80,9 @@ def _piece_bytes(shape: Sequence[int], itemsize: int) -> int:
 def block_digests_in_place(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> tuple[bytes, ...]:
     """kvstore.transfer.block_digest of each block's raw record, computed over the blocks where they are in
     `kv_cache` (contiguous, CPU): no gather. ValueError for a block id outside the cache."""
-    # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]
     if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
         raise ValueError("block_digests_in_place needs a contiguous CPU cache")
-    num_layers, _, num_blocks = kv_cache.shape[:3]
-    piece = _piece_bytes(kv_cache.shape, kv_cache.element_size())
-    view = memoryview(kv_cache.reshape(-1).view(torch.uint8).numpy())
-    return tuple(cpu_kv_copy.hash_pieces(view, [b * piece for b in block_ids], num_blocks * piece, 2 * num_layers,
-                                         piece))
+    return tuple(PagedRecords(kv_cache, block_ids).digests_in_place())
 
 
 class SharedKvCache:

@@ -32,8 +32,10 @@ def start_server(config: PrefillWorkerConfig, engine_config: EngineConfig,
     orphans = remove_orphaned_segments()
     if orphans:
         log.warning("removed %d shared-memory segment(s) left by dead senders: %s", len(orphans), ", ".join(orphans))
-    # a KV cache the decode worker copies from in place, when the KV may go over shm (kvstore.shm_cache)
-    engine = engine or build_engine(engine_config, progress=False, kv_cache_in_shm=config.transport != "grpc")
+    # a KV cache the decode worker copies from in place, when the KV may go over shm (kvstore.shm_cache), and
+    # the digests of the blocks taken as prefill writes them (engine.kv_digests), which every push sends
+    engine = engine or build_engine(engine_config, progress=False, kv_cache_in_shm=config.transport != "grpc",
+                                    kv_digests=True)
     loop = EngineLoop(engine)
     log_internal_security(log, "prefill worker", config.tls_files, config.insecure_internal)
     server = WorkerServer(config.host, config.port, tls=config.tls_files, health_port=config.health_port)

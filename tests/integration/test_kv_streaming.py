@@ -1,6 +1,6 @@
 """KV at memory speed (issue 16), end to end over real gRPC sockets and real shared memory: streamed pushes with
-the digests in a trailer, the sender's segment pool (reuse, and no segment left behind on rejection, timeout or
-the sender's death), and a receiver that dies mid-stream."""
+the digests in a trailer (those the prefill took sent as given), the sender's segment pool (reuse, and no segment
+left behind on rejection, timeout or the sender's death), and a receiver that dies mid-stream."""
 from __future__ import annotations
 
 import os
@@ -17,16 +17,24 @@ import grpc
 import pytest
 import torch
 
+from decode_worker.config import DecodeWorkerConfig
+from decode_worker.server import start_server as start_decode
+from engine.llm_engine import LLMEngine
 from kernels import gather_blocks
 from kvstore.shm import SHM_DIR, SegmentRefused
+from kvstore.shm_cache import block_digests_in_place
 from kvstore.shm_pool import PooledSegmentReader, is_pooled_name
 from kvstore.transfer import block_digest, encode_records, iter_chunks
 from kvstore.transfer_manifest import TransferManifest
 from kvstore.transfer_service import GRPC_OPTIONS, KvTransferServicer, add_kv_transfer_servicer
 from kvstore.kv_sender import FaultInjection, KvSender, TransferFailed
+from prefill_worker import server as prefill_server
+from prefill_worker.config import PrefillWorkerConfig
 from protos.convert import manifest_to_pb
 from protos.pdserve.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 from tests.integration.test_kv_transfer import TIMEOUT_S, CacheReceiver, layout_of, source_cache
+from tests.integration.test_workers import ENGINE, GREEDY, PROMPT, disaggregated, stubs, wait_idle
+from tests.unit.engine.tiny_model import run, tiny_engine, tiny_loaded
 
 REPO = Path(__file__).resolve().parents[2]
 SRC_IDS = list(range(40, 0, -1))           # 40 blocks of 64 KiB: 2.5 MiB, two chunks, several groups
@@ -66,6 +74,33 @@ def test_grpc_push_streams_the_digests_in_a_trailer_without_staging_buffers(kv_s
     assert [(m.digests_in_trailer, m.block_digests) for m in receiver.checked] == [(True, ())] * 2
     assert landed(receiver, src) and len(receiver.committed) == 2 and receiver.rejected == []
     assert servicer.buffers.num_allocated == 0      # and landed straight in the destination blocks
+
+
+def test_grpc_push_sends_the_digests_the_caller_passes_and_the_receiver_checks_them(kv_served, layout, src):
+    # A prefill worker passes the digests its steps took (engine.kv_digests): the raw grpc path copies those
+    # blocks into the messages without hashing them and sends the digests as given; the receiver hashes what
+    # landed, so a stale digest, or a chunk changed on the wire, still rejects the whole transfer.
+    truth = [block_digest(r.numpy()) for r in encode_records(src, SRC_IDS, "raw").view(len(SRC_IDS), -1)]
+    receiver = CacheReceiver(layout, 100)
+    endpoint, _ = kv_served(receiver)
+    with KvSender() as sender:
+        for i, known in enumerate((truth, [d if k % 3 else None for k, d in enumerate(truth)])):
+            push(sender, endpoint, receiver, src, layout, f"ok-{i}", "grpc", block_digests=known)
+            assert landed(receiver, src)
+        stale = list(truth)
+        stale[5] = bytes(16)
+        with pytest.raises(TransferFailed) as info:
+            push(sender, endpoint, receiver, src, layout, "stale", "grpc", block_digests=stale)
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert info.value.details.startswith("block_digests[5]: ")
+        assert not receiver.kv_cache[:, :, DST_IDS].any()            # no byte of the rejected transfer stays
+        with pytest.raises(TransferFailed) as info:
+            push(sender, endpoint, receiver, src, layout, "wire", "grpc", block_digests=truth,
+                 fault=FaultInjection(corrupt_chunk_index=1))
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert info.value.details.startswith("block_digests[")
+    assert [r[0] for r in receiver.committed] == ["ok-0", "ok-1"]
+    assert [r[0] for r in receiver.rejected] == ["stale", "wire"]
 
 
 def test_grpc_int8_push_reuses_the_staging_buffers_on_both_sides(kv_served, layout, src):
@@ -335,3 +370,36 @@ def test_a_raw_grpc_push_over_mutual_tls_lands_straight_in_the_cache_with_the_kv
     assert landed(receiver, src) and servicer.buffers.num_allocated == 0
     [(request_id, _, blocks)] = receiver.committed
     assert request_id == "tls" and blocks.sender_role == "prefill" and receiver.rejected == []
+
+
+def test_a_1p1d_pair_over_grpc_sends_the_digests_its_prefill_took(monkeypatch):
+    """The prefill worker's server builds its engine with kv_digests on for a grpc transport too (a private
+    cache): every cold block's digest reaches the sender, equal to the block's bytes, and the tokens are the
+    offline engine's."""
+    monkeypatch.setattr(prefill_server, "build_engine",
+                        lambda config, progress=False, **kw: LLMEngine(config, progress, tiny_loaded(), **kw))
+    d = start_decode(DecodeWorkerConfig("d0", None, max_lease_ms=60_000, insecure_internal=True), ENGINE,
+                     engine=tiny_engine())
+    p = prefill_server.start_server(PrefillWorkerConfig("p0", None, transport="grpc",
+                                                        decode_endpoints=(f"127.0.0.1:{d.port}",)), ENGINE)
+    passed = {}
+    real_push = p.worker.sender.push
+
+    def push_spy(endpoint, **kw):
+        now = block_digests_in_place(kw["kv_cache"], kw["src_block_ids"])
+        assert all(g in (None, h) for g, h in zip(kw["block_digests"], now, strict=True))
+        passed[kw["request_id"]] = kw["block_digests"]
+        return real_push(endpoint, **kw)
+
+    p.worker.sender.push = push_spy
+    try:
+        assert p.worker.loop.engine.runner.kv_segment is None and p.worker.loop.engine.runner.kv_digests
+        pstub, dstub = stubs(p, d)
+        tokens, pre, _ = disaggregated(pstub, dstub, "r1", PROMPT, GREEDY)
+        assert tokens == run(tiny_engine(), [PROMPT], [GREEDY])[0]
+        assert pre.transport == "grpc" and pre.transfer_bytes > 0
+        assert passed["r1"] and None not in passed["r1"]
+        assert wait_idle(dstub).used_blocks == 0 and wait_idle(pstub).used_blocks == 0
+    finally:
+        p.stop(0)
+        d.stop(0)

@@ -332,7 +332,7 @@ def test_a_1p1d_pair_with_the_prefill_cache_in_shared_memory_gives_the_offline_t
                      engine=tiny_engine())
     endpoint = f"127.0.0.1:{d.port}"
     p = start_prefill(PrefillWorkerConfig("p0", None, transport="shm", decode_endpoints=(endpoint,)), ENGINE,
-                      engine=LLMEngine(ENGINE, loaded=tiny_loaded(), kv_cache_in_shm=True))
+                      engine=LLMEngine(ENGINE, loaded=tiny_loaded(), kv_cache_in_shm=True, kv_digests=True))
     segment = p.worker.loop.engine.runner.kv_segment
     passed = {}  # request id -> the digests the worker passed, each checked against its block's bytes then
     real_push = p.worker.sender.push

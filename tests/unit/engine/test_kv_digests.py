@@ -19,9 +19,10 @@ GREEDY_ONE = SamplingParams(max_tokens=1, temperature=0.0)
 
 
 def shm_engine(**kw) -> LLMEngine:
+    """A prefill worker's engine on one host: the cache in shared memory, digests taken."""
     config = EngineConfig(model="tiny-random", **({"num_kv_blocks": 64, "block_size": 4, "dtype": "float32"} | kw))
-    engine = LLMEngine(config, loaded=tiny_loaded(), kv_cache_in_shm=True)
-    assert engine.runner.kv_digests, "the cache went to shared memory: digests are on"
+    engine = LLMEngine(config, loaded=tiny_loaded(), kv_cache_in_shm=True, kv_digests=True)
+    assert engine.runner.kv_digests and engine.runner.kv_segment is not None
     return engine
 
 
@@ -104,8 +105,14 @@ def test_a_step_that_skips_a_layer_or_fails_leaves_no_digest():
         engine.runner.close()
 
 
-def test_an_engine_with_a_private_cache_takes_no_digests():
-    engine = LLMEngine(EngineConfig(model="tiny-random", num_kv_blocks=64, block_size=4, dtype="float32"),
-                       loaded=tiny_loaded())
+def test_an_engine_not_asked_takes_no_digests_and_a_private_cache_asked_does():
+    """Only a prefill worker's engine takes them (LLMEngine(kv_digests=True)), in shared memory or not: a
+    prefill worker pushing over grpc has a private cache and sends them as well."""
+    config = EngineConfig(model="tiny-random", num_kv_blocks=64, block_size=4, dtype="float32")
+    engine = LLMEngine(config, loaded=tiny_loaded())
     assert not engine.runner.kv_digests
     assert prefill(engine, {"a": list(range(3, 20))})["a"].kv_digests == {}
+    private = LLMEngine(config, loaded=tiny_loaded(), kv_digests=True)
+    assert private.runner.kv_digests and private.runner.kv_segment is None
+    seq = prefill(private, {"a": list(range(3, 20))})["a"]
+    assert seq.kv_digests == in_place(private, seq.block_ids) and len(seq.kv_digests) == len(seq.block_ids)

@@ -38,7 +38,7 @@ def stream_impl(request, monkeypatch):
         isa = NATIVE_ISAS[request.param]
         if isa != cpu_kv_copy.ISA_BEST and cpu_kv_copy.native_path(1, 1024, isa) != request.param[len("native-"):]:
             pytest.skip(f"this CPU does not run {request.param}")
-        monkeypatch.setattr(cpu_kv_copy.PieceStream.__init__, "__defaults__", (isa,))
+        monkeypatch.setattr(cpu_kv_copy.PieceStream.__init__, "__defaults__", (isa, None))
     else:
         monkeypatch.setattr(cpu_kv_copy, "available", lambda: False)
     return request.param
@@ -67,6 +67,31 @@ def test_chunks_gathered_out_of_the_cache_are_the_payload_with_each_records_dige
     assert stream.digests == [block_digest(payload[i * bb:(i + 1) * bb].numpy()) for i in range(len(SRC_IDS))]
     assert counts[-1] == len(SRC_IDS) and counts == sorted(counts)
     assert counts[0] == (chunk_bytes // bb if chunk_bytes < records.payload_bytes else len(SRC_IDS))
+
+
+@pytest.mark.parametrize("chunk_bytes", [1000, 6144, 1 << 20])
+def test_records_whose_digests_the_sender_has_are_gathered_unhashed_and_keep_those_digests(chunk_bytes, stream_impl):
+    """Known digests (a prefill worker's): those records' bytes still go out, their digests are taken as given
+    (a made-up one comes back unchanged: nothing hashed it), and the others are hashed as they are gathered."""
+    cache = make_cache()
+    records = PagedRecords(cache, SRC_IDS)
+    payload = encode_records(cache, SRC_IDS, "raw").numpy().tobytes()
+    bb = records.record_bytes
+    truth = [block_digest(payload[i * bb:(i + 1) * bb]) for i in range(len(SRC_IDS))]
+    given = [bytes([i]) * 16 if i % 2 == 0 else None for i in range(len(SRC_IDS))]  # not the records' digests
+    chunks = []
+    with records.stream(given) as stream:
+        for lo, hi in cuts_of(records.payload_bytes, chunk_bytes):
+            chunk = bytearray(hi - lo)
+            stream.gather(chunk)
+            chunks.append(bytes(chunk))
+        with pytest.raises(ValueError, match="known digests are for gathering"):
+            stream.land(bytes(1))
+    assert b"".join(chunks) == payload
+    assert stream.digests == [g or t for g, t in zip(given, truth, strict=True)]
+    for bad in (given[:-1], [*given[:-1], b"short"]):
+        with pytest.raises(ValueError, match="known: one 16-byte digest or None per record"):
+            records.stream(bad)
 
 
 @pytest.mark.parametrize("cuts", [[], [1], [1000, 1001, 5000], [6144, 12288], [30719]])
