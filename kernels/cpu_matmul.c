@@ -665,16 +665,6 @@ AVX512_TARGET static inline __attribute__((always_inline)) __m512 reduce_add16(c
     return _mm512_permutexvar_ps(order, r);
 }
 
-/* round_bf16 of each lane (half to even, a NaN to 0x7FC0), bit for bit. */
-AVX512_TARGET static inline __attribute__((always_inline)) __m512i round_bf16_avx512(__m512i u) {
-    const __mmask16 is_nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
-                                                     _mm512_set1_epi32(0x7F800000));
-    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
-                                       _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
-    return _mm512_mask_mov_epi32(_mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u)), is_nan,
-                                 _mm512_set1_epi32(0x7FC00000));
-}
-
 /* A q8 tile's outputs: each lane sum reduced by reduce_add16, times ws[n + c] when ws is not NULL, rounded to
  * bfloat16 when round_out, 16 outputs at a time (the scalar path's products and roundings, bit for bit). */
 AVX512_TARGET static inline __attribute__((always_inline)) void q8b_avx512_store(
@@ -693,7 +683,7 @@ AVX512_TARGET static inline __attribute__((always_inline)) void q8b_avx512_store
             out = _mm512_mul_ps(out, _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)lane_c),
                                                            _mm512_maskz_loadu_ps((__mmask16)((1u << C) - 1), ws + n)));
         }
-        if (round_out) out = _mm512_castsi512_ps(round_bf16_avx512(_mm512_castps_si512(out)));
+        if (round_out) out = round_bf16_512(out);
         _mm512_storeu_ps(sums + 16 * h, out);
     }
     for (int c = 0; c < C; c++)
@@ -996,7 +986,7 @@ AVX512_TARGET static int64_t round_avx512(const float *x, int64_t K, float *xb) 
     const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), flt_min = _mm512_set1_epi32(0x00800000);
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
-        const __m512i r = round_bf16_avx512(_mm512_loadu_si512((const void *)(x + k)));
+        const __m512i r = _mm512_castps_si512(round_bf16_512(_mm512_loadu_ps(x + k)));
         const __mmask16 tiny = _mm512_cmplt_epu32_mask(_mm512_and_si512(r, abs_mask), flt_min);
         _mm512_storeu_si512((void *)(xb + k), _mm512_maskz_mov_epi32((__mmask16)~tiny, r));
     }
