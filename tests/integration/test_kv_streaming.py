@@ -372,6 +372,22 @@ def test_a_raw_grpc_push_over_mutual_tls_lands_straight_in_the_cache_with_the_kv
     assert request_id == "tls" and blocks.sender_role == "prefill" and receiver.rejected == []
 
 
+def record_push_digests(prefill) -> dict[str, list[bytes | None]]:
+    """Wrap a prefill worker's KvSender.push: the block_digests of each push by request id, each checked then
+    against its block's bytes (a passed digest is that of the block, or None)."""
+    passed = {}
+    real_push = prefill.worker.sender.push
+
+    def push_spy(endpoint, **kw):
+        now = block_digests_in_place(kw["kv_cache"], kw["src_block_ids"])
+        assert all(d in (None, h) for d, h in zip(kw["block_digests"], now, strict=True))
+        passed[kw["request_id"]] = kw["block_digests"]
+        return real_push(endpoint, **kw)
+
+    prefill.worker.sender.push = push_spy
+    return passed
+
+
 def test_a_1p1d_pair_over_grpc_sends_the_digests_its_prefill_took(monkeypatch):
     """The prefill worker's server builds its engine with kv_digests on for a grpc transport too (a private
     cache): every cold block's digest reaches the sender, equal to the block's bytes, and the tokens are the
@@ -382,16 +398,7 @@ def test_a_1p1d_pair_over_grpc_sends_the_digests_its_prefill_took(monkeypatch):
                      engine=tiny_engine())
     p = prefill_server.start_server(PrefillWorkerConfig("p0", None, transport="grpc",
                                                         decode_endpoints=(f"127.0.0.1:{d.port}",)), ENGINE)
-    passed = {}
-    real_push = p.worker.sender.push
-
-    def push_spy(endpoint, **kw):
-        now = block_digests_in_place(kw["kv_cache"], kw["src_block_ids"])
-        assert all(g in (None, h) for g, h in zip(kw["block_digests"], now, strict=True))
-        passed[kw["request_id"]] = kw["block_digests"]
-        return real_push(endpoint, **kw)
-
-    p.worker.sender.push = push_spy
+    passed = record_push_digests(p)
     try:
         assert p.worker.loop.engine.runner.kv_segment is None and p.worker.loop.engine.runner.kv_digests
         pstub, dstub = stubs(p, d)

@@ -29,7 +29,7 @@ from kvstore.transfer_service import KvTransferServicer
 from kvstore.kv_sender import FaultInjection, KvSender, TransferFailed
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.server import start_server as start_prefill
-from tests.integration.test_kv_streaming import DST_IDS, SRC_IDS, push_outcome
+from tests.integration.test_kv_streaming import DST_IDS, SRC_IDS, push_outcome, record_push_digests
 from tests.integration.test_kv_transfer import TIMEOUT_S, CacheReceiver, RankedReceiver, layout_of, source_cache
 from tests.integration.test_workers import ENGINE, GREEDY, PROMPT, disaggregated, stubs, wait_idle
 from tests.unit.engine.tiny_model import run, tiny_engine, tiny_loaded
@@ -334,16 +334,7 @@ def test_a_1p1d_pair_with_the_prefill_cache_in_shared_memory_gives_the_offline_t
     p = start_prefill(PrefillWorkerConfig("p0", None, transport="shm", decode_endpoints=(endpoint,)), ENGINE,
                       engine=LLMEngine(ENGINE, loaded=tiny_loaded(), kv_cache_in_shm=True, kv_digests=True))
     segment = p.worker.loop.engine.runner.kv_segment
-    passed = {}  # request id -> the digests the worker passed, each checked against its block's bytes then
-    real_push = p.worker.sender.push
-
-    def push_spy(endpoint, **kw):
-        now = block_digests_in_place(kw["kv_cache"], kw["src_block_ids"])
-        assert all(d in (None, h) for d, h in zip(kw["block_digests"], now, strict=True))
-        passed[kw["request_id"]] = kw["block_digests"]
-        return real_push(endpoint, **kw)
-
-    p.worker.sender.push = push_spy
+    passed = record_push_digests(p)  # request id -> the digests the worker passed
     try:
         pstub, dstub = stubs(p, d)
         for rid, prompt in (("r1", PROMPT), ("r2", PROMPT + [7, 8, 9])):  # r2: a delta of r1's blocks
