@@ -308,7 +308,8 @@ class KvSender:
             segment.release(reusable=committed)
 
     def _paged_messages(self, manifest: kv_transfer_pb2.KvChunk, records: PagedRecords, known: list[bytes | None],
-                        fault: FaultInjection, errors: list[BaseException]) -> Iterator[kv_transfer_pb2.KvChunk | bytes]:
+                        fault: FaultInjection,
+                        errors: list[BaseException]) -> Iterator[kv_transfer_pb2.KvChunk | bytes]:
         # Runs in grpc's request-consumer thread: each chunk's message is filled straight out of the cache's
         # pieces (one copy, no staging buffer), hashing what was written there unless the caller passed that
         # block's digest (kernels.cpu_kv_copy.PieceStream); after the last one, the trailer.

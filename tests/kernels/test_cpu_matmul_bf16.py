@@ -126,9 +126,9 @@ def test_rows_are_batch_and_thread_invariant(layer0, name, isa):
 def test_q4_every_path_gives_the_scalar_bits_at_both_block_sizes(isa, block_rows):
     """Random codes read as int4pack's layout of 32-row blocks (torch's AVX2 packing) or 64-row ones, scales and
     zeros of mixed sign and size, x spanning 2^-20 .. 2^6 with exact zeros, -0, values about the smallest
-    normal float (rounded to bfloat16, a subnormal is +0) and halfway ones (ties to even): 5 rows (the codes read in every pass)
-    and 35 (from 32: the dequantized tile, bfloat16 pairs at ISA_AVX512_BF16), 1 and 3 threads, the scalar
-    path's bits."""
+    normal float (rounded to bfloat16, a subnormal is +0) and halfway ones (ties to even): 5 rows (the codes
+    read in every pass) and 35 (from 32: the dequantized tile, bfloat16 pairs at ISA_AVX512_BF16), 1 and 3
+    threads, the scalar path's bits."""
     g = torch.Generator().manual_seed(7)
     n, k = 4 * block_rows, 192
     packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
