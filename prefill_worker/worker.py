@@ -16,12 +16,12 @@ that arrives before the pin releases the blocks and the pin is refused (no push)
 push is deferred until the push ends. On the same host the engine's KV cache itself lives in shared memory
 (LLMEngine(kv_cache_in_shm=True), which the server asks for unless the transport is grpc) and the decode
 worker copies the blocks straight out of it (kvstore.shm_cache: one copy; the pin is what keeps them from being
-reused under the reader, and the digests of what landed catch a push that ended early). Those digests were
-taken as the prefill steps wrote the blocks (engine.kv_digests: each layer's pieces hashed while still in the
-caches), so the push itself reads only prefix-cache hits a second time; else the sender gathers each group of
-blocks straight into what carries it (a pooled, pre-faulted shared-memory segment, or chunks of a streamed grpc
-Push whose digests follow in a trailer). Sending layer by layer during the forward pass is not done (see
-BENCHMARKS.md, issue 16).
+reused under the reader, and the digests of what landed catch a push that ended early). The digests every
+push sends were taken as the prefill steps wrote the blocks (engine.kv_digests: each layer's pieces hashed while
+still in the caches, whichever the transport), so the push hashes only prefix-cache hits; else the sender
+gathers each group of blocks straight into what carries it (a pooled, pre-faulted shared-memory segment, or
+chunks of a streamed grpc Push whose digests follow in a trailer). Sending layer by layer during the forward
+pass is not done (see BENCHMARKS.md, issue 16).
 """
 
 from __future__ import annotations
