@@ -213,7 +213,28 @@ def copy_hash_pieces(src, src_bases: Sequence[int], src_stride: int, dst, dst_ba
     return _split(out, len(src_bases))
 
 
-class PlaneHasher:
+class _NativeState:
+    """A native state (`_native`, freed by the subclass's `_free`) that close(), the with block's end or garbage
+    collection frees once."""
+
+    _native = None
+
+    def close(self) -> None:
+        if self._native is not None:
+            native, self._native = self._native, None
+            self._free(native)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class PlaneHasher(_NativeState):
     """hash_pieces of blocks `bases` of `blocks` (module doc), walked a few planes at a time: hash(n) folds the
     next n pieces of every block into its digest (pieces 0 .. n - 1 first), reading them where they are then;
     digests() gives hash_pieces' digests once all num_pieces were walked. The bytes of a piece must not change
@@ -265,22 +286,11 @@ class PlaneHasher:
             return [h.digest() for h in self._hashes]
         return _split(self._out, len(self._bases))
 
-    def close(self) -> None:
-        if getattr(self, "_native", None) is not None:
-            self._lib.pd_planes_free(self._native)
-            self._native = None
-
-    def __enter__(self) -> PlaneHasher:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        self.close()
+    def _free(self, native) -> None:
+        self._lib.pd_planes_free(native)
 
 
-class PieceStream:
+class PieceStream(_NativeState):
     """The records of blocks `bases` of `blocks` (module doc) as one payload, moved in order between it and
     contiguous bytes: land(data) writes the payload's next len(data) bytes into the blocks, gather(out) fills
     `out` with the next len(out) bytes of them. Each stretch is hashed right where it was written, so `digests`
@@ -367,16 +377,5 @@ class PieceStream:
                 self.digests.append(self._known[record] or self._hash.digest())
                 self._hash.reset()
 
-    def close(self) -> None:
-        if getattr(self, "_native", None) is not None:
-            library().pd_stream_free(self._native)
-            self._native = None
-
-    def __enter__(self) -> PieceStream:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        self.close()
+    def _free(self, native) -> None:
+        library().pd_stream_free(native)
