@@ -49,7 +49,13 @@ _F32, _BF16 = torch.float32, torch.bfloat16
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, built on first call; None (after one warning) when it cannot be."""
-    lib = native_build.load(SOURCE, "op")
+    return load_library(SOURCE)
+
+
+def load_library(source: Path) -> ctypes.CDLL | None:
+    """`source` (this file's C library, or another revision of it: bench/bench_attention_ab.py) built, loaded and
+    its entry points typed; None (after one warning) when it cannot be built."""
+    lib = native_build.load(source, "op")
     if lib is None:
         return None
     i64, ptr, f32, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
