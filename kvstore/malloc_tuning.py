@@ -17,11 +17,20 @@ An engine on CPU (engine.llm_engine) calls it too: a step of 2048 prompt tokens 
 activations (a [2048, 3072] float32 gate/up output is 25 MB), and with glibc's defaults the heaps the engine
 thread allocates from were handed back and faulted in again, 45k to 174k minor faults in one such step (~0.8 s
 of a 2.5 s step at worst) on a 2-core Intel Xeon; with these settings only the first touch of new memory faults.
+
+The thresholds hold for the main arena only. glibc gives each new thread an arena of its own, made of 64 MiB
+heaps that it unmaps as soon as one is empty, whatever M_TRIM_THRESHOLD says; an engine steps on a thread of its
+own (engine.engine_loop), so its activations were still faulted in again: 34k-90k faults per run of the serving
+suite's 32-stream scenario on a 2-core AMD EPYC Zen 4, 0-3k with one arena. So it also sets M_ARENA_MAX to 1
+(every thread allocates from the main arena), but only while the caller is the process's only thread: set later,
+the limit would hand new threads one of the arenas already made, heaps and all. `pdserve`'s main() calls it
+first thing, before any thread starts (every process of a local cluster is a `pdserve` command).
 """
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import platform
 import threading
 
@@ -29,7 +38,7 @@ log = logging.getLogger(__name__)
 
 MMAP_THRESHOLD_BYTES = 32 << 20
 TRIM_THRESHOLD_BYTES = 256 << 20
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc malloc.h
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # glibc malloc.h
 
 _lock = threading.Lock()
 _applied: bool | None = None
@@ -45,7 +54,16 @@ def keep_freed_memory_for_reuse() -> bool:
                 mallopt = ctypes.CDLL(None).mallopt
                 mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
                 _applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-                                and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+                                and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+                                and (not _only_thread() or mallopt(_M_ARENA_MAX, 1)))
                 if not _applied:
                     log.warning("mallopt refused the settings: large transient buffers fault in fresh pages")
         return _applied
+
+
+def _only_thread() -> bool:
+    """Whether the calling thread is the process's only one (native threads included: /proc/self/task)."""
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False

@@ -38,6 +38,7 @@ from decode_worker.config import DecodeWorkerConfig
 from engine.model_fetch import ModelFetchError, fetch_default_model
 from gateway.auth import ApiKeyFileError
 from kvstore.index import redacted_url
+from kvstore.malloc_tuning import keep_freed_memory_for_reuse
 from pdserve import cli_args, health, pki, quantize_cli
 from pdserve.affinity import format_cpu_list, pin_process
 from pdserve.bench import cli as bench_cli
@@ -305,6 +306,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_freed_memory_for_reuse()  # before any thread starts: one malloc arena for all (kvstore.malloc_tuning)
     args = parse_args(argv)
     verbose = args.verbose or args.command in _SERVER_COMMANDS
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,

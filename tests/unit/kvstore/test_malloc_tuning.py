@@ -41,6 +41,49 @@ def test_freed_message_buffers_are_reused_without_page_faults():
     assert page_faults_of_three_pushes("tuned") < pages // 100  # kept mapped, reused
 
 
+THREAD_STEPS = textwrap.dedent("""
+    import resource, sys, threading
+    from kvstore.malloc_tuning import keep_freed_memory_for_reuse
+    if sys.argv[1] == "tuned":
+        assert keep_freed_memory_for_reuse()  # first thing
+    elif sys.argv[1] == "pdserve":
+        from pdserve import cli
+        try:
+            cli.main(["health", "--help"])  # any command: main() applies them before anything else
+        except SystemExit:
+            pass
+    faults = []
+    def step():  # a large CPU step's activations, on the engine's own thread: 25 MB buffers, all freed after
+        buffers = [b"\\x01" * (25 << 20) for _ in range(4)]
+        del buffers
+    def engine_thread():
+        step()
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        for _ in range(3):
+            step()
+        faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    thread.join()
+    print(faults[0])
+""")
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's mallopt")
+def test_a_threads_freed_step_buffers_are_reused_without_page_faults():
+    """A thread's own arena unmaps each heap that empties, whatever the trim threshold: the settings, applied
+    while the process has one thread (as `pdserve`'s main() does), put every thread on the main arena, whose
+    freed memory stays mapped."""
+    pages = 3 * 4 * (25 << 20) // 4096
+    runs = {mode: subprocess.run([sys.executable, "-c", THREAD_STEPS, mode], cwd=REPO, capture_output=True,
+                                 text=True, check=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
+                                                             "HOME": str(Path.home())})
+            for mode in ("plain", "tuned", "pdserve")}
+    assert int(runs["plain"].stdout) > pages // 4
+    assert int(runs["tuned"].stdout) < pages // 100
+    assert int(runs["pdserve"].stdout.splitlines()[-1]) < pages // 100  # every pdserve process, from its main()
+
+
 ENGINE = textwrap.dedent("""
     import sys
     from engine.config import EngineConfig
