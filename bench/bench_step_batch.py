@@ -26,8 +26,10 @@ kernel counts for it):
                        the loop's queue.put per output)
 
 Rows: the prefill steps (the scenario's first max_num_batched_tokens-sized steps) and the decode steps (every
-sequence one token), in ms per step, with the un-timed step beside them. The machine's CPU model and copy
-bandwidth are recorded. The tables land in the JSON and a Markdown file next to it.
+sequence one token), in ms per step, with the un-timed step beside them; per thread count the un-timed runs'
+scenario seconds, output tokens/s and minor page faults (the process's, during the run: with the malloc settings
+every pdserve process applies first, kvstore.malloc_tuning, a few thousand at most). The machine's CPU model and
+copy bandwidth are recorded. The tables land in the JSON and a Markdown file next to it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import collections
 import datetime
 import json
 import random
+import resource
 import statistics
 import threading
 import time
@@ -55,6 +58,7 @@ from engine.engine_loop import (
 )
 from engine.model_fetch import fetch_default_model
 from engine.sampling_params import SamplingParams
+from kvstore.malloc_tuning import keep_freed_memory_for_reuse
 from pdserve.bench.roofline import copy_bandwidth, cpu_model
 from pdserve.cli_args import parse_int_list
 
@@ -135,6 +139,7 @@ def run_scenario(engine, args, seed: int, timers: StepTimers | None) -> dict:
         loop._streams[request_id] = RequestStream(loop, request_id)
     kinds: dict[str, dict] = {"prefill": collections.defaultdict(list), "decode": collections.defaultdict(list)}
     tokens = 0
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start = time.perf_counter()
     while engine.has_unfinished():
         if timers is not None:
@@ -155,8 +160,9 @@ def run_scenario(engine, args, seed: int, timers: StepTimers | None) -> dict:
             for label in COLUMNS[2:-1]:
                 parts[label].append(timers.seconds[label])
     elapsed = time.perf_counter() - start
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     engine.kv.pool.clear_cache()  # the next run's prompts find no cached blocks
-    return {"kinds": kinds, "output_tokens_per_s": tokens / elapsed, "seconds": elapsed}
+    return {"kinds": kinds, "output_tokens_per_s": tokens / elapsed, "seconds": elapsed, "page_faults": faults}
 
 
 def measure(threads: int, args) -> dict:
@@ -188,7 +194,8 @@ def measure(threads: int, args) -> dict:
             rows[kind] = row
         result.update(threads=threads, rows=rows,
                       output_tokens_per_s=statistics.median(p["output_tokens_per_s"] for p in plain),
-                      scenario_seconds=statistics.median(p["seconds"] for p in plain))
+                      scenario_seconds=statistics.median(p["seconds"] for p in plain),
+                      page_faults=statistics.median(p["page_faults"] for p in plain))
 
     thread = threading.Thread(target=run, name="bench-step")
     thread.start()
@@ -210,12 +217,15 @@ def table(results: list[dict], args, bandwidth: float) -> str:
         for kind, row in res["rows"].items():
             lines.append(f"| {res['threads']} | {kind} x{row['steps']} | "
                          + " | ".join(f"{row[c]:.1f}" for c in cols) + " |")
-    lines += ["", "| threads | scenario s | output tok/s (untimed runs) |", "|---|---:|---:|"]
-    lines += [f"| {r['threads']} | {r['scenario_seconds']:.2f} | {r['output_tokens_per_s']:.1f} |" for r in results]
+    lines += ["", "| threads | scenario s | output tok/s (untimed runs) | minor page faults per run |",
+              "|---|---:|---:|---:|"]
+    lines += [f"| {r['threads']} | {r['scenario_seconds']:.2f} | {r['output_tokens_per_s']:.1f} | {r['page_faults']} |"
+              for r in results]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
+    keep_freed_memory_for_reuse()  # first thing, as every pdserve process does (kvstore.malloc_tuning)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-size", type=int, default=32, help="concurrent streams (the suite's --streams)")
     parser.add_argument("--threads", type=parse_int_list, default=(1, 2), help="engine thread counts, e.g. 1,2")
