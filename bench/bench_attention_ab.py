@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -26,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels import cpu_ops  # noqa: E402
+from kernels import cpu_ops, native_build  # noqa: E402
 from pdserve.bench.roofline import cpu_model  # noqa: E402
 from pdserve.cli_args import parse_int_list  # noqa: E402
 
@@ -71,11 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/attention_ab.md")
     args = parser.parse_args(argv)
-    old_source = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.against}:kernels/cpu_ops.c"],
-                                capture_output=True, text=True, check=True).stdout
     with tempfile.TemporaryDirectory() as tmp:
-        old_path = Path(tmp) / "cpu_ops.c"
-        old_path.write_text(old_source)
+        old_path = native_build.source_at_revision(cpu_ops.SOURCE, args.against, Path(tmp))
         libs = {args.against: cpu_ops.load_library(old_path), "working tree": cpu_ops.load_library(cpu_ops.SOURCE)}
     if None in libs.values():
         raise SystemExit("a build failed (see the warning above)")

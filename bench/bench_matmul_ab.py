@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,11 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,32,512,2048", help="rows of x of the layer pass")
     parser.add_argument("--head-rows", default="1,8,32", help="rows of x of the LM head")
     args = parser.parse_args(argv)
-    old_source = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.against}:kernels/cpu_matmul.c"],
-                                capture_output=True, text=True, check=True).stdout
     with tempfile.TemporaryDirectory() as tmp:
-        old_path = Path(tmp) / "cpu_matmul.c"
-        old_path.write_text(old_source)
+        old_path = native_build.source_at_revision(cpu_matmul.SOURCE, args.against, Path(tmp))
         libs = {args.against: load(old_path), "working tree": load(cpu_matmul.SOURCE)}
     names = list(libs)
     g = torch.Generator().manual_seed(0)

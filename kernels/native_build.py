@@ -69,3 +69,13 @@ def load(source: Path, what: str, fallback: str = "torch's") -> ctypes.CDLL | No
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:  # the torch kernels stay
         log.warning("native CPU %s kernels unavailable, using %s: %s", what, fallback, exc)
         return None
+
+
+def source_at_revision(source: Path, revision: str, directory: Path) -> Path:
+    """`source` as it was at git `revision` (of the repository holding it), written into `directory` under its
+    own name: the other build of the A/B benches (bench/bench_matmul_ab.py, bench/bench_attention_ab.py)."""
+    text = subprocess.run(["git", "-C", str(source.parent), "show", f"{revision}:./{source.name}"],
+                          capture_output=True, text=True, check=True).stdout
+    path = directory / source.name
+    path.write_text(text)
+    return path
