@@ -53,6 +53,7 @@ from engine.llm import LLM
 from engine.loader import load_model
 from engine.model_fetch import fetch_default_model
 from engine.sampling_params import SamplingParams
+from kvstore.malloc_tuning import keep_freed_memory_for_reuse
 from pdserve.bench import cpumeter, roofline
 from pdserve.bench.backends import Backend, PdserveBackend, new_record
 from pdserve.bench.inprocess import EngineBackend
@@ -226,11 +227,12 @@ _ENGINE_PROCESS: dict = {}
 """In the spawned engine process: its EngineBackend and the event loop that runs its sends."""
 
 
-def _engine_process_start(config: EngineConfig) -> None:
+def _engine_process_start(config: EngineConfig) -> int:
     backend = EngineBackend(build_engine(config, progress=False), name=ENGINE)
     loop = asyncio.new_event_loop()
     loop.run_until_complete(backend.start())
     _ENGINE_PROCESS.update(backend=backend, loop=loop)
+    return os.getpid()
 
 
 def _engine_process_send(request: BenchRequest) -> RequestRecord:
@@ -243,10 +245,10 @@ class EngineProcess(Backend):
 
     def __init__(self, config: EngineConfig, name: str = "engine") -> None:
         self.name = name
+        # malloc is set up before the engine (torch's import starts a thread), as a `pdserve` command's main() does
         self._pool = concurrent.futures.ProcessPoolExecutor(
-            max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_engine_process_start,
-            initargs=(config,))
-        self.pid = self._pool.submit(os.getpid).result()  # the engine is built once this returns
+            max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=keep_freed_memory_for_reuse)
+        self.pid = self._pool.submit(_engine_process_start, config).result()
 
     async def send(self, request: BenchRequest) -> RequestRecord:
         return await asyncio.wrap_future(self._pool.submit(_engine_process_send, request))

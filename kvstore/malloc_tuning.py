@@ -22,9 +22,12 @@ The thresholds hold for the main arena only. glibc gives each new thread an aren
 heaps that it unmaps as soon as one is empty, whatever M_TRIM_THRESHOLD says; an engine steps on a thread of its
 own (engine.engine_loop), so its activations were still faulted in again: 34k-90k faults per run of the serving
 suite's 32-stream scenario on a 2-core AMD EPYC Zen 4, 0-3k with one arena. So it also sets M_ARENA_MAX to 1
-(every thread allocates from the main arena), but only while the caller is the process's only thread: set later,
-the limit would hand new threads one of the arenas already made, heaps and all. `pdserve`'s main() calls it
-first thing, before any thread starts (every process of a local cluster is a `pdserve` command).
+(every thread allocates from the main arena), but only while the main arena is the only one (no thread has
+allocated from an arena of its own yet; glibc's malloc_info lists them): set later, the limit would hand new
+threads one of the arenas already made, heaps and all. `pdserve`'s main() calls it first thing, before any
+thread starts (every process of a local cluster is a `pdserve` command); a spawned process calls it first too
+(a ProcessPoolExecutor's initializer), which holds even after importing torch (its import starts a thread that
+does not allocate).
 """
 from __future__ import annotations
 
@@ -55,15 +58,24 @@ def keep_freed_memory_for_reuse() -> bool:
                 mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
                 _applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
                                 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
-                                and (not _only_thread() or mallopt(_M_ARENA_MAX, 1)))
+                                and (_arenas() != 1 or mallopt(_M_ARENA_MAX, 1)))
                 if not _applied:
                     log.warning("mallopt refused the settings: large transient buffers fault in fresh pages")
         return _applied
 
 
-def _only_thread() -> bool:
-    """Whether the calling thread is the process's only one (native threads included: /proc/self/task)."""
-    try:
-        return len(os.listdir("/proc/self/task")) == 1
-    except OSError:
-        return False
+def _arenas() -> int:
+    """How many malloc arenas the process has (the `<heap nr=...>` entries of glibc's malloc_info); 0 if unknown."""
+    libc = ctypes.CDLL(None)
+    libc.open_memstream.restype, libc.open_memstream.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_void_p]
+    libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.fclose.argtypes = libc.free.argtypes = [ctypes.c_void_p]
+    buf, size = ctypes.c_void_p(), ctypes.c_size_t()
+    stream = libc.open_memstream(ctypes.byref(buf), ctypes.byref(size))
+    if not stream:
+        return 0
+    ok = libc.malloc_info(0, stream) == 0
+    libc.fclose(stream)  # sets buf and size
+    text = ctypes.string_at(buf.value, size.value) if buf.value else b""
+    libc.free(buf.value)
+    return text.count(b"<heap nr=") if ok else 0

@@ -53,6 +53,7 @@ import torch.multiprocessing as mp
 from engine.config import EngineConfig, ModelConfig
 from engine.parallel.shard import RankShard, build_rank_model
 from engine.step_batch import StepBatch, copy_blocks, run_step
+from kvstore.malloc_tuning import keep_freed_memory_for_reuse
 from kvstore.reshard_plan import KvReshardPlan, payload_slices
 from kvstore.transfer import DecodedBlocks
 from kvstore.transfer_slices import KvSlices, merge_slices, take_heads
@@ -133,6 +134,7 @@ def _blocks_of_heads(kv_cache: torch.Tensor, block_ids: list[int], own: range, h
 def _rank_main(rank: int, spec: _RankSpec, weights: dict[str, torch.Tensor],
                conn: multiprocessing.connection.Connection) -> None:
     """Body of rank `rank` >= 1: build, report ready, then run what rank 0 sends until told to stop."""
+    keep_freed_memory_for_reuse()  # first, as rank 0's engine does (kvstore.malloc_tuning)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank-{rank} %(levelname)s %(message)s")
     config = spec.engine_config
     if config.num_threads is not None:

@@ -62,6 +62,7 @@ from engine.engine_loop import build_engine
 from engine.loader import load_model
 from engine.model_fetch import resolve_model_path
 from gateway.config import GatewayConfig
+from kvstore.malloc_tuning import keep_freed_memory_for_reuse
 from pdserve.bench import cpumeter, plots, report, roofline
 from pdserve.bench.backends import Backend, OpenAIBackend, PdserveBackend
 from pdserve.bench.goodput import IdleFigures
@@ -466,9 +467,11 @@ def _run_system(cfg: SuiteConfig, model_path: Path, system: str, key: str, todo:
                 return
             context = _llama_server(cfg, model_path, ctx_per_slot, results)
         elif system in ENGINES:
-            # A spawned process: a clean interpreter whose main thread never ran torch (see _engine_runs).
+            # A spawned process: a clean interpreter whose main thread never ran torch (see _engine_runs), with
+            # malloc set up before any other thread starts, as a `pdserve` command's main() does
             spawn = multiprocessing.get_context("spawn")
-            with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+            with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=spawn,
+                                                        initializer=keep_freed_memory_for_reuse) as pool:
                 peer, runs = pool.submit(_engine_runs, cfg, model_path, system, key, todo).result()
             results.peers[system] = peer
             results.runs.update({(name, key): run for name, run in runs.items()})

@@ -46,6 +46,10 @@ THREAD_STEPS = textwrap.dedent("""
     from kvstore.malloc_tuning import keep_freed_memory_for_reuse
     if sys.argv[1] == "tuned":
         assert keep_freed_memory_for_reuse()  # first thing
+    elif sys.argv[1] == "after-torch":
+        import os, torch
+        assert len(os.listdir("/proc/self/task")) > 1  # torch's import started a thread, which has no arena
+        assert keep_freed_memory_for_reuse()
     elif sys.argv[1] == "pdserve":
         from pdserve import cli
         try:
@@ -72,15 +76,16 @@ THREAD_STEPS = textwrap.dedent("""
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's mallopt")
 def test_a_threads_freed_step_buffers_are_reused_without_page_faults():
     """A thread's own arena unmaps each heap that empties, whatever the trim threshold: the settings, applied
-    while the process has one thread (as `pdserve`'s main() does), put every thread on the main arena, whose
-    freed memory stays mapped."""
+    while the process has one arena (as `pdserve`'s main() does, or a spawned engine process after importing
+    torch), put every thread on the main arena, whose freed memory stays mapped."""
     pages = 3 * 4 * (25 << 20) // 4096
     runs = {mode: subprocess.run([sys.executable, "-c", THREAD_STEPS, mode], cwd=REPO, capture_output=True,
                                  text=True, check=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
                                                              "HOME": str(Path.home())})
-            for mode in ("plain", "tuned", "pdserve")}
+            for mode in ("plain", "tuned", "after-torch", "pdserve")}
     assert int(runs["plain"].stdout) > pages // 4
     assert int(runs["tuned"].stdout) < pages // 100
+    assert int(runs["after-torch"].stdout) < pages // 100
     assert int(runs["pdserve"].stdout.splitlines()[-1]) < pages // 100  # every pdserve process, from its main()
 
 
