@@ -1,9 +1,11 @@
 """Two builds of kernels/cpu_matmul.c side by side in one process: the working tree's and the one at a git
 revision, on the default model's int4 layer shapes (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536;
 random codes in int4pack's 64-row layout) and its 49152x576 int8 LM head, q4-bf16 / q8-bf16 at each build's best
-ISA, timed in interleaved rounds (best of each); prints the table.
+ISA, timed in interleaved rounds (best of each); prints the table. --layers N holds N copies of the layer's
+weights and a pass runs them all, as a step runs the model's 30 layers: the codes come from memory, not from a
+cache one layer fits in (what a step's first read of each weight costs is then in the figures).
 
-    python bench/bench_matmul_ab.py --against a9db6a8 --threads 2 --rows 1,32,512,2048 --head-rows 1,8,32
+    python bench/bench_matmul_ab.py --against a9db6a8 --threads 2 --rows 1,32,512,2048 --head-rows 1,8,32 [--layers 30]
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--rows", default="1,32,512,2048", help="rows of x of the layer pass")
     parser.add_argument("--head-rows", default="1,8,32", help="rows of x of the LM head")
+    parser.add_argument("--layers", type=int, default=1, help="copies of the layer's weights a pass runs")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         old_path = native_build.source_at_revision(cpu_matmul.SOURCE, args.against, Path(tmp))
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(0)
     keep = []  # the tensors the weight structs point into
     layers = []
-    for n, k in LAYERS:
+    for n, k in LAYERS * args.layers:
         packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
         table = (torch.randn(k // 32, n, 2, generator=g) * 0.01).bfloat16()
         keep += [packed, table]
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     qweight = torch.randint(-127, 128, HEAD, dtype=torch.int8, generator=g)
     scale = torch.rand(HEAD[0], generator=g) / 64
     head = cpu_matmul._Weight(qweight.data_ptr(), scale.data_ptr(), HEAD[1], HEAD[0], 3, -1, 0, 1)
-    print(f"threads {args.threads}; bfloat16 ISA {', '.join(f'{n} {lib.pd_bf16_best_isa()}' for n, lib in libs.items())}")
+    print(f"threads {args.threads}; layers {args.layers}; bfloat16 ISA {', '.join(f'{n} {lib.pd_bf16_best_isa()}' for n, lib in libs.items())}")
     print(f"| matmuls | rows | {names[0]} ms | {names[1]} ms | ratio | GFLOP/s |")
     print("|---|---:|---:|---:|---:|---|")
     for rows in map(int, args.rows.split(",")):
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         flops = sum(2 * rows * n * k for _, k, n in layers)
         best = interleaved(libs, calls, rows, args.threads, 200 if rows == 1 else max(3, int(5e9 / flops)))
         a, b = (best[n] for n in names)
-        print(f"| qkv + o + gate_up + down | {rows} | {a * 1e3:.3f} | {b * 1e3:.3f} | {b / a:.2f}x | "
+        print(f"| {args.layers} x (qkv + o + gate_up + down) | {rows} | {a * 1e3:.3f} | {b * 1e3:.3f} | {b / a:.2f}x | "
               f"{flops / a / 1e9:.0f} -> {flops / b / 1e9:.0f} |")
     for rows in map(int, args.head_rows.split(",")):
         calls = [(head, torch.randn(rows, HEAD[1], generator=g), torch.empty(rows, HEAD[0]))]
