@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     qweight = torch.randint(-127, 128, HEAD, dtype=torch.int8, generator=g)
     scale = torch.rand(HEAD[0], generator=g) / 64
     head = cpu_matmul._Weight(qweight.data_ptr(), scale.data_ptr(), HEAD[1], HEAD[0], 3, -1, 0, 1)
-    print(f"threads {args.threads}; layers {args.layers}; bfloat16 ISA {', '.join(f'{n} {lib.pd_bf16_best_isa()}' for n, lib in libs.items())}")
+    isas = ", ".join(f"{n} {lib.pd_bf16_best_isa()}" for n, lib in libs.items())
+    print(f"threads {args.threads}; layers {args.layers}; bfloat16 ISA {isas}")
     print(f"| matmuls | rows | {names[0]} ms | {names[1]} ms | ratio | GFLOP/s |")
     print("|---|---:|---:|---:|---:|---|")
     for rows in map(int, args.rows.split(",")):
