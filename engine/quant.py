@@ -197,7 +197,7 @@ class Int8Linear:
         self.scale_bf16 = self.scale.to(torch.bfloat16)     # [out]: the same values, as int8pack_mm takes them
         self.bias = bias                                    # [out] in the model dtype, or None
         in_features = qweight.shape[1]
-        self.native = _native_matmul("q8", qweight, self.scale, cpu_matmul)
+        self.native = _native_q8(qweight, self.scale, cpu_matmul)
         """The native kernel (kernels.cpu_matmul) batches of up to native_max_rows rows take, or None."""
         self.native_max_rows = NATIVE_BF16_INT8_MAX_ROWS if cpu_matmul == "native-bf16" else NATIVE_INT8_MAX_ROWS
         self.use_int8pack = (self.native is None and qweight.device.type == "cpu"
@@ -290,10 +290,10 @@ class Int4Linear:
     too, so a weight takes half a byte plus one bfloat16 (scale, zero) pair per 32 inputs, a Q4_1 file's own
     size. Only where that layout is not the plain one `_int4pack_block_rows` verified (a row count that is not a
     multiple of its block, or CUDA, which has no int4pack path) the codes are kept as `nibbles` (GGML's Q4 order
-    per 32 inputs) instead (CUDA) or as well (CPU). With cpu_matmul="native" (and the kernels built) the codes
-    are only `nibbles` and the table row-major, the layout kernels.cpu_matmul's int8-activation kernel reads;
-    with "native-bf16" they stay in int4pack's layout, which its bfloat16 kernel reads (int4pack_mm's sums
-    group by group: kernels.cpu_matmul). Batches of up to NATIVE_INT4_MAX_ROWS rows run the native kernel, larger ones the GEMM path."""
+    per 32 inputs) instead (CUDA) or as well (CPU). With cpu_matmul="native" or "native-bf16" (and the kernels
+    built) kernels.cpu_matmul's kernels read int4pack's layout as it is: on int8 activations ("native") or
+    bfloat16 ones (int4pack_mm's sums group by group). Batches of up to NATIVE_INT4_MAX_ROWS rows run the native
+    kernel, larger ones the GEMM path."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None,
                  workspace: DequantWorkspace | None = None, cpu_matmul: str = "torch") -> None:
@@ -311,30 +311,21 @@ class Int4Linear:
         self.packed: torch.Tensor | None = None   # [out, in // 2] uint8 in int4pack's layout (CPU)
         self.nibbles: torch.Tensor | None = None  # [out, in // 2] uint8: per 32 inputs, j low and j + 16 high
         self.native = None
-        """The native kernel (kernels.cpu_matmul): over `nibbles` and the row-major table ("native"), over
-        int4pack's `packed` and table ("native-bf16"), or None."""
+        """The native kernel (kernels.cpu_matmul) over int4pack's `packed` and table, or None."""
         self.native_max_rows = NATIVE_INT4_MAX_ROWS
         """The largest batch the native kernel takes (larger ones the GEMM path)."""
-        if cpu_matmul == "native" and _native_wanted(codes, cpu_matmul):
-            self.nibbles = _ggml_nibbles(codes)
-            # [out, groups, 2] bfloat16 (scale, zero), row-major as the native kernel streams it.
-            self.scale_zero = torch.stack([scale, zero], dim=-1).to(torch.bfloat16).contiguous()
-            self.native = _native_matmul("q4", self.nibbles, self.scale_zero, cpu_matmul)
-        self.table_by_rows = self.native is not None
-        """Whether scale_zero is [out, groups, 2] ("native"'s) rather than [groups, out, 2] (int4pack's)."""
-        if self.native is None:
-            # [groups, out, 2] bfloat16 (scale, zero): the int4pack kernel's table, and the GEMM path's values.
-            self.scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
-        self.use_int4pack = codes.device.type == "cpu" and self.native is None
+        # [groups, out, 2] bfloat16 (scale, zero): the int4pack and native kernels' table, and the GEMM path's values.
+        self.scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        self.use_int4pack = codes.device.type == "cpu"
         self.block_rows = _int4pack_block_rows() if self.use_int4pack else None
         if self.use_int4pack:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
-        if self.native is None and (self.block_rows is None or out_features % self.block_rows):
+        if self.block_rows is None or out_features % self.block_rows:
             self.block_rows = None
             self.nibbles = _ggml_nibbles(codes)
-        if cpu_matmul == "native-bf16" and self.block_rows is not None and _native_wanted(codes, cpu_matmul):
-            self.native = native_kernels.NativeMatmul("q4-bf16", self.packed, self.scale_zero,
-                                                      block_rows=self.block_rows)
+        elif _native_wanted(codes, cpu_matmul):
+            self.native = native_kernels.NativeMatmul("q4-bf16" if cpu_matmul == "native-bf16" else "q4", self.packed,
+                                                      self.scale_zero, block_rows=self.block_rows)
         self.workspace = workspace if workspace is not None else DequantWorkspace()
         chunk_rows = self.workspace.rows_per_chunk(in_features)
         block = self.block_rows or 1
@@ -384,8 +375,6 @@ class Int4Linear:
 
     def _table(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
         """The (scale, zero) pairs of `rows`: [r, groups, 2] bfloat16 (a view where the layout allows)."""
-        if self.table_by_rows:
-            return self.scale_zero[rows]
         return self.scale_zero[:, rows].transpose(0, 1)
 
     @property
@@ -573,13 +562,12 @@ def _native_wanted(weight: torch.Tensor, choice: str) -> bool:
     return choice in ("native", "native-bf16") and weight.device.type == "cpu" and native_kernels.available()
 
 
-def _native_matmul(kind: str, weight: torch.Tensor, table: torch.Tensor,
-                   choice: str) -> native_kernels.NativeMatmul | None:
-    """The native kernel over a weight in its layout ("q4" or "q8"; int8 activations for "native", bfloat16 for
-    "native-bf16") when `choice` asks for it and it runs here, else None."""
-    if not _native_wanted(weight, choice) or weight.shape[-1] * (2 if kind == "q4" else 1) % native_kernels.GROUP:
+def _native_q8(qweight: torch.Tensor, scale: torch.Tensor, choice: str) -> native_kernels.NativeMatmul | None:
+    """The native kernel over an int8 weight (int8 activations for "native", bfloat16 for "native-bf16") when
+    `choice` asks for it and it runs here, else None."""
+    if not _native_wanted(qweight, choice) or qweight.shape[-1] % native_kernels.GROUP:
         return None
-    return native_kernels.NativeMatmul(kind + ("-bf16" if choice == "native-bf16" else ""), weight, table)
+    return native_kernels.NativeMatmul("q8-bf16" if choice == "native-bf16" else "q8", qweight, scale)
 
 
 def lm_head_quantization(quantization: str | None) -> str | None:

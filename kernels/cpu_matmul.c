@@ -1,6 +1,6 @@
 /* Quantized CPU matmuls for engine.quant (kernels/cpu_matmul.py builds and loads this file; its docstring is the
  * contract). Plain C11, no torch headers; one function per ISA picked at run time:
- *   2  AVX512-VNNI (avx512f/bw/vl/dq + vnni): vpdpbusd on 64 codes at a time
+ *   2  AVX512-VNNI (avx512f/bw/vl/dq + vnni): vpdpbusd, 64 products an instruction
  *   1  AVX2 + FMA: maddubs / madd on 32 codes at a time
  *   0  portable scalar
  * The bfloat16-activation kernels (q4_bf16_matmul, q8_bf16_matmul; section "bfloat16 x" below) read the
@@ -10,19 +10,19 @@
  * identically on every
  * path): dx = absmax / 127, xq = round_half_even(x * (1 / dx)) (dx = 0: xq = 0), sumq = sum of the 32 xq.
  *
- * q4: W[n, 32 g + j] = q * d + m, q in [0, 15] from codes[n, 16 g + (j % 16)] (low nibble for j < 16, high
- *     nibble for j >= 16: GGML's Q4_0 / Q4_1 block order); (d, z) a bfloat16 pair per group, sz[n, g] = d | z << 16,
- *     m = z - 8 d (the (q - 8) * d + z form of engine.quant.Int4Linear).
- *     y[i, n] = sum_g (d * dx) * isum + m * (dx * sumq),   isum = sum_j q * xq  (exact int32).
+ * q4: W[n, k] = q * d + m, q in [0, 15], in int4pack_mm's layout with its (d, z) table (section "bfloat16 x"),
+ *     m = z - 8 d (the (q - 8) * d + z form of engine.quant.Int4Linear). Per output, over the groups g in order:
+ *     y = fmaf((float)isum_g, d * dx, y), then y = fmaf(m, dx * sumq, y),   isum_g = sum_j q * xq  (exact int32):
+ *     the same bits on every path (section "q4, int8 x").
  * q8: W[n, k] = w[n, k] * ws[n], w int8 in [-127, 127].
  *     y[i, n] = ws[n] * sum_g dx * isum,   isum = sum_j w * xq  (exact int32).
- * Only the float sums over groups differ between paths (summation order).
+ *     Only the float sums over groups differ between paths (summation order).
  *
  * One entry point, pd_matmul, takes a struct pd_weight (the weight and its kind, filled once) for every kind.
  *
  * Rows of x are independent (each is quantized and reduced on its own). Output rows are split over `nthreads`
- * OpenMP threads (the process's libgomp: torch's own when torch is loaded); x rows are taken MT at a time per
- * weight row, so a block of weight rows is read from memory once per call and reused from L1 for the others.
+ * OpenMP threads (the process's libgomp: torch's own when torch is loaded); x rows are taken a few at a time per
+ * block of weight rows, so that block is read from memory once per call and reused from L1 / L2 for the others.
  */
 #include <float.h>
 #include <math.h>
@@ -84,48 +84,16 @@ static inline float quant_group(const float *x, int8_t *xq, int32_t *sumq) {
     return d;
 }
 
-/* Per x row: xq (layout per path), dx [G], sx = dx * sumq [G]. quads = 0: natural order, K bytes. quads = 1
- * (the AVX512 q4 path): groups 4t .. 4t + 3 as 128 bytes, [their elements 0..15 | ... | their 16..31 | ...],
- * matching a 64-byte load of their codes split into low and high nibbles; a last, partial quad is zero-filled
- * (quad_bytes(K) bytes in all). */
-static int64_t quad_bytes(int64_t K) { return (K / 32 + 3) / 4 * 128; }
-
-static void quant_row(const float *x, int64_t K, int8_t *xq, float *dx, float *sx, int quads) {
-    int64_t G = K / 32;
-    int8_t tmp[32];
-    if (quads) memset(xq, 0, (size_t)quad_bytes(K));
-    for (int64_t g = 0; g < G; g++) {
+/* Per x row: xq [K] in natural order, dx [G], sx = dx * sumq [G]. */
+static void quant_row(const float *x, int64_t K, int8_t *xq, float *dx, float *sx) {
+    for (int64_t g = 0; g < K / 32; g++) {
         int32_t sumq;
-        int8_t *dst = quads ? tmp : xq + 32 * g;
-        dx[g] = quant_group(x + 32 * g, dst, &sumq);
+        dx[g] = quant_group(x + 32 * g, xq + 32 * g, &sumq);
         sx[g] = dx[g] * (float)sumq;
-        if (quads) {
-            int8_t *quad = xq + 128 * (g / 4) + 16 * (g % 4);
-            memcpy(quad, tmp, 16);
-            memcpy(quad + 64, tmp + 16, 16);
-        }
     }
 }
 
 /* ------------------------------------------------------------------------------------------------ scalar */
-static void q4_scalar(const uint8_t *codes, const uint32_t *sz, const int8_t *xq, const float *dx, const float *sx,
-                      int64_t n, int64_t i, int64_t K, int64_t G, float *y) {
-    const uint8_t *c = codes + n * K / 2;
-    const uint32_t *t = sz + n * G;
-    const int8_t *xr = xq + i * K;
-    float acc = 0.0f;
-    for (int64_t g = 0; g < G; g++) {
-        int32_t isum = 0;
-        for (int j = 0; j < 16; j++) {
-            uint8_t b = c[16 * g + j];
-            isum += (b & 15) * xr[32 * g + j] + (b >> 4) * xr[32 * g + 16 + j];
-        }
-        float d = bf16_lo(t[g]), m = bf16_hi(t[g]) - 8.0f * d;
-        acc += d * dx[i * G + g] * (float)isum + m * sx[i * G + g];
-    }
-    *y = acc;
-}
-
 static void q8_scalar(const int8_t *w, const float *ws, const int8_t *xq, const float *dx, int64_t n, int64_t i,
                       int64_t K, int64_t G, float *y) {
     const int8_t *wr = w + n * K, *xr = xq + i * K;
@@ -149,29 +117,6 @@ AVX2_TARGET static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-AVX2_TARGET static void q4_avx2(const uint8_t *codes, const uint32_t *sz, const int8_t *xq, const float *dx,
-                                const float *sx, int64_t n, int64_t i, int64_t K, int64_t G, float *y) {
-    const uint8_t *c = codes + n * K / 2;
-    const uint32_t *t = sz + n * G;
-    const int8_t *xr = xq + i * K;
-    const __m256i low = _mm256_set1_epi8(15);
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float bias = 0.0f;
-    for (int64_t g = 0; g < G; g++) {
-        __m128i cc = _mm_loadu_si128((const __m128i *)(c + 16 * g));
-        __m256i wv = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(cc, 4), cc), low);
-        __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + 32 * g));
-        __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
-        float d = bf16_lo(t[g]), m = bf16_hi(t[g]) - 8.0f * d;
-        __m256 s = _mm256_set1_ps(d * dx[i * G + g]);
-        bias += m * sx[i * G + g];
-        if (g & 1) acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc1);
-        else acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc0);
-    }
-    *y = hsum256(_mm256_add_ps(acc0, acc1)) + bias;
-}
-
 AVX2_TARGET static void q8_avx2(const int8_t *w, const float *ws, const int8_t *xq, const float *dx, int64_t n,
                                 int64_t i, int64_t K, int64_t G, float *y) {
     const int8_t *wr = w + n * K, *xr = xq + i * K;
@@ -190,71 +135,6 @@ AVX2_TARGET static void q8_avx2(const int8_t *w, const float *ws, const int8_t *
 
 /* ------------------------------------------------------------------------------------------------ AVX512-VNNI */
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma")))
-
-/* One quad (groups 4 q .. 4 q + 3) of one weight row against R rows of x; `tail` (a compile-time constant after
- * inlining) masks the loads of a last quad of fewer groups (cmask: its code bytes, gmask: its groups). */
-VNNI_TARGET static inline __attribute__((always_inline)) void q4_vnni_quad(
-        const uint8_t *c, const uint32_t *t, const int8_t *xq, const float *dx, const float *sx, int64_t i0,
-        const int R, int64_t G, int64_t XS, int64_t q, const int tail, __mmask64 cmask, __mmask16 gmask,
-        __m512 *acc, __m128 *bias) {
-    const __m512i low = _mm512_set1_epi8(15);
-    const __m512i pat = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    _mm_prefetch((const char *)(c + 64 * q + PREFETCH_BYTES), _MM_HINT_T0);
-    if (!(q & 3)) _mm_prefetch((const char *)(t + 4 * q) + PREFETCH_BYTES / 4, _MM_HINT_T0);
-    __m512i cc = tail ? _mm512_maskz_loadu_epi8(cmask, c + 64 * q) : _mm512_loadu_si512((const void *)(c + 64 * q));
-    __m512i lo = _mm512_and_si512(cc, low), hi = _mm512_and_si512(_mm512_srli_epi16(cc, 4), low);
-    __m128i v = tail ? _mm_maskz_loadu_epi32(gmask, t + 4 * q) : _mm_loadu_si128((const __m128i *)(t + 4 * q));
-    __m128 d = _mm_castsi128_ps(_mm_slli_epi32(v, 16));
-    __m128 m = _mm_fnmadd_ps(_mm_set1_ps(8.0f), d,
-                             _mm_castsi128_ps(_mm_and_si128(v, _mm_set1_epi32((int)0xFFFF0000u))));
-    for (int r = 0; r < R; r++) {
-        const int8_t *xv = xq + (i0 + r) * XS + 128 * q;
-        const float *dxr = dx + (i0 + r) * G + 4 * q, *sxr = sx + (i0 + r) * G + 4 * q;
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512((const void *)xv));
-        dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512((const void *)(xv + 64)));
-        __m128 s4 = _mm_mul_ps(d, tail ? _mm_maskz_loadu_ps(gmask, dxr) : _mm_loadu_ps(dxr));
-        bias[r] = _mm_fmadd_ps(m, tail ? _mm_maskz_loadu_ps(gmask, sxr) : _mm_loadu_ps(sxr), bias[r]);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(pat, _mm512_castps128_ps512(s4)),
-                                 acc[r]);
-    }
-}
-
-/* One weight row n against x rows i0 .. i0 + R - 1 (R a compile-time constant after inlining). Four groups
- * per step: 64 bytes of codes, low nibbles against the quad's first 64 x bytes and high nibbles against the
- * next 64, both into one vpdpbusd sum whose 128-bit lane t holds group 4 q + t; the four d * dx are computed
- * in a 128-bit register and spread over those lanes (no scratch stored and reloaded). */
-VNNI_TARGET static inline __attribute__((always_inline)) void q4_vnni_rows(
-        const uint8_t *codes, const uint32_t *sz, const int8_t *xq, const float *dx, const float *sx, int64_t n,
-        int64_t i0, const int R, int64_t K, int64_t G, int64_t N, float *y) {
-    const uint8_t *c = codes + n * K / 2;
-    const uint32_t *t = sz + n * G;
-    __m512 acc[MT];  /* indexed by compile-time r only, so that it stays in registers */
-    __m128 bias[MT];
-    for (int r = 0; r < R; r++) { acc[r] = _mm512_setzero_ps(); bias[r] = _mm_setzero_ps(); }
-    const int64_t full = G / 4, rest = G % 4, XS = quad_bytes(K);
-    for (int64_t q = 0; q < full; q++) q4_vnni_quad(c, t, xq, dx, sx, i0, R, G, XS, q, 0, 0, 0, acc, bias);
-    if (rest)
-        q4_vnni_quad(c, t, xq, dx, sx, i0, R, G, XS, full, 1, (1ull << (16 * rest)) - 1,
-                     (__mmask8)((1u << rest) - 1), acc, bias);
-    for (int r = 0; r < R; r++) {
-        __m512 a = acc[r];
-        __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-        __m128 b = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), bias[r]);
-        b = _mm_add_ps(b, _mm_movehl_ps(b, b));
-        y[(i0 + r) * N + n] = _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
-    }
-}
-
-VNNI_TARGET static void q4_vnni(const uint8_t *codes, const uint32_t *sz, const int8_t *xq, const float *dx,
-                                const float *sx, int64_t n, int64_t i0, int R, int64_t K, int64_t G, int64_t N,
-                                float *y) {
-    switch (R) {
-        case 4: q4_vnni_rows(codes, sz, xq, dx, sx, n, i0, 4, K, G, N, y); break;
-        case 3: q4_vnni_rows(codes, sz, xq, dx, sx, n, i0, 3, K, G, N, y); break;
-        case 2: q4_vnni_rows(codes, sz, xq, dx, sx, n, i0, 2, K, G, N, y); break;
-        default: q4_vnni_rows(codes, sz, xq, dx, sx, n, i0, 1, K, G, N, y); break;
-    }
-}
 
 /* q8: w ^ 0x80 = w + 128 as unsigned; vpdpbusd(corr, w + 128, xq) with corr = -128 * (sum of each 4 xq) per
  * int32 lane gives the exact sum of w * xq. corr [M][K / 4] and dxp (dx repeated per lane, [M][K / 4]) depend
@@ -822,6 +702,189 @@ AVX512BF16_TARGET static void q8b_bf16dot(const int8_t *w, const float *ws, cons
 }
 #endif
 
+/* ------------------------------------------------------------------------------------------------ q4, int8 x */
+/* Kind 0 (q4 with int8 x) reads the q4-bf16 kernels' weights: int4pack's layout (codes [N / B][K][B / 2], tab
+ * [G][N]; section "bfloat16 x"), W[n, k] = q * d + m, m = z - 8 d. Each output channel of row i is, over the
+ * groups g in order,
+ *     y = fmaf((float)isum_g, d_g * dx_g, y);  y = fmaf(m_g, sx_g, y)         (from y = 0)
+ * with isum_g = sum_j q[n, 32 g + j] * xq[32 g + j] exact (int32) and d_g * dx_g rounded once: the same bits on
+ * every path, in any batch, on any number of threads. A unit's codes are first spread into a tile (q4i_tile) of
+ * [K / 4][S][16 channels][4 inputs] bytes, each 32-bit lane one channel's codes at four consecutive inputs:
+ * what vpdpbusd (four u8 x s8 products a lane, 64 an instruction: twice vdpbf16ps's) and AVX2's maddubs + madd
+ * read, lanes over output channels. */
+#define MT_Q4I 2
+#define Q4I_TILE_ROWS 4  /* from this many rows of x a unit's codes are spread into a tile once a call */
+#define MT_Q4I_AVX2 2 /* AVX2 x rows per pass (one slice, two 8-channel halves) */
+
+/* The tile of slices s0 .. s0 + S - 1 of block n0: T[((p S + j) 16 + c) 4 + t] = the code of channel
+ * n0 + 16 (s0 + j) + c at input 4 p + t. */
+static void q4i_tile_scalar(const uint8_t *codes, int64_t K, int B, int64_t n0, int s0, int S, uint8_t *T) {
+    const int64_t half = B / 2;
+    const uint8_t *cb = codes + n0 / B * K * half;
+    for (int64_t p = 0; p < K / 4; p++)
+        for (int j = 0; j < S; j++)
+            for (int c = 0; c < 16; c++) {
+                const int ch = 16 * (s0 + j) + c;
+                for (int t = 0; t < 4; t++) {
+                    const uint8_t b = cb[(4 * p + t) * half + ch % half];
+                    T[((p * S + j) * 16 + c) * 4 + t] = (uint8_t)(ch >= half ? b >> 4 : b & 15);
+                }
+            }
+}
+
+#if PD_X86
+/* The codes of a B = 64 block's four slices at inputs 4 p .. 4 p + 3 (cb: the block's codes) in q4i_tile_scalar's
+ * order: each input's 32 code bytes broadcast to both halves of a register, the upper half's high nibbles taken
+ * (128-bit lane j: slice j's 16 codes), the four inputs interleaved by unpacks (lane j of o[i]: channels
+ * 4 i .. 4 i + 3 of slice j), then the 4 x 4 lanes transposed (slice j: lane j of o[0] .. o[3]). */
+AVX512_TARGET static inline __attribute__((always_inline)) void q4i_slices_avx512(const uint8_t *cb, int64_t p,
+                                                                                 __m512i *slice) {
+    const __m512i low = _mm512_set1_epi8(15);
+    __m512i r[4];
+    for (int t = 0; t < 4; t++) {
+        const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(cb + (4 * p + t) * 32)));
+        r[t] = _mm512_and_si512(_mm512_mask_srli_epi16(v, (__mmask32)0xFFFF0000u, v, 4), low);
+    }
+    const __m512i a = _mm512_unpacklo_epi8(r[0], r[1]), b = _mm512_unpackhi_epi8(r[0], r[1]);
+    const __m512i c = _mm512_unpacklo_epi8(r[2], r[3]), d = _mm512_unpackhi_epi8(r[2], r[3]);
+    const __m512i o0 = _mm512_unpacklo_epi16(a, c), o1 = _mm512_unpackhi_epi16(a, c);
+    const __m512i o2 = _mm512_unpacklo_epi16(b, d), o3 = _mm512_unpackhi_epi16(b, d);
+    const __m512i t0 = _mm512_shuffle_i64x2(o0, o1, 0x44), t1 = _mm512_shuffle_i64x2(o2, o3, 0x44);
+    const __m512i t2 = _mm512_shuffle_i64x2(o0, o1, 0xEE), t3 = _mm512_shuffle_i64x2(o2, o3, 0xEE);
+    slice[0] = _mm512_shuffle_i64x2(t0, t1, 0x88), slice[1] = _mm512_shuffle_i64x2(t0, t1, 0xDD);
+    slice[2] = _mm512_shuffle_i64x2(t2, t3, 0x88), slice[3] = _mm512_shuffle_i64x2(t2, t3, 0xDD);
+}
+
+/* q4i_tile_scalar's bytes for B = 64. */
+AVX512_TARGET static void q4i_tile_avx512(const uint8_t *codes, int64_t K, int64_t n0, int s0, int S, uint8_t *T) {
+    const uint8_t *cb = codes + n0 / 64 * K * 32;
+    for (int64_t p = 0; p < K / 4; p++) {
+        _mm_prefetch((const char *)(cb + 128 * p) + PREFETCH_BYTES, _MM_HINT_T0);
+        __m512i slice[4];
+        q4i_slices_avx512(cb, p, slice);
+        for (int j = 0; j < S; j++) _mm512_storeu_si512((void *)(T + (p * S + j) * 64), slice[s0 + j]);
+    }
+}
+
+/* Channels c0 .. c0 + 16 S - 1 (the tile T's slices; T NULL: slices s0 .. s0 + S - 1 of the B = 64 block whose
+ * codes are cb, spread in registers) against rows i0 .. i0 + R - 1 by vpdpbusd. */
+VNNI_TARGET static inline __attribute__((always_inline)) void q4i_vnni_tile(
+        const uint8_t *T, const uint8_t *cb, const int s0, const uint32_t *tab, const int8_t *xq, const float *dx,
+        const float *sx, int64_t K, int64_t N, int64_t c0, const int S, int64_t i0, const int R, float *y) {
+    const int64_t G = K / 32;
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
+    __m512 acc[MT_Q4I][4];
+    __m512i s[MT_Q4I][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < S; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        for (int r = 0; r < R; r++)
+            for (int j = 0; j < S; j++) s[r][j] = _mm512_setzero_si512();
+        for (int t = 0; t < 8; t++) {  /* a constant count: unrolled whole, the sums stay in their registers */
+            const int64_t p = 8 * g + t;
+            __m512i w[4], slice[4];
+            if (T) {
+                for (int j = 0; j < S; j++) w[j] = _mm512_loadu_si512((const void *)(T + (p * S + j) * 64));
+            } else {
+                if (!(p & 1)) _mm_prefetch((const char *)(cb + 128 * p) + PREFETCH_BYTES, _MM_HINT_T0);
+                q4i_slices_avx512(cb, p, slice);
+                for (int j = 0; j < S; j++) w[j] = slice[s0 + j];
+            }
+            for (int r = 0; r < R; r++) {
+                int32_t x4;
+                memcpy(&x4, xq + (i0 + r) * K + 4 * p, 4);
+                const __m512i xv = _mm512_set1_epi32(x4);
+                for (int j = 0; j < S; j++) s[r][j] = _mm512_dpbusd_epi32(s[r][j], w[j], xv);
+            }
+        }
+        for (int j = 0; j < S; j++) {
+            const __m512i t = _mm512_loadu_si512((const void *)(tab + g * N + c0 + 16 * j));
+            const __m512 d = _mm512_castsi512_ps(_mm512_slli_epi32(t, 16));
+            const __m512 m = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), d, _mm512_castsi512_ps(_mm512_and_si512(t, high)));
+            for (int r = 0; r < R; r++) {
+                const __m512 sc = _mm512_mul_ps(d, _mm512_set1_ps(dx[(i0 + r) * G + g]));
+                acc[r][j] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[(i0 + r) * G + g]),
+                                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][j]), sc, acc[r][j]));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < S; j++) _mm512_storeu_ps(y + (i0 + r) * N + c0 + 16 * j, acc[r][j]);
+}
+
+#define CALL_Q4I_VNNI(s, r) q4i_vnni_tile(T, cb, s0, tab, xq, dx, sx, K, N, c0, s, i0, r, y)
+#define CALL_Q4I_VNNI_R(s) \
+    switch (R) { case 1: CALL_Q4I_VNNI(s, 1); break; default: CALL_Q4I_VNNI(s, 2); break; }
+VNNI_TARGET static void q4i_vnni(const uint8_t *T, const uint8_t *cb, int s0, const uint32_t *tab,
+                                 const int8_t *xq, const float *dx, const float *sx, int64_t K, int64_t N, int64_t c0,
+                                 int S, int64_t i0, int R, float *y) {
+    switch (S) { case 1: CALL_Q4I_VNNI_R(1) break; case 2: CALL_Q4I_VNNI_R(2) break; default: CALL_Q4I_VNNI_R(4) break; }
+}
+
+/* One slice (channels c0 .. c0 + 15, two 8-lane halves) against rows i0 .. i0 + R - 1: maddubs gives each
+ * 16-bit lane two products (at most 2 x 15 x 127: no saturation), madd with ones the lane's four. */
+AVX2_TARGET static inline __attribute__((always_inline)) void q4i_avx2_tile(
+        const uint8_t *T, const int S, const int j, const uint32_t *tab, const int8_t *xq, const float *dx,
+        const float *sx, int64_t K, int64_t N, int64_t c0, int64_t i0, const int R, float *y) {
+    const int64_t G = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1), high = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256 acc[MT_Q4I_AVX2][2];
+    __m256i s[MT_Q4I_AVX2][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
+        for (int64_t p = 8 * g; p < 8 * g + 8; p++) {
+            const uint8_t *tp = T + (p * S + j) * 64;
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)tp), w1 = _mm256_loadu_si256((const __m256i *)(tp + 32));
+            for (int r = 0; r < R; r++) {
+                int32_t x4;
+                memcpy(&x4, xq + (i0 + r) * K + 4 * p, 4);
+                const __m256i xv = _mm256_set1_epi32(x4);
+                s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, xv), ones));
+                s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, xv), ones));
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256i t = _mm256_loadu_si256((const __m256i *)(tab + g * N + c0 + 16 * j + 8 * h));
+            const __m256 d = _mm256_castsi256_ps(_mm256_slli_epi32(t, 16));
+            const __m256 m = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), d, _mm256_castsi256_ps(_mm256_and_si256(t, high)));
+            for (int r = 0; r < R; r++) {
+                const __m256 sc = _mm256_mul_ps(d, _mm256_set1_ps(dx[(i0 + r) * G + g]));
+                acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[(i0 + r) * G + g]),
+                                            _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h]), sc, acc[r][h]));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + (i0 + r) * N + c0 + 16 * j + 8 * h, acc[r][h]);
+}
+
+AVX2_TARGET static void q4i_avx2(const uint8_t *T, const uint32_t *tab, const int8_t *xq, const float *dx,
+                                 const float *sx, int64_t K, int64_t N, int64_t c0, int S, int64_t i0, int R,
+                                 float *y) {
+    for (int j = 0; j < S; j++) {
+        if (R == 1) q4i_avx2_tile(T, S, j, tab, xq, dx, sx, K, N, c0, i0, 1, y);
+        else q4i_avx2_tile(T, S, j, tab, xq, dx, sx, K, N, c0, i0, 2, y);
+    }
+}
+#endif
+
+/* The contract's arithmetic, one output at a time (channel c0 + c of the tile, row i). */
+static void q4i_scalar(const uint8_t *T, const uint32_t *tab, const int8_t *xq, const float *dx, const float *sx,
+                       int64_t K, int64_t N, int64_t c0, int S, int c, int64_t i, float *y) {
+    const int64_t G = K / 32;
+    float acc = 0.0f;
+    for (int64_t g = 0; g < G; g++) {
+        int32_t isum = 0;
+        for (int64_t p = 8 * g; p < 8 * g + 8; p++)
+            for (int t = 0; t < 4; t++)
+                isum += T[((p * S + c / 16) * 16 + c % 16) * 4 + t] * xq[i * K + 4 * p + t];
+        const uint32_t tv = tab[g * N + c0 + c];
+        const float d = bf16_lo(tv), m = bf16_hi(tv) - 8.0f * d;
+        acc = fmaf(m, sx[i * G + g], fmaf((float)isum, d * dx[i * G + g], acc));
+    }
+    *y = acc;
+}
 
 /* ------------------------------------------------------------------------------------------------ entry points */
 /* Best ISA this CPU runs (2, 1 or 0, as above). */
@@ -884,16 +947,18 @@ static int clamp_isa(int isa, int best) {
 
 /* One call's operands and scratch, shared by its threads. */
 struct job {
-    int q8, isa, quads;          /* quads: x in the AVX512 q4 layout (quant_row) */
+    int q8, isa;
     const float *x;
-    int64_t M, K, G, N, XS;      /* XS: x row stride in the scratch (bytes of xq, floats of xb) */
-    const void *w, *table;       /* q4: codes, sz; q8: w, ws */
+    int64_t M, K, G, N;
+    const void *w, *table;       /* q4 kinds: codes, tab (int4pack's layout); q8 kinds: w, ws */
     float *y;
-    int8_t *xq; float *dx, *sx;
+    int8_t *xq; float *dx, *sx;  /* int8 kinds: x quantized per 32 (quant_row) */
     int32_t *corr; float *dxp;   /* q8 AVX512 only */
     float *xb; int round_out;    /* bfloat16 kernels: x rounded to bfloat16, whether y is */
-    int B;                       /* q4-bf16: output channels per block of int4pack's layout */
-    int nthreads;                /* q4-bf16: threads the blocks are split over (run_range_q4p) */
+    int B;                       /* q4 kinds: output channels per block of int4pack's layout */
+    int nthreads;                /* q4 kinds: threads the blocks are split over (run_range) */
+    void (*unit)(const struct job *, int64_t, int);  /* q4 kinds: run_unit_q4i or run_unit_q4p */
+    int *failed;                 /* q4 (int8 x): set when a thread cannot get its tile */
     float *xs; uint32_t *xp;     /* q4-bf16: each row's group sums X_g, its (x_k, x_k+1) bfloat16 pairs */
 };
 
@@ -910,7 +975,7 @@ static void for_each(void (*fn)(const struct job *, int64_t), const struct job *
 
 static void quant_one(const struct job *j, int64_t i) {
     int64_t K = j->K, G = j->G;
-    quant_row(j->x + i * K, K, j->xq + i * j->XS, j->dx + i * G, j->sx + i * G, j->quads);
+    quant_row(j->x + i * K, K, j->xq + i * K, j->dx + i * G, j->sx + i * G);
     if (j->corr) {
         for (int64_t q = 0; q < K / 4; q++) {
             const int8_t *v = j->xq + i * K + 4 * q;
@@ -920,63 +985,25 @@ static void quant_one(const struct job *j, int64_t i) {
     }
 }
 
-/* Weight rows b * NB .. (b + 1) * NB - 1 against every row of x, MT rows of x per pass. */
+/* q8 over weight rows b * NB .. (b + 1) * NB - 1 against every row of x, MT rows of x per pass. */
 static void run_block(const struct job *j, int64_t b) {
     const int64_t M = j->M, K = j->K, G = j->G, N = j->N;
     const int64_t n1 = (b + 1) * NB < N ? (b + 1) * NB : N;
     for (int64_t i0 = 0; i0 < M; i0 += MT) {
         int R = M - i0 < MT ? (int)(M - i0) : MT;
         for (int64_t n = b * NB; n < n1; n++) {
-            if (j->q8) {
 #if PD_X86
-                if (j->isa == 2) { q8_vnni(j->w, j->table, j->xq, j->corr, j->dxp, n, i0, R, K, N, j->y); continue; }
-                if (j->isa == 1) {
-                    for (int r = 0; r < R; r++)
-                        q8_avx2(j->w, j->table, j->xq, j->dx, n, i0 + r, K, G, j->y + (i0 + r) * N + n);
-                    continue;
-                }
-#endif
-                for (int r = 0; r < R; r++)
-                    q8_scalar(j->w, j->table, j->xq, j->dx, n, i0 + r, K, G, j->y + (i0 + r) * N + n);
-                continue;
-            }
-#if PD_X86
-            if (j->isa == 2) { q4_vnni(j->w, j->table, j->xq, j->dx, j->sx, n, i0, R, K, G, N, j->y); continue; }
+            if (j->isa == 2) { q8_vnni(j->w, j->table, j->xq, j->corr, j->dxp, n, i0, R, K, N, j->y); continue; }
             if (j->isa == 1) {
                 for (int r = 0; r < R; r++)
-                    q4_avx2(j->w, j->table, j->xq, j->dx, j->sx, n, i0 + r, K, G, j->y + (i0 + r) * N + n);
+                    q8_avx2(j->w, j->table, j->xq, j->dx, n, i0 + r, K, G, j->y + (i0 + r) * N + n);
                 continue;
             }
 #endif
             for (int r = 0; r < R; r++)
-                q4_scalar(j->w, j->table, j->xq, j->dx, j->sx, n, i0 + r, K, G, j->y + (i0 + r) * N + n);
+                q8_scalar(j->w, j->table, j->xq, j->dx, n, i0 + r, K, G, j->y + (i0 + r) * N + n);
         }
     }
-}
-
-/* Quantize x into the thread's scratch, then run every block. Returns the ISA used, or -1 when out of memory. */
-static int run(int q8, const float *x, int64_t M, int64_t K, const void *w, const void *table, int64_t N, float *y,
-               int nthreads, int isa) {
-    struct job j = {q8, clamp_isa(isa, pd_best_isa()), 0, x, M, K, K / 32, N, K, w, table, y, NULL, NULL, NULL,
-                    NULL, NULL, NULL, 0, 0};
-    j.quads = !q8 && j.isa == 2;
-    if (j.quads) j.XS = quad_bytes(K);
-    int with_corr = q8 && j.isa == 2;
-    size_t xq_bytes = (size_t)(M * j.XS + 64 + 63) / 64 * 64;
-    size_t g_bytes = (size_t)(M * j.G + 16) * sizeof(float);
-    size_t q_bytes = with_corr ? (size_t)(M * (K / 4) + 16) * 4 : 0;
-    char *base = get_scratch(xq_bytes + 2 * g_bytes + 2 * q_bytes);
-    if (!base) return -1;
-    j.xq = (int8_t *)base;
-    j.dx = (float *)(base + xq_bytes);
-    j.sx = (float *)(base + xq_bytes + g_bytes);
-    if (with_corr) {
-        j.corr = (int32_t *)(base + xq_bytes + 2 * g_bytes);
-        j.dxp = (float *)(base + xq_bytes + 2 * g_bytes + q_bytes);
-    }
-    for_each(quant_one, &j, M, M >= 8 ? nthreads : 1);
-    for_each(run_block, &j, (N + NB - 1) / NB, nthreads);
-    return j.isa;
 }
 
 #if PD_X86
@@ -1153,22 +1180,79 @@ static void run_unit_q4p(const struct job *j, int64_t b, int u) {
     }
 }
 
+/* q4 (int8 x) over unit u of block b (as run_unit_q4p's) against every row of x: the unit's codes spread into
+ * the thread's tile (q4i_tile_*) once, then MT_Q4I (AVX512) or MT_Q4I_AVX2 rows of x a pass over it. */
+static void run_unit_q4i(const struct job *j, int64_t b, int u) {
+    const int64_t M = j->M, K = j->K, N = j->N, n0 = b * j->B;
+    const int s0 = u == 2 ? j->B / 32 : 0, S = u == 0 ? j->B / 16 : j->B / 32;  /* its slices of 16 channels */
+    const int64_t c0 = n0 + 16 * s0;
+    const uint8_t *cb = (const uint8_t *)j->w + n0 / j->B * K * (j->B / 2);
+    const int direct = j->isa == 2 && j->B == 64 && M < Q4I_TILE_ROWS;  /* codes spread in registers every pass */
+    uint8_t *T = NULL;
+    if (!direct) {
+        if (!(T = (uint8_t *)weight_tile((size_t)(4 * K * S)))) { *j->failed = 1; return; }  /* K / 4 x S x 64 bytes */
+#if PD_X86
+        if (j->isa == 2 && j->B == 64) q4i_tile_avx512(j->w, K, n0, s0, S, T);
+        else
+#endif
+            q4i_tile_scalar(j->w, K, j->B, n0, s0, S, T);
+    }
+    const int64_t mt = j->isa == 2 ? MT_Q4I : j->isa == 1 ? MT_Q4I_AVX2 : 1;
+    for (int64_t i0 = 0; i0 < M; i0 += mt) {
+        const int R = M - i0 < mt ? (int)(M - i0) : (int)mt;
+#if PD_X86
+        if (j->isa == 2) { q4i_vnni(T, cb, s0, j->table, j->xq, j->dx, j->sx, K, N, c0, S, i0, R, j->y); continue; }
+        if (j->isa == 1) { q4i_avx2(T, j->table, j->xq, j->dx, j->sx, K, N, c0, S, i0, R, j->y); continue; }
+#endif
+        for (int c = 0; c < 16 * S; c++)
+            q4i_scalar(T, j->table, j->xq, j->dx, j->sx, K, N, c0, S, c, i0, j->y + i0 * N + c0 + c);
+    }
+}
+
 /* Thread t of j->nthreads: half-blocks t * H / T .. (t + 1) * H / T - 1 of the H = 2 N / B, so that every
  * thread gets the same number of channels (9 blocks on 2 threads: 4.5 each, not 5 and 4); a block wholly in
  * the range is run as one unit (its codes read once), a half at either end on its own. Each output channel is
  * computed the same way whichever unit holds it: the result does not depend on the thread count. */
-static void run_range_q4p(const struct job *j, int64_t t) {
+static void run_range(const struct job *j, int64_t t) {
     const int64_t H = 2 * (j->N / j->B);
     int64_t h = t * H / j->nthreads, h1 = (t + 1) * H / j->nthreads;
-    if (h < h1 && h % 2) { run_unit_q4p(j, h / 2, 2); h++; }
-    for (; h + 2 <= h1; h += 2) run_unit_q4p(j, h / 2, 0);
-    if (h < h1) run_unit_q4p(j, h / 2, 1);
+    if (h < h1 && h % 2) { j->unit(j, h / 2, 2); h++; }
+    for (; h + 2 <= h1; h += 2) j->unit(j, h / 2, 0);
+    if (h < h1) j->unit(j, h / 2, 1);
+}
+
+/* Quantize x into the thread's scratch, then run every block (q8) or unit (q4). Returns the ISA used, or -1
+ * when out of memory. */
+static int run(int q8, const float *x, int64_t M, int64_t K, const void *w, const void *table, int64_t N, int B,
+               float *y, int nthreads, int isa) {
+    int failed = 0;
+    struct job j = {.q8 = q8, .isa = clamp_isa(isa, pd_best_isa()), .x = x, .M = M, .K = K, .G = K / 32, .N = N,
+                    .w = w, .table = table, .y = y, .B = B, .nthreads = nthreads > 1 ? nthreads : 1,
+                    .unit = run_unit_q4i, .failed = &failed};
+    int with_corr = q8 && j.isa == 2;
+    size_t xq_bytes = (size_t)(M * K + 64 + 63) / 64 * 64;
+    size_t g_bytes = (size_t)(M * j.G + 16) * sizeof(float);
+    size_t q_bytes = with_corr ? (size_t)(M * (K / 4) + 16) * 4 : 0;
+    char *base = get_scratch(xq_bytes + 2 * g_bytes + 2 * q_bytes);
+    if (!base) return -1;
+    j.xq = (int8_t *)base;
+    j.dx = (float *)(base + xq_bytes);
+    j.sx = (float *)(base + xq_bytes + g_bytes);
+    if (with_corr) {
+        j.corr = (int32_t *)(base + xq_bytes + 2 * g_bytes);
+        j.dxp = (float *)(base + xq_bytes + 2 * g_bytes + q_bytes);
+    }
+    for_each(quant_one, &j, M, M >= 8 ? nthreads : 1);
+    if (q8) for_each(run_block, &j, (N + NB - 1) / NB, nthreads);
+    else for_each(run_range, &j, j.nthreads, j.nthreads);
+    return failed ? -1 : j.isa;
 }
 
 static int run_bf16(int q8, const float *x, int64_t M, int64_t K, const void *w, const void *table, int64_t N, int B,
                     float *y, int nthreads, int isa, int round_out) {
-    struct job j = {q8, clamp_isa(isa, pd_bf16_best_isa()), 0, x, M, K, K / 32, N, K, w, table, y, NULL, NULL, NULL,
-                    NULL, NULL, NULL, round_out, B, nthreads > 1 ? nthreads : 1};
+    struct job j = {.q8 = q8, .isa = clamp_isa(isa, pd_bf16_best_isa()), .x = x, .M = M, .K = K, .G = K / 32, .N = N,
+                    .w = w, .table = table, .y = y, .round_out = round_out, .B = B,
+                    .nthreads = nthreads > 1 ? nthreads : 1, .unit = run_unit_q4p};
     /* xb [M][K] (+ 16: the AVX512 q8 tile may read past a row's end), then for q4 xs [M][K / 32], and where
      * vdpbf16ps reads x (level 3: q8, and q4's tile) xp [M][K / 2] */
     const int64_t xs_floats = q8 ? 0 : M * (K / 32);
@@ -1179,7 +1263,7 @@ static int run_bf16(int q8, const float *x, int64_t M, int64_t K, const void *w,
     if (xp_words) j.xp = (uint32_t *)(j.xb + M * K + 16 + xs_floats);
     for_each(round_one, &j, M, M >= 8 ? nthreads : 1);
     if (q8) for_each(run_block_q8b, &j, (N + NB_Q8B - 1) / NB_Q8B, nthreads);
-    else for_each(run_range_q4p, &j, j.nthreads, j.nthreads);
+    else for_each(run_range, &j, j.nthreads, j.nthreads);
     return j.isa;
 }
 
@@ -1198,18 +1282,19 @@ static int q8_bf16_matmul(const float *x, int64_t M, int64_t K, const int8_t *w,
     return run_bf16(1, x, M, K, w, ws, N, 0, y, nthreads, isa, round_out);
 }
 
-/* y [M, N] float32 = x [M, K] float32 @ W.T for the q4 weights above (codes [N, K / 2], sz [N, K / 32]).
- * K % 32 == 0. Returns the ISA used, or -1 when out of memory. */
-static int q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint32_t *sz, int64_t N,
-                     float *y, int nthreads, int isa) {
-    return run(0, x, M, K, codes, sz, N, y, nthreads, isa);
+/* y [M, N] float32 = x [M, K] float32 @ W.T for W[n, k] = q * d + m in int4pack_mm's layout (as for
+ * q4_bf16_matmul), x quantized per 32 inputs (section "q4, int8 x"). Returns the ISA used, or -1 when out of
+ * memory. */
+static int q4_matmul(const float *x, int64_t M, int64_t K, const uint8_t *codes, const uint32_t *tab, int64_t N,
+                     int B, float *y, int nthreads, int isa) {
+    return run(0, x, M, K, codes, tab, N, B, y, nthreads, isa);
 }
 
 /* y [M, N] float32 = x [M, K] float32 @ (w * ws[:, None]).T, w int8 [N, K] in [-127, 127], K % 32 == 0.
  * Returns the ISA used, or -1 when out of memory. */
 static int q8_matmul(const float *x, int64_t M, int64_t K, const int8_t *w, const float *ws, int64_t N, float *y,
                      int nthreads, int isa) {
-    return run(1, x, M, K, w, ws, N, y, nthreads, isa);
+    return run(1, x, M, K, w, ws, N, 0, y, nthreads, isa);
 }
 
 /* One weight's operands, filled once by the caller (kernels/cpu_matmul.py mirrors this as a ctypes Structure):
@@ -1226,7 +1311,7 @@ struct pd_weight {
  * the ISA used, -1 when out of memory, -2 for an unknown kind. */
 int pd_matmul(const struct pd_weight *wt, const float *x, int64_t M, float *y, int nthreads) {
     switch (wt->kind) {
-        case 0: return q4_matmul(x, M, wt->K, wt->w, wt->table, wt->N, y, nthreads, wt->isa);
+        case 0: return q4_matmul(x, M, wt->K, wt->w, wt->table, wt->N, wt->B, y, nthreads, wt->isa);
         case 1: return q8_matmul(x, M, wt->K, wt->w, wt->table, wt->N, y, nthreads, wt->isa);
         case 2: return q4_bf16_matmul(x, M, wt->K, wt->w, wt->table, wt->N, wt->B, y, nthreads, wt->isa,
                                       wt->round_out);

@@ -5,18 +5,20 @@ The C source (its header comments are the exact arithmetic) is compiled on first
 failed build or a failed load logs one warning and `available()` is False: engine.quant then keeps the torch
 kernels.
 
-    q4_matmul(x, codes, scale_zero)       x [M, K] float32, codes [N, K // 2] uint8 (GGML Q4 order per 32),
-                                          scale_zero [N, K // 32, 2] bfloat16 (scale, zero) -> [M, N] float32
-    q8_matmul(x, qweight, scale)          x [M, K] float32, qweight [N, K] int8, scale [N] float32 -> [M, N] float32
-    q4_bf16_matmul(x, packed, scale_zero, block_rows)
+    q4_matmul(x, packed, scale_zero, block_rows)
                                           x [M, K] float32, packed [N, K // 2] uint8 in int4pack_mm's layout
                                           (blocks of block_rows = 64 or 32 output channels), scale_zero
                                           [K // 32, N, 2] bfloat16 (int4pack_mm's table) -> [M, N] float32
+    q8_matmul(x, qweight, scale)          x [M, K] float32, qweight [N, K] int8, scale [N] float32 -> [M, N] float32
+    q4_bf16_matmul(x, packed, scale_zero, block_rows)
+                                          q4_matmul's operands, bfloat16 activations
     q8_bf16_matmul(x, qweight, scale)     q8_matmul's operands, bfloat16 activations
 
 Kinds "q4" / "q8" quantize each row of x to int8 per 32 inputs inside the kernel (llama.cpp's Q8_0 activations),
 so results differ from the float matmul by that rounding (measured on the default model's layer 0: 0.55-0.6%
-relative error on the layers, 0.06% on the LM head). Kinds "q4-bf16" / "q8-bf16" round x to bfloat16 and sum
+relative error on the layers, 0.06% on the LM head); q4 sums each group's integer products exactly, then folds
+the groups in order per output channel (y = fma(isum_g, scale_g * dx_g, y), then + m_g * dx_g * sumq_g, m = zero -
+8 scale), 64 products a vpdpbusd with lanes over output channels. Kinds "q4-bf16" / "q8-bf16" round x to bfloat16 and sum
 float32 products of the same weights: q8-bf16 what torch's `_weight_int8pack_mm` computes (each weight q * scale,
 exact; its AVX512 / AVX2 summation orders on those paths; at ISA_AVX512_BF16 the exact products x q summed in
 vdpbf16ps's pairs, then times the row's scale); q4-bf16 the exact products of x with the integer codes
@@ -25,7 +27,7 @@ at twice the FMA rate where the CPU has it), then scaled: sum_g scale_g * S_g + 
 x). That is torch's `_weight_int4pack_mm_for_cpu` in another order (within float32 rounding of it; the output,
 rounded to bfloat16 values as both return it, differs in a few per mille of the values, by one bfloat16 step).
 Every kind computes each row of the result from that row of x only (batch invariant), the same on any number of
-threads; q4-bf16 gives the same bits on every path. Threads: torch.get_num_threads() unless `nthreads` is given;
+threads; q4 and q4-bf16 give the same bits on every path. Threads: torch.get_num_threads() unless `nthreads` is given;
 `isa` forces a path (ISA_SCALAR, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16; a path the CPU lacks falls back to the
 best it has).
 ISA_AVX512 is avx512f/bw/vl/dq + VNNI for the int8-activation kinds, avx512f/bw for the bfloat16 ones;
@@ -120,12 +122,7 @@ class NativeMatmul:
 
     def __init__(self, kind: str, weight: torch.Tensor, table: torch.Tensor, *, isa: int = ISA_BEST,
                  round_output: bool = True, block_rows: int = 0) -> None:
-        if kind == "q4":
-            out_features, half = weight.shape
-            in_features = 2 * half
-            shapes = (("codes", torch.uint8, (out_features, half)),
-                      ("scale_zero", torch.bfloat16, (out_features, in_features // GROUP, 2)))
-        elif kind == "q4-bf16":
+        if kind in ("q4", "q4-bf16"):
             out_features, half = weight.shape
             in_features = 2 * half
             if block_rows not in (32, 64) or out_features % block_rows:
@@ -200,11 +197,12 @@ class MatmulChain:
             raise MemoryError("native CPU matmul: out of memory for the activation scratch")
 
 
-def q4_matmul(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor, *, nthreads: int | None = None,
-              isa: int = ISA_BEST) -> torch.Tensor:
-    """x [M, K] @ W.T with W[n, 32 g + j] = (q - 8) * scale[n, g] + zero[n, g] (module docstring): [M, N] float32.
-    The weights must already be in the kernel's layout (ValueError naming the argument otherwise)."""
-    return NativeMatmul("q4", codes, scale_zero, isa=isa)(x, nthreads)
+def q4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor, block_rows: int, *,
+              nthreads: int | None = None, isa: int = ISA_BEST) -> torch.Tensor:
+    """x [M, K] @ W.T with W[n, k] = (q - 8) * scale[k // 32, n] + zero[k // 32, n] (module docstring), x quantized
+    to int8 per 32 inputs: [M, N] float32. The weights must already be in int4pack_mm's layout (ValueError naming
+    the argument otherwise)."""
+    return NativeMatmul("q4", packed, scale_zero, isa=isa, block_rows=block_rows)(x, nthreads)
 
 
 def q8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, *, nthreads: int | None = None,

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.quant import Int4Linear
+from engine.quant import Int4Linear, _int4pack_block_rows
 from engine.sampling_params import SamplingParams
 from kernels import cpu_matmul as cm
 from tests.batching import assert_same_alone_as_batched
@@ -22,6 +22,7 @@ from tests.batching import assert_same_alone_as_batched
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not cm.available(), reason="native CPU matmul kernels could not be built here")
 ISAS = [cm.ISA_SCALAR, cm.ISA_AVX2, cm.ISA_AVX512]
+BLOCK_ROWS = _int4pack_block_rows()
 # Float sums over groups run in another order on each path (and in float64 here): measured <= 3e-7 of the
 # largest output.
 SUM_ORDER_RTOL = 1e-5
@@ -72,14 +73,13 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(g * inv[..., None]).clamp_(-127, 127), dx                    # [M, G, 32], [M, G]
 
 
-def q4_reference(x: torch.Tensor, nibbles: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
-    """y = sum_g (d * dx) * isum + m * (dx * sumq), m = z - 8 d, isum exact (float64 holds it)."""
-    n = nibbles.shape[0]
-    packed = nibbles.view(n, -1, cm.GROUP // 2)
-    q = torch.cat([packed & 15, packed >> 4], dim=-1).double()                      # [N, G, 32]
+def q4_reference(x: torch.Tensor, codes: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    """y = sum_g (d * dx) * isum + m * (dx * sumq), m = z - 8 d, isum exact (float64 holds it); codes [N, K],
+    scale_zero [G, N, 2] (int4pack's table)."""
+    q = codes.view(codes.shape[0], -1, cm.GROUP).double()                           # [N, G, 32]
     xq, dx = quantize_x(x)
     isum = torch.einsum("mgj,ngj->mng", xq.double(), q)
-    d, z = scale_zero[..., 0].float(), scale_zero[..., 1].float()                   # [N, G]
+    d, z = scale_zero[..., 0].t().float(), scale_zero[..., 1].t().float()           # [N, G]
     m = z - 8 * d
     sx = dx * xq.sum(dim=-1)                                                         # [M, G] float32
     return ((d[None] * dx[:, None]).double() * isum + (m[None] * sx[:, None]).double()).sum(dim=-1)
@@ -94,17 +94,26 @@ def q8_reference(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) ->
 
 
 def kernel_args(linear, rows: slice):
+    """(kind, weight, table) as the kernel takes rows `rows` of a linear (int4: whole blocks of int4pack's layout)."""
     if isinstance(linear, Int4Linear):
-        return "q4", linear.nibbles[rows].contiguous(), linear.scale_zero[rows].contiguous()
+        start, stop, _ = rows.indices(linear.shape[0])
+        half = linear.shape[1] // 2
+        packed = linear.packed.view(-1)[start * half:stop * half].view(stop - start, half)
+        return "q4", packed, linear.scale_zero[:, start:stop].contiguous()
     return "q8", linear.qweight[rows].contiguous(), linear.scale[rows].contiguous()
 
 
 def run(kind: str, x, weight, table, **kw):
-    return (cm.q4_matmul if kind == "q4" else cm.q8_matmul)(x, weight, table, **kw)
+    if kind == "q4":
+        return cm.q4_matmul(x, weight, table, BLOCK_ROWS, **kw)
+    return cm.q8_matmul(x, weight, table, **kw)
 
 
-def reference(kind: str, x, weight, table):
-    return (q4_reference if kind == "q4" else q8_reference)(x, weight, table)
+def reference(linear, rows: slice, x):
+    if isinstance(linear, Int4Linear):
+        start, stop, _ = rows.indices(linear.shape[0])
+        return q4_reference(x, linear.codes(rows), linear.scale_zero[:, start:stop])
+    return q8_reference(x, linear.qweight[rows], linear.scale[rows])
 
 
 @pytest.mark.parametrize("isa", [isa_param(i) for i in ISAS])
@@ -113,7 +122,7 @@ def test_kernel_equals_the_integer_reference(layer0, name, isa):
     linear, rows, x = layer0[name]
     kind, weight, table = kernel_args(linear, rows)
     x = x[:5] if isa != cm.ISA_SCALAR or kind == "q4" else x[:3]                     # odd M
-    expected = reference(kind, x, weight, table)
+    expected = reference(linear, rows, x)
     got = run(kind, x, weight, table, isa=isa)
     assert got.shape == expected.shape and got.dtype == torch.float32
     assert (got.double() - expected).abs().max() <= SUM_ORDER_RTOL * expected.abs().max()
@@ -128,6 +137,32 @@ def test_rows_are_batch_invariant(layer0, name):
     for i in range(x.shape[0]):
         assert torch.equal(run(kind, x[i:i + 1], weight, table, nthreads=1)[0], together[i])
     assert torch.equal(run(kind, x, weight, table, nthreads=2), together)
+
+
+@pytest.mark.parametrize("block_rows", [32, 64])
+@pytest.mark.parametrize("isa", [isa_param(i) for i in (cm.ISA_AVX2, cm.ISA_AVX512)])
+def test_q4_every_path_gives_the_scalar_bits_at_both_block_sizes(isa, block_rows):
+    """Random codes read as int4pack's layout of 32-row blocks (torch's AVX2 packing) or 64-row ones, scales and
+    zeros of mixed sign and size, x spanning 2^-20 .. 2^6 with exact zeros and all-zero groups: 1-3 rows (AVX512
+    spreads the codes in registers every pass) and 4-35 (from 4: into a tile once a call), 1 and 3 threads (10
+    half-blocks: a block split between threads), the scalar path's bits; a planted change of one code moves only its
+    own channel's outputs."""
+    g = torch.Generator().manual_seed(11)
+    n, k = 5 * block_rows, 224
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    table = (torch.randn(k // 32, n, 2, generator=g) * torch.rand(k // 32, n, 2, generator=g).pow(4) * 4).bfloat16()
+    x = torch.randn(35, k, generator=g) * torch.pow(2.0, torch.randint(-20, 7, (35, k), generator=g).float())
+    x[x.abs() < 1e-5] = 0.0
+    x[3, 32:64] = 0.0
+    expected = cm.q4_matmul(x, packed, table, block_rows, isa=cm.ISA_SCALAR, nthreads=1)
+    for rows in (1, 2, 3, 4, 5, 35):
+        for nthreads in (1, 3):
+            got = cm.q4_matmul(x[:rows], packed, table, block_rows, isa=isa, nthreads=nthreads)
+            assert torch.equal(got, expected[:rows]), (rows, nthreads)
+    planted = packed.clone()
+    planted.view(-1, k, block_rows // 2)[1, 0, 5] ^= 0x10     # block 1, input 0, byte 5: its high nibble's channel
+    moved = (cm.q4_matmul(x, planted, table, block_rows, isa=isa) != expected).any(dim=0).nonzero().flatten()
+    assert moved.tolist() == [block_rows + block_rows // 2 + 5]
 
 
 @pytest.mark.parametrize("name", ["gate 1536x576", "down 576x1536", "lm_head 49152x576"])
@@ -150,13 +185,15 @@ def test_noncontiguous_x_is_copied_and_bad_weights_are_rejected(layer0):
     assert not wide.is_contiguous()
     assert torch.equal(run(kind, wide, weight, table), run(kind, wide.contiguous(), weight, table))
     assert torch.equal(run(kind, x.double(), weight, table), run(kind, x, weight, table))
-    with pytest.raises(ValueError, match="codes"):
-        cm.q4_matmul(x, weight.t(), table)
+    with pytest.raises(ValueError, match="packed"):
+        cm.q4_matmul(x, weight.t().contiguous().t(), table, BLOCK_ROWS)  # not contiguous
     with pytest.raises(ValueError, match="scale_zero"):
-        cm.q4_matmul(x, weight, table.float())
+        cm.q4_matmul(x, weight, table.float(), BLOCK_ROWS)
+    with pytest.raises(ValueError, match="block_rows"):
+        cm.q4_matmul(x, weight, table, 48)
     with pytest.raises(ValueError, match="x must be"):
-        cm.q4_matmul(x[:, :64], weight, table)
-    assert cm.q4_matmul(x[:0], weight, table).shape == (0, 576)
+        cm.q4_matmul(x[:, :64], weight, table, BLOCK_ROWS)
+    assert cm.q4_matmul(x[:0], weight, table, BLOCK_ROWS).shape == (0, 576)
 
 
 def test_a_chain_computes_what_its_matmuls_compute_one_by_one(layer0):
@@ -177,15 +214,15 @@ def test_a_chain_computes_what_its_matmuls_compute_one_by_one(layer0):
 
 
 def test_linears_use_the_kernel_and_keep_their_other_operations(layer0):
-    """Int4Linear / Int8Linear with cpu_matmul="native": forward adds the bias to the kernel's output; the
-    row-major layout reads back as the same weights as int4pack's (dequantize, embed); logits recompute the
-    top-k in float32."""
+    """Int4Linear / Int8Linear with cpu_matmul="native": forward adds the bias to the kernel's output, which reads
+    the codes where int4pack's kernel does (the same weights: dequantize, embed); logits recompute the top-k in
+    float32."""
     linear, _, x = layer0["o 576x576"]
     w = linear.dequantize(torch.float32)
     torch_layout = Int4Linear.quantize(w, bias=torch.ones(576))
     native = Int4Linear(torch_layout.codes(), torch_layout.scale, torch_layout.zero, torch.ones(576),
                         cpu_matmul="native")
-    assert native.native is not None and native.packed is None
+    assert native.native is not None and native.native._weight is native.packed and native.nibbles is None
     assert torch.equal(native.dequantize(), torch_layout.dequantize())
     ids = torch.tensor([0, 5, 63, 64, 575])
     assert torch.equal(native.embed(ids), torch_layout.embed(ids))
