@@ -216,9 +216,10 @@ class EngineConfig:
     products, vdpbf16ps's arithmetic where the CPU has avx512_bf16, int4pack_mm's values within float32
     rounding; faster at every batch size measured), "torch" (int4pack_mm / int8pack_mm on bfloat16 activations)
     or "native" (the same library over the same int4 codes: x rounded to int8 per 32 inputs as llama.cpp does,
-    integer dot products with AVX512-VNNI / AVX2; greedy tokens may differ from torch's). All are batch invariant. Without a working
-    compiler the native choices log one warning and run torch's kernels. Float and 16-bit weights are unaffected; tensor-parallel ranks keep torch's
-    kernels; with compile_decode the native linears run as opaque ops inside the graph."""
+    integer dot products with AVX512-VNNI / AVX2; greedy tokens may differ from torch's). All are batch
+    invariant. Without a working compiler the native choices log one warning and run torch's kernels. Float and
+    16-bit weights are unaffected; tensor-parallel ranks keep torch's kernels; with compile_decode the native
+    linears run as opaque ops inside the graph."""
     device: str = "cpu"
     """Torch device the model runs on ("cpu", "cuda", "cuda:1")."""
     max_model_len: int | None = None

@@ -818,7 +818,8 @@ VNNI_TARGET static inline __attribute__((always_inline)) void q4i_vnni_tile(
 VNNI_TARGET static void q4i_vnni(const uint8_t *T, const uint8_t *cb, int s0, const uint32_t *tab,
                                  const int8_t *xq, const float *dx, const float *sx, int64_t K, int64_t N, int64_t c0,
                                  int S, int64_t i0, int R, float *y) {
-    switch (S) { case 1: CALL_Q4I_VNNI_R(1) break; case 2: CALL_Q4I_VNNI_R(2) break; default: CALL_Q4I_VNNI_R(4) break; }
+    switch (S) { case 1: CALL_Q4I_VNNI_R(1) break; case 2: CALL_Q4I_VNNI_R(2) break;
+                 default: CALL_Q4I_VNNI_R(4) break; }
 }
 
 /* One slice (channels c0 .. c0 + 15, two 8-lane halves) against rows i0 .. i0 + R - 1: maddubs gives each
@@ -835,7 +836,8 @@ AVX2_TARGET static inline __attribute__((always_inline)) void q4i_avx2_tile(
         for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
         for (int64_t p = 8 * g; p < 8 * g + 8; p++) {
             const uint8_t *tp = T + (p * S + j) * 64;
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)tp), w1 = _mm256_loadu_si256((const __m256i *)(tp + 32));
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)tp);
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(tp + 32));
             for (int r = 0; r < R; r++) {
                 int32_t x4;
                 memcpy(&x4, xq + (i0 + r) * K + 4 * p, 4);

@@ -14,18 +14,18 @@ kernels.
                                           q4_matmul's operands, bfloat16 activations
     q8_bf16_matmul(x, qweight, scale)     q8_matmul's operands, bfloat16 activations
 
-Kinds "q4" / "q8" quantize each row of x to int8 per 32 inputs inside the kernel (llama.cpp's Q8_0 activations),
-so results differ from the float matmul by that rounding (measured on the default model's layer 0: 0.55-0.6%
-relative error on the layers, 0.06% on the LM head); q4 sums each group's integer products exactly, then folds
-the groups in order per output channel (y = fma(isum_g, scale_g * dx_g, y), then + m_g * dx_g * sumq_g, m = zero -
-8 scale), 64 products a vpdpbusd with lanes over output channels. Kinds "q4-bf16" / "q8-bf16" round x to bfloat16 and sum
-float32 products of the same weights: q8-bf16 what torch's `_weight_int8pack_mm` computes (each weight q * scale,
-exact; its AVX512 / AVX2 summation orders on those paths; at ISA_AVX512_BF16 the exact products x q summed in
-vdpbf16ps's pairs, then times the row's scale); q4-bf16 the exact products of x with the integer codes
-(q - 8), summed per group of 32 inputs in bfloat16 pairs (the arithmetic of avx512_bf16's vdpbf16ps, which runs it
-at twice the FMA rate where the CPU has it), then scaled: sum_g scale_g * S_g + zero_g * X_g (X_g the group's sum of
-x). That is torch's `_weight_int4pack_mm_for_cpu` in another order (within float32 rounding of it; the output,
-rounded to bfloat16 values as both return it, differs in a few per mille of the values, by one bfloat16 step).
+Kinds "q4" / "q8" quantize each row of x to int8 per 32 inputs inside the kernel (llama.cpp's Q8_0 activations), so
+results differ from the float matmul by that rounding (measured on the default model's layer 0: 0.55-0.6% relative
+error on the layers, 0.06% on the LM head); q4 sums each group's integer products exactly, then folds the groups in
+order per output channel (y = fma(isum_g, scale_g * dx_g, y), then + m_g * dx_g * sumq_g, m = zero - 8 scale), 64
+products a vpdpbusd with lanes over output channels. Kinds "q4-bf16" / "q8-bf16" round x to bfloat16 and sum float32
+products of the same weights: q8-bf16 what torch's `_weight_int8pack_mm` computes (each weight q * scale, exact; its
+AVX512 / AVX2 summation orders on those paths; at ISA_AVX512_BF16 the exact products x q summed in vdpbf16ps's
+pairs, then times the row's scale); q4-bf16 the exact products of x with the integer codes (q - 8), summed per group
+of 32 inputs in bfloat16 pairs (the arithmetic of avx512_bf16's vdpbf16ps, which runs it at twice the FMA rate where
+the CPU has it), then scaled: sum_g scale_g * S_g + zero_g * X_g (X_g the group's sum of x). That is torch's
+`_weight_int4pack_mm_for_cpu` in another order (within float32 rounding of it; the output, rounded to bfloat16
+values as both return it, differs in a few per mille of the values, by one bfloat16 step).
 Every kind computes each row of the result from that row of x only (batch invariant), the same on any number of
 threads; q4 and q4-bf16 give the same bits on every path. Threads: torch.get_num_threads() unless `nthreads` is given;
 `isa` forces a path (ISA_SCALAR, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16; a path the CPU lacks falls back to the
