@@ -3,14 +3,14 @@
 tokens, all due at once) run by one engine, step by step, with every part of a step timed.
 
     python bench/bench_step_batch.py [--batch-size 32] [--threads 1,2] [--prompt-len 128] [--output-len 64]
-        [--repeats 2] [--out bench/results/step_batch.json]
+        [--repeats 2] [--cpu-matmul native-bf16|native|torch] [--out bench/results/step_batch.json]
 
 Per thread count an engine is built as the suite builds pdserve-engine (EngineConfig(model, num_threads,
-kv_cache_memory=2 GiB), on a short-lived thread) and stepped on one thread, as a worker's loop does. Each repeat
-runs the whole scenario twice, first without timers (the step times and the scenario's output tokens/s: what
-the suite measures, without its HTTP-free backend's bookkeeping) and then with them; the tables are the median
-over repeats. Timed, each as exclusive wall time of the step's part (a part called inside a timed linear or
-kernel counts for it):
+kv_cache_memory=2 GiB; --cpu-matmul its kernels, the default's unless given), on a short-lived thread) and stepped
+on one thread, as a worker's loop does. Each repeat runs the whole scenario twice, first without timers (the step
+times and the scenario's output tokens/s: what the suite measures, without its HTTP-free backend's bookkeeping)
+and then with them; the tables are the median over repeats. Timed, each as exclusive wall time of the step's part
+(a part called inside a timed linear or kernel counts for it):
 
     schedule           Scheduler.schedule
     batch building     ModelRunner.execute's own work: the flat batch, block tables, sampling rows
@@ -49,7 +49,7 @@ import torch
 
 import kernels
 from engine import model_runner, quant
-from engine.config import EngineConfig
+from engine.config import CPU_MATMULS, EngineConfig
 from engine.engine_loop import (
     EngineLoop,
     RequestStream,
@@ -166,7 +166,8 @@ def run_scenario(engine, args, seed: int, timers: StepTimers | None) -> dict:
 
 
 def measure(threads: int, args) -> dict:
-    config = EngineConfig(model=str(fetch_default_model()), num_threads=threads, kv_cache_memory=2 * 2**30)
+    config = EngineConfig(model=str(fetch_default_model()), num_threads=threads, kv_cache_memory=2 * 2**30,
+                          cpu_matmul=args.cpu_matmul)
     engine = build_engine(config, progress=False)
     timers = StepTimers()
     result: dict = {}
@@ -208,10 +209,10 @@ def table(results: list[dict], args, bandwidth: float) -> str:
     cols = [*COLUMNS, "outside linears and LM head"]
     lines = [(f"### Batch-{args.batch_size} steps of the {args.batch_size}-stream scenario, ms per step "
               f"({datetime.date.today()}, {cpu_model()}, copy {bandwidth / 1e9:.1f} GB/s, torch {torch.__version__}, "
-              f"SmolLM2-135M Q4_1, default EngineConfig)"), "",
+              f"SmolLM2-135M Q4_1, EngineConfig defaults, cpu_matmul {args.cpu_matmul})"), "",
              (f"Command: `python bench/bench_step_batch.py --batch-size {args.batch_size} --threads "
               f"{','.join(map(str, args.threads))} --prompt-len {args.prompt_len} --output-len {args.output_len} "
-              f"--repeats {args.repeats}`"), "",
+              f"--repeats {args.repeats} --cpu-matmul {args.cpu_matmul}`"), "",
              "| threads | steps | " + " | ".join(cols) + " |", "|---|---|" + "---:|" * len(cols)]
     for res in results:
         for kind, row in res["rows"].items():
@@ -232,6 +233,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="scenario runs per thread count (each: untimed, timed)")
+    parser.add_argument("--cpu-matmul", choices=CPU_MATMULS, default=EngineConfig.cpu_matmul,
+                        help="EngineConfig.cpu_matmul (the default's unless given)")
     parser.add_argument("--out", default="bench/results/step_batch.json")
     args = parser.parse_args()
     if args.batch_size < 1 or args.prompt_len < 1 or args.output_len < 2 or args.repeats < 1:

@@ -106,16 +106,18 @@ _INT4PACK_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs output ch
 # Measured on AMD EPYC (Zen 4, 1 thread, a loaded machine), ms for all 30 layers of SmolLM2-135M / one layer /
 # the LM head, native vs torch (bench/bench_kernels.py --cpu-matmuls --rows; BENCHMARKS.md "Native CPU matmuls"):
 #   int4, M=1: 6.1 vs 11.9 (int4pack);  M=32: 176 vs 176;  one layer M=128: 12.1 vs 16.2, M=512: 86 vs 111
-#   (int4pack) and 52 (dequantize + float32 GEMM);
-#   int8, M=1: 13.2 vs 28.4 (int8pack);  head M=128: 149 vs 221 (GEMM);  30 layers M=512: 3248 vs 1962 (GEMM).
+#   (int4pack) and 52 (dequantize + float32 GEMM).
+# The int8-activation kernels on vpdpbusd with lanes over output channels (Zen 4, 2 threads; BENCHMARKS.md "Ninth
+# session"), ms for 4 layers' int8 linears / the LM head, native vs dequantize + GEMM: M=128 12.2 vs 29.1 / 14.8 vs
+# 77.0; M=512 48.3 vs 87.2 / 85.5 vs 309; M=2048 230 vs 361 (layers).
 NATIVE_INT4_MAX_ROWS = sys.maxsize
 """Largest batch the native int4 kernels take (cpu_matmul="native" / "native-bf16"): every batch, as int4pack
 does, so that a row's output never depends on its batch; both are at least as fast as int4pack at every size
 measured (a float GEMM over dequantized weights wins from a few hundred rows but would round differently;
 BENCHMARKS.md, "Native CPU matmuls on bfloat16 activations")."""
-NATIVE_INT8_MAX_ROWS = 128
-"""Largest batch the native int8 kernel takes (cpu_matmul="native"); larger ones dequantize into a float GEMM,
-faster there (measured above). Like torch's int8 path, int8 output then depends on the batch size past it."""
+NATIVE_INT8_MAX_ROWS = sys.maxsize
+"""Largest batch the native int8 kernel takes (cpu_matmul="native"): every batch (faster than the dequantize +
+GEMM path at every size measured above), so that a row's output never depends on its batch."""
 NATIVE_BF16_INT8_MAX_ROWS = 32
 """Largest batch the bfloat16-activation int8 kernel takes in a layer (cpu_matmul="native-bf16"), as
 INT8PACK_MAX_ROWS for int8pack_mm (the same arithmetic); larger ones take the GEMM path. As an LM head it takes

@@ -37,8 +37,7 @@
 #define PD_X86 0
 #endif
 
-#define MT 4          /* x rows per weight pass */
-#define NB 16         /* weight rows per block (per thread work unit) */
+#define MT 4          /* x rows per pass of the AVX2 and scalar bfloat16-activation kernels */
 /* How far ahead the AVX512 loops prefetch the weight stream (rows are contiguous, so this runs into the next
  * rows): +11% on the default model's 30 layers at batch 1 on Zen 4 (1536-4096 alike, 512 too short). */
 #define PREFETCH_BYTES 2048
@@ -68,7 +67,8 @@ static void *get_scratch(size_t size) {
 /* Quantize one group of 32 floats: writes xq[0..31] in natural order, returns dx, sets *sumq. Using dx * sumq
  * (not the float sum of x) in the q4 offset term keeps y the exact product of W with the rounded x: measured
  * on the default model, the float sum doubles the logit error (the offset's error no longer cancels). Same arithmetic
- * on every path (scalar float ops; nearbyintf rounds half to even in the default rounding mode). */
+ * on every path for finite x (scalar float ops; nearbyintf rounds half to even in the default rounding mode; a
+ * NaN product, 0 times the infinite reciprocal of a scale below 2^-128, clamps to -127 as vmaxps does). */
 static inline float quant_group(const float *x, int8_t *xq, int32_t *sumq) {
     float amax = 0.0f;
     for (int j = 0; j < 32; j++) { float a = fabsf(x[j]); amax = a > amax ? a : amax; }
@@ -76,7 +76,7 @@ static inline float quant_group(const float *x, int8_t *xq, int32_t *sumq) {
     int32_t s = 0;
     for (int j = 0; j < 32; j++) {
         float r = nearbyintf(x[j] * id);
-        int q = (int)(r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r));
+        int q = (int)fminf(fmaxf(r, -127.0f), 127.0f);
         xq[j] = (int8_t)q;
         s += q;
     }
@@ -84,26 +84,14 @@ static inline float quant_group(const float *x, int8_t *xq, int32_t *sumq) {
     return d;
 }
 
-/* Per x row: xq [K] in natural order, dx [G], sx = dx * sumq [G]. */
-static void quant_row(const float *x, int64_t K, int8_t *xq, float *dx, float *sx) {
+/* Per x row: xq [K] in natural order, dx [G], sx = dx * sumq [G] (q4) and sq = sumq [G] (q8). */
+static void quant_row(const float *x, int64_t K, int8_t *xq, float *dx, float *sx, int32_t *sq) {
     for (int64_t g = 0; g < K / 32; g++) {
         int32_t sumq;
         dx[g] = quant_group(x + 32 * g, xq + 32 * g, &sumq);
         sx[g] = dx[g] * (float)sumq;
+        sq[g] = sumq;
     }
-}
-
-/* ------------------------------------------------------------------------------------------------ scalar */
-static void q8_scalar(const int8_t *w, const float *ws, const int8_t *xq, const float *dx, int64_t n, int64_t i,
-                      int64_t K, int64_t G, float *y) {
-    const int8_t *wr = w + n * K, *xr = xq + i * K;
-    float acc = 0.0f;
-    for (int64_t g = 0; g < G; g++) {
-        int32_t isum = 0;
-        for (int j = 0; j < 32; j++) isum += wr[32 * g + j] * xr[32 * g + j];
-        acc += dx[i * G + g] * (float)isum;
-    }
-    *y = ws[n] * acc;
 }
 
 #if PD_X86
@@ -117,70 +105,35 @@ AVX2_TARGET static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-AVX2_TARGET static void q8_avx2(const int8_t *w, const float *ws, const int8_t *xq, const float *dx, int64_t n,
-                                int64_t i, int64_t K, int64_t G, float *y) {
-    const int8_t *wr = w + n * K, *xr = xq + i * K;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        __m256i wv = _mm256_loadu_si256((const __m256i *)(wr + 32 * g));
-        __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + 32 * g));
-        __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv)), ones);
-        __m256 s = _mm256_set1_ps(dx[i * G + g]);
-        if (g & 1) acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc1);
-        else acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc0);
-    }
-    *y = ws[n] * hsum256(_mm256_add_ps(acc0, acc1));
-}
-
 /* ------------------------------------------------------------------------------------------------ AVX512-VNNI */
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma")))
 
-/* q8: w ^ 0x80 = w + 128 as unsigned; vpdpbusd(corr, w + 128, xq) with corr = -128 * (sum of each 4 xq) per
- * int32 lane gives the exact sum of w * xq. corr [M][K / 4] and dxp (dx repeated per lane, [M][K / 4]) depend
- * on x only: computed once per call. */
-VNNI_TARGET static inline __attribute__((always_inline)) void q8_vnni_rows(
-        const int8_t *w, const float *ws, const int8_t *xq, const int32_t *corr, const float *dxp, int64_t n,
-        int64_t i0, const int R, int64_t K, int64_t N, float *y) {
-    const int8_t *wr = w + n * K;
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512 acc[MT];  /* indexed by compile-time r only, so that it stays in registers */
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    const int64_t P = K / 64, Q = K / 4;
-    for (int64_t p = 0; p < P; p++) {
-        _mm_prefetch((const char *)(wr + 64 * p + PREFETCH_BYTES), _MM_HINT_T0);
-        __m512i wv = _mm512_xor_si512(_mm512_loadu_si512((const void *)(wr + 64 * p)), flip);
-        for (int r = 0; r < R; r++) {
-            __m512i xv = _mm512_loadu_si512((const void *)(xq + (i0 + r) * K + 64 * p));
-            __m512i cv = _mm512_loadu_si512((const void *)(corr + (i0 + r) * Q + 16 * p));
-            __m512i dot = _mm512_dpbusd_epi32(cv, wv, xv);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(dxp + (i0 + r) * Q + 16 * p), acc[r]);
+/* quant_row's values, a group (two registers) at a time: the same absmax, scalar division and reciprocal, each
+ * x * (1 / dx) rounded to float as there, then to the nearest integer (ties to even, as nearbyintf in the default
+ * mode), clamped and summed exactly. */
+VNNI_TARGET static void quant_row_avx512(const float *x, int64_t K, int8_t *xq, float *dx, float *sx,
+                                         int32_t *sq) {
+    const __m512 lim = _mm512_set1_ps(127.0f);
+    for (int64_t g = 0; g < K / 32; g++) {
+        const __m512 a = _mm512_loadu_ps(x + 32 * g), b = _mm512_loadu_ps(x + 32 * g + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m512 inv = _mm512_set1_ps(id);
+        __m512i q[2];
+        const __m512 v[2] = {a, b};
+        for (int h = 0; h < 2; h++) {
+            __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(v[h], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            r = _mm512_min_ps(_mm512_max_ps(r, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+            q[h] = _mm512_cvtps_epi32(r);
+            _mm_storeu_si128((__m128i *)(xq + 32 * g + 16 * h), _mm512_cvtsepi32_epi8(q[h]));
         }
+        const int32_t sumq = _mm512_reduce_add_epi32(_mm512_add_epi32(q[0], q[1]));
+        dx[g] = d;
+        sx[g] = d * (float)sumq;
+        sq[g] = sumq;
     }
-    float tail[MT] = {0};
-    if (K % 64) {
-        int64_t o = 64 * P;
-        __m256i wv = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wr + o)), _mm256_set1_epi8((char)0x80));
-        for (int r = 0; r < R; r++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (i0 + r) * K + o));
-            __m256i cv = _mm256_loadu_si256((const __m256i *)(corr + (i0 + r) * Q + o / 4));
-            __m256i dot = _mm256_dpbusd_epi32(cv, wv, xv);
-            tail[r] = hsum256(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_loadu_ps(dxp + (i0 + r) * Q + o / 4)));
-        }
-    }
-    for (int r = 0; r < R; r++)
-        y[(i0 + r) * N + n] = ws[n] * (_mm512_reduce_add_ps(acc[r]) + tail[r]);
 }
 
-VNNI_TARGET static void q8_vnni(const int8_t *w, const float *ws, const int8_t *xq, const int32_t *corr,
-                                const float *dxp, int64_t n, int64_t i0, int R, int64_t K, int64_t N, float *y) {
-    switch (R) {
-        case 4: q8_vnni_rows(w, ws, xq, corr, dxp, n, i0, 4, K, N, y); break;
-        case 3: q8_vnni_rows(w, ws, xq, corr, dxp, n, i0, 3, K, N, y); break;
-        case 2: q8_vnni_rows(w, ws, xq, corr, dxp, n, i0, 2, K, N, y); break;
-        default: q8_vnni_rows(w, ws, xq, corr, dxp, n, i0, 1, K, N, y); break;
-    }
-}
 #endif
 
 /* ------------------------------------------------------------------------------------------------ bfloat16 x */
@@ -887,6 +840,187 @@ static void q4i_scalar(const uint8_t *T, const uint32_t *tab, const int8_t *xq, 
     }
     *y = acc;
 }
+/* ------------------------------------------------------------------------------------------------ q8, int8 x */
+/* Kind 1 (q8 with int8 x): w int8 [N, K] row-major, ws [N]. Each output channel n of row i is, over the groups g
+ * in order,
+ *     y = fmaf((float)isum_g, dx_g, y)   (from y = 0),   then y = ws[n] * y
+ * with isum_g = sum_j w[n, 32 g + j] * xq[32 g + j] exact (int32): the same bits on every path, in any batch, on
+ * any number of threads. Units of NB_Q8I output channels are spread into a tile as for q4 ([K / 4][S][16][4]
+ * bytes: one channel's weights at four consecutive inputs a 32-bit lane), as w ^ 0x80 = w + 128 unsigned for
+ * vpdpbusd (whose sum, started from -128 * sumq_g, is isum_g), as w itself elsewhere (AVX2 multiplies |w| by
+ * x with w's sign: pairs of products within int16). */
+#define NB_Q8I 64     /* output channels per unit (the last may be partial) */
+
+/* Channels n0 .. n0 + 16 S - 1 (those past N as zero weights) into T, each byte w ^ flip. */
+static void q8i_tile_scalar(const int8_t *w, int64_t K, int64_t N, int64_t n0, int S, uint8_t flip, uint8_t *T) {
+    for (int64_t p = 0; p < K / 4; p++)
+        for (int j = 0; j < S; j++)
+            for (int c = 0; c < 16; c++) {
+                const int64_t n = n0 + 16 * j + c;
+                for (int t = 0; t < 4; t++)
+                    T[((p * S + j) * 16 + c) * 4 + t] = (uint8_t)((n < N ? (uint8_t)w[n * K + 4 * p + t] : 0) ^ flip);
+            }
+}
+
+#if PD_X86
+/* q8i_tile_scalar with flip 0x80, 16 channels x 16 inputs' dwords at a time: a 16 x 16 transpose of 32-bit
+ * words (dword unpacks, then qword unpacks: u[i][m] lane L holds word 4 L + m of rows 4 i .. 4 i + 3, then the
+ * 4 x 4 lanes of each m transposed). */
+AVX512_TARGET static void q8i_tile_avx512(const int8_t *w, int64_t K, int64_t N, int64_t n0, int S, uint8_t *T) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const int64_t Q = K / 4;  /* dwords a row */
+    for (int j = 0; j < S; j++)
+        for (int64_t q0 = 0; q0 < Q; q0 += 16) {
+            const int cnt = Q - q0 < 16 ? (int)(Q - q0) : 16;
+            const __mmask16 km = (__mmask16)((1u << cnt) - 1);
+            /* The next 16 rows (16 K contiguous bytes, the next slice's or unit's) into L1 by Q / 16 parts of
+             * 1 KiB: 16 rows read a line at a time each are 16 streams the hardware prefetcher does not follow
+             * (the LM head at one row 2.6 ms without, on Zen 4). */
+            const char *ahead = (const char *)(w + (n0 + 16 * (j + 1)) * K) + 64 * q0;
+            for (int l = 0; l < 16; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+            __m512i r[16], t[16], u[16];
+            for (int c = 0; c < 16; c++) {
+                const int64_t n = n0 + 16 * j + c;
+                r[c] = n < N ? _mm512_maskz_loadu_epi32(km, w + n * K + 4 * q0) : _mm512_setzero_si512();
+            }
+            for (int i = 0; i < 8; i++) {
+                t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+                t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+            }
+            for (int i = 0; i < 4; i++) {
+                u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+                u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+                u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+                u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+            }
+            for (int m = 0; m < 4; m++) {
+                const __m512i a = u[m], b = u[4 + m], c = u[8 + m], d = u[12 + m];
+                const __m512i t0 = _mm512_shuffle_i64x2(a, b, 0x44), t1 = _mm512_shuffle_i64x2(c, d, 0x44);
+                const __m512i t2 = _mm512_shuffle_i64x2(a, b, 0xEE), t3 = _mm512_shuffle_i64x2(c, d, 0xEE);
+                const __m512i o[4] = {_mm512_shuffle_i64x2(t0, t1, 0x88), _mm512_shuffle_i64x2(t0, t1, 0xDD),
+                                      _mm512_shuffle_i64x2(t2, t3, 0x88), _mm512_shuffle_i64x2(t2, t3, 0xDD)};
+                for (int L = 0; L < 4; L++)
+                    if (4 * L + m < cnt)
+                        _mm512_storeu_si512((void *)(T + ((q0 + 4 * L + m) * S + j) * 64),
+                                            _mm512_xor_si512(o[L], flip));
+            }
+        }
+}
+
+/* Channels n0 .. n0 + 16 S - 1 (the tile's slices; those past N not stored) against rows i0 .. i0 + R - 1. */
+VNNI_TARGET static inline __attribute__((always_inline)) void q8i_vnni_tile(
+        const uint8_t *T, const float *ws, const int8_t *xq, const float *dx, const int32_t *sq, int64_t K,
+        int64_t N, int64_t n0, const int S, int64_t i0, const int R, float *y) {
+    const int64_t G = K / 32;
+    __m512 acc[MT_Q4I][4];
+    __m512i s[MT_Q4I][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < S; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        for (int r = 0; r < R; r++) {
+            const __m512i corr = _mm512_set1_epi32(-128 * sq[(i0 + r) * G + g]);
+            for (int j = 0; j < S; j++) s[r][j] = corr;
+        }
+        for (int t = 0; t < 8; t++) {  /* a constant count: unrolled whole, the sums stay in their registers */
+            const int64_t p = 8 * g + t;
+            __m512i wv[4];
+            for (int j = 0; j < S; j++) wv[j] = _mm512_loadu_si512((const void *)(T + (p * S + j) * 64));
+            for (int r = 0; r < R; r++) {
+                int32_t x4;
+                memcpy(&x4, xq + (i0 + r) * K + 4 * p, 4);
+                const __m512i xv = _mm512_set1_epi32(x4);
+                for (int j = 0; j < S; j++) s[r][j] = _mm512_dpbusd_epi32(s[r][j], wv[j], xv);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512 d = _mm512_set1_ps(dx[(i0 + r) * G + g]);
+            for (int j = 0; j < S; j++) acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][j]), d, acc[r][j]);
+        }
+    }
+    for (int j = 0; j < S; j++) {
+        const int64_t n = n0 + 16 * j;
+        const __mmask16 m = N - n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - n)) - 1);
+        const __m512 scale = _mm512_maskz_loadu_ps(m, ws + n);
+        for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + (i0 + r) * N + n, m, _mm512_mul_ps(acc[r][j], scale));
+    }
+}
+
+#define CALL_Q8I_VNNI(s, r) q8i_vnni_tile(T, ws, xq, dx, sq, K, N, n0, s, i0, r, y)
+#define CALL_Q8I_VNNI_R(s) \
+    switch (R) { case 1: CALL_Q8I_VNNI(s, 1); break; default: CALL_Q8I_VNNI(s, 2); break; }
+VNNI_TARGET static void q8i_vnni(const uint8_t *T, const float *ws, const int8_t *xq, const float *dx,
+                                 const int32_t *sq, int64_t K, int64_t N, int64_t n0, int S, int64_t i0, int R,
+                                 float *y) {
+    switch (S) { case 1: CALL_Q8I_VNNI_R(1) break; case 2: CALL_Q8I_VNNI_R(2) break;
+                 case 3: CALL_Q8I_VNNI_R(3) break; default: CALL_Q8I_VNNI_R(4) break; }
+}
+
+/* One slice (channels n0 + 16 j .., two 8-lane halves) against rows i0 .. i0 + R - 1, the tile holding w. */
+AVX2_TARGET static inline __attribute__((always_inline)) void q8i_avx2_tile(
+        const uint8_t *T, const int S, const int j, const float *ws, const int8_t *xq, const float *dx, int64_t K,
+        int64_t N, int64_t n0, int64_t i0, const int R, float *y) {
+    const int64_t G = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MT_Q4I_AVX2][2];
+    __m256i s[MT_Q4I_AVX2][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
+        for (int64_t p = 8 * g; p < 8 * g + 8; p++) {
+            const uint8_t *tp = T + (p * S + j) * 64;
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)tp);
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(tp + 32));
+            const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+            for (int r = 0; r < R; r++) {
+                int32_t x4;
+                memcpy(&x4, xq + (i0 + r) * K + 4 * p, 4);
+                const __m256i xv = _mm256_set1_epi32(x4);
+                const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xv, w0));
+                const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xv, w1));
+                s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(p0, ones));
+                s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(p1, ones));
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256 d = _mm256_set1_ps(dx[(i0 + r) * G + g]);
+            for (int h = 0; h < 2; h++) acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h]), d, acc[r][h]);
+        }
+    }
+    for (int h = 0; h < 2; h++) {
+        float out[8];
+        for (int r = 0; r < R; r++) {
+            _mm256_storeu_ps(out, acc[r][h]);
+            for (int l = 0; l < 8; l++) {
+                const int64_t n = n0 + 16 * j + 8 * h + l;
+                if (n < N) y[(i0 + r) * N + n] = out[l] * ws[n];
+            }
+        }
+    }
+}
+
+AVX2_TARGET static void q8i_avx2(const uint8_t *T, const float *ws, const int8_t *xq, const float *dx, int64_t K,
+                                 int64_t N, int64_t n0, int S, int64_t i0, int R, float *y) {
+    for (int j = 0; j < S; j++) {
+        if (R == 1) q8i_avx2_tile(T, S, j, ws, xq, dx, K, N, n0, i0, 1, y);
+        else q8i_avx2_tile(T, S, j, ws, xq, dx, K, N, n0, i0, 2, y);
+    }
+}
+#endif
+
+/* The contract's arithmetic, one output at a time (channel n0 + c of the tile, holding w; row i). */
+static void q8i_scalar(const uint8_t *T, const float *ws, const int8_t *xq, const float *dx, int64_t K, int64_t n0,
+                       int S, int c, int64_t i, float *y) {
+    const int64_t G = K / 32;
+    float acc = 0.0f;
+    for (int64_t g = 0; g < G; g++) {
+        int32_t isum = 0;
+        for (int64_t p = 8 * g; p < 8 * g + 8; p++)
+            for (int t = 0; t < 4; t++)
+                isum += (int8_t)T[((p * S + c / 16) * 16 + c % 16) * 4 + t] * xq[i * K + 4 * p + t];
+        acc = fmaf((float)isum, dx[i * G + g], acc);
+    }
+    *y = ws[n0 + c] * acc;
+}
 
 /* ------------------------------------------------------------------------------------------------ entry points */
 /* Best ISA this CPU runs (2, 1 or 0, as above). */
@@ -955,7 +1089,7 @@ struct job {
     const void *w, *table;       /* q4 kinds: codes, tab (int4pack's layout); q8 kinds: w, ws */
     float *y;
     int8_t *xq; float *dx, *sx;  /* int8 kinds: x quantized per 32 (quant_row) */
-    int32_t *corr; float *dxp;   /* q8 AVX512 only */
+    int32_t *sq;
     float *xb; int round_out;    /* bfloat16 kernels: x rounded to bfloat16, whether y is */
     int B;                       /* q4 kinds: output channels per block of int4pack's layout */
     int nthreads;                /* q4 kinds: threads the blocks are split over (run_range) */
@@ -976,36 +1110,14 @@ static void for_each(void (*fn)(const struct job *, int64_t), const struct job *
 }
 
 static void quant_one(const struct job *j, int64_t i) {
-    int64_t K = j->K, G = j->G;
-    quant_row(j->x + i * K, K, j->xq + i * K, j->dx + i * G, j->sx + i * G);
-    if (j->corr) {
-        for (int64_t q = 0; q < K / 4; q++) {
-            const int8_t *v = j->xq + i * K + 4 * q;
-            j->corr[i * (K / 4) + q] = -128 * (v[0] + v[1] + v[2] + v[3]);
-            j->dxp[i * (K / 4) + q] = j->dx[i * G + q / 8];
-        }
-    }
-}
-
-/* q8 over weight rows b * NB .. (b + 1) * NB - 1 against every row of x, MT rows of x per pass. */
-static void run_block(const struct job *j, int64_t b) {
-    const int64_t M = j->M, K = j->K, G = j->G, N = j->N;
-    const int64_t n1 = (b + 1) * NB < N ? (b + 1) * NB : N;
-    for (int64_t i0 = 0; i0 < M; i0 += MT) {
-        int R = M - i0 < MT ? (int)(M - i0) : MT;
-        for (int64_t n = b * NB; n < n1; n++) {
+    const int64_t K = j->K, G = j->G;
 #if PD_X86
-            if (j->isa == 2) { q8_vnni(j->w, j->table, j->xq, j->corr, j->dxp, n, i0, R, K, N, j->y); continue; }
-            if (j->isa == 1) {
-                for (int r = 0; r < R; r++)
-                    q8_avx2(j->w, j->table, j->xq, j->dx, n, i0 + r, K, G, j->y + (i0 + r) * N + n);
-                continue;
-            }
-#endif
-            for (int r = 0; r < R; r++)
-                q8_scalar(j->w, j->table, j->xq, j->dx, n, i0 + r, K, G, j->y + (i0 + r) * N + n);
-        }
+    if (j->isa == 2) {
+        quant_row_avx512(j->x + i * K, K, j->xq + i * K, j->dx + i * G, j->sx + i * G, j->sq + i * G);
+        return;
     }
+#endif
+    quant_row(j->x + i * K, K, j->xq + i * K, j->dx + i * G, j->sx + i * G, j->sq + i * G);
 }
 
 #if PD_X86
@@ -1211,6 +1323,30 @@ static void run_unit_q4i(const struct job *j, int64_t b, int u) {
     }
 }
 
+/* q8 (int8 x) over output channels b * NB_Q8I .. (b + 1) * NB_Q8I - 1 against every row of x: the unit spread
+ * into the thread's tile once, then MT_Q4I (AVX512) or MT_Q4I_AVX2 rows of x a pass over it. */
+static void run_block_q8i(const struct job *j, int64_t b) {
+    const int64_t M = j->M, K = j->K, N = j->N, n0 = b * NB_Q8I;
+    const int S = (int)((N - n0 >= NB_Q8I ? NB_Q8I : N - n0) + 15) / 16;
+    uint8_t *T = (uint8_t *)weight_tile((size_t)(4 * K * S));  /* K / 4 x S x 64 bytes */
+    if (!T) { *j->failed = 1; return; }
+#if PD_X86
+    if (j->isa == 2) q8i_tile_avx512(j->w, K, N, n0, S, T);
+    else
+#endif
+        q8i_tile_scalar(j->w, K, N, n0, S, 0, T);
+    const int64_t mt = j->isa == 2 ? MT_Q4I : j->isa == 1 ? MT_Q4I_AVX2 : 1;
+    for (int64_t i0 = 0; i0 < M; i0 += mt) {
+        const int R = M - i0 < mt ? (int)(M - i0) : (int)mt;
+#if PD_X86
+        if (j->isa == 2) { q8i_vnni(T, j->table, j->xq, j->dx, j->sq, K, N, n0, S, i0, R, j->y); continue; }
+        if (j->isa == 1) { q8i_avx2(T, j->table, j->xq, j->dx, K, N, n0, S, i0, R, j->y); continue; }
+#endif
+        for (int c = 0; c < 16 * S && n0 + c < N; c++)
+            q8i_scalar(T, j->table, j->xq, j->dx, K, n0, S, c, i0, j->y + i0 * N + n0 + c);
+    }
+}
+
 /* Thread t of j->nthreads: half-blocks t * H / T .. (t + 1) * H / T - 1 of the H = 2 N / B, so that every
  * thread gets the same number of channels (9 blocks on 2 threads: 4.5 each, not 5 and 4); a block wholly in
  * the range is run as one unit (its codes read once), a half at either end on its own. Each output channel is
@@ -1231,21 +1367,16 @@ static int run(int q8, const float *x, int64_t M, int64_t K, const void *w, cons
     struct job j = {.q8 = q8, .isa = clamp_isa(isa, pd_best_isa()), .x = x, .M = M, .K = K, .G = K / 32, .N = N,
                     .w = w, .table = table, .y = y, .B = B, .nthreads = nthreads > 1 ? nthreads : 1,
                     .unit = run_unit_q4i, .failed = &failed};
-    int with_corr = q8 && j.isa == 2;
-    size_t xq_bytes = (size_t)(M * K + 64 + 63) / 64 * 64;
-    size_t g_bytes = (size_t)(M * j.G + 16) * sizeof(float);
-    size_t q_bytes = with_corr ? (size_t)(M * (K / 4) + 16) * 4 : 0;
-    char *base = get_scratch(xq_bytes + 2 * g_bytes + 2 * q_bytes);
+    const size_t xq_bytes = (size_t)(M * K + 64 + 63) / 64 * 64;
+    const size_t g_bytes = (size_t)(M * j.G + 16) * sizeof(float);
+    char *base = get_scratch(xq_bytes + 3 * g_bytes);
     if (!base) return -1;
     j.xq = (int8_t *)base;
     j.dx = (float *)(base + xq_bytes);
     j.sx = (float *)(base + xq_bytes + g_bytes);
-    if (with_corr) {
-        j.corr = (int32_t *)(base + xq_bytes + 2 * g_bytes);
-        j.dxp = (float *)(base + xq_bytes + 2 * g_bytes + q_bytes);
-    }
+    j.sq = (int32_t *)(base + xq_bytes + 2 * g_bytes);
     for_each(quant_one, &j, M, M >= 8 ? nthreads : 1);
-    if (q8) for_each(run_block, &j, (N + NB - 1) / NB, nthreads);
+    if (q8) for_each(run_block_q8i, &j, (N + NB_Q8I - 1) / NB_Q8I, nthreads);
     else for_each(run_range, &j, j.nthreads, j.nthreads);
     return failed ? -1 : j.isa;
 }

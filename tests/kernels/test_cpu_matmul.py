@@ -139,11 +139,22 @@ def test_rows_are_batch_invariant(layer0, name):
     assert torch.equal(run(kind, x, weight, table, nthreads=2), together)
 
 
+def varied_x(g: torch.Generator, k: int) -> torch.Tensor:
+    """[35, k]: values spanning 2^-20 .. 2^6 with exact zeros, an all-zero group (row 3) and a group of ~1e-38 with
+    a zero (row 4: its scale is below 2^-128, the reciprocal infinite, 0 * inf NaN)."""
+    x = torch.randn(35, k, generator=g) * torch.pow(2.0, torch.randint(-20, 7, (35, k), generator=g).float())
+    x[x.abs() < 1e-5] = 0.0
+    x[3, 32:64] = 0.0
+    x[4, 64:96] = torch.linspace(-1e-38, 1e-38, 32)
+    x[4, 70] = 0.0
+    return x
+
+
 @pytest.mark.parametrize("block_rows", [32, 64])
 @pytest.mark.parametrize("isa", [isa_param(i) for i in (cm.ISA_AVX2, cm.ISA_AVX512)])
 def test_q4_every_path_gives_the_scalar_bits_at_both_block_sizes(isa, block_rows):
     """Random codes read as int4pack's layout of 32-row blocks (torch's AVX2 packing) or 64-row ones, scales and
-    zeros of mixed sign and size, x spanning 2^-20 .. 2^6 with exact zeros and all-zero groups: 1-3 rows (AVX512
+    zeros of mixed sign and size, x from varied_x: 1-3 rows (AVX512
     spreads the codes in registers every pass) and 4-35 (from 4: into a tile once a call), 1 and 3 threads (10
     half-blocks: a block split between threads), the scalar path's bits; a planted change of one code moves only its
     own channel's outputs."""
@@ -151,9 +162,7 @@ def test_q4_every_path_gives_the_scalar_bits_at_both_block_sizes(isa, block_rows
     n, k = 5 * block_rows, 224
     packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
     table = (torch.randn(k // 32, n, 2, generator=g) * torch.rand(k // 32, n, 2, generator=g).pow(4) * 4).bfloat16()
-    x = torch.randn(35, k, generator=g) * torch.pow(2.0, torch.randint(-20, 7, (35, k), generator=g).float())
-    x[x.abs() < 1e-5] = 0.0
-    x[3, 32:64] = 0.0
+    x = varied_x(g, k)
     expected = cm.q4_matmul(x, packed, table, block_rows, isa=cm.ISA_SCALAR, nthreads=1)
     for rows in (1, 2, 3, 4, 5, 35):
         for nthreads in (1, 3):
@@ -163,6 +172,27 @@ def test_q4_every_path_gives_the_scalar_bits_at_both_block_sizes(isa, block_rows
     planted.view(-1, k, block_rows // 2)[1, 0, 5] ^= 0x10     # block 1, input 0, byte 5: its high nibble's channel
     moved = (cm.q4_matmul(x, planted, table, block_rows, isa=isa) != expected).any(dim=0).nonzero().flatten()
     assert moved.tolist() == [block_rows + block_rows // 2 + 5]
+
+
+@pytest.mark.parametrize("isa", [isa_param(i) for i in (cm.ISA_AVX2, cm.ISA_AVX512)])
+def test_q8_every_path_gives_the_scalar_bits(isa):
+    """int8 weights of every value in [-127, 127] over 83 output channels (a last unit of 19: a partial slice) and
+    160 inputs (a last part of 8 dwords in the AVX512 transpose), scales of mixed sign, x as for q4: 1-35 rows, 1
+    and 3 threads, the scalar path's bits; a planted weight moves only its own channel's outputs."""
+    g = torch.Generator().manual_seed(13)
+    n, k = 83, 160
+    qweight = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.randn(n, generator=g) * torch.rand(n, generator=g).pow(4)
+    x = varied_x(g, k)
+    expected = cm.q8_matmul(x, qweight, scale, isa=cm.ISA_SCALAR, nthreads=1)
+    for rows in (1, 2, 3, 35):
+        for nthreads in (1, 3):
+            got = cm.q8_matmul(x[:rows], qweight, scale, isa=isa, nthreads=nthreads)
+            assert torch.equal(got, expected[:rows]), (rows, nthreads)
+    planted = qweight.clone()
+    planted[70, 150] = -planted[70, 150] if planted[70, 150] else 5
+    moved = (cm.q8_matmul(x, planted, scale, isa=isa) != expected).any(dim=0).nonzero().flatten()
+    assert moved.tolist() == [70]
 
 
 @pytest.mark.parametrize("name", ["gate 1536x576", "down 576x1536", "lm_head 49152x576"])
