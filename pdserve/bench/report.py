@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from pdserve.bench.suite import SuiteResults
 
 PEERS = ("llama-server", "transformers")
-PDSERVE = ("pdserve-engine", "pdserve-engine-int8", "pdserve-engine-int4", "pdserve-1p1d")
+PDSERVE = ("pdserve-engine", "pdserve-engine-int8", "pdserve-engine-int4", "pdserve-engine-native", "pdserve-1p1d")
 
 
 def _f(value: float | None, digits: int = 1) -> str:
@@ -80,7 +80,7 @@ def render(results: SuiteResults, pngs: Mapping[str, str]) -> str:
         "rendered once, sent as raw completions), greedy, EOS ignored, exactly max_tokens generated",
         f"- Batch-1 decode roofline: weights read per token {weights['stored'] / 2**20:.0f} MiB as stored in the "
         f"GGUF (llama.cpp reads these) / {weights['kept'] / 2**20:.0f} MiB as pdserve keeps the file's codes "
-        "(int4 4-bit groups, int8 8-bit ones: pdserve-engine, the clusters) "
+        "(int4 4-bit groups, int8 8-bit ones: pdserve-engine, pdserve-engine-native, the clusters) "
         f"/ {weights['float32'] / 2**20:.0f} MiB as float32 (transformers) "
         f"/ {weights['int8'] / 2**20:.0f} MiB as int8 + bf16 row scales (pdserve-engine-int8) "
         f"/ {weights['int4'] / 2**20:.0f} MiB as int4 + bf16 group scales, int8 LM head (pdserve-engine-int4); "
@@ -329,7 +329,7 @@ STREAMS_GOAL = 4.0
 """Issue 16: 32-stream output tokens/s >= 4x llama-server's."""
 BATCH1_GOAL = 1.0
 """Issue 16: int4 batch-1 TPOT <= 1.0x llama-server's (the systems decoding the GGUF's int4 codes)."""
-INT4_SYSTEMS = ("pdserve-engine", "pdserve-engine-int4")
+INT4_SYSTEMS = ("pdserve-engine", "pdserve-engine-int4", "pdserve-engine-native")
 GOODPUT_PAIR = ("pdserve-1p1d-pinned", "pdserve-colocated")
 SLO_SCALES = (2.0, 3.0, 5.0)
 """SLO scales of the sensitivity table (the same records judged by tighter and looser SLOs)."""

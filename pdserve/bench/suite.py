@@ -7,6 +7,8 @@ Systems (each gets the same `threads`; the disaggregated shapes divide them amon
     pdserve-engine        pdserve's engine in a process of its own (no RPC), by default: the GGUF's codes kept
     pdserve-engine-int8   the same with int8 weight-only quantization (EngineConfig.quantization="int8")
     pdserve-engine-int4   the same with int4 weight-only quantization (the GGUF's Q4_1 codes, int8 LM head)
+    pdserve-engine-native pdserve-engine on int8 activations (EngineConfig.cpu_matmul="native"), llama.cpp's
+                          arithmetic: its greedy tokens may differ from transformers'
     pdserve-1p1d          LocalCluster: 1 prefill + 1 decode worker + gateway + Redis (gRPC client)
     pdserve-2p1d-prefix   2 prefill + 1 decode, prefix-aware routing
     pdserve-2p1d-rr       2 prefill + 1 decode, round-robin routing
@@ -83,16 +85,18 @@ TRANSFORMERS = "transformers"
 ENGINE = "pdserve-engine"
 ENGINE_INT8 = "pdserve-engine-int8"
 ENGINE_INT4 = "pdserve-engine-int4"
-ENGINES = {ENGINE: None, ENGINE_INT8: "int8", ENGINE_INT4: "int4"}
-"""In-process engine systems and their EngineConfig.quantization."""
+ENGINE_NATIVE = "pdserve-engine-native"
+ENGINES = {ENGINE: {}, ENGINE_INT8: {"quantization": "int8"}, ENGINE_INT4: {"quantization": "int4"},
+           ENGINE_NATIVE: {"cpu_matmul": "native"}}
+"""In-process engine systems and their EngineConfig fields beyond the suite's own."""
 ONE_P_ONE_D = "pdserve-1p1d"
 TWO_P_PREFIX = "pdserve-2p1d-prefix"
 TWO_P_RR = "pdserve-2p1d-rr"
 COLOCATED = "pdserve-colocated"
 COLOCATED_CAPPED = "pdserve-colocated-capped"
 ONE_P_ONE_D_PINNED = "pdserve-1p1d-pinned"
-SYSTEMS = (LLAMA_SERVER, TRANSFORMERS, ENGINE, ENGINE_INT8, ENGINE_INT4, ONE_P_ONE_D, TWO_P_PREFIX, TWO_P_RR,
-           COLOCATED, COLOCATED_CAPPED, ONE_P_ONE_D_PINNED)
+SYSTEMS = (LLAMA_SERVER, TRANSFORMERS, ENGINE, ENGINE_INT8, ENGINE_INT4, ENGINE_NATIVE, ONE_P_ONE_D, TWO_P_PREFIX,
+           TWO_P_RR, COLOCATED, COLOCATED_CAPPED, ONE_P_ONE_D_PINNED)
 GOODPUT_SYSTEMS = (LLAMA_SERVER, COLOCATED, COLOCATED_CAPPED, ONE_P_ONE_D_PINNED)
 FAMILIES = ("batch1", "streams", "prefix_cache", "shared_prefix", "sweep", "goodput")
 NUM_PREFILL = {ONE_P_ONE_D: 1, TWO_P_PREFIX: 2, TWO_P_RR: 2, COLOCATED: 0, COLOCATED_CAPPED: 0, ONE_P_ONE_D_PINNED: 1}
@@ -331,14 +335,15 @@ def _engine_runs(cfg: SuiteConfig, model_path: Path, system: str, key: str,
     torch's OpenMP state is per thread, and a thread that already ran multi-threaded torch work (this suite's
     main thread has: transformers, the bandwidth probe) slows every matmul of another thread (engine.engine_loop).
     Returns the system's description and its runs by scenario name."""
-    quantization = ENGINES[system]
+    fields = ENGINES[system]
     config = EngineConfig(model=str(model_path), num_threads=cfg.threads, kv_cache_memory=cfg.kv_cache_memory,
-                          quantization=quantization)
+                          **fields)
     backend = EngineBackend(build_engine(config, progress=False), name=system)
-    quantized = f", quantization={quantization!r}" if quantization else ""
+    extra = "".join(f", {name}={value!r}" for name, value in fields.items())
+    kept = config.keep_quantized_weights and not config.quantization
     peer = (f"`LLMEngine(EngineConfig(model, num_threads={cfg.threads}, kv_cache_memory={cfg.kv_cache_memory}"
-            f"{quantized}))` in a process of its own (no RPC), dtype {config.dtype} (float32 on CPU), "
-            f"{'the GGUF codes kept' if config.keep_quantized_weights and not quantization else 'weights requantized'}, "
+            f"{extra}))` in a process of its own (no RPC), dtype {config.dtype} (float32 on CPU), "
+            f"{'the GGUF codes kept' if kept else 'weights requantized'}, "
             f"max_num_seqs {config.max_num_seqs}, prefix caching on")
     runs = {}
     for scenario in todo:
