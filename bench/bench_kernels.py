@@ -324,7 +324,7 @@ def bench_cpu_matmuls(repeats: int, batch_rows: tuple[int, ...] = (1,), only: tu
              "int4 (int4pack_mm)": quant.Int4Linear.quantize}
     if cpu_matmul.available():
         for choice, kind in (("native", ""), ("native-bf16", "-bf16")):
-            isa = cpu_matmul.ISA_NAMES[cpu_matmul.best_isa("q4" + kind)]
+            isa = cpu_matmul.isa_name("q4" + kind, cpu_matmul.best_isa("q4" + kind))
             kinds[f"int8 ({choice}, {isa})"] = functools.partial(quant.Int8Linear.quantize, cpu_matmul=choice)
             kinds[f"int4 ({choice}, {isa})"] = functools.partial(quant.Int4Linear.quantize, cpu_matmul=choice)
     kinds = {kind: make for kind, make in kinds.items() if not only or any(o in kind for o in only)}

@@ -1,5 +1,6 @@
 /* Quantized CPU matmuls for engine.quant (kernels/cpu_matmul.py builds and loads this file; its docstring is the
  * contract). Plain C11, no torch headers; one function per ISA picked at run time:
+ *   3  AVX512-VNNI + VBMI: level 2, the int4 codes spread into vpdpbusd's lanes by vpermt2b
  *   2  AVX512-VNNI (avx512f/bw/vl/dq + vnni): vpdpbusd, 64 products an instruction
  *   1  AVX2 + FMA: maddubs / madd on 32 codes at a time
  *   0  portable scalar
@@ -708,22 +709,59 @@ AVX512_TARGET static inline __attribute__((always_inline)) void q4i_slices_avx51
     slice[2] = _mm512_shuffle_i64x2(t2, t3, 0x88), slice[3] = _mm512_shuffle_i64x2(t2, t3, 0xDD);
 }
 
-/* q4i_tile_scalar's bytes for B = 64. */
-AVX512_TARGET static void q4i_tile_avx512(const uint8_t *codes, int64_t K, int64_t n0, int s0, int S, uint8_t *T) {
+/* The same four slices by AVX512-VBMI's two-table byte permute: the four inputs' 128 code bytes are two
+ * registers, and one vpermt2b gathers byte c of each input into channel c's lane for slices 0 and 2 (bytes
+ * 0 .. 15), another for slices 1 and 3 (bytes 16 .. 31); then the low and high nibbles. 10 instructions where
+ * q4i_slices_avx512 takes 28. */
+#define VBMI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,avx2,fma")))
+VBMI_TARGET static inline __attribute__((always_inline)) void q4i_slices_vbmi(const uint8_t *cb, int64_t p,
+                                                                             __m512i *slice) {
+    static const int8_t gather[2][64] = {  /* [pair][4 c + t] = 32 t + c (+ 16 for slices 1 and 3) */
+#define Q4I_ROW(c, o) 0 + (c) + (o), 32 + (c) + (o), 64 + (c) + (o), 96 + (c) + (o)
+#define Q4I_ROWS(o) Q4I_ROW(0, o), Q4I_ROW(1, o), Q4I_ROW(2, o), Q4I_ROW(3, o), Q4I_ROW(4, o), Q4I_ROW(5, o), \
+    Q4I_ROW(6, o), Q4I_ROW(7, o), Q4I_ROW(8, o), Q4I_ROW(9, o), Q4I_ROW(10, o), Q4I_ROW(11, o), Q4I_ROW(12, o), \
+    Q4I_ROW(13, o), Q4I_ROW(14, o), Q4I_ROW(15, o)
+        {Q4I_ROWS(0)}, {Q4I_ROWS(16)}};
+#undef Q4I_ROWS
+#undef Q4I_ROW
+    const __m512i low = _mm512_set1_epi8(15);
+    const __m512i a = _mm512_loadu_si512((const void *)(cb + 128 * p));
+    const __m512i b = _mm512_loadu_si512((const void *)(cb + 128 * p + 64));
+    for (int h = 0; h < 2; h++) {
+        const __m512i v = _mm512_permutex2var_epi8(a, _mm512_loadu_si512((const void *)gather[h]), b);
+        slice[h] = _mm512_and_si512(v, low);
+        slice[h + 2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+}
+
+typedef void (*q4i_slices_fn)(const uint8_t *cb, int64_t p, __m512i *slice);
+
+/* q4i_tile_scalar's bytes for B = 64 (slices: q4i_slices_avx512 or q4i_slices_vbmi, inlined). */
+AVX512_TARGET static inline __attribute__((always_inline)) void q4i_tile_b64(const uint8_t *codes, int64_t K, int64_t n0, int s0,
+                                                                int S, uint8_t *T, q4i_slices_fn slices) {
     const uint8_t *cb = codes + n0 / 64 * K * 32;
     for (int64_t p = 0; p < K / 4; p++) {
         _mm_prefetch((const char *)(cb + 128 * p) + PREFETCH_BYTES, _MM_HINT_T0);
         __m512i slice[4];
-        q4i_slices_avx512(cb, p, slice);
+        slices(cb, p, slice);
         for (int j = 0; j < S; j++) _mm512_storeu_si512((void *)(T + (p * S + j) * 64), slice[s0 + j]);
     }
+}
+
+AVX512_TARGET static void q4i_tile_avx512(const uint8_t *codes, int64_t K, int64_t n0, int s0, int S, uint8_t *T) {
+    q4i_tile_b64(codes, K, n0, s0, S, T, q4i_slices_avx512);
+}
+
+VBMI_TARGET static void q4i_tile_vbmi(const uint8_t *codes, int64_t K, int64_t n0, int s0, int S, uint8_t *T) {
+    q4i_tile_b64(codes, K, n0, s0, S, T, q4i_slices_vbmi);
 }
 
 /* Channels c0 .. c0 + 16 S - 1 (the tile T's slices; T NULL: slices s0 .. s0 + S - 1 of the B = 64 block whose
  * codes are cb, spread in registers) against rows i0 .. i0 + R - 1 by vpdpbusd. */
 VNNI_TARGET static inline __attribute__((always_inline)) void q4i_vnni_tile(
         const uint8_t *T, const uint8_t *cb, const int s0, const uint32_t *tab, const int8_t *xq, const float *dx,
-        const float *sx, int64_t K, int64_t N, int64_t c0, const int S, int64_t i0, const int R, float *y) {
+        const float *sx, int64_t K, int64_t N, int64_t c0, const int S, int64_t i0, const int R, float *y,
+        q4i_slices_fn slices) {
     const int64_t G = K / 32;
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
     __m512 acc[MT_Q4I][4];
@@ -740,7 +778,7 @@ VNNI_TARGET static inline __attribute__((always_inline)) void q4i_vnni_tile(
                 for (int j = 0; j < S; j++) w[j] = _mm512_loadu_si512((const void *)(T + (p * S + j) * 64));
             } else {
                 if (!(p & 1)) _mm_prefetch((const char *)(cb + 128 * p) + PREFETCH_BYTES, _MM_HINT_T0);
-                q4i_slices_avx512(cb, p, slice);
+                slices(cb, p, slice);
                 for (int j = 0; j < S; j++) w[j] = slice[s0 + j];
             }
             for (int r = 0; r < R; r++) {
@@ -765,15 +803,22 @@ VNNI_TARGET static inline __attribute__((always_inline)) void q4i_vnni_tile(
         for (int j = 0; j < S; j++) _mm512_storeu_ps(y + (i0 + r) * N + c0 + 16 * j, acc[r][j]);
 }
 
-#define CALL_Q4I_VNNI(s, r) q4i_vnni_tile(T, cb, s0, tab, xq, dx, sx, K, N, c0, s, i0, r, y)
+#define CALL_Q4I_VNNI(s, r) q4i_vnni_tile(T, cb, s0, tab, xq, dx, sx, K, N, c0, s, i0, r, y, SLICES)
 #define CALL_Q4I_VNNI_R(s) \
     switch (R) { case 1: CALL_Q4I_VNNI(s, 1); break; default: CALL_Q4I_VNNI(s, 2); break; }
-VNNI_TARGET static void q4i_vnni(const uint8_t *T, const uint8_t *cb, int s0, const uint32_t *tab,
-                                 const int8_t *xq, const float *dx, const float *sx, int64_t K, int64_t N, int64_t c0,
-                                 int S, int64_t i0, int R, float *y) {
-    switch (S) { case 1: CALL_Q4I_VNNI_R(1) break; case 2: CALL_Q4I_VNNI_R(2) break;
-                 default: CALL_Q4I_VNNI_R(4) break; }
-}
+#define Q4I_VNNI_FN(name, target)                                                                              \
+    target static void name(const uint8_t *T, const uint8_t *cb, int s0, const uint32_t *tab, const int8_t *xq, \
+                            const float *dx, const float *sx, int64_t K, int64_t N, int64_t c0, int S, int64_t i0, \
+                            int R, float *y) {                                                                 \
+        switch (S) { case 1: CALL_Q4I_VNNI_R(1) break; case 2: CALL_Q4I_VNNI_R(2) break;                      \
+                     default: CALL_Q4I_VNNI_R(4) break; }                                                      \
+    }
+#define SLICES q4i_slices_avx512
+Q4I_VNNI_FN(q4i_vnni, VNNI_TARGET)
+#undef SLICES
+#define SLICES q4i_slices_vbmi
+Q4I_VNNI_FN(q4i_vnni_vbmi, VBMI_TARGET)
+#undef SLICES
 
 /* One slice (channels c0 .. c0 + 15, two 8-lane halves) against rows i0 .. i0 + R - 1: maddubs gives each
  * 16-bit lane two products (at most 2 x 15 x 127: no saturation), madd with ones the lane's four. */
@@ -1023,17 +1068,24 @@ static void q8i_scalar(const uint8_t *T, const float *ws, const int8_t *xq, cons
 }
 
 /* ------------------------------------------------------------------------------------------------ entry points */
-/* Best ISA this CPU runs (2, 1 or 0, as above). */
+/* Best ISA this CPU runs for the int8-activation kernels (3, 2, 1 or 0, as above). */
 int pd_best_isa(void) {
 #if PD_X86
+    static int best = -1;
+    if (best >= 0) return best;
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
         __builtin_cpu_supports("avx512vnni"))
-        return 2;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
-#endif
+        best = __builtin_cpu_supports("avx512vbmi") ? 3 : 2;
+    else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        best = 1;
+    else
+        best = 0;
+    return best;
+#else
     return 0;
+#endif
 }
 
 #if PD_X86
@@ -1112,7 +1164,7 @@ static void for_each(void (*fn)(const struct job *, int64_t), const struct job *
 static void quant_one(const struct job *j, int64_t i) {
     const int64_t K = j->K, G = j->G;
 #if PD_X86
-    if (j->isa == 2) {
+    if (j->isa >= 2) {
         quant_row_avx512(j->x + i * K, K, j->xq + i * K, j->dx + i * G, j->sx + i * G, j->sq + i * G);
         return;
     }
@@ -1301,21 +1353,26 @@ static void run_unit_q4i(const struct job *j, int64_t b, int u) {
     const int s0 = u == 2 ? j->B / 32 : 0, S = u == 0 ? j->B / 16 : j->B / 32;  /* its slices of 16 channels */
     const int64_t c0 = n0 + 16 * s0;
     const uint8_t *cb = (const uint8_t *)j->w + n0 / j->B * K * (j->B / 2);
-    const int direct = j->isa == 2 && j->B == 64 && M < Q4I_TILE_ROWS;  /* codes spread in registers every pass */
+    const int direct = j->isa >= 2 && j->B == 64 && M < Q4I_TILE_ROWS;  /* codes spread in registers every pass */
     uint8_t *T = NULL;
     if (!direct) {
         if (!(T = (uint8_t *)weight_tile((size_t)(4 * K * S)))) { *j->failed = 1; return; }  /* K / 4 x S x 64 bytes */
 #if PD_X86
-        if (j->isa == 2 && j->B == 64) q4i_tile_avx512(j->w, K, n0, s0, S, T);
+        if (j->isa == 3 && j->B == 64) q4i_tile_vbmi(j->w, K, n0, s0, S, T);
+        else if (j->isa == 2 && j->B == 64) q4i_tile_avx512(j->w, K, n0, s0, S, T);
         else
 #endif
             q4i_tile_scalar(j->w, K, j->B, n0, s0, S, T);
     }
-    const int64_t mt = j->isa == 2 ? MT_Q4I : j->isa == 1 ? MT_Q4I_AVX2 : 1;
+    const int64_t mt = j->isa >= 2 ? MT_Q4I : j->isa == 1 ? MT_Q4I_AVX2 : 1;
     for (int64_t i0 = 0; i0 < M; i0 += mt) {
         const int R = M - i0 < mt ? (int)(M - i0) : (int)mt;
 #if PD_X86
-        if (j->isa == 2) { q4i_vnni(T, cb, s0, j->table, j->xq, j->dx, j->sx, K, N, c0, S, i0, R, j->y); continue; }
+        if (j->isa >= 2) {
+            (j->isa == 3 ? q4i_vnni_vbmi : q4i_vnni)(T, cb, s0, j->table, j->xq, j->dx, j->sx, K, N, c0, S, i0, R,
+                                                      j->y);
+            continue;
+        }
         if (j->isa == 1) { q4i_avx2(T, j->table, j->xq, j->dx, j->sx, K, N, c0, S, i0, R, j->y); continue; }
 #endif
         for (int c = 0; c < 16 * S; c++)
@@ -1331,15 +1388,15 @@ static void run_block_q8i(const struct job *j, int64_t b) {
     uint8_t *T = (uint8_t *)weight_tile((size_t)(4 * K * S));  /* K / 4 x S x 64 bytes */
     if (!T) { *j->failed = 1; return; }
 #if PD_X86
-    if (j->isa == 2) q8i_tile_avx512(j->w, K, N, n0, S, T);
+    if (j->isa >= 2) q8i_tile_avx512(j->w, K, N, n0, S, T);
     else
 #endif
         q8i_tile_scalar(j->w, K, N, n0, S, 0, T);
-    const int64_t mt = j->isa == 2 ? MT_Q4I : j->isa == 1 ? MT_Q4I_AVX2 : 1;
+    const int64_t mt = j->isa >= 2 ? MT_Q4I : j->isa == 1 ? MT_Q4I_AVX2 : 1;
     for (int64_t i0 = 0; i0 < M; i0 += mt) {
         const int R = M - i0 < mt ? (int)(M - i0) : (int)mt;
 #if PD_X86
-        if (j->isa == 2) { q8i_vnni(T, j->table, j->xq, j->dx, j->sq, K, N, n0, S, i0, R, j->y); continue; }
+        if (j->isa >= 2) { q8i_vnni(T, j->table, j->xq, j->dx, j->sq, K, N, n0, S, i0, R, j->y); continue; }
         if (j->isa == 1) { q8i_avx2(T, j->table, j->xq, j->dx, K, N, n0, S, i0, R, j->y); continue; }
 #endif
         for (int c = 0; c < 16 * S && n0 + c < N; c++)

@@ -28,11 +28,12 @@ the CPU has it), then scaled: sum_g scale_g * S_g + zero_g * X_g (X_g the group'
 values as both return it, differs in a few per mille of the values, by one bfloat16 step).
 Every kind computes each row of the result from that row of x only (batch invariant), the same on any number of
 threads; q4 and q4-bf16 give the same bits on every path. Threads: torch.get_num_threads() unless `nthreads` is given;
-`isa` forces a path (ISA_SCALAR, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16; a path the CPU lacks falls back to the
-best it has).
-ISA_AVX512 is avx512f/bw/vl/dq + VNNI for the int8-activation kinds, avx512f/bw for the bfloat16 ones;
-ISA_AVX512_BF16 (bfloat16 kinds only) adds avx512_bf16, taken when a check at load finds this CPU's vdpbf16ps
-computing exactly the sums above (`best_isa(kind)`).
+`isa` forces a path (ISA_SCALAR, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16 / ISA_AVX512_VBMI; a path the CPU lacks falls
+back to the best it has).
+ISA_AVX512 is avx512f/bw/vl/dq + VNNI for the int8-activation kinds, avx512f/bw for the bfloat16 ones; level 3 adds
+avx512_bf16 for the bfloat16 kinds (ISA_AVX512_BF16), taken when a check at load finds this CPU's vdpbf16ps
+computing exactly the sums above, and AVX512-VBMI for the int8-activation ones (ISA_AVX512_VBMI: the same bits
+as ISA_AVX512) (`best_isa(kind)`).
 """
 
 from __future__ import annotations
@@ -56,7 +57,15 @@ KINDS = ("q4", "q8", "q4-bf16", "q8-bf16")
 """NativeMatmul kinds: 4-bit or int8 weights, int8 (no suffix) or bfloat16 (-bf16) activations."""
 
 ISA_SCALAR, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16 = 0, 1, 2, 3
+ISA_AVX512_VBMI = 3
+"""Level 3 of the int8-activation kinds: ISA_AVX512 plus AVX512-VBMI (the int4 codes spread by vpermt2b)."""
 ISA_NAMES = {ISA_SCALAR: "scalar", ISA_AVX2: "avx2", ISA_AVX512: "avx512", ISA_AVX512_BF16: "avx512-bf16"}
+"""Path names of the bfloat16 kinds (isa_name: any kind's)."""
+
+
+def isa_name(kind: str, isa: int) -> str:
+    """The name of path `isa` of `kind` (level 3: avx512-bf16 for the bfloat16 kinds, avx512-vbmi otherwise)."""
+    return ISA_NAMES[isa] if kind.endswith("-bf16") or isa != ISA_AVX512_VBMI else "avx512-vbmi"
 ISA_BEST = -1
 
 
@@ -75,7 +84,7 @@ def library() -> ctypes.CDLL | None:
     lib.pd_matmul_chain.restype = ctypes.c_int
     lib.pd_matmul_chain.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int]
     log.info("native CPU matmul kernels: int8 activations %s, bfloat16 activations %s",
-             ISA_NAMES[lib.pd_best_isa()], ISA_NAMES[lib.pd_bf16_best_isa()])
+             isa_name("q4", lib.pd_best_isa()), isa_name("q4-bf16", lib.pd_bf16_best_isa()))
     return lib
 
 

@@ -21,7 +21,7 @@ from tests.batching import assert_same_alone_as_batched
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not cm.available(), reason="native CPU matmul kernels could not be built here")
-ISAS = [cm.ISA_SCALAR, cm.ISA_AVX2, cm.ISA_AVX512]
+ISAS = [cm.ISA_SCALAR, cm.ISA_AVX2, cm.ISA_AVX512, cm.ISA_AVX512_VBMI]
 BLOCK_ROWS = _int4pack_block_rows()
 # Float sums over groups run in another order on each path (and in float64 here): measured <= 3e-7 of the
 # largest output.
@@ -29,8 +29,9 @@ SUM_ORDER_RTOL = 1e-5
 
 
 def isa_param(isa: int):
-    return pytest.param(isa, id=cm.ISA_NAMES[isa], marks=pytest.mark.skipif(
-        cm.available() and isa > cm.best_isa(), reason=f"this CPU has no {cm.ISA_NAMES[isa]} path"))
+    name = cm.isa_name("q4", isa)
+    return pytest.param(isa, id=name, marks=pytest.mark.skipif(
+        cm.available() and isa > cm.best_isa(), reason=f"this CPU has no {name} path"))
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +152,7 @@ def varied_x(g: torch.Generator, k: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("block_rows", [32, 64])
-@pytest.mark.parametrize("isa", [isa_param(i) for i in (cm.ISA_AVX2, cm.ISA_AVX512)])
+@pytest.mark.parametrize("isa", [isa_param(i) for i in (cm.ISA_AVX2, cm.ISA_AVX512, cm.ISA_AVX512_VBMI)])
 def test_q4_every_path_gives_the_scalar_bits_at_both_block_sizes(isa, block_rows):
     """Random codes read as int4pack's layout of 32-row blocks (torch's AVX2 packing) or 64-row ones, scales and
     zeros of mixed sign and size, x from varied_x: 1-3 rows (AVX512
@@ -174,7 +175,7 @@ def test_q4_every_path_gives_the_scalar_bits_at_both_block_sizes(isa, block_rows
     assert moved.tolist() == [block_rows + block_rows // 2 + 5]
 
 
-@pytest.mark.parametrize("isa", [isa_param(i) for i in (cm.ISA_AVX2, cm.ISA_AVX512)])
+@pytest.mark.parametrize("isa", [isa_param(i) for i in (cm.ISA_AVX2, cm.ISA_AVX512, cm.ISA_AVX512_VBMI)])
 def test_q8_every_path_gives_the_scalar_bits(isa):
     """int8 weights of every value in [-127, 127] over 83 output channels (a last unit of 19: a partial slice) and
     160 inputs (a last part of 8 dwords in the AVX512 transpose), scales of mixed sign, x as for q4: 1-35 rows, 1
