@@ -1,7 +1,8 @@
 /* The FMA ceiling of bench/bench_kernels.py --cpu-matmuls: float32 FMAs per second on `nthreads` OpenMP threads,
  * each running 12 independent chains of 512-bit (AVX512F) or 256-bit (AVX2 + FMA) vfmadd, enough to cover the
  * FMA latency on the CPUs measured (4 cycles, 2 pipes); and the same for avx512_bf16's vdpbf16ps (32 products a
- * 512-bit instruction, the ceiling of kernels/cpu_matmul.c's AVX512-BF16 level). Built and loaded by
+ * 512-bit instruction, the ceiling of kernels/cpu_matmul.c's AVX512-BF16 level) and AVX512-VNNI's vpdpbusd (64
+ * int8 products an instruction, the ceiling of its int8-activation kernels at levels 2 and 3). Built and loaded by
  * kernels.native_build like the kernel libraries; a benchmark helper only, not used by the engine. */
 #include <stdint.h>
 #include <time.h>
@@ -67,6 +68,33 @@ double pd_bf16_dot_peak_gflops(int64_t iters, int repeats, int nthreads, float *
     return 2.0 * 32 * CHAINS * (double)iters * nthreads / best / 1e9;
 }
 
+__attribute__((target("avx512f,avx512vnni"), noinline)) static float chains_vnni(int64_t iters, float seed) {
+    __m512i a[CHAINS];
+    const __m512i b = _mm512_set1_epi32((int)(0x01010101 * (1 + (int)(seed * 1e3f) % 3)));
+    for (int j = 0; j < CHAINS; j++) a[j] = _mm512_set1_epi32(j);
+    for (int64_t i = 0; i < iters; i++)
+        for (int j = 0; j < CHAINS; j++) a[j] = _mm512_dpbusd_epi32(a[j], b, b);
+    int32_t s = 0;
+    for (int j = 0; j < CHAINS; j++) s += _mm512_reduce_add_epi32(a[j]);
+    return (float)s;
+}
+
+/* GOP/s (a product and its addition counted as 2) of `iters` rounds of CHAINS vpdpbusd on each of nthreads
+ * threads, the best of `repeats` runs; 0 when the CPU has no AVX512-VNNI. */
+double pd_vnni_dot_peak_gops(int64_t iters, int repeats, int nthreads, float *sink) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512vnni")) return 0.0;
+    double best = 1e30;
+    for (int r = 0; r < repeats; r++) {
+        double t = now();
+        #pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int k = 0; k < nthreads; k++) sink[k] = chains_vnni(iters, 1e-3f * (k + 1));
+        t = now() - t;
+        if (t < best) best = t;
+    }
+    return 2.0 * 64 * CHAINS * (double)iters * nthreads / best / 1e9;
+}
+
 /* GFLOP/s (an FMA counted as 2) of `iters` rounds of CHAINS FMAs on each of nthreads threads, the best of
  * `repeats` runs; wide = 1: 512-bit when the CPU has AVX512F, else 256-bit. *sink receives the sums (so that
  * the loops are not removed). Returns 0 when the CPU has neither AVX512F nor AVX2 + FMA. */
@@ -94,5 +122,10 @@ double pd_fma_peak_gflops(int64_t iters, int repeats, int nthreads, float *sink)
 
 double pd_bf16_dot_peak_gflops(int64_t iters, int repeats, int nthreads, float *sink) {
     return pd_fma_peak_gflops(iters, repeats, nthreads, sink);
+}
+
+double pd_vnni_dot_peak_gops(int64_t iters, int repeats, int nthreads, float *sink) {
+    (void)iters; (void)repeats; (void)nthreads; (void)sink;
+    return 0.0;
 }
 #endif

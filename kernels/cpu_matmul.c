@@ -737,8 +737,8 @@ VBMI_TARGET static inline __attribute__((always_inline)) void q4i_slices_vbmi(co
 typedef void (*q4i_slices_fn)(const uint8_t *cb, int64_t p, __m512i *slice);
 
 /* q4i_tile_scalar's bytes for B = 64 (slices: q4i_slices_avx512 or q4i_slices_vbmi, inlined). */
-AVX512_TARGET static inline __attribute__((always_inline)) void q4i_tile_b64(const uint8_t *codes, int64_t K, int64_t n0, int s0,
-                                                                int S, uint8_t *T, q4i_slices_fn slices) {
+AVX512_TARGET static inline __attribute__((always_inline)) void q4i_tile_b64(
+        const uint8_t *codes, int64_t K, int64_t n0, int s0, int S, uint8_t *T, q4i_slices_fn slices) {
     const uint8_t *cb = codes + n0 / 64 * K * 32;
     for (int64_t p = 0; p < K / 4; p++) {
         _mm_prefetch((const char *)(cb + 128 * p) + PREFETCH_BYTES, _MM_HINT_T0);
