@@ -286,11 +286,9 @@ def _row(name: str, m: int, nbytes: int, times: list[float], weights: int) -> di
             "gbs": nbytes / (best * 1e6), "gflops": 2 * m * weights / (best * 1e6)}
 
 
-def fma_peak_gflops(threads: int, bf16_dot: bool = False, vnni_dot: bool = False) -> float | None:
-    """GFLOP/s of float32 FMAs on `threads` threads (bench/fma_peak.c: 12 independent 512-bit / 256-bit chains per
-    thread, best of 5), the compute ceiling the M >= 32 rows are a % of; with `bf16_dot`, of avx512_bf16's
-    vdpbf16ps, with `vnni_dot` of AVX512-VNNI's vpdpbusd in GOP/s (None without them); None without a C
-    compiler."""
+def fma_peak_gflops(threads: int, which: str = "fma") -> float | None:
+    """GFLOP/s of float32 FMAs on `threads` threads (bench/fma_peak.c: 12 chains a thread, best of 5), the ceiling
+    of the M >= 32 rows; "bf16": vdpbf16ps's, "vnni": vpdpbusd's (GOP/s); None without them or a C compiler."""
     import ctypes
 
     from kernels import native_build
@@ -298,8 +296,8 @@ def fma_peak_gflops(threads: int, bf16_dot: bool = False, vnni_dot: bool = False
     lib = native_build.load(Path(__file__).with_name("fma_peak.c"), "FMA peak")
     if lib is None:
         return None
-    fn = (lib.pd_bf16_dot_peak_gflops if bf16_dot else lib.pd_vnni_dot_peak_gops if vnni_dot
-          else lib.pd_fma_peak_gflops)
+    fn = getattr(lib, {"fma": "pd_fma_peak_gflops", "bf16": "pd_bf16_dot_peak_gflops",
+                       "vnni": "pd_vnni_dot_peak_gops"}[which])
     fn.restype = ctypes.c_double
     fn.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     sink = (ctypes.c_float * threads)()
@@ -317,9 +315,7 @@ def bench_cpu_matmuls(repeats: int, batch_rows: tuple[int, ...] = (1,), only: tu
     from pdserve.bench.roofline import copy_bandwidth, cpu_model
 
     copy_gbs = copy_bandwidth(2**28) / 1e9
-    fma_peak = fma_peak_gflops(torch.get_num_threads())
-    dot_peak = fma_peak_gflops(torch.get_num_threads(), bf16_dot=True)
-    vnni_peak = fma_peak_gflops(torch.get_num_threads(), vnni_dot=True)
+    fma_peak, dot_peak, vnni_peak = (fma_peak_gflops(torch.get_num_threads(), w) for w in ("fma", "bf16", "vnni"))
     big = torch.ones(2**28 // 4)
     read_gbs = big.numel() * 4 / (_cpu_ms(big.sum, repeats) * 1e6)
     g = torch.Generator().manual_seed(0)
@@ -375,13 +371,9 @@ def bench_cpu_matmuls(repeats: int, batch_rows: tuple[int, ...] = (1,), only: tu
         row["pct_of_copy"] = 100 * row["gbs"] / copy_gbs
         row["pct_of_read"] = 100 * row["gbs"] / read_gbs
         row["pct_of_fma_peak"] = 100 * row["gflops"] / fma_peak if fma_peak else None
-        # the kinds on kernels.cpu_matmul's AVX512-BF16 level: of the vdpbf16ps ceiling (twice the FMA one's
-        # products an instruction); its int8-activation kinds at AVX512 (VNNI) and up: of vpdpbusd's (four times)
-        on_dot = dot_peak and cpu_matmul.ISA_NAMES[cpu_matmul.ISA_AVX512_BF16] in row["matmuls"]
-        on_vnni = vnni_peak and any(f"(native, {cpu_matmul.isa_name('q4', isa)}" in row["matmuls"]
-                                    for isa in (cpu_matmul.ISA_AVX512, cpu_matmul.ISA_AVX512_VBMI))
-        row["pct_of_peak"] = (100 * row["gflops"] / dot_peak if on_dot else 100 * row["gflops"] / vnni_peak
-                              if on_vnni else row["pct_of_fma_peak"])
+        peak = (dot_peak if cpu_matmul.ISA_NAMES[cpu_matmul.ISA_AVX512_BF16] in row["matmuls"] else vnni_peak
+                if "(native, avx512" in row["matmuls"] else fma_peak)
+        row["pct_of_peak"] = 100 * row["gflops"] / peak if peak else None
     return {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "capability": torch.backends.cpu.get_cpu_capability(), "copy_gbs": copy_gbs, "read_gbs": read_gbs,
             "fma_peak_gflops": fma_peak, "bf16_dot_peak_gflops": dot_peak, "vnni_dot_peak_gops": vnni_peak,
@@ -501,10 +493,11 @@ def cpu_matmuls_report(result: dict) -> str:
             f"{' --kinds ' + repr(','.join(result['only'])) if result['only'] else ''}`. Copy {result['copy_gbs']:.1f} GB/s (read + "
             f"write), read-only sweep {result['read_gbs']:.1f} GB/s, float32 FMA peak (bench/fma_peak.c) "
             f"{_fmt(result['fma_peak_gflops'], 0)} GFLOP/s, vdpbf16ps peak "
-            f"{_fmt(result.get('bf16_dot_peak_gflops'), 0)} GFLOP/s (the ceiling of the avx512-bf16 rows' last "
-            f"column), vpdpbusd peak {_fmt(result.get('vnni_dot_peak_gops'), 0)} GOP/s (that of the int8-activation "
-            f"rows at avx512 and avx512-vbmi; the FMA peak that of the others); kinds timed in interleaved rounds ({result['repeats']} "
-            f"at M < 64, a fifth of that from 64), median and best pass, GB/s and GFLOP/s (2 M N K) of the best.\n\n"
+            f"{_fmt(result.get('bf16_dot_peak_gflops'), 0)} GFLOP/s and vpdpbusd peak "
+            f"{_fmt(result.get('vnni_dot_peak_gops'), 0)} GOP/s (the last column's ceilings of the avx512-bf16 rows "
+            f"and the int8-activation ones on avx512, the FMA peak that of the others); kinds timed in interleaved "
+            f"rounds ({result['repeats']} at M < 64, a fifth of that from 64), median and best pass, GB/s and GFLOP/s "
+            f"(2 M N K) of the best.\n\n"
             + _table(["matmuls", "M", "weight MiB", "ms median", "ms best", "GB/s", "% of copy", "% of read",
                       "GFLOP/s", "% of FMA peak", "% of its compute peak"],
                      [[r["matmuls"], str(r["m"]), _fmt(r["weight_mib"]), _fmt(r["ms"], 2), _fmt(r["best_ms"], 2),

@@ -52,26 +52,10 @@ __attribute__((target("avx512f,avx512bf16"), noinline)) static float chains_bf16
     return s;
 }
 
-/* GFLOP/s (a product and its addition counted as 2) of `iters` rounds of CHAINS vdpbf16ps on each of nthreads
- * threads, the best of `repeats` runs; 0 when the CPU has no avx512_bf16. */
-double pd_bf16_dot_peak_gflops(int64_t iters, int repeats, int nthreads, float *sink) {
-    __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bf16")) return 0.0;
-    double best = 1e30;
-    for (int r = 0; r < repeats; r++) {
-        double t = now();
-        #pragma omp parallel for schedule(static) num_threads(nthreads)
-        for (int k = 0; k < nthreads; k++) sink[k] = chains_bf16(iters, 1e-3f * (k + 1));
-        t = now() - t;
-        if (t < best) best = t;
-    }
-    return 2.0 * 32 * CHAINS * (double)iters * nthreads / best / 1e9;
-}
-
 __attribute__((target("avx512f,avx512vnni"), noinline)) static float chains_vnni(int64_t iters, float seed) {
     __m512i a[CHAINS];
-    const __m512i b = _mm512_set1_epi32((int)(0x01010101 * (1 + (int)(seed * 1e3f) % 3)));
-    for (int j = 0; j < CHAINS; j++) a[j] = _mm512_set1_epi32(j);
+    const __m512i b = _mm512_set1_epi32(0x01010101);
+    for (int j = 0; j < CHAINS; j++) a[j] = _mm512_set1_epi32(j + (int)(seed * 1e3f));
     for (int64_t i = 0; i < iters; i++)
         for (int j = 0; j < CHAINS; j++) a[j] = _mm512_dpbusd_epi32(a[j], b, b);
     int32_t s = 0;
@@ -79,40 +63,46 @@ __attribute__((target("avx512f,avx512vnni"), noinline)) static float chains_vnni
     return (float)s;
 }
 
+/* Operations per second of `chains` (`ops` operations a round, `iters` rounds) on each of nthreads threads, the
+ * best of `repeats` runs; *sink receives the sums (so that the loops are not removed). */
+static double best_rate(float (*chains)(int64_t, float), double ops, int64_t iters, int repeats, int nthreads,
+                        float *sink) {
+    double best = 1e30;
+    for (int r = 0; r < repeats; r++) {
+        double t = now();
+        #pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int k = 0; k < nthreads; k++) sink[k] = chains(iters, 1e-3f * (k + 1));
+        t = now() - t;
+        if (t < best) best = t;
+    }
+    return ops * (double)iters * nthreads / best;
+}
+
+/* GFLOP/s (a product and its addition counted as 2) of `iters` rounds of CHAINS vdpbf16ps on each of nthreads
+ * threads, the best of `repeats` runs; 0 when the CPU has no avx512_bf16. */
+double pd_bf16_dot_peak_gflops(int64_t iters, int repeats, int nthreads, float *sink) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bf16")) return 0.0;
+    return best_rate(chains_bf16, 2.0 * 32 * CHAINS, iters, repeats, nthreads, sink) / 1e9;
+}
+
 /* GOP/s (a product and its addition counted as 2) of `iters` rounds of CHAINS vpdpbusd on each of nthreads
  * threads, the best of `repeats` runs; 0 when the CPU has no AVX512-VNNI. */
 double pd_vnni_dot_peak_gops(int64_t iters, int repeats, int nthreads, float *sink) {
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512vnni")) return 0.0;
-    double best = 1e30;
-    for (int r = 0; r < repeats; r++) {
-        double t = now();
-        #pragma omp parallel for schedule(static) num_threads(nthreads)
-        for (int k = 0; k < nthreads; k++) sink[k] = chains_vnni(iters, 1e-3f * (k + 1));
-        t = now() - t;
-        if (t < best) best = t;
-    }
-    return 2.0 * 64 * CHAINS * (double)iters * nthreads / best / 1e9;
+    return best_rate(chains_vnni, 2.0 * 64 * CHAINS, iters, repeats, nthreads, sink) / 1e9;
 }
 
 /* GFLOP/s (an FMA counted as 2) of `iters` rounds of CHAINS FMAs on each of nthreads threads, the best of
- * `repeats` runs; wide = 1: 512-bit when the CPU has AVX512F, else 256-bit. *sink receives the sums (so that
- * the loops are not removed). Returns 0 when the CPU has neither AVX512F nor AVX2 + FMA. */
+ * `repeats` runs, 512-bit when the CPU has AVX512F, else 256-bit; 0 when it has neither AVX512F nor AVX2 + FMA. */
 double pd_fma_peak_gflops(int64_t iters, int repeats, int nthreads, float *sink) {
     __builtin_cpu_init();
-    int lanes = __builtin_cpu_supports("avx512f") ? 16 : (__builtin_cpu_supports("avx2") &&
-                                                         __builtin_cpu_supports("fma") ? 8 : 0);
-    if (!lanes) return 0.0;
-    double best = 1e30;
-    for (int r = 0; r < repeats; r++) {
-        double t = now();
-        #pragma omp parallel for schedule(static) num_threads(nthreads)
-        for (int k = 0; k < nthreads; k++)
-            sink[k] = lanes == 16 ? chains512(iters, 1e-3f * (k + 1)) : chains256(iters, 1e-3f * (k + 1));
-        t = now() - t;
-        if (t < best) best = t;
-    }
-    return 2.0 * lanes * CHAINS * (double)iters * nthreads / best / 1e9;
+    if (__builtin_cpu_supports("avx512f"))
+        return best_rate(chains512, 2.0 * 16 * CHAINS, iters, repeats, nthreads, sink) / 1e9;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return best_rate(chains256, 2.0 * 8 * CHAINS, iters, repeats, nthreads, sink) / 1e9;
+    return 0.0;
 }
 #else
 double pd_fma_peak_gflops(int64_t iters, int repeats, int nthreads, float *sink) {
