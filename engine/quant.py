@@ -103,13 +103,9 @@ _INT8PACK_K_MULTIPLE = 16
 _INT8PACK_CPU_CAPABILITIES = ("AVX2", "AVX512")
 _INT4PACK_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu packs output channels in tiles of 16
 
-# Measured on AMD EPYC (Zen 4, 1 thread, a loaded machine), ms for all 30 layers of SmolLM2-135M / one layer /
-# the LM head, native vs torch (bench/bench_kernels.py --cpu-matmuls --rows; BENCHMARKS.md "Native CPU matmuls"):
-#   int4, M=1: 6.1 vs 11.9 (int4pack);  M=32: 176 vs 176;  one layer M=128: 12.1 vs 16.2, M=512: 86 vs 111
-#   (int4pack) and 52 (dequantize + float32 GEMM).
-# The int8-activation kernels on vpdpbusd with lanes over output channels (Zen 4, 2 threads; BENCHMARKS.md "Ninth
-# session"), ms for 4 layers' int8 linears / the LM head, native vs dequantize + GEMM: M=128 12.2 vs 29.1 / 14.8 vs
-# 77.0; M=512 48.3 vs 87.2 / 85.5 vs 309; M=2048 230 vs 361 (layers).
+# Measured on AMD EPYC Zen 4 (BENCHMARKS.md "Native CPU matmuls", "Ninth session"): the native int4 kernels are at
+# least as fast as int4pack at every batch; the int8-activation int8 kernel (2 threads, timed by hand) beats the
+# dequantize + GEMM path at 128 / 512 / 2048 rows (4 layers' linears 12.2 / 48.3 / 230 ms against 29.1 / 87.2 / 361).
 NATIVE_INT4_MAX_ROWS = sys.maxsize
 """Largest batch the native int4 kernels take (cpu_matmul="native" / "native-bf16"): every batch, as int4pack
 does, so that a row's output never depends on its batch; both are at least as fast as int4pack at every size
