@@ -153,8 +153,9 @@ VNNI_TARGET static void quant_row_avx512(const float *x, int64_t K, int8_t *xq, 
  * bfloat16 pair (x_k, x_k+1) against (q'_k, q'_k+1) (checked at load: pd_bf16_dot_is_exact), so the AVX512-BF16
  * path, 32 products an instruction where an FMA does 16, gives every path's bits. Paths: from Q4P_DEQUANT_ROWS
  * rows of x, AVX512 dequantizes a block's q' once per call into an L1/L2 tile (bfloat16 pairs for
- * AVX512-BF16, float32 otherwise) and runs its passes from it; below that (and on AVX2, scalar) the codes are
- * read in every pass. The one difference from the float math besides the float32 sums: a partial sum s below
+ * AVX512-BF16, float32 otherwise) and runs its passes from it; from Q4P_AVX2_DEQUANT_ROWS AVX2 dequantizes a
+ * chunk of Q4P_AVX2_CHUNK inputs at a time into an L1 tile (float32) and runs every row over it before the next
+ * (the totals kept in y between groups); below those (and on the scalar path) the codes are read in every pass. The one difference from the float math besides the float32 sums: a partial sum s below
  * FLT_MIN in magnitude (activations near 1e-38) is flushed to zero by vdpbf16ps and kept by fmaf.
  * q8 (w int8 [N, K], ws [N]; int8pack_mm's arithmetic) dequantizes each weight exactly (w * ws) and sums by
  * float32 FMA; from Q8B_DEQUANT_ROWS rows of x the AVX512 path dequantizes a block of rows once into a tile.
@@ -164,6 +165,11 @@ VNNI_TARGET static void quant_row_avx512(const float *x, int64_t K, int8_t *xq, 
  * AVX512 order); AVX2 8 lanes over 8 t + l, reduced as int8pack_mm's AVX2 kernel reduces (halves, then pairs
  * 0x4E, then 0xB1); scalar one sum over k in order. */
 #define Q4P_DEQUANT_ROWS 32
+#ifndef Q4P_AVX2_DEQUANT_ROWS
+#define Q4P_AVX2_DEQUANT_ROWS 64  /* from this many rows of x the AVX2 q4 path dequantizes chunks of the unit */
+#endif
+#define Q4P_AVX2_CHUNK 64         /* inputs per chunk: 16 KB of float32 for a block of 64 channels, in L1 */
+#define MT_Q4P_AVX2 6             /* rows of x a pass over a chunk */
 #define MT_Q4P 3      /* AVX512 x rows per q4 pass: 3 rows x 4 slices of group sums and of totals, 24 registers */
 
 static inline float round_bf16(float v) {
@@ -266,6 +272,65 @@ AVX2_TARGET static inline __attribute__((always_inline)) void q4p_avx2_tile(
             _mm256_storeu_ps(out, acc[r][j]);
             for (int l = 0; l < 8; l++) y[(i0 + r) * N + n0 + 8 * j + l] = round_out ? round_bf16(out[l]) : out[l];
         }
+}
+
+/* Channels n0 .. n0 + 15 (n0 % 16 == 0) of a q4 block against rows i0 .. i0 + R - 1 over inputs k0 .. k1 - 1
+ * (whole groups) from W: their q' dequantized by q4p_avx2_dequant, row k at W + (k - k0) * ws. The totals wait in
+ * y between groups (float32, exact: q4p_avx2_tile's fmaf chain, bit for bit), so that R = MT_Q4P_AVX2 rows x 2
+ * slices of group sums and the weights fit AVX2's 16 registers: each weight load feeds 6 FMAs, not 4. */
+AVX2_TARGET static inline __attribute__((always_inline)) void q4p_avx2_chunk(
+        const float *W, int64_t ws, const uint32_t *tab, const float *xb, const float *xs, int64_t K, int64_t N,
+        int64_t n0, int64_t k0, int64_t k1, int64_t i0, const int R, int round_out, float *y) {
+    const int64_t G = K / 32;
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int64_t g = k0 / 32; g < k1 / 32; g++) {
+        __m256 s[MT_Q4P_AVX2][2];
+        for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm256_setzero_ps();
+        for (int64_t k = 32 * g; k < 32 * g + 32; k += 2)
+            for (int64_t kk = k + 1; kk >= k; kk--) {
+                const __m256 w0 = _mm256_loadu_ps(W + (kk - k0) * ws), w1 = _mm256_loadu_ps(W + (kk - k0) * ws + 8);
+                for (int r = 0; r < R; r++) {
+                    __m256 xv = _mm256_set1_ps(xb[(i0 + r) * K + kk]);
+                    s[r][0] = _mm256_fmadd_ps(xv, w0, s[r][0]);
+                    s[r][1] = _mm256_fmadd_ps(xv, w1, s[r][1]);
+                }
+            }
+        for (int j = 0; j < 2; j++) {
+            __m256i t = _mm256_loadu_si256((const __m256i *)(tab + g * N + n0 + 8 * j));
+            __m256 d = _mm256_castsi256_ps(_mm256_slli_epi32(t, 16)), z = _mm256_castsi256_ps(_mm256_and_si256(t, high));
+            for (int r = 0; r < R; r++) {
+                float *out = y + (i0 + r) * N + n0 + 8 * j;
+                __m256 acc = g ? _mm256_loadu_ps(out) : _mm256_setzero_ps();
+                _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_set1_ps(xs[(i0 + r) * G + g]), z,
+                                                      _mm256_fmadd_ps(s[r][j], d, acc)));
+                if (round_out && g == G - 1)
+                    for (int l = 0; l < 8; l++) out[l] = round_bf16(out[l]);
+            }
+        }
+    }
+}
+
+/* Channels c0 .. c1 - 1 of block n0 (B channels; c0 % 8 == 0) at inputs k0 .. k1 - 1 as float32 q' = q - 8 into
+ * W [k1 - k0][c1 - c0]: the values q4p_avx2_tile decodes from the codes. */
+AVX2_TARGET static void q4p_avx2_dequant(const uint8_t *codes, int64_t K, int B, int64_t n0, int64_t c0, int64_t c1,
+                                         int64_t k0, int64_t k1, float *W) {
+    const int64_t half = B / 2;
+    const uint8_t *cb = codes + n0 / B * K * half;
+    for (int64_t k = k0; k < k1; k++)
+        for (int64_t c = c0; c < c1; c += 8) {
+            __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cb + k * half + (c - n0) % half)));
+            v = c - n0 >= half ? _mm256_srli_epi32(v, 4) : _mm256_and_si256(v, _mm256_set1_epi32(15));
+            _mm256_storeu_ps(W + (k - k0) * (c1 - c0) + (c - c0),
+                             _mm256_cvtepi32_ps(_mm256_sub_epi32(v, _mm256_set1_epi32(8))));
+        }
+}
+
+#define CALL_Q4P_CHUNK(r) q4p_avx2_chunk(W, ws, tab, xb, xs, K, N, n0, k0, k1, i0, r, round_out, y)
+AVX2_TARGET static void q4p_avx2_chunks(const float *W, int64_t ws, const uint32_t *tab, const float *xb,
+                                        const float *xs, int64_t K, int64_t N, int64_t n0, int64_t k0, int64_t k1,
+                                        int64_t i0, int R, int round_out, float *y) {
+    switch (R) { case 1: CALL_Q4P_CHUNK(1); break; case 2: CALL_Q4P_CHUNK(2); break; case 3: CALL_Q4P_CHUNK(3); break;
+                 case 4: CALL_Q4P_CHUNK(4); break; case 5: CALL_Q4P_CHUNK(5); break; default: CALL_Q4P_CHUNK(6); break; }
 }
 
 #define CALL_Q4P_AVX2(r) q4p_avx2_tile(codes, tab, xb, xs, K, N, B, n0, i0, r, round_out, y)
@@ -1315,6 +1380,18 @@ static void run_unit_q4p(const struct job *j, int64_t b, int u) {
     const uint32_t *tab = j->table;
     const int64_t mt = j->isa >= 2 ? MT_Q4P : MT;
 #if PD_X86
+    float *W = NULL;
+    if (j->isa == 1 && M >= Q4P_AVX2_DEQUANT_ROWS && (W = weight_tile((size_t)(Q4P_AVX2_CHUNK * (c1 - c0))))) {
+        for (int64_t k0 = 0; k0 < K; k0 += Q4P_AVX2_CHUNK) {  /* a chunk dequantized, then every row over it */
+            const int64_t k1 = K - k0 < Q4P_AVX2_CHUNK ? K : k0 + Q4P_AVX2_CHUNK;
+            q4p_avx2_dequant(codes, K, j->B, n0, c0, c1, k0, k1, W);
+            for (int64_t i0 = 0; i0 < M; i0 += MT_Q4P_AVX2)
+                for (int64_t n = c0; n < c1; n += 16)
+                    q4p_avx2_chunks(W + (n - c0), c1 - c0, tab, j->xb, j->xs, K, N, n, k0, k1, i0,
+                                    M - i0 < MT_Q4P_AVX2 ? (int)(M - i0) : MT_Q4P_AVX2, j->round_out, j->y);
+        }
+        return;
+    }
     float *tile = NULL;  /* NULL below Q4P_DEQUANT_ROWS or when out of memory: the codes are read */
     if (j->isa >= 2 && M >= Q4P_DEQUANT_ROWS && (tile = weight_tile((size_t)(K * j->B))))
         q4p_avx512_dequant(codes, K, j->B, n0, u, j->isa == 3 ? NULL : tile,

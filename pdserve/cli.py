@@ -25,6 +25,7 @@ the default of `pdserve bench --llama-server`.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import signal
@@ -305,9 +306,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                extra_commands=(bench_cli.add_parser, quantize_cli.add_parser))
 
 
+def shadowed_kernels() -> str | None:
+    """Why pdserve's `kernels` package cannot be imported, or None: another distribution's package of that name
+    comes first on sys.path (PyPI's `kernels`, which transformers >= 5.25 requires), and every server, worker and
+    benchmark would fail at its first kernel import."""
+    ours = Path(__file__).resolve().parents[1] / "kernels"
+    spec = importlib.util.find_spec("kernels")
+    if spec is None or spec.origin is None or Path(spec.origin).resolve().parent == ours:
+        return None
+    return (f"the package `kernels` in {Path(spec.origin).parent} shadows pdserve's own ({ours}): it is PyPI's "
+            "`kernels`, which transformers >= 5.25 installs; in this environment run `pip uninstall kernels` and "
+            "keep transformers < 5.25 (pdserve's dev and bench extras pin it)")
+
+
 def main(argv: list[str] | None = None) -> int:
     keep_freed_memory_for_reuse()  # before any thread starts: one malloc arena for all (kvstore.malloc_tuning)
     args = parse_args(argv)
+    if (why := shadowed_kernels()) is not None:
+        _err(f"pdserve: error: {why}")
+        return 2
     verbose = args.verbose or args.command in _SERVER_COMMANDS
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

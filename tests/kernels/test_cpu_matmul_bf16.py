@@ -116,6 +116,7 @@ def test_rows_are_batch_and_thread_invariant(layer0, name, isa):
     # From Q4P_DEQUANT_ROWS (32) rows the AVX512 q4 path reads a dequantized tile instead, 3 rows a pass (35: 11
     # passes of 3 and one of 2); the AVX512 q8 one from 12 rows, 6 a pass (5 passes of 6 and one of 5), at
     # ISA_AVX512_BF16 4 a pass up to 64 rows (8 of 4 and one of 3) and 6 from 65 (70: 11 of 6 and one of 4).
+    # On AVX2 the q4 path reads chunks of 64 inputs dequantized from 64 rows, 6 a pass (70: 11 of 6, one of 4).
     for copies in (5, 10):
         many = x.repeat(copies, 1)                                                   # [35 or 70, in]
         assert torch.equal(run(kind, many, args, nthreads=1, isa=isa), together.repeat(copies, 1))
@@ -127,18 +128,19 @@ def test_q4_every_path_gives_the_scalar_bits_at_both_block_sizes(isa, block_rows
     """Random codes read as int4pack's layout of 32-row blocks (torch's AVX2 packing) or 64-row ones, scales and
     zeros of mixed sign and size, x spanning 2^-20 .. 2^6 with exact zeros, -0, values about the smallest
     normal float (rounded to bfloat16, a subnormal is +0) and halfway ones (ties to even): 5 rows (the codes
-    read in every pass) and 35 (from 32: the dequantized tile, bfloat16 pairs at ISA_AVX512_BF16), 1 and 3
-    threads, the scalar path's bits."""
+    read in every pass), 35 (from 32 on AVX512: the dequantized tile, bfloat16 pairs at ISA_AVX512_BF16) and 70
+    (from 64 on AVX2: chunks of 64 inputs dequantized, 6 rows a pass, the last chunk of 224 inputs one group), 1
+    and 3 threads, the scalar path's bits."""
     g = torch.Generator().manual_seed(7)
-    n, k = 4 * block_rows, 192
+    n, k = 4 * block_rows, 224
     packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
     table = (torch.randn(k // 32, n, 2, generator=g) * torch.rand(k // 32, n, 2, generator=g).pow(4) * 4).bfloat16()
-    x = torch.randn(35, k, generator=g) * torch.pow(2.0, torch.randint(-20, 7, (35, k), generator=g).float())
+    x = torch.randn(70, k, generator=g) * torch.pow(2.0, torch.randint(-20, 7, (70, k), generator=g).float())
     x[x.abs() < 1e-5] = 0.0
     x[:, :6] = torch.tensor([1e-39, -1e-40, -0.0, 1.1754e-38, -1.1755e-38, 3e-38])  # subnormal (to +0) or not
     x[:, 6:10] = torch.tensor([1 + 2**-8, -(1 + 3 * 2**-8), 3 * 2**-9, 1 + 2**-8 + 2**-20])  # ties to even, not a tie
     expected = cm.q4_bf16_matmul(x, packed, table, block_rows, isa=cm.ISA_SCALAR, round_output=False, nthreads=1)
-    for rows in (5, 35):
+    for rows in (5, 35, 70):
         for nthreads in (1, 3):
             got = cm.q4_bf16_matmul(x[:rows], packed, table, block_rows, isa=isa, round_output=False,
                                     nthreads=nthreads)

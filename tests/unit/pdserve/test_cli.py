@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -223,3 +226,23 @@ def test_malformed_flags_exit_2_naming_the_flag(argv, flag, capsys):
         cli.main(argv)
     assert exc_info.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def test_a_shadowing_kernels_package_is_named_before_any_command_runs(tmp_path):
+    """PyPI's `kernels` (transformers >= 5.25 requires it) first on sys.path hides pdserve's own package: the
+    command exits 2 naming both places before doing anything (here: no certificates written), instead of an
+    ImportError deep in a server; in this environment pdserve's own is found."""
+    assert cli.shadowed_kernels() is None
+    fake = tmp_path / "site" / "kernels"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    repo = Path(cli.__file__).resolve().parents[1]
+    out = tmp_path / "certs"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake.parent), str(repo)])}
+    done = subprocess.run([sys.executable, "-c", "import sys; from pdserve.cli import main; "
+                           f"sys.exit(main(['certs', '--out', {str(out)!r}]))"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "shadows pdserve's own" in done.stderr and str(fake.parent) in done.stderr
+    assert "pip uninstall kernels" in done.stderr
+    assert not out.exists()
