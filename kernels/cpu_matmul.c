@@ -155,8 +155,9 @@ VNNI_TARGET static void quant_row_avx512(const float *x, int64_t K, int8_t *xq, 
  * rows of x, AVX512 dequantizes a block's q' once per call into an L1/L2 tile (bfloat16 pairs for
  * AVX512-BF16, float32 otherwise) and runs its passes from it; from Q4P_AVX2_DEQUANT_ROWS AVX2 dequantizes a
  * chunk of Q4P_AVX2_CHUNK inputs at a time into an L1 tile (float32) and runs every row over it before the next
- * (the totals kept in y between groups); below those (and on the scalar path) the codes are read in every pass. The one difference from the float math besides the float32 sums: a partial sum s below
- * FLT_MIN in magnitude (activations near 1e-38) is flushed to zero by vdpbf16ps and kept by fmaf.
+ * (the totals kept in y between groups); below those (and on the scalar path) the codes are read in every pass.
+ * The one difference from the float math besides the float32 sums: a partial sum s below FLT_MIN in magnitude
+ * (activations near 1e-38) is flushed to zero by vdpbf16ps and kept by fmaf.
  * q8 (w int8 [N, K], ws [N]; int8pack_mm's arithmetic) dequantizes each weight exactly (w * ws) and sums by
  * float32 FMA; from Q8B_DEQUANT_ROWS rows of x the AVX512 path dequantizes a block of rows once into a tile.
  * At level 3 (AVX512-BF16) q8 sums the exact products x w by vdpbf16ps instead and scales the sum (q8b_bf16dot_tile).
@@ -297,7 +298,8 @@ AVX2_TARGET static inline __attribute__((always_inline)) void q4p_avx2_chunk(
             }
         for (int j = 0; j < 2; j++) {
             __m256i t = _mm256_loadu_si256((const __m256i *)(tab + g * N + n0 + 8 * j));
-            __m256 d = _mm256_castsi256_ps(_mm256_slli_epi32(t, 16)), z = _mm256_castsi256_ps(_mm256_and_si256(t, high));
+            const __m256 d = _mm256_castsi256_ps(_mm256_slli_epi32(t, 16));
+            const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(t, high));
             for (int r = 0; r < R; r++) {
                 float *out = y + (i0 + r) * N + n0 + 8 * j;
                 __m256 acc = g ? _mm256_loadu_ps(out) : _mm256_setzero_ps();
@@ -329,8 +331,9 @@ AVX2_TARGET static void q4p_avx2_dequant(const uint8_t *codes, int64_t K, int B,
 AVX2_TARGET static void q4p_avx2_chunks(const float *W, int64_t ws, const uint32_t *tab, const float *xb,
                                         const float *xs, int64_t K, int64_t N, int64_t n0, int64_t k0, int64_t k1,
                                         int64_t i0, int R, int round_out, float *y) {
-    switch (R) { case 1: CALL_Q4P_CHUNK(1); break; case 2: CALL_Q4P_CHUNK(2); break; case 3: CALL_Q4P_CHUNK(3); break;
-                 case 4: CALL_Q4P_CHUNK(4); break; case 5: CALL_Q4P_CHUNK(5); break; default: CALL_Q4P_CHUNK(6); break; }
+    switch (R) { case 1: CALL_Q4P_CHUNK(1); break; case 2: CALL_Q4P_CHUNK(2); break;
+                 case 3: CALL_Q4P_CHUNK(3); break; case 4: CALL_Q4P_CHUNK(4); break;
+                 case 5: CALL_Q4P_CHUNK(5); break; default: CALL_Q4P_CHUNK(6); break; }
 }
 
 #define CALL_Q4P_AVX2(r) q4p_avx2_tile(codes, tab, xb, xs, K, N, B, n0, i0, r, round_out, y)
@@ -735,6 +738,10 @@ AVX512BF16_TARGET static void q8b_bf16dot(const int8_t *w, const float *ws, cons
 #define Q4I_TILE_ROWS 8  /* from this many rows of x a unit's codes are spread into a tile once a call (Zen 4,
                             VBMI: 4 and 6 rows 14% and 3% faster spread in registers every pass, 8 and 11 not) */
 #define MT_Q4I_AVX2 2 /* AVX2 x rows per pass (one slice, two 8-channel halves) */
+#ifndef Q4I_AVX2_TILE_ROWS
+#define Q4I_AVX2_TILE_ROWS 3  /* AVX2: the tile from 3 rows (AVX2-only Zen 4, 1 thread: 3 and 4 rows 12% faster than
+                                 spread every pass, 2 rows 1.15x slower) */
+#endif
 
 /* The tile of slices s0 .. s0 + S - 1 of block n0: T[((p S + j) 16 + c) 4 + t] = the code of channel
  * n0 + 16 (s0 + j) + c at input 4 p + t. */
@@ -888,9 +895,38 @@ Q4I_VNNI_FN(q4i_vnni_vbmi, VBMI_TARGET)
 
 /* One slice (channels c0 .. c0 + 15, two 8-lane halves) against rows i0 .. i0 + R - 1: maddubs gives each
  * 16-bit lane two products (at most 2 x 15 x 127: no saturation), madd with ones the lane's four. */
+/* Slice js (16 channels) of a block's codes (cb; B channels, half = B / 2 bytes an input) at inputs 4 p .. 4 p + 3
+ * in q4i_tile_scalar's order: w[0] channels 0-7, w[1] 8-15, four bytes (the four inputs' codes) a channel. A
+ * 4 x 16 byte transpose by unpacks. */
+AVX2_TARGET static inline __attribute__((always_inline)) void q4i_slice_avx2(
+        const uint8_t *cb, int64_t half, const int B, const int js, int64_t p, __m256i *w) {
+    const __m128i shift = _mm_cvtsi32_si128(Q4P_SHIFT(B, js)), low = _mm_set1_epi8(15);
+    __m128i r[4];
+    for (int t = 0; t < 4; t++)
+        r[t] = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(cb + (4 * p + t) * half + Q4P_OFF(B, js))),
+                                           shift), low);
+    const __m128i a0 = _mm_unpacklo_epi8(r[0], r[1]), a1 = _mm_unpackhi_epi8(r[0], r[1]);
+    const __m128i b0 = _mm_unpacklo_epi8(r[2], r[3]), b1 = _mm_unpackhi_epi8(r[2], r[3]);
+    w[0] = _mm256_set_m128i(_mm_unpackhi_epi16(a0, b0), _mm_unpacklo_epi16(a0, b0));
+    w[1] = _mm256_set_m128i(_mm_unpackhi_epi16(a1, b1), _mm_unpacklo_epi16(a1, b1));
+}
+
+/* q4i_tile_scalar's bytes by q4i_slice_avx2 (either block size). */
+AVX2_TARGET static void q4i_tile_avx2(const uint8_t *codes, int64_t K, int B, int64_t n0, int s0, int S, uint8_t *T) {
+    const uint8_t *cb = codes + n0 / B * K * (B / 2);
+    for (int64_t p = 0; p < K / 4; p++)
+        for (int j = 0; j < S; j++) {
+            __m256i w[2];
+            q4i_slice_avx2(cb, B / 2, B, s0 + j, p, w);
+            _mm256_storeu_si256((__m256i *)(T + (p * S + j) * 64), w[0]);
+            _mm256_storeu_si256((__m256i *)(T + (p * S + j) * 64 + 32), w[1]);
+        }
+}
+
 AVX2_TARGET static inline __attribute__((always_inline)) void q4i_avx2_tile(
-        const uint8_t *T, const int S, const int j, const uint32_t *tab, const int8_t *xq, const float *dx,
-        const float *sx, int64_t K, int64_t N, int64_t c0, int64_t i0, const int R, float *y) {
+        const uint8_t *T, const uint8_t *cb, const int B, const int js, const int S, const int j, const uint32_t *tab,
+        const int8_t *xq, const float *dx, const float *sx, int64_t K, int64_t N, int64_t c0, int64_t i0, const int R,
+        float *y) {
     const int64_t G = K / 32;
     const __m256i ones = _mm256_set1_epi16(1), high = _mm256_set1_epi32((int)0xFFFF0000u);
     __m256 acc[MT_Q4I_AVX2][2];
@@ -899,9 +935,14 @@ AVX2_TARGET static inline __attribute__((always_inline)) void q4i_avx2_tile(
     for (int64_t g = 0; g < G; g++) {
         for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
         for (int64_t p = 8 * g; p < 8 * g + 8; p++) {
-            const uint8_t *tp = T + (p * S + j) * 64;
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)tp);
-            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(tp + 32));
+            __m256i w[2];
+            if (T) {
+                w[0] = _mm256_loadu_si256((const __m256i *)(T + (p * S + j) * 64));
+                w[1] = _mm256_loadu_si256((const __m256i *)(T + (p * S + j) * 64 + 32));
+            } else {
+                q4i_slice_avx2(cb, B / 2, B, js, p, w);
+            }
+            const __m256i w0 = w[0], w1 = w[1];
             for (int r = 0; r < R; r++) {
                 int32_t x4;
                 memcpy(&x4, xq + (i0 + r) * K + 4 * p, 4);
@@ -925,12 +966,16 @@ AVX2_TARGET static inline __attribute__((always_inline)) void q4i_avx2_tile(
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + (i0 + r) * N + c0 + 16 * j + 8 * h, acc[r][h]);
 }
 
-AVX2_TARGET static void q4i_avx2(const uint8_t *T, const uint32_t *tab, const int8_t *xq, const float *dx,
-                                 const float *sx, int64_t K, int64_t N, int64_t c0, int S, int64_t i0, int R,
-                                 float *y) {
+/* Rows i0 .. i0 + R - 1 over the unit's slices: from its tile T, or (T NULL) from its codes cb, spread in registers
+ * every pass (slices s0 .. s0 + S - 1 of a block of B channels). */
+AVX2_TARGET static void q4i_avx2(const uint8_t *T, const uint8_t *cb, int B, int s0, const uint32_t *tab,
+                                 const int8_t *xq, const float *dx, const float *sx, int64_t K, int64_t N, int64_t c0,
+                                 int S, int64_t i0, int R, float *y) {
     for (int j = 0; j < S; j++) {
-        if (R == 1) q4i_avx2_tile(T, S, j, tab, xq, dx, sx, K, N, c0, i0, 1, y);
-        else q4i_avx2_tile(T, S, j, tab, xq, dx, sx, K, N, c0, i0, 2, y);
+        if (T && R == 1) q4i_avx2_tile(T, NULL, B, s0 + j, S, j, tab, xq, dx, sx, K, N, c0, i0, 1, y);
+        else if (T) q4i_avx2_tile(T, NULL, B, s0 + j, S, j, tab, xq, dx, sx, K, N, c0, i0, 2, y);
+        else if (R == 1) q4i_avx2_tile(NULL, cb, B, s0 + j, S, j, tab, xq, dx, sx, K, N, c0, i0, 1, y);
+        else q4i_avx2_tile(NULL, cb, B, s0 + j, S, j, tab, xq, dx, sx, K, N, c0, i0, 2, y);
     }
 }
 #endif
@@ -1067,6 +1112,45 @@ VNNI_TARGET static void q8i_vnni(const uint8_t *T, const float *ws, const int8_t
 }
 
 /* One slice (channels n0 + 16 j .., two 8-lane halves) against rows i0 .. i0 + R - 1, the tile holding w. */
+/* q8i_tile_scalar's bytes (flip 0: the AVX2 kernel reads signed weights) by two 8 x 8 transposes of 32-bit words
+ * per 16 rows and 8 words, the next 16 rows prefetched as q8i_tile_avx512 does. */
+AVX2_TARGET static void q8i_tile_avx2(const int8_t *w, int64_t K, int64_t N, int64_t n0, int S, uint8_t *T) {
+    const int64_t Q = K / 4;  /* words a row */
+    for (int j = 0; j < S; j++)
+        for (int64_t q0 = 0; q0 < Q; q0 += 8) {
+            const int cnt = Q - q0 < 8 ? (int)(Q - q0) : 8;
+            const __m256i km = _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            const char *ahead = (const char *)(w + (n0 + 16 * (j + 1)) * K) + 64 * q0;
+            for (int l = 0; l < 8; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+            for (int h = 0; h < 2; h++) {  /* channels 8 h .. 8 h + 7 of the slice */
+                __m256i r[8], t[8], u[8];
+                for (int c = 0; c < 8; c++) {
+                    const int64_t n = n0 + 16 * j + 8 * h + c;
+                    r[c] = n < N ? _mm256_maskload_epi32((const int *)(w + n * K + 4 * q0), km)
+                                 : _mm256_setzero_si256();
+                }
+                for (int i = 0; i < 4; i++) {
+                    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+                    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+                }
+                for (int i = 0; i < 2; i++) {
+                    u[4 * i + 0] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+                    u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+                    u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+                    u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+                }
+                for (int m = 0; m < 4; m++) {  /* words m and 4 + m of the 8 rows */
+                    if (m < cnt)
+                        _mm256_storeu_si256((__m256i *)(T + ((q0 + m) * S + j) * 64 + 32 * h),
+                                            _mm256_permute2x128_si256(u[m], u[4 + m], 0x20));
+                    if (4 + m < cnt)
+                        _mm256_storeu_si256((__m256i *)(T + ((q0 + 4 + m) * S + j) * 64 + 32 * h),
+                                            _mm256_permute2x128_si256(u[m], u[4 + m], 0x31));
+                }
+            }
+        }
+}
+
 AVX2_TARGET static inline __attribute__((always_inline)) void q8i_avx2_tile(
         const uint8_t *T, const int S, const int j, const float *ws, const int8_t *xq, const float *dx, int64_t K,
         int64_t N, int64_t n0, int64_t i0, const int R, float *y) {
@@ -1431,13 +1515,14 @@ static void run_unit_q4i(const struct job *j, int64_t b, int u) {
     const int s0 = u == 2 ? j->B / 32 : 0, S = u == 0 ? j->B / 16 : j->B / 32;  /* its slices of 16 channels */
     const int64_t c0 = n0 + 16 * s0;
     const uint8_t *cb = (const uint8_t *)j->w + n0 / j->B * K * (j->B / 2);
-    const int direct = j->isa >= 2 && j->B == 64 && M < Q4I_TILE_ROWS;  /* codes spread in registers every pass */
+    const int direct = j->isa == 1 ? M < Q4I_AVX2_TILE_ROWS : j->isa >= 2 && j->B == 64 && M < Q4I_TILE_ROWS;
     uint8_t *T = NULL;
     if (!direct) {
         if (!(T = (uint8_t *)weight_tile((size_t)(4 * K * S)))) { *j->failed = 1; return; }  /* K / 4 x S x 64 bytes */
 #if PD_X86
         if (j->isa == 3 && j->B == 64) q4i_tile_vbmi(j->w, K, n0, s0, S, T);
         else if (j->isa == 2 && j->B == 64) q4i_tile_avx512(j->w, K, n0, s0, S, T);
+        else if (j->isa >= 1) q4i_tile_avx2(j->w, K, j->B, n0, s0, S, T);
         else
 #endif
             q4i_tile_scalar(j->w, K, j->B, n0, s0, S, T);
@@ -1451,7 +1536,10 @@ static void run_unit_q4i(const struct job *j, int64_t b, int u) {
                                                       j->y);
             continue;
         }
-        if (j->isa == 1) { q4i_avx2(T, j->table, j->xq, j->dx, j->sx, K, N, c0, S, i0, R, j->y); continue; }
+        if (j->isa == 1) {
+            q4i_avx2(T, cb, j->B, s0, j->table, j->xq, j->dx, j->sx, K, N, c0, S, i0, R, j->y);
+            continue;
+        }
 #endif
         for (int c = 0; c < 16 * S; c++)
             q4i_scalar(T, j->table, j->xq, j->dx, j->sx, K, N, c0, S, c, i0, j->y + i0 * N + c0 + c);
@@ -1467,6 +1555,7 @@ static void run_block_q8i(const struct job *j, int64_t b) {
     if (!T) { *j->failed = 1; return; }
 #if PD_X86
     if (j->isa >= 2) q8i_tile_avx512(j->w, K, N, n0, S, T);
+    else if (j->isa == 1) q8i_tile_avx2(j->w, K, N, n0, S, T);
     else
 #endif
         q8i_tile_scalar(j->w, K, N, n0, S, 0, T);
