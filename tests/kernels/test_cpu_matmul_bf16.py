@@ -127,8 +127,8 @@ def test_rows_are_batch_and_thread_invariant(layer0, name, isa):
 def test_q4_every_path_gives_the_scalar_bits_at_both_block_sizes(isa, block_rows):
     """Random codes read as int4pack's layout of 32-row blocks (torch's AVX2 packing) or 64-row ones, scales and
     zeros of mixed sign and size, x spanning 2^-20 .. 2^6 with exact zeros, -0, values about the smallest
-    normal float (rounded to bfloat16, a subnormal is +0) and halfway ones (ties to even): 5 rows (the codes
-    read in every pass), 35 (from 32 on AVX512: the dequantized tile, bfloat16 pairs at ISA_AVX512_BF16) and 70
+    normal float (rounded to bfloat16, a subnormal is +0) and halfway ones (ties to even): 2 and 5 rows (the
+    codes read in every pass; on AVX2 a whole block's two nibbles at once in passes of 1 or 2 rows), 35 (from 32 on AVX512: the dequantized tile, bfloat16 pairs at ISA_AVX512_BF16) and 70
     (from 64 on AVX2: chunks of 64 inputs dequantized, 6 rows a pass, the last chunk of 224 inputs one group), 1
     and 3 threads, the scalar path's bits."""
     g = torch.Generator().manual_seed(7)
@@ -140,7 +140,7 @@ def test_q4_every_path_gives_the_scalar_bits_at_both_block_sizes(isa, block_rows
     x[:, :6] = torch.tensor([1e-39, -1e-40, -0.0, 1.1754e-38, -1.1755e-38, 3e-38])  # subnormal (to +0) or not
     x[:, 6:10] = torch.tensor([1 + 2**-8, -(1 + 3 * 2**-8), 3 * 2**-9, 1 + 2**-8 + 2**-20])  # ties to even, not a tie
     expected = cm.q4_bf16_matmul(x, packed, table, block_rows, isa=cm.ISA_SCALAR, round_output=False, nthreads=1)
-    for rows in (5, 35, 70):
+    for rows in (2, 5, 35, 70):
         for nthreads in (1, 3):
             got = cm.q4_bf16_matmul(x[:rows], packed, table, block_rows, isa=isa, round_output=False,
                                     nthreads=nthreads)
