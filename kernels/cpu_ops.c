@@ -19,7 +19,7 @@
 
 /* -DPD_NO_CLONES builds one path only, for the flags given (tests/kernels/test_cpu_ops.py checks each that way). */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(PD_NO_CLONES)
-#define PD_CLONES __attribute__((target_clones("avx512f", "arch=haswell", "default")))
+#define PD_CLONES __attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))
 #else
 #define PD_CLONES
 #endif
@@ -43,6 +43,8 @@ typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u32 __attribute__((vector_size(64)));
 typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
 
 /* Lanes l and l + 8, then l + 4, l + 2, l + 1 added: the same tree as the array loop in dot's tail case. */
 PD_INLINE float hsum16(const v16f *in) {
@@ -91,6 +93,39 @@ PD_INLINE v16f hsum16x16(const v16f *v) {
     for (int m = 0; m < 2; m++)
         z[m] = __builtin_shuffle(y[2 * m], y[2 * m + 1], lo3) + __builtin_shuffle(y[2 * m], y[2 * m + 1], hi3);
     return __builtin_shuffle(z[0], z[1], lo4) + __builtin_shuffle(z[0], z[1], hi4);
+}
+
+/* Narrow kernels (AVX2 and the portable path): GCC keeps 16-lane vectors that the target splits in memory and moves
+ * them piecewise, so these hold 8-lane ones, each lane the same sums as the 16-lane code's (bit for bit). */
+PD_INLINE v8f load8(const float *p) { v8f v; memcpy(&v, p, sizeof v); return v; }
+PD_INLINE v8f splat8(float f) { return (v8f){f, f, f, f, f, f, f, f}; }
+
+/* hsum16 of 4 vectors held as 8-lane halves (lanes 0-7 in lo, 8-15 in hi): lanes 0-3 of the result, bit for bit
+ * (lanes l and l + 8 added first, then the same pairs as hsum16's tree). */
+PD_INLINE v8f hsum16x4(const v8f *lo, const v8f *hi) {
+    v8f a[4];
+    for (int j = 0; j < 4; j++) a[j] = lo[j] + hi[j];
+    const v8i lo4 = {0, 1, 2, 3, 8, 9, 10, 11}, hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
+    const v8i lo2 = {0, 1, 4, 5, 8, 9, 12, 13}, hi2 = {2, 3, 6, 7, 10, 11, 14, 15};
+    const v8i lo1 = {0, 2, 4, 6, 0, 2, 4, 6}, hi1 = {1, 3, 5, 7, 1, 3, 5, 7};
+    const v8f x0 = __builtin_shuffle(a[0], a[1], lo4) + __builtin_shuffle(a[0], a[1], hi4);
+    const v8f x1 = __builtin_shuffle(a[2], a[3], lo4) + __builtin_shuffle(a[2], a[3], hi4);
+    const v8f y = __builtin_shuffle(x0, x1, lo2) + __builtin_shuffle(x0, x1, hi2);  /* vector j: lanes 2j, 2j + 1 */
+    return __builtin_shuffle(y, lo1) + __builtin_shuffle(y, hi1);
+}
+
+/* dot_lanes of q against 4 rows of k (rows of n floats, n % 16 == 0), reduced: lanes 0-3 are dot()'s results. */
+PD_INLINE v8f dot4_narrow(const float *restrict q, const float *restrict k, int64_t n) {
+    v8f lo[4] = {{0}}, hi[4] = {{0}};
+    for (int64_t i = 0; i < n; i += LANES) {
+        const v8f qa = load8(q + i), qb = load8(q + i + 8);
+        #pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            lo[j] += qa * load8(k + j * n + i);
+            hi[j] += qb * load8(k + j * n + i + 8);
+        }
+    }
+    return hsum16x4(lo, hi);
 }
 
 /* sum_i a[i] * b[i] in LANES partial sums, then a fixed tree (in registers when n % 16 == 0). */
@@ -459,18 +494,41 @@ int pd_decode_attention(const float *q, int64_t q_s0, int64_t q_s1, int64_t B, i
 }
 
 /* The G query rows of one position against positions p .. p + 15 of k (rows of D): score() of each, bit for bit
- * (dot_lanes and hsum16x16 are dot's arithmetic), 16 scores at a time. s[r * stride + j] <- row r, position j. */
+ * (dot_lanes and hsum16x16 are dot's arithmetic), 16 scores at a time. s[r * stride + j] <- row r, position j.
+ * narrow: 4 positions' partial sums at a time, reduced by hsum16x4 (hsum16x16's lanes, bit for bit), so that they
+ * fit 16 registers of 8 lanes (AVX2), where 16 of them spilled. */
 PD_INLINE void scores16(const float *q, int64_t q_s1, int64_t G, const float *restrict k, int64_t D, float scale,
-                        float softcap, float *s, int64_t stride) {
+                        float softcap, float *s, int64_t stride, const int narrow) {
     for (int64_t g = 0; g < G; g++) {
-        v16f part[16];
-        #pragma GCC unroll 16
-        for (int j = 0; j < 16; j++) part[j] = dot_lanes(q + g * q_s1, k + j * D, D);
-        v16f out = hsum16x16(part) * scale;
+        v16f out;
+        if (narrow) {
+            for (int j0 = 0; j0 < 16; j0 += 4) {
+                const v8f sums = dot4_narrow(q + g * q_s1, k + j0 * D, D);
+                for (int j = 0; j < 4; j++) out[j0 + j] = sums[j];
+            }
+            out = out * scale;
+        } else {
+            v16f part[16];
+            #pragma GCC unroll 16
+            for (int j = 0; j < 16; j++) part[j] = dot_lanes(q + g * q_s1, k + j * D, D);
+            out = hsum16x16(part) * scale;
+        }
         if (softcap > 0.0f)
             for (int j = 0; j < 16; j++) out[j] = tanhf(out[j] / softcap) * softcap;
         memcpy(s + g * stride, &out, sizeof out);
     }
+}
+
+/* pv_rows for one row and 64 columns from c (8 registers of 8 lanes): the same sums. */
+PD_INLINE void pv_row_narrow(const float *w, const float *restrict v, int64_t n, const int64_t D, const int64_t c,
+                             float *out) {
+    v8f acc[8] = {{0}};
+    for (int64_t p = 0; p < n; p++) {
+        const v8f wv = splat8(w[p]);
+        #pragma GCC unroll 8
+        for (int m = 0; m < 8; m++) acc[m] += wv * load8(v + p * D + c + 8 * m);
+    }
+    memcpy(out + c, acc, sizeof acc);
 }
 
 /* out[r] = sum over positions p of w[r][p] * v[p] for NR rows, in position order from zero (axpy's arithmetic,
@@ -494,7 +552,8 @@ PD_INLINE void pv_rows(const int NR, const float *w, int64_t w_stride, const flo
  * it reads between its rows. So a row's result does not depend on the tile, the batch, the thread count or how
  * many earlier positions were cached, and it equals the decode kernel's for the same position bit for bit.
  * Returns 0; -1 a block id outside [0, num_blocks); -2 out of memory. */
-PD_INLINE int prefill_body(const struct attn *a, int64_t b, int64_t h, int64_t i0, int64_t i1, const int64_t D) {
+PD_INLINE int prefill_body(const struct attn *a, int64_t b, int64_t h, int64_t i0, int64_t i1, const int64_t D,
+                           const int narrow) {
     const int64_t Hkv = a->Hkv, G = a->Hq / Hkv, bs = a->block_size, W = a->window;
     const int64_t start = a->starts[b], pos0 = a->seq_lens[b] - (a->starts[b + 1] - start);
     const int64_t last = pos0 + i1 - 1;  /* the tile's last position */
@@ -524,7 +583,8 @@ PD_INLINE int prefill_body(const struct attn *a, int64_t b, int64_t h, int64_t i
         float *s = scores + first - lo;
         if (D % 16 == 0) {
             for (int64_t j = 0; j < n; j += 16)
-                scores16(qi, a->q_s1, G, kbuf + (first - lo + j) * D, D, a->scale, a->softcap, s + j, stride);
+                scores16(qi, a->q_s1, G, kbuf + (first - lo + j) * D, D, a->scale, a->softcap, s + j, stride,
+                         narrow);
         } else {
             for (int64_t g = 0; g < G; g++)
                 for (int64_t j = 0; j < n; j++)
@@ -533,7 +593,10 @@ PD_INLINE int prefill_body(const struct attn *a, int64_t b, int64_t h, int64_t i
         for (int64_t g = 0; g < G; g++) softmax_row(s + g * stride, n);
         float *o = a->out + ((start + i) * a->Hq + h * G) * D;
         const float *v = vbuf + (first - lo) * D;
-        if (D % 16 == 0 && D <= 128) {
+        if (D % 64 == 0 && narrow) {  /* one row, 64 columns a pass */
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t c = 0; c < D; c += 64) pv_row_narrow(s + g * stride, v, n, D, c, o + g * D);
+        } else if (D % 16 == 0 && D <= 128) {
             int64_t g = 0;
             for (; g + 4 <= G; g += 4) pv_rows(4, s + g * stride, stride, v, n, D, o + g * D);
             if (G - g == 3) pv_rows(3, s + g * stride, stride, v, n, D, o + g * D);
@@ -550,9 +613,15 @@ PD_INLINE int prefill_body(const struct attn *a, int64_t b, int64_t h, int64_t i
 
 PD_CLONES
 static int prefill_item(const struct attn *a, int64_t b, int64_t h, int64_t i0, int64_t i1) {
-    if (a->D == 64) return prefill_body(a, b, h, i0, i1, 64);
-    if (a->D == 128) return prefill_body(a, b, h, i0, i1, 128);
-    return prefill_body(a, b, h, i0, i1, a->D);
+    /* Without AVX512 a 16-lane vector takes two registers or four: the narrow blocking (same bits) then fits. */
+    if (__builtin_cpu_supports("avx512f")) {
+        if (a->D == 64) return prefill_body(a, b, h, i0, i1, 64, 0);
+        if (a->D == 128) return prefill_body(a, b, h, i0, i1, 128, 0);
+        return prefill_body(a, b, h, i0, i1, a->D, 0);
+    }
+    if (a->D == 64) return prefill_body(a, b, h, i0, i1, 64, 1);
+    if (a->D == 128) return prefill_body(a, b, h, i0, i1, 128, 1);
+    return prefill_body(a, b, h, i0, i1, a->D, 1);
 }
 
 /* Positions a tile holds at most: it copies the K and V rows its positions see once, for all of them. */
