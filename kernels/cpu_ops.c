@@ -613,12 +613,15 @@ PD_INLINE int prefill_body(const struct attn *a, int64_t b, int64_t h, int64_t i
 
 PD_CLONES
 static int prefill_item(const struct attn *a, int64_t b, int64_t h, int64_t i0, int64_t i1) {
-    /* Without AVX512 a 16-lane vector takes two registers or four: the narrow blocking (same bits) then fits. */
+    /* Without AVX512 a 16-lane vector takes two registers or four: the narrow blocking (same bits) then fits.
+     * -DPD_NARROW takes it everywhere (tests/kernels/test_cpu_ops.py builds it so on AVX512 hosts too). */
+#ifndef PD_NARROW
     if (__builtin_cpu_supports("avx512f")) {
         if (a->D == 64) return prefill_body(a, b, h, i0, i1, 64, 0);
         if (a->D == 128) return prefill_body(a, b, h, i0, i1, 128, 0);
         return prefill_body(a, b, h, i0, i1, a->D, 0);
     }
+#endif
     if (a->D == 64) return prefill_body(a, b, h, i0, i1, 64, 1);
     if (a->D == 128) return prefill_body(a, b, h, i0, i1, 128, 1);
     return prefill_body(a, b, h, i0, i1, a->D, 1);

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -272,10 +273,23 @@ def _cpu_flags() -> set[str]:
     return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":")[1].split()}
 
 
-@pytest.mark.parametrize("flags", [(), ("-march=haswell",)], ids=["portable", "avx2"])
+def test_clones_are_picked_by_isa_not_by_cpu_model():
+    """GCC picks a target_clones "arch=NAME" clone only on that CPU model (its resolver asks for NAME itself):
+    "arch=haswell" left every other AVX2 CPU, AMD's included, on the portable clone. Every clone of
+    kernels/cpu_ops.c is an ISA: a feature or an x86-64 level."""
+    line = next(line for line in cpu_ops.SOURCE.read_text().splitlines() if "target_clones(" in line)
+    targets = re.findall(r'"([^"]+)"', line)
+    assert "default" in targets and any("x86-64-v3" in t or "avx2" in t for t in targets), targets
+    for target in targets:
+        assert not target.startswith("arch=") or re.fullmatch(r"arch=x86-64-v[234]", target), target
+
+
+@pytest.mark.parametrize("flags", [(), ("-march=haswell",), ("-march=haswell", "-DPD_NARROW")],
+                         ids=["portable", "avx2", "avx2-narrow"])
 def test_each_isa_path_matches_the_reference(flags, tmp_path, monkeypatch):
-    """The loader picks the best clone the CPU runs (AVX512 on the CI hosts); the AVX2 and portable ones are built
-    alone here (-DPD_NO_CLONES) and checked on the same cases."""
+    """The loader picks the best clone the CPU runs; the AVX2 and portable ones are built alone here
+    (-DPD_NO_CLONES) and checked on the same cases, the prefill attention in 8-lane vectors too (-DPD_NARROW:
+    what CPUs without AVX512 run)."""
     if flags and not {"avx2", "fma"} <= _cpu_flags():
         pytest.skip("this CPU has no AVX2 + FMA")
     cc = native_build.compiler()
