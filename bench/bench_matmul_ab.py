@@ -1,11 +1,13 @@
 """Two builds of kernels/cpu_matmul.c side by side in one process: the working tree's and the one at a git
 revision, on the default model's int4 layer shapes (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536;
-random codes in int4pack's 64-row layout) and its 49152x576 int8 LM head, q4-bf16 / q8-bf16 at each build's best
-ISA, timed in interleaved rounds (best of each); prints the table. --layers N holds N copies of the layer's
+random codes in int4pack's 64-row layout, or 32-row with --block-rows 32: torch's AVX2 packing) and its 49152x576 int8
+LM head, q4-bf16 / q8-bf16 (or, with --int8-activations, q4 / q8: `--cpu-matmul native`'s kinds) at each build's
+best ISA, timed in interleaved rounds (best of each); prints the table. --layers N holds N copies of the layer's
 weights and a pass runs them all, as a step runs the model's 30 layers: the codes come from memory, not from a
 cache one layer fits in (what a step's first read of each weight costs is then in the figures).
 
     python bench/bench_matmul_ab.py --against a9db6a8 --threads 2 --rows 1,32,512,2048 --head-rows 1,8,32 [--layers 30]
+                                    [--block-rows 32] [--int8-activations]
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ def load(source: Path):
     lib.pd_matmul.restype = ctypes.c_int
     lib.pd_matmul.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.pd_bf16_best_isa.restype = ctypes.c_int
+    lib.pd_best_isa.restype = ctypes.c_int
     return lib
 
 
@@ -57,24 +60,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,32,512,2048", help="rows of x of the layer pass")
     parser.add_argument("--head-rows", default="1,8,32", help="rows of x of the LM head")
     parser.add_argument("--layers", type=int, default=1, help="copies of the layer's weights a pass runs")
+    parser.add_argument("--block-rows", type=int, choices=(32, 64), default=64, help="int4pack's block of rows")
+    parser.add_argument("--int8-activations", action="store_true", help="the int8-activation kinds (q4, q8)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         old_path = native_build.source_at_revision(cpu_matmul.SOURCE, args.against, Path(tmp))
         libs = {args.against: load(old_path), "working tree": load(cpu_matmul.SOURCE)}
     names = list(libs)
     g = torch.Generator().manual_seed(0)
+    q4_kind, q8_kind = (0, 1) if args.int8_activations else (2, 3)  # struct pd_weight's kinds
     keep = []  # the tensors the weight structs point into
     layers = []
     for n, k in LAYERS * args.layers:
         packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
         table = (torch.randn(k // 32, n, 2, generator=g) * 0.01).bfloat16()
         keep += [packed, table]
-        layers.append((cpu_matmul._Weight(packed.data_ptr(), table.data_ptr(), k, n, 2, -1, 64, 1), k, n))
+        layers.append((cpu_matmul._Weight(packed.data_ptr(), table.data_ptr(), k, n, q4_kind, -1, args.block_rows, 1),
+                       k, n))
     qweight = torch.randint(-127, 128, HEAD, dtype=torch.int8, generator=g)
     scale = torch.rand(HEAD[0], generator=g) / 64
-    head = cpu_matmul._Weight(qweight.data_ptr(), scale.data_ptr(), HEAD[1], HEAD[0], 3, -1, 0, 1)
-    isas = ", ".join(f"{n} {lib.pd_bf16_best_isa()}" for n, lib in libs.items())
-    print(f"threads {args.threads}; layers {args.layers}; bfloat16 ISA {isas}")
+    head = cpu_matmul._Weight(qweight.data_ptr(), scale.data_ptr(), HEAD[1], HEAD[0], q8_kind, -1, 0, 1)
+    isas = ", ".join(f"{n} {(lib.pd_best_isa if args.int8_activations else lib.pd_bf16_best_isa)()}"
+                     for n, lib in libs.items())
+    print(f"threads {args.threads}; layers {args.layers}; block rows {args.block_rows}; "
+          f"{'int8' if args.int8_activations else 'bfloat16'} activations, ISA {isas}")
     print(f"| matmuls | rows | {names[0]} ms | {names[1]} ms | ratio | GFLOP/s |")
     print("|---|---:|---:|---:|---:|---|")
     for rows in map(int, args.rows.split(",")):

@@ -106,6 +106,41 @@ AVX2_TARGET static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* quant_row's values, a group (four registers) at a time, as quant_row_avx512 computes them (below): the same
+ * absmax (NaNs passed over), scalar division and reciprocal, each x * (1 / dx) rounded to float, then to the
+ * nearest integer (ties to even), clamped (a NaN to -127, as fmaxf gives) and summed exactly. Without it AVX2
+ * hosts quantized x by a libm nearbyintf call an input: 4 us a row of 576, a quarter of a 32-row matmul's time. */
+AVX2_TARGET static void quant_row_avx2(const float *x, int64_t K, int8_t *xq, float *dx, float *sx, int32_t *sq) {
+    const __m256 lim = _mm256_set1_ps(127.0f), neg = _mm256_set1_ps(-127.0f), sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t g = 0; g < K / 32; g++) {
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int h = 0; h < 4; h++) {
+            v[h] = _mm256_loadu_ps(x + 32 * g + 8 * h);
+            m = _mm256_max_ps(_mm256_andnot_ps(sign, v[h]), m);  /* max(NaN, m) is m */
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const __m256 inv = _mm256_set1_ps(id);
+        __m256i q[4];
+        for (int h = 0; h < 4; h++) {
+            const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[h], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            q[h] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, neg), lim));
+        }
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(xq + 32 * g), _mm256_permutevar8x32_epi32(bytes, order));
+        const __m256i t = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+        const int32_t sumq = _mm_cvtsi128_si32(_mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1)));
+        dx[g] = d;
+        sx[g] = d * (float)sumq;
+        sq[g] = sumq;
+    }
+}
+
 /* ------------------------------------------------------------------------------------------------ AVX512-VNNI */
 #define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma")))
 
@@ -802,10 +837,14 @@ AVX512BF16_TARGET static void q8b_bf16dot(const int8_t *w, const float *ws, cons
 #define MT_Q4I 2
 #define Q4I_TILE_ROWS 8  /* from this many rows of x a unit's codes are spread into a tile once a call (Zen 4,
                             VBMI: 4 and 6 rows 14% and 3% faster spread in registers every pass, 8 and 11 not) */
-#define MT_Q4I_AVX2 2 /* AVX2 x rows per pass (one slice, two 8-channel halves) */
+#define MT_Q4I_AVX2 2 /* AVX2 x rows per pass straight from the codes (a piece: four 8-channel sets a row) */
+#ifndef MT_Q4I_AVX2_TILE
+#define MT_Q4I_AVX2_TILE 4 /* AVX2 x rows per pass over a tile (one slice, two 8-channel halves) */
+#endif
 #ifndef Q4I_AVX2_TILE_ROWS
-#define Q4I_AVX2_TILE_ROWS 3  /* AVX2: the tile from 3 rows (AVX2-only Zen 4, 1 thread: 3 and 4 rows 12% faster than
-                                 spread every pass, 2 rows 1.15x slower) */
+#define Q4I_AVX2_TILE_ROWS 10  /* AVX2: the tile from 10 rows (AVX2-only Zen 4, 2 threads, the 30 layers' matmuls
+                                 from memory: straight from the codes 0.60x / 0.82x / 0.95x the tile's time at 3 / 5 /
+                                 8 rows, 1.07x at 12) */
 #endif
 
 /* The tile of slices s0 .. s0 + S - 1 of block n0: T[((p S + j) 16 + c) 4 + t] = the code of channel
@@ -988,32 +1027,27 @@ AVX2_TARGET static void q4i_tile_avx2(const uint8_t *codes, int64_t K, int B, in
         }
 }
 
+/* One slice (channels c0 + 16 j .., two 8-lane halves) of the tile T against rows i0 .. i0 + R - 1 (R up to
+ * MT_Q4I_AVX2_TILE): maddubs gives each 16-bit lane two products (at most 2 x 15 x 127 = 3,810), and a group's 8
+ * passes add up in int16 (at most 30,480: no saturation); madd with ones then gives each channel its int32 sum,
+ * exact as every integer sum is. The float totals wait in y between groups (exact: a float32 store). */
 AVX2_TARGET static inline __attribute__((always_inline)) void q4i_avx2_tile(
-        const uint8_t *T, const uint8_t *cb, const int B, const int js, const int S, const int j, const uint32_t *tab,
-        const int8_t *xq, const float *dx, const float *sx, int64_t K, int64_t N, int64_t c0, int64_t i0, const int R,
-        float *y) {
+        const uint8_t *T, const int S, const int j, const uint32_t *tab, const int8_t *xq, const float *dx,
+        const float *sx, int64_t K, int64_t N, int64_t c0, int64_t i0, const int R, float *y) {
     const int64_t G = K / 32;
     const __m256i ones = _mm256_set1_epi16(1), high = _mm256_set1_epi32((int)0xFFFF0000u);
-    __m256 acc[MT_Q4I_AVX2][2];
-    __m256i s[MT_Q4I_AVX2][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    __m256i s[MT_Q4I_AVX2_TILE][2];
     for (int64_t g = 0; g < G; g++) {
         for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
         for (int64_t p = 8 * g; p < 8 * g + 8; p++) {
-            __m256i w[2];
-            if (T) {
-                w[0] = _mm256_loadu_si256((const __m256i *)(T + (p * S + j) * 64));
-                w[1] = _mm256_loadu_si256((const __m256i *)(T + (p * S + j) * 64 + 32));
-            } else {
-                q4i_slice_avx2(cb, B / 2, B, js, p, w);
-            }
-            const __m256i w0 = w[0], w1 = w[1];
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(T + (p * S + j) * 64));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(T + (p * S + j) * 64 + 32));
             for (int r = 0; r < R; r++) {
                 int32_t x4;
                 memcpy(&x4, xq + (i0 + r) * K + 4 * p, 4);
                 const __m256i xv = _mm256_set1_epi32(x4);
-                s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, xv), ones));
-                s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, xv), ones));
+                s[r][0] = _mm256_add_epi16(s[r][0], _mm256_maddubs_epi16(w0, xv));
+                s[r][1] = _mm256_add_epi16(s[r][1], _mm256_maddubs_epi16(w1, xv));
             }
         }
         for (int h = 0; h < 2; h++) {
@@ -1022,25 +1056,108 @@ AVX2_TARGET static inline __attribute__((always_inline)) void q4i_avx2_tile(
             const __m256 m = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), d, _mm256_castsi256_ps(_mm256_and_si256(t, high)));
             for (int r = 0; r < R; r++) {
                 const __m256 sc = _mm256_mul_ps(d, _mm256_set1_ps(dx[(i0 + r) * G + g]));
-                acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[(i0 + r) * G + g]),
-                                            _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h]), sc, acc[r][h]));
+                const __m256i isum = _mm256_madd_epi16(s[r][h], ones);
+                float *yp = y + (i0 + r) * N + c0 + 16 * j + 8 * h;
+                const __m256 acc = g ? _mm256_loadu_ps(yp) : _mm256_setzero_ps();
+                _mm256_storeu_ps(yp, _mm256_fmadd_ps(m, _mm256_set1_ps(sx[(i0 + r) * G + g]),
+                                                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, acc)));
             }
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int h = 0; h < 2; h++) _mm256_storeu_ps(y + (i0 + r) * N + c0 + 16 * j + 8 * h, acc[r][h]);
 }
 
-/* Rows i0 .. i0 + R - 1 over the unit's slices: from its tile T, or (T NULL) from its codes cb, spread in registers
- * every pass (slices s0 .. s0 + S - 1 of a block of B channels). */
-AVX2_TARGET static void q4i_avx2(const uint8_t *T, const uint8_t *cb, int B, int s0, const uint32_t *tab,
-                                 const int8_t *xq, const float *dx, const float *sx, int64_t K, int64_t N, int64_t c0,
-                                 int S, int64_t i0, int R, float *y) {
-    for (int j = 0; j < S; j++) {
-        if (T && R == 1) q4i_avx2_tile(T, NULL, B, s0 + j, S, j, tab, xq, dx, sx, K, N, c0, i0, 1, y);
-        else if (T) q4i_avx2_tile(T, NULL, B, s0 + j, S, j, tab, xq, dx, sx, K, N, c0, i0, 2, y);
-        else if (R == 1) q4i_avx2_tile(NULL, cb, B, s0 + j, S, j, tab, xq, dx, sx, K, N, c0, i0, 1, y);
-        else q4i_avx2_tile(NULL, cb, B, s0 + j, S, j, tab, xq, dx, sx, K, N, c0, i0, 2, y);
+/* Straight from the codes (no tile): piece q of a block (code bytes 16 q .. 16 q + 15 of each input's B / 2;
+ * their low nibbles are channels cl .. cl + 15 = n0 + 16 q .., their high ones ch = cl + B / 2 ..) against rows
+ * i0 .. i0 + R - 1, the low nibbles' channels when lo, the high ones' when hi. A pass reads inputs 4 p .. 4 p + 3
+ * as two registers [input 0 | input 1] and [2 | 3] (one load each for B = 32, whose inputs are 16 bytes apart);
+ * a byte unpack pairs input 0 with 2 in 128-bit lane 0 and 1 with 3 in lane 1, 8 channels at a time, and
+ * maddubs against x's pairs (x0, x2 | x1, x3) gives each 16-bit lane two products: 12 operations (loads
+ * included) spread 128 codes, where q4i_slice_avx2 takes 22 for 64. A group's 8 passes add up in int16 (at most 8 x 3,810), then each
+ * channel's two lanes are widened and added: the tile's exact int32 sums, so the same bits. The float totals
+ * wait in y between groups (exact: a float32 store). */
+AVX2_TARGET static inline __attribute__((always_inline)) void q4i_avx2_piece(
+        const uint8_t *cb, const int64_t half, const int q, const int lo, const int hi, const uint32_t *tab,
+        const int8_t *xq, const float *dx, const float *sx, int64_t K, int64_t N, int64_t cl, int64_t i0, const int R,
+        float *y) {
+    const int64_t G = K / 32;
+    const __m256i low = _mm256_set1_epi8(15), high = _mm256_set1_epi32((int)0xFFFF0000u);
+    const __m256i pairs = _mm256_setr_epi8(0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2, 0, 2,
+                                           1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3, 1, 3);
+    const int k0 = lo ? 0 : 2, k1 = hi ? 4 : 2;  /* s[r][k]: k / 2 the nibble, k % 2 channels 0-7 or 8-15 */
+    for (int64_t g = 0; g < G; g++) {
+        __m256i s[MT_Q4I_AVX2][4];
+        for (int r = 0; r < R; r++)
+            for (int k = k0; k < k1; k++) s[r][k] = _mm256_setzero_si256();
+        for (int64_t p = 8 * g; p < 8 * g + 8; p++) {
+            const uint8_t *b = cb + 4 * p * half + 16 * q;
+            _mm_prefetch((const char *)b + PREFETCH_BYTES, _MM_HINT_T0);
+            const __m256i a = half == 16 ? _mm256_loadu_si256((const __m256i *)b)
+                                         : _mm256_loadu2_m128i((const __m128i *)(b + half), (const __m128i *)b);
+            const __m256i c = half == 16 ? _mm256_loadu_si256((const __m256i *)(b + 32))
+                                         : _mm256_loadu2_m128i((const __m128i *)(b + 3 * half),
+                                                               (const __m128i *)(b + 2 * half));
+            __m256i w[4];
+            if (lo) {
+                const __m256i al = _mm256_and_si256(a, low), cl4 = _mm256_and_si256(c, low);
+                w[0] = _mm256_unpacklo_epi8(al, cl4), w[1] = _mm256_unpackhi_epi8(al, cl4);
+            }
+            if (hi) {
+                const __m256i ah = _mm256_and_si256(_mm256_srli_epi16(a, 4), low);
+                const __m256i ch4 = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+                w[2] = _mm256_unpacklo_epi8(ah, ch4), w[3] = _mm256_unpackhi_epi8(ah, ch4);
+            }
+            for (int r = 0; r < R; r++) {
+                int32_t x4;
+                memcpy(&x4, xq + (i0 + r) * K + 4 * p, 4);
+                const __m256i xv = _mm256_shuffle_epi8(_mm256_set1_epi32(x4), pairs);
+                for (int k = k0; k < k1; k++) s[r][k] = _mm256_add_epi16(s[r][k], _mm256_maddubs_epi16(w[k], xv));
+            }
+        }
+        for (int k = k0; k < k1; k++) {
+            const int64_t c0 = cl + (k / 2) * half + 8 * (k % 2);
+            const __m256i t = _mm256_loadu_si256((const __m256i *)(tab + g * N + c0));
+            const __m256 d = _mm256_castsi256_ps(_mm256_slli_epi32(t, 16));
+            const __m256 m = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), d, _mm256_castsi256_ps(_mm256_and_si256(t, high)));
+            for (int r = 0; r < R; r++) {
+                const __m256i isum = _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(s[r][k])),
+                                                      _mm256_cvtepi16_epi32(_mm256_extracti128_si256(s[r][k], 1)));
+                const __m256 sc = _mm256_mul_ps(d, _mm256_set1_ps(dx[(i0 + r) * G + g]));
+                float *yp = y + (i0 + r) * N + c0;
+                const __m256 acc = g ? _mm256_loadu_ps(yp) : _mm256_setzero_ps();
+                _mm256_storeu_ps(yp, _mm256_fmadd_ps(m, _mm256_set1_ps(sx[(i0 + r) * G + g]),
+                                                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, acc)));
+            }
+        }
+    }
+}
+
+/* Rows i0 .. i0 + R - 1 over the unit's slices s0 .. s0 + S - 1 of a block of B channels (n0 its first): from its
+ * tile T, or (T NULL) straight from its codes cb, piece by piece (slice j: piece Q4P_OFF / 16, nibble
+ * Q4P_SHIFT / 4; a unit holds both nibbles of its pieces, or one nibble of every piece). */
+AVX2_TARGET static void q4i_avx2(const uint8_t *T, const uint8_t *cb, int B, int64_t n0, int s0, const uint32_t *tab,
+                                 const int8_t *xq, const float *dx, const float *sx, int64_t K, int64_t N, int S,
+                                 int64_t i0, int R, float *y) {
+    const int64_t c0 = n0 + 16 * s0;
+    if (T) {
+        for (int j = 0; j < S; j++) {
+            switch (R) {
+            case 1: q4i_avx2_tile(T, S, j, tab, xq, dx, sx, K, N, c0, i0, 1, y); break;
+            case 2: q4i_avx2_tile(T, S, j, tab, xq, dx, sx, K, N, c0, i0, 2, y); break;
+            case 3: q4i_avx2_tile(T, S, j, tab, xq, dx, sx, K, N, c0, i0, 3, y); break;
+            default: q4i_avx2_tile(T, S, j, tab, xq, dx, sx, K, N, c0, i0, 4, y); break;
+            }
+        }
+        return;
+    }
+    const int half = B / 2, both = S == B / 16, nib = Q4P_SHIFT(B, s0) / 4;
+    for (int q = 0; q < half / 16; q++) {
+        const int64_t cl = n0 + 16 * q;
+        if (both && R == 1) q4i_avx2_piece(cb, half, q, 1, 1, tab, xq, dx, sx, K, N, cl, i0, 1, y);
+        else if (both) q4i_avx2_piece(cb, half, q, 1, 1, tab, xq, dx, sx, K, N, cl, i0, 2, y);
+        else if (!nib && R == 1) q4i_avx2_piece(cb, half, q, 1, 0, tab, xq, dx, sx, K, N, cl, i0, 1, y);
+        else if (!nib) q4i_avx2_piece(cb, half, q, 1, 0, tab, xq, dx, sx, K, N, cl, i0, 2, y);
+        else if (R == 1) q4i_avx2_piece(cb, half, q, 0, 1, tab, xq, dx, sx, K, N, cl, i0, 1, y);
+        else q4i_avx2_piece(cb, half, q, 0, 1, tab, xq, dx, sx, K, N, cl, i0, 2, y);
     }
 }
 #endif
@@ -1071,6 +1188,8 @@ static void q4i_scalar(const uint8_t *T, const uint32_t *tab, const int8_t *xq, 
  * vpdpbusd (whose sum, started from -128 * sumq_g, is isum_g), as w itself elsewhere (AVX2 multiplies |w| by
  * x with w's sign: pairs of products within int16). */
 #define NB_Q8I 64     /* output channels per unit (the last may be partial) */
+#define MT_Q8I_AVX2 2 /* AVX2 x rows per pass (one slice, two 8-channel halves; int32 sums: a 16-bit lane's two
+                         products reach 2 x 127 x 127) */
 
 /* Channels n0 .. n0 + 16 S - 1 (those past N as zero weights) into T, each byte w ^ flip. */
 static void q8i_tile_scalar(const int8_t *w, int64_t K, int64_t N, int64_t n0, int S, uint8_t flip, uint8_t *T) {
@@ -1221,8 +1340,8 @@ AVX2_TARGET static inline __attribute__((always_inline)) void q8i_avx2_tile(
         int64_t N, int64_t n0, int64_t i0, const int R, float *y) {
     const int64_t G = K / 32;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[MT_Q4I_AVX2][2];
-    __m256i s[MT_Q4I_AVX2][2];
+    __m256 acc[MT_Q8I_AVX2][2];
+    __m256i s[MT_Q8I_AVX2][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
@@ -1381,6 +1500,10 @@ static void quant_one(const struct job *j, int64_t i) {
 #if PD_X86
     if (j->isa >= 2) {
         quant_row_avx512(j->x + i * K, K, j->xq + i * K, j->dx + i * G, j->sx + i * G, j->sq + i * G);
+        return;
+    }
+    if (j->isa == 1) {
+        quant_row_avx2(j->x + i * K, K, j->xq + i * K, j->dx + i * G, j->sx + i * G, j->sq + i * G);
         return;
     }
 #endif
@@ -1579,7 +1702,7 @@ static void run_unit_q4p(const struct job *j, int64_t b, int u) {
 }
 
 /* q4 (int8 x) over unit u of block b (as run_unit_q4p's) against every row of x: the unit's codes spread into
- * the thread's tile (q4i_tile_*) once, then MT_Q4I (AVX512) or MT_Q4I_AVX2 rows of x a pass over it. */
+ * the thread's tile (q4i_tile_*) once, then MT_Q4I (AVX512) or MT_Q4I_AVX2_TILE rows of x a pass over it. */
 static void run_unit_q4i(const struct job *j, int64_t b, int u) {
     const int64_t M = j->M, K = j->K, N = j->N, n0 = b * j->B;
     const int s0 = u == 2 ? j->B / 32 : 0, S = u == 0 ? j->B / 16 : j->B / 32;  /* its slices of 16 channels */
@@ -1597,7 +1720,7 @@ static void run_unit_q4i(const struct job *j, int64_t b, int u) {
 #endif
             q4i_tile_scalar(j->w, K, j->B, n0, s0, S, T);
     }
-    const int64_t mt = j->isa >= 2 ? MT_Q4I : j->isa == 1 ? MT_Q4I_AVX2 : 1;
+    const int64_t mt = j->isa >= 2 ? MT_Q4I : j->isa == 1 ? (T ? MT_Q4I_AVX2_TILE : MT_Q4I_AVX2) : 1;
     for (int64_t i0 = 0; i0 < M; i0 += mt) {
         const int R = M - i0 < mt ? (int)(M - i0) : (int)mt;
 #if PD_X86
@@ -1607,7 +1730,7 @@ static void run_unit_q4i(const struct job *j, int64_t b, int u) {
             continue;
         }
         if (j->isa == 1) {
-            q4i_avx2(T, cb, j->B, s0, j->table, j->xq, j->dx, j->sx, K, N, c0, S, i0, R, j->y);
+            q4i_avx2(T, cb, j->B, n0, s0, j->table, j->xq, j->dx, j->sx, K, N, S, i0, R, j->y);
             continue;
         }
 #endif
@@ -1617,7 +1740,7 @@ static void run_unit_q4i(const struct job *j, int64_t b, int u) {
 }
 
 /* q8 (int8 x) over output channels b * NB_Q8I .. (b + 1) * NB_Q8I - 1 against every row of x: the unit spread
- * into the thread's tile once, then MT_Q4I (AVX512) or MT_Q4I_AVX2 rows of x a pass over it. */
+ * into the thread's tile once, then MT_Q4I (AVX512) or MT_Q8I_AVX2 rows of x a pass over it. */
 static void run_block_q8i(const struct job *j, int64_t b) {
     const int64_t M = j->M, K = j->K, N = j->N, n0 = b * NB_Q8I;
     const int S = (int)((N - n0 >= NB_Q8I ? NB_Q8I : N - n0) + 15) / 16;
@@ -1629,7 +1752,7 @@ static void run_block_q8i(const struct job *j, int64_t b) {
     else
 #endif
         q8i_tile_scalar(j->w, K, N, n0, S, 0, T);
-    const int64_t mt = j->isa >= 2 ? MT_Q4I : j->isa == 1 ? MT_Q4I_AVX2 : 1;
+    const int64_t mt = j->isa >= 2 ? MT_Q4I : j->isa == 1 ? MT_Q8I_AVX2 : 1;
     for (int64_t i0 = 0; i0 < M; i0 += mt) {
         const int R = M - i0 < mt ? (int)(M - i0) : (int)mt;
 #if PD_X86

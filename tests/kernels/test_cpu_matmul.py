@@ -174,6 +174,25 @@ def test_q4_every_path_gives_the_scalar_bits_at_both_block_sizes(isa, block_rows
     assert moved.tolist() == [block_rows + block_rows // 2 + 5]
 
 
+@pytest.mark.parametrize("block_rows", [32, 64])
+@pytest.mark.parametrize("isa", [isa_param(i) for i in (cm.ISA_AVX2, cm.ISA_AVX512, cm.ISA_AVX512_VBMI)])
+def test_q4_the_largest_sums_do_not_saturate(isa, block_rows):
+    """Every code 15 against x rows that quantize to +127 or -127 everywhere (and one of each sign by halves):
+    the largest integer sums a group can make (32 x 15 x 127), which the AVX2 kernels add up in int16 lanes
+    part of the way. Rows 1-2 (straight from the codes), 3 and 9 (a tile), the scalar path's bits."""
+    n, k = 2 * block_rows, 128
+    packed = torch.full((n, k // 2), 0xFF, dtype=torch.uint8)
+    table = torch.ones(k // 32, n, 2).bfloat16()
+    signs = torch.tensor([1.0, -1.0, 1.0])
+    x = signs.repeat(3)[:, None].expand(9, k).clone()
+    x[2, k // 2:] = -1.0
+    expected = cm.q4_matmul(x, packed, table, block_rows, isa=cm.ISA_SCALAR, nthreads=1)
+    assert expected[0, 0].item() == k * 15 * 1.0 + k * 1.0 - 8.0 * k  # x = 1: sum of (15 - 8) d + z over k inputs
+    for rows in (1, 2, 3, 9):
+        got = cm.q4_matmul(x[:rows], packed, table, block_rows, isa=isa, nthreads=1)
+        assert torch.equal(got, expected[:rows]), rows
+
+
 @pytest.mark.parametrize("isa", [isa_param(i) for i in (cm.ISA_AVX2, cm.ISA_AVX512, cm.ISA_AVX512_VBMI)])
 def test_q8_every_path_gives_the_scalar_bits(isa):
     """int8 weights of every value in [-127, 127] over 83 output channels (a last unit of 19: a partial slice) and
