@@ -1039,6 +1039,7 @@ AVX2_TARGET static inline __attribute__((always_inline)) void q4i_avx2_tile(
     __m256i s[MT_Q4I_AVX2_TILE][2];
     for (int64_t g = 0; g < G; g++) {
         for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
         for (int64_t p = 8 * g; p < 8 * g + 8; p++) {
             const __m256i w0 = _mm256_loadu_si256((const __m256i *)(T + (p * S + j) * 64));
             const __m256i w1 = _mm256_loadu_si256((const __m256i *)(T + (p * S + j) * 64 + 32));
@@ -1088,6 +1089,7 @@ AVX2_TARGET static inline __attribute__((always_inline)) void q4i_avx2_piece(
         __m256i s[MT_Q4I_AVX2][4];
         for (int r = 0; r < R; r++)
             for (int k = k0; k < k1; k++) s[r][k] = _mm256_setzero_si256();
+#pragma GCC unroll 8
         for (int64_t p = 8 * g; p < 8 * g + 8; p++) {
             const uint8_t *b = cb + 4 * p * half + 16 * q;
             _mm_prefetch((const char *)b + PREFETCH_BYTES, _MM_HINT_T0);
