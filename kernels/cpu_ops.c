@@ -280,6 +280,123 @@ int pd_write_kv(const float *key, int64_t k_s0, int64_t k_s1, const float *value
     return 0;
 }
 
+/* ------------------------------------------------------------------------------------------------ int8 KV blocks */
+/* kernels.reference.gather_blocks_int8_ref / scatter_blocks_int8_ref (the KV transfer's int8 codec), one pass over
+ * each block and no temporaries: per block, layer, K/V and kv head h of a cache slab [block_size, Hkv, D] (fp32 or
+ * bf16), scale = amax / 127 (NaN when a value is NaN, as torch.amax), inv = scale > 0 ? 1 / scale : 0, q =
+ * clamp(rint(x * inv), -127, 127): the reference's bits (rint rounds half to even, as torch.round; a NaN x * inv
+ * becomes 0, what torch's float-to-int8 cast gives on x86). Back: x = (float)q * scale, rounded to
+ * bf16 for a bf16 cache. Block i's codes [L, 2, block_size, Hkv, D] start data_stride bytes after block i - 1's,
+ * its scales [L, 2, Hkv] (fp32, any alignment) scale_stride bytes after: contiguous tensors, or the records of a
+ * KV payload (kvstore.transfer). The cache is [L, 2, num_blocks, block_size, Hkv, D]; block ids are checked first
+ * (-1 when one is outside [0, num_blocks), nothing written). */
+PD_CLONES
+static void quant_slab(const void *slab, const void *next, int bf16, int64_t S, int64_t H, int64_t D,
+                       int8_t *restrict q, uint8_t *scales) {
+    /* Two passes over the slab in memory order (the second from cache), the next slab (NULL: none) prefetched into
+     * L2 meanwhile (slabs are far apart, and the hardware prefetcher stops at each 4 KiB page); D % LANES == 0.
+     * Each head's absmax is its
+     * largest |x| bit pattern: for values >= 0 the float order is the integer one (signed: the patterns are below
+     * 2^31, and AVX2 compares only signed), and a NaN's pattern is above infinity's, so the max is NaN when a
+     * value is (as torch.amax). */
+    int32_t lanes[H][LANES];
+    float inv[H];
+    memset(lanes, 0, sizeof lanes);
+    const int64_t row_bytes = D * (bf16 ? 2 : 4);
+    for (int64_t t = 0; t < S; t++)
+        for (int64_t h = 0; h < H; h++) {
+            if (next)
+                for (int64_t c = 0; c < row_bytes; c += 64)
+                    __builtin_prefetch((const char *)next + (t * H + h) * row_bytes + c, 0, 2);
+            int32_t *restrict m = lanes[h];
+            for (int64_t d = 0; d < D; d += LANES) {
+                const int64_t at = (t * H + h) * D + d;
+                for (int j = 0; j < LANES; j++) {
+                    uint32_t bits;
+                    if (bf16) bits = (uint32_t)((const uint16_t *)slab)[at + j] << 16;
+                    else memcpy(&bits, (const float *)slab + at + j, 4);
+                    const int32_t a = (int32_t)(bits & 0x7FFFFFFFu);
+                    m[j] = a > m[j] ? a : m[j];
+                }
+            }
+        }
+    for (int64_t h = 0; h < H; h++) {
+        int32_t top = 0;
+        for (int j = 0; j < LANES; j++) top = lanes[h][j] > top ? lanes[h][j] : top;
+        float amax;
+        memcpy(&amax, &top, 4);
+        const float scale = amax / 127.0f;
+        inv[h] = scale > 0.0f ? 1.0f / scale : 0.0f;
+        memcpy(scales + 4 * h, &scale, 4);
+    }
+    for (int64_t t = 0; t < S; t++)
+        for (int64_t h = 0; h < H; h++) {
+            const int64_t row = (t * H + h) * D;
+            const float s = inv[h];
+            for (int64_t d = 0; d < D; d++) {
+                const float x = bf16 ? bf16_to_f32(((const uint16_t *)slab)[row + d]) : ((const float *)slab)[row + d];
+                float r = rintf(x * s);
+                r = r != r ? 0.0f : r < -127.0f ? -127.0f : r > 127.0f ? 127.0f : r;
+                q[row + d] = (int8_t)(int32_t)r;
+            }
+        }
+}
+
+PD_CLONES
+static void dequant_slab(const int8_t *restrict q, const uint8_t *scales, int64_t S, int64_t H, int64_t D, void *slab,
+                         int bf16) {
+    for (int64_t t = 0; t < S; t++)
+        for (int64_t h = 0; h < H; h++) {
+            float scale;
+            memcpy(&scale, scales + 4 * h, 4);
+            const int64_t row = (t * H + h) * D;
+            if (bf16) {
+                uint16_t *restrict dst = (uint16_t *)slab + row;
+                for (int64_t d = 0; d < D; d++) dst[d] = f32_to_bf16((float)q[row + d] * scale);
+            } else {
+                float *restrict dst = (float *)slab + row;
+                for (int64_t d = 0; d < D; d++) dst[d] = (float)q[row + d] * scale;
+            }
+        }
+}
+
+static int blocks_ok(const int64_t *ids, int64_t n, int64_t num_blocks) {
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= num_blocks) return 0;
+    return 1;
+}
+
+int pd_gather_blocks_int8(const void *cache, int bf16, int64_t L, int64_t num_blocks, int64_t S, int64_t H, int64_t D,
+                          const int64_t *ids, int64_t n, int8_t *data, int64_t data_stride, uint8_t *scales,
+                          int64_t scale_stride, int nthreads) {
+    if (!blocks_ok(ids, n, num_blocks)) return -1;
+    const int64_t slab = S * H * D, esize = bf16 ? 2 : 4;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n * L >= 16)
+    for (int64_t u = 0; u < n * L * 2; u++) {
+        const int64_t i = u / (2 * L), lk = u % (2 * L);  /* lk = 2 l + (0 K, 1 V) */
+        const int64_t v = u + 1 < n * L * 2 ? u + 1 : u, lk1 = v % (2 * L), id1 = ids[v / (2 * L)];
+        quant_slab((const char *)cache + ((lk * num_blocks + ids[i]) * slab) * esize,
+                   v != u ? (const char *)cache + ((lk1 * num_blocks + id1) * slab) * esize : NULL, bf16, S, H, D,
+                   (int8_t *)((char *)data + i * data_stride) + lk * slab, scales + i * scale_stride + 4 * H * lk);
+    }
+    return 0;
+}
+
+int pd_scatter_blocks_int8(const int8_t *data, int64_t data_stride, const uint8_t *scales, int64_t scale_stride,
+                           void *cache, int bf16, int64_t L, int64_t num_blocks, int64_t S, int64_t H, int64_t D,
+                           const int64_t *ids, int64_t n, int nthreads) {
+    if (!blocks_ok(ids, n, num_blocks)) return -1;
+    const int64_t slab = S * H * D, esize = bf16 ? 2 : 4;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && n * L >= 16)
+    for (int64_t u = 0; u < n * L * 2; u++) {
+        const int64_t i = u / (2 * L), lk = u % (2 * L);
+        dequant_slab((const int8_t *)((const char *)data + i * data_stride) + lk * slab,
+                     scales + i * scale_stride + 4 * H * lk, S, H, D,
+                     (char *)cache + ((lk * num_blocks + ids[i]) * slab) * esize, bf16);
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------------------------------------------ SiLU * up */
 /* out[t, i] = silu(gu[t, i]) * gu[t, I + i], silu(g) = g / (1 + exp(-g)); gu rows of stride gu_s, out [T, I]. */
 PD_CLONES

@@ -15,6 +15,11 @@ Layouts taken (anything else runs the reference, so every call is served):
     paged_attention    query [T, Hq, D] float32 view, caches contiguous float32 or bfloat16, block_tables,
                        seq_lens and query_start_loc int32: decode, prefill, chunks, prefix hits, mixed batches
     silu_mul           gate_up [T, 2 I] float32 with rows of any stride -> [T, I]
+    gather_blocks_int8 / scatter_blocks_int8
+                       the KV transfer's int8 codec: a contiguous float32 or bfloat16 cache [L, 2, num_blocks,
+                       block_size, Hkv, D] (D a multiple of 16), codes [n, L, 2, block_size, Hkv, D] int8 and scales [n, L, 2, Hkv]
+                       float32 dense past their block dim (any block stride: a KV payload's records); the
+                       reference's bits (integer codes; NaN aside), one pass a block, no temporaries
     top_k_indices      x [M, N] float32 with rows of any stride, k <= 64 -> [M, k] int64 (an LM head's candidates)
     DecoderLayers      a pure decode batch through every layer of a plain pre-norm decoder (RMSNorm, fused qkv with
                        RoPE, paged attention, SiLU-gated MLP; every linear a kernels.cpu_matmul.NativeMatmul) in
@@ -68,6 +73,8 @@ def load_library(source: Path) -> ctypes.CDLL | None:
         "pd_paged_attention": (cint, [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, cint, i64, i64, i64, ptr, i64,
                                       i64, ptr, ptr, f32, i64, f32, ptr, cint]),
         "pd_decode_layers": (cint, [ptr, ptr, i64, ptr, ptr, ptr, cint, i64, i64, ptr, i64, ptr, ptr, ptr, cint]),
+        "pd_gather_blocks_int8": (cint, [ptr, cint, i64, i64, i64, i64, i64, ptr, i64, ptr, i64, ptr, i64, cint]),
+        "pd_scatter_blocks_int8": (cint, [ptr, i64, ptr, i64, ptr, cint, i64, i64, i64, i64, i64, ptr, i64, cint]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -253,6 +260,83 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         _lib().pd_silu_mul(gate_up.data_ptr(), gate_up.stride(0), num_tokens, width // 2, out.data_ptr(),
                            torch.get_num_threads())
     return out
+
+
+# --------------------------------------------------------------------------------------------------- int8 KV blocks
+def _cache_ok(kv_cache: torch.Tensor) -> bool:
+    """A contiguous [L, 2, num_blocks, block_size, Hkv, D] float32 / bfloat16 CPU cache, D a multiple of 16."""
+    return (kv_cache.dim() == 6 and kv_cache.dtype in _CACHE_DTYPES and kv_cache.is_cpu and kv_cache.is_contiguous()
+            and kv_cache.shape[1] == 2 and kv_cache.shape[5] % 16 == 0)
+
+
+def _dense_past_first(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """A CPU tensor of `dtype` laid out densely past its first dim (whose stride is free)."""
+    if t.dtype is not dtype or not t.is_cpu:
+        return False
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _block_ids(block_ids: torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(block_ids, dtype=_INT64).reshape(-1).contiguous()
+
+
+def gather_blocks_int8(kv_cache: torch.Tensor, block_ids: torch.Tensor,
+                       out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.reference.gather_blocks_int8_ref: (codes int8 [n, L, 2, block_size, Hkv, D], scales float32
+    [n, L, 2, Hkv]), written into `out` = (codes, scales) when given (dense past the block dim)."""
+    ids = _block_ids(block_ids)
+    if not _cache_ok(kv_cache):
+        data, scales = ref.gather_blocks_int8_ref(kv_cache, ids)
+        if out is None:
+            return data, scales
+        out[0].copy_(data), out[1].copy_(scales)
+        return out
+    num_layers, _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    n = ids.numel()
+    shape = (n, num_layers, 2, block_size, num_kv_heads, head_dim)
+    if out is None:
+        data, scales = torch.empty(shape, dtype=torch.int8), torch.empty(n, num_layers, 2, num_kv_heads)
+    else:
+        data, scales = out
+        if tuple(data.shape) != shape or not _dense_past_first(data, torch.int8):
+            raise ValueError(f"out[0] must be an int8 CPU tensor of shape {list(shape)} dense past its first dim, "
+                             f"got {data.dtype} {list(data.shape)} strides {list(data.stride())}")
+        if tuple(scales.shape) != shape[:3] + (num_kv_heads,) or not _dense_past_first(scales, _F32):
+            raise ValueError(f"out[1] must be a float32 CPU tensor of shape {list(shape[:3]) + [num_kv_heads]} "
+                             f"dense past its first dim, got {scales.dtype} {list(scales.shape)}")
+    if n and _lib().pd_gather_blocks_int8(kv_cache.data_ptr(), kv_cache.dtype is _BF16, num_layers, num_blocks,
+                                          block_size, num_kv_heads, head_dim, ids.data_ptr(), n, data.data_ptr(),
+                                          data.stride(0), scales.data_ptr(), 4 * scales.stride(0),
+                                          torch.get_num_threads()):
+        raise ValueError(f"block_ids entries must be in [0, {num_blocks})")
+    return data, scales
+
+
+def scatter_blocks_int8(data: torch.Tensor, scales: torch.Tensor, kv_cache: torch.Tensor,
+                        block_ids: torch.Tensor) -> None:
+    """kernels.reference.scatter_blocks_int8_ref: codes [n, L, 2, block_size, Hkv, D] int8 and scales [n, L, 2,
+    Hkv] float32 (each dense past its block dim) dequantized into kv_cache's blocks block_ids."""
+    ids = _block_ids(block_ids)
+    if not (_cache_ok(kv_cache) and _dense_past_first(data, torch.int8) and _dense_past_first(scales, _F32)):
+        ref.scatter_blocks_int8_ref(data, scales, kv_cache, ids)
+        return
+    num_layers, _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    n = ids.numel()
+    shape = (n, num_layers, 2, block_size, num_kv_heads, head_dim)
+    if tuple(data.shape) != shape:
+        raise _shape_error("data", data, shape)
+    if tuple(scales.shape) != shape[:3] + (num_kv_heads,):
+        raise _shape_error("scales", scales, shape[:3] + (num_kv_heads,))
+    if n and _lib().pd_scatter_blocks_int8(data.data_ptr(), data.stride(0), scales.data_ptr(), 4 * scales.stride(0),
+                                           kv_cache.data_ptr(), kv_cache.dtype is _BF16, num_layers, num_blocks,
+                                           block_size, num_kv_heads, head_dim, ids.data_ptr(), n,
+                                           torch.get_num_threads()):
+        raise ValueError(f"block_ids entries must be in [0, {num_blocks})")
 
 
 TOP_K_MAX = 64

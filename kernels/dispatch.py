@@ -210,22 +210,33 @@ def dequantize_blocks_int8(data: torch.Tensor, scales: torch.Tensor, dtype: torc
     return ref.dequantize_blocks_int8_ref(data, scales, dtype)
 
 
-def gather_blocks_int8(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_blocks_int8(gather_blocks(...)) in one pass on the Triton path."""
+def gather_blocks_int8(kv_cache: torch.Tensor, block_ids: torch.Tensor,
+                       out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_blocks_int8(gather_blocks(...)) in one pass on the Triton and native paths; written into `out` =
+    (codes, scales) when given (the native path writes there itself: a KV payload's records)."""
     # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]; block_ids: [n] -> (int8 staging, fp32 [n, L, 2, Hkv])
+    if (native := _native_ops(kv_cache)) is not None:
+        return native.gather_blocks_int8(kv_cache, block_ids, out)
     if _use_triton(kv_cache):
         from kernels.triton_block_copy import gather_blocks_int8_triton
-        return gather_blocks_int8_triton(kv_cache, block_ids)
-    return ref.gather_blocks_int8_ref(kv_cache, block_ids)
+        data, scales = gather_blocks_int8_triton(kv_cache, block_ids)
+    else:
+        data, scales = ref.gather_blocks_int8_ref(kv_cache, block_ids)
+    if out is None:
+        return data, scales
+    out[0].copy_(data), out[1].copy_(scales)
+    return out
 
 
 def scatter_blocks_int8(data: torch.Tensor, scales: torch.Tensor, kv_cache: torch.Tensor,
                         block_ids: torch.Tensor) -> None:
-    """scatter_blocks(dequantize_blocks_int8(...)) in one pass on the Triton path."""
+    """scatter_blocks(dequantize_blocks_int8(...)) in one pass on the Triton and native paths."""
     # data: [n, L, 2, block_size, Hkv, D] int8; scales: [n, L, 2, Hkv]; kv_cache: [L, 2, num_blocks, block_size, Hkv, D]
     if _use_triton(kv_cache):
         from kernels.triton_block_copy import scatter_blocks_int8_triton
         scatter_blocks_int8_triton(data, scales, kv_cache, block_ids)
+    elif (native := _native_ops(kv_cache)) is not None:
+        native.scatter_blocks_int8(data, scales, kv_cache, block_ids)
     else:
         ref.scatter_blocks_int8_ref(data, scales, kv_cache, block_ids)
 

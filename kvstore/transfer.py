@@ -25,8 +25,9 @@ straight into the destination blocks (raw codec into a contiguous CPU cache: kvs
 receive staging buffer (reused across transfers: ``BufferPool``) that is scattered once every digest passed.
 
 No staging copies, no hashing ahead: ``write_records`` encodes a group of blocks straight into the memory that
-carries it (a pooled shared-memory segment, or the sender's reused grpc staging buffer; the raw codec gathers
-there with kernels.gather_blocks(out=)) and hashes the group while it is still in cache. Over grpc the digests
+carries it (a pooled shared-memory segment, or the sender's reused grpc staging buffer; from a CPU cache the raw
+codec gathers there with kernels.gather_blocks(out=), the int8 one with kernels.gather_blocks_int8(out=), and the
+receiver scatters int8 records from where they landed) and hashes the group while it is still in cache. Over grpc the digests
 therefore travel in a trailer after the data (manifest.digests_in_trailer), and the first byte leaves as soon as
 the first group is gathered; over shm the manifest is sent once the segment is complete and carries them.
 """
@@ -90,7 +91,8 @@ def _digest_records(view: memoryview, block_bytes: int, num_blocks: int) -> tupl
 def write_records(kv_cache: torch.Tensor, block_ids: Sequence[int], codec: str, out: torch.Tensor) -> tuple[bytes, ...]:
     """Encode `block_ids` as block records straight into `out` ([n * block_bytes] uint8 CPU memory: a pooled
     shared-memory segment's payload, a reused staging buffer) and return their digests, hashed while the records
-    are still in cache. Raw codec on a CPU cache: the kernels' gather writes `out` itself, no staging tensor."""
+    are still in cache. On a CPU cache the kernels' gather (raw) or gather-and-quantize (int8) writes `out` itself,
+    no staging tensor."""
     _check_codec(codec)
     # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]; out: [n * block_bytes] uint8
     n = len(block_ids)
@@ -100,11 +102,17 @@ def write_records(kv_cache: torch.Tensor, block_ids: Sequence[int], codec: str, 
                          f"on {out.device}")
     if n == 0:
         return ()
+    num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    shape = (n, num_layers, 2, block_size, num_kv_heads, head_dim)
+    block_elems = num_layers * 2 * block_size * num_kv_heads * head_dim
     if codec == "raw" and kv_cache.device.type == "cpu":
-        num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        staging = out.view(kv_cache.dtype).view(n, num_layers, 2, block_size, num_kv_heads, head_dim)
-        gather_blocks(kv_cache, _as_index(block_ids, kv_cache.device), out=staging)
-    else:  # int8 (records interleave data and scales) or a device cache: encode, then one copy to host memory
+        gather_blocks(kv_cache, _as_index(block_ids, kv_cache.device), out=out.view(kv_cache.dtype).view(shape))
+    elif kv_cache.device.type == "cpu" and (out.storage_offset() + block_elems) % 4 == 0 and block_bytes % 4 == 0:
+        records = out.view(n, block_bytes)  # each record's codes, then its scales (4-byte aligned: viewable as fp32)
+        gather_blocks_int8(kv_cache, _as_index(block_ids, kv_cache.device),
+                           out=(records[:, :block_elems].view(torch.int8).view(shape),
+                                records[:, block_elems:].view(torch.float32).view(shape[:3] + (num_kv_heads,))))
+    else:  # a device cache (or unaligned int8 records): encode, then one copy to host memory
         out.copy_(encode_records(kv_cache, block_ids, codec))
     return _digest_records(memoryview(out.numpy()), block_bytes, n)
 

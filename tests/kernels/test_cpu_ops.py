@@ -273,6 +273,65 @@ def _cpu_flags() -> set[str]:
     return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":")[1].split()}
 
 
+# --------------------------------------------------------------------------------------------------- int8 KV blocks
+def int8_case(dtype: torch.dtype):
+    """A cache [30, 2, 12, 16, 3, 64] of heads whose magnitudes span 2^-20 .. 2^8, one all-zero head, one of
+    halves with amax 127 (scale 1: x * inv ties at k + 0.5, rounded to even) and one holding a NaN; block ids with
+    a repeat."""
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(30, 2, 12, BLOCK, KV_HEADS, HEAD_DIM, generator=g)
+    cache *= torch.pow(2.0, torch.randint(-20, 9, (30, 2, 12, 1, KV_HEADS, 1), generator=g).float())
+    cache[4, 1, 3, :, 2] = 0.0
+    cache[7, 0, 5, :, 1] = torch.arange(BLOCK * HEAD_DIM).view(BLOCK, HEAD_DIM) % 20 - 9.5
+    cache[7, 0, 5, 0, 1, 0] = 127.0
+    cache[9, 1, 8, 3, 0, 7] = float("nan")
+    return cache.to(dtype), torch.tensor([3, 5, 8, 0, 11, 5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_blocks_equal_the_reference(dtype):
+    """gather_blocks_int8 gives the reference's codes and scales bit for bit (the NaN head: a NaN scale, codes 0,
+    as torch's float-to-int8 cast gives here), also written into a payload's records (block stride past the
+    codes: scales at unaligned offsets of no tensor); scatter_blocks_int8 writes the reference's values, bf16
+    rounded the same, from those strided records, and only into the blocks named."""
+    cache, ids = int8_case(dtype)
+    data, scales = cpu_ops.gather_blocks_int8(cache, ids)
+    data_ref, scales_ref = ref.gather_blocks_int8_ref(cache, ids)
+    assert torch.equal(data, data_ref)
+    assert torch.equal(scales.nan_to_num(-1.0), scales_ref.nan_to_num(-1.0)) and scales[2, 9, 1, 0].isnan()
+    n, codes, head_scales = len(ids), data[0].numel(), scales[0].numel()
+    records = torch.zeros(n, codes + 4 * head_scales + 4, dtype=torch.uint8)  # records 4 bytes longer than needed
+    out = (records[:, :codes].view(torch.int8).view(data.shape),
+           records[:, codes:codes + 4 * head_scales].view(torch.float32).view(scales.shape))
+    cpu_ops.gather_blocks_int8(cache, ids, out=out)
+    assert torch.equal(out[0], data) and torch.equal(out[1].nan_to_num(-1.0), scales.nan_to_num(-1.0))
+    assert not records[:, codes + 4 * head_scales:].any()
+    dest, dest_ref = torch.zeros_like(cache), torch.zeros_like(cache)
+    to = torch.tensor([1, 2, 4, 6, 7, 9])
+    cpu_ops.scatter_blocks_int8(out[0], out[1], dest, to)
+    ref.scatter_blocks_int8_ref(data_ref, scales_ref, dest_ref, to)
+    assert torch.equal(dest.nan_to_num(7.0), dest_ref.nan_to_num(7.0))
+    untouched = [b for b in range(12) if b not in to.tolist()]
+    assert not dest[:, :, untouched].any()
+
+
+def test_int8_blocks_reject_bad_block_ids_and_outputs():
+    cache, _ = int8_case(torch.float32)
+    for bad in ([12], [-1], [0, 99]):
+        with pytest.raises(ValueError, match="block_ids"):
+            cpu_ops.gather_blocks_int8(cache, torch.tensor(bad))
+        data, scales = cpu_ops.gather_blocks_int8(cache, torch.zeros(len(bad), dtype=torch.int64))
+        with pytest.raises(ValueError, match="block_ids"):
+            cpu_ops.scatter_blocks_int8(data, scales, cache, torch.tensor(bad))
+    data, scales = cpu_ops.gather_blocks_int8(cache, torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match=r"out\[0\]"):
+        cpu_ops.gather_blocks_int8(cache, torch.tensor([1, 2]), out=(data[:1], scales))
+    with pytest.raises(ValueError, match=r"out\[1\]"):
+        cpu_ops.gather_blocks_int8(cache, torch.tensor([1, 2]), out=(data, scales.double()))
+    with pytest.raises(ValueError, match="scales"):
+        cpu_ops.scatter_blocks_int8(data, scales[:, :3], cache, torch.tensor([1, 2]))
+
+
 def test_clones_are_picked_by_isa_not_by_cpu_model():
     """GCC picks a target_clones "arch=NAME" clone only on that CPU model (its resolver asks for NAME itself):
     "arch=haswell" left every other AVX2 CPU, AMD's included, on the portable clone. Every clone of
@@ -326,6 +385,15 @@ def test_each_isa_path_matches_the_reference(flags, tmp_path, monkeypatch):
             one = torch.tensor([0, 1], dtype=torch.int32)
             decode = cpu_ops.paged_attention(q[69:70], k_cache, v_cache, tables[:1], one[1:] * 70, one, 0.125, 50, 30.0)
             assert torch.equal(decode[0], prefill[69])
+            kv_cache, ids = int8_case(dtype)
+            data, scales = cpu_ops.gather_blocks_int8(kv_cache, ids)
+            data_ref, scales_ref = ref.gather_blocks_int8_ref(kv_cache, ids)
+            assert torch.equal(data, data_ref) and torch.equal(scales.nan_to_num(), scales_ref.nan_to_num())
+            dest, dest_ref = torch.zeros_like(kv_cache), torch.zeros_like(kv_cache)
+            to = torch.tensor([1, 2, 4, 6, 7, 9])
+            cpu_ops.scatter_blocks_int8(data, scales, dest, to)
+            ref.scatter_blocks_int8_ref(data, scales, dest_ref, to)
+            assert torch.equal(dest.nan_to_num(), dest_ref.nan_to_num())
     finally:
         cpu_ops.library.cache_clear()
 
