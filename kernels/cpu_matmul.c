@@ -1190,8 +1190,10 @@ static void q4i_scalar(const uint8_t *T, const uint32_t *tab, const int8_t *xq, 
  * vpdpbusd (whose sum, started from -128 * sumq_g, is isum_g), as w itself elsewhere (AVX2 multiplies |w| by
  * x with w's sign: pairs of products within int16). */
 #define NB_Q8I 64     /* output channels per unit (the last may be partial) */
-#define MT_Q8I_AVX2 2 /* AVX2 x rows per pass (one slice, two 8-channel halves; int32 sums: a 16-bit lane's two
+#ifndef MT_Q8I_AVX2
+#define MT_Q8I_AVX2 4 /* AVX2 x rows per pass (one slice, two 8-channel halves; int32 sums: a 16-bit lane's two
                          products reach 2 x 127 x 127) */
+#endif
 
 /* Channels n0 .. n0 + 16 S - 1 (those past N as zero weights) into T, each byte w ^ flip. */
 static void q8i_tile_scalar(const int8_t *w, int64_t K, int64_t N, int64_t n0, int S, uint8_t flip, uint8_t *T) {
@@ -1342,11 +1344,11 @@ AVX2_TARGET static inline __attribute__((always_inline)) void q8i_avx2_tile(
         int64_t N, int64_t n0, int64_t i0, const int R, float *y) {
     const int64_t G = K / 32;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[MT_Q8I_AVX2][2];
+    float acc[MT_Q8I_AVX2][16];  /* the float totals between groups (exact: a float32 store) */
     __m256i s[MT_Q8I_AVX2][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
         for (int64_t p = 8 * g; p < 8 * g + 8; p++) {
             const uint8_t *tp = T + (p * S + j) * 64;
             const __m256i w0 = _mm256_loadu_si256((const __m256i *)tp);
@@ -1364,26 +1366,28 @@ AVX2_TARGET static inline __attribute__((always_inline)) void q8i_avx2_tile(
         }
         for (int r = 0; r < R; r++) {
             const __m256 d = _mm256_set1_ps(dx[(i0 + r) * G + g]);
-            for (int h = 0; h < 2; h++) acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h]), d, acc[r][h]);
-        }
-    }
-    for (int h = 0; h < 2; h++) {
-        float out[8];
-        for (int r = 0; r < R; r++) {
-            _mm256_storeu_ps(out, acc[r][h]);
-            for (int l = 0; l < 8; l++) {
-                const int64_t n = n0 + 16 * j + 8 * h + l;
-                if (n < N) y[(i0 + r) * N + n] = out[l] * ws[n];
+            for (int h = 0; h < 2; h++) {
+                const __m256 prev = g ? _mm256_loadu_ps(acc[r] + 8 * h) : _mm256_setzero_ps();
+                _mm256_storeu_ps(acc[r] + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h]), d, prev));
             }
         }
     }
+    for (int r = 0; r < R; r++)
+        for (int l = 0; l < 16; l++) {
+            const int64_t n = n0 + 16 * j + l;
+            if (n < N) y[(i0 + r) * N + n] = acc[r][l] * ws[n];
+        }
 }
 
 AVX2_TARGET static void q8i_avx2(const uint8_t *T, const float *ws, const int8_t *xq, const float *dx, int64_t K,
                                  int64_t N, int64_t n0, int S, int64_t i0, int R, float *y) {
     for (int j = 0; j < S; j++) {
-        if (R == 1) q8i_avx2_tile(T, S, j, ws, xq, dx, K, N, n0, i0, 1, y);
-        else q8i_avx2_tile(T, S, j, ws, xq, dx, K, N, n0, i0, 2, y);
+        switch (R) {
+        case 1: q8i_avx2_tile(T, S, j, ws, xq, dx, K, N, n0, i0, 1, y); break;
+        case 2: q8i_avx2_tile(T, S, j, ws, xq, dx, K, N, n0, i0, 2, y); break;
+        case 3: q8i_avx2_tile(T, S, j, ws, xq, dx, K, N, n0, i0, 3, y); break;
+        default: q8i_avx2_tile(T, S, j, ws, xq, dx, K, N, n0, i0, 4, y); break;
+        }
     }
 }
 #endif
