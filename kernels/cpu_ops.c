@@ -1,5 +1,5 @@
-/* The decode step's small ops on CPU (kernels/cpu_ops.py builds and loads this file; its docstring is the
- * contract, kernels/reference.py the semantics). Plain C11, no torch headers, fp32 arithmetic throughout: results
+/* The decode step's small ops on CPU and the KV transfer's int8 codec (kernels/cpu_ops.py builds and loads this
+ * file; its docstring is the contract, kernels/reference.py the semantics). Plain C11, no torch headers, fp32 arithmetic throughout: results
  * differ from the reference only in rounding order. Each entry point is compiled three times (target_clones:
  * AVX512F, AVX2 + FMA, portable) and the loader picks the best the CPU runs; the loops are written in 16
  * independent lanes (fixed order, no -ffast-math), which the compiler vectorizes on every path. The clones are the

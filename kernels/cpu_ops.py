@@ -1,8 +1,9 @@
 """Native CPU kernels for the decode step's small ops (kernels/cpu_ops.c): RMSNorm (with its residual add),
-rotary embedding, KV write, single-token paged attention, SiLU * up and the top k of each row.
+rotary embedding, KV write, single-token paged attention, SiLU * up and the top k of each row; and the KV
+transfer's int8 codec (block gather + quantize, dequantize + scatter).
 
 Each function has its kernels.reference twin's contract (same arguments, same results up to float rounding order,
-~1e-6 relative: fp32 arithmetic throughout, nothing quantized) and is reached through kernels.dispatch (backend
+~1e-6 relative: fp32 arithmetic throughout; the int8 codec's codes and scales bit for bit) and is reached through kernels.dispatch (backend
 "auto" on CPU tensors, or "native"). The C source is compiled on first use by kernels.native_build (one ISA per
 function picked at load: AVX512F, AVX2 + FMA, portable); no compiler, a failed build or a failed load logs one
 warning and `available()` is False, and dispatch keeps the reference.
