@@ -321,7 +321,8 @@ def gather_blocks_int8(kv_cache: torch.Tensor, block_ids: torch.Tensor,
 def scatter_blocks_int8(data: torch.Tensor, scales: torch.Tensor, kv_cache: torch.Tensor,
                         block_ids: torch.Tensor) -> None:
     """kernels.reference.scatter_blocks_int8_ref: codes [n, L, 2, block_size, Hkv, D] int8 and scales [n, L, 2,
-    Hkv] float32 (each dense past its block dim) dequantized into kv_cache's blocks block_ids."""
+    Hkv] float32 (each dense past its block dim) dequantized into kv_cache's blocks block_ids (distinct, as a
+    transfer's destination blocks are: blocks run in parallel, so of a repeated id which record lands is open)."""
     ids = _block_ids(block_ids)
     if not (_cache_ok(kv_cache) and _dense_past_first(data, torch.int8) and _dense_past_first(scales, _F32)):
         ref.scatter_blocks_int8_ref(data, scales, kv_cache, ids)
