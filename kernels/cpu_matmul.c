@@ -1067,15 +1067,15 @@ AVX2_TARGET static inline __attribute__((always_inline)) void q4i_avx2_tile(
     }
 }
 
-/* Straight from the codes (no tile): piece q of a block (code bytes 16 q .. 16 q + 15 of each input's B / 2;
- * their low nibbles are channels cl .. cl + 15 = n0 + 16 q .., their high ones ch = cl + B / 2 ..) against rows
- * i0 .. i0 + R - 1, the low nibbles' channels when lo, the high ones' when hi. A pass reads inputs 4 p .. 4 p + 3
- * as two registers [input 0 | input 1] and [2 | 3] (one load each for B = 32, whose inputs are 16 bytes apart);
- * a byte unpack pairs input 0 with 2 in 128-bit lane 0 and 1 with 3 in lane 1, 8 channels at a time, and
- * maddubs against x's pairs (x0, x2 | x1, x3) gives each 16-bit lane two products: 12 operations (loads
- * included) spread 128 codes, where q4i_slice_avx2 takes 22 for 64. A group's 8 passes add up in int16 (at most 8 x 3,810), then each
- * channel's two lanes are widened and added: the tile's exact int32 sums, so the same bits. The float totals
- * wait in y between groups (exact: a float32 store). */
+/* Straight from the codes (no tile): piece q of a block (code bytes 16 q .. 16 q + 15 of each input's B / 2; their
+ * low nibbles are channels cl .. cl + 15 = n0 + 16 q .., their high ones ch = cl + B / 2 ..) against rows i0 .. i0
+ * + R - 1, the low nibbles' channels when lo, the high ones' when hi. A pass reads inputs 4 p .. 4 p + 3 as two
+ * registers [input 0 | input 1] and [2 | 3] (one load each for B = 32, whose inputs are 16 bytes apart); a byte
+ * unpack pairs input 0 with 2 in 128-bit lane 0 and 1 with 3 in lane 1, 8 channels at a time, and maddubs against
+ * x's pairs (x0, x2 | x1, x3) gives each 16-bit lane two products: 12 operations (loads included) spread 128 codes,
+ * where q4i_slice_avx2 takes 22 for 64. A group's 8 passes add up in int16 (at most 8 x 3,810), then each channel's
+ * two lanes are widened and added: the tile's exact int32 sums, so the same bits. The float totals wait in y
+ * between groups (exact: a float32 store). */
 AVX2_TARGET static inline __attribute__((always_inline)) void q4i_avx2_piece(
         const uint8_t *cb, const int64_t half, const int q, const int lo, const int hi, const uint32_t *tab,
         const int8_t *xq, const float *dx, const float *sx, int64_t K, int64_t N, int64_t cl, int64_t i0, const int R,

@@ -1,10 +1,10 @@
 /* The decode step's small ops on CPU and the KV transfer's int8 codec (kernels/cpu_ops.py builds and loads this
- * file; its docstring is the contract, kernels/reference.py the semantics). Plain C11, no torch headers, fp32 arithmetic throughout: results
- * differ from the reference only in rounding order. Each entry point is compiled three times (target_clones:
- * AVX512F, AVX2 + FMA, portable) and the loader picks the best the CPU runs; the loops are written in 16
- * independent lanes (fixed order, no -ffast-math), which the compiler vectorizes on every path. The clones are the
- * per-row / per-work-item functions, not the entry points: OpenMP outlines a parallel loop's body into a function
- * of its own, which would not inherit an entry point's target.
+ * file; its docstring is the contract, kernels/reference.py the semantics). Plain C11, no torch headers, fp32
+ * arithmetic throughout: results differ from the reference only in rounding order. Each entry point is compiled
+ * three times (target_clones: AVX512F, AVX2 + FMA, portable) and the loader picks the best the CPU runs; the loops
+ * are written in 16 independent lanes (fixed order, no -ffast-math), which the compiler vectorizes on every path.
+ * The clones are the per-row / per-work-item functions, not the entry points: OpenMP outlines a parallel loop's
+ * body into a function of its own, which would not inherit an entry point's target.
  *
  * Rows (tokens) and decode-attention work items (one sequence and kv head) are independent: a row's result does not
  * depend on the batch it is in or on the thread count. Work is split over `nthreads` OpenMP threads (the process's

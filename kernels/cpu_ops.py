@@ -3,10 +3,10 @@ rotary embedding, KV write, single-token paged attention, SiLU * up and the top 
 transfer's int8 codec (block gather + quantize, dequantize + scatter).
 
 Each function has its kernels.reference twin's contract (same arguments, same results up to float rounding order,
-~1e-6 relative: fp32 arithmetic throughout; the int8 codec's codes and scales bit for bit) and is reached through kernels.dispatch (backend
-"auto" on CPU tensors, or "native"). The C source is compiled on first use by kernels.native_build (one ISA per
-function picked at load: AVX512F, AVX2 + FMA, portable); no compiler, a failed build or a failed load logs one
-warning and `available()` is False, and dispatch keeps the reference.
+~1e-6 relative: fp32 arithmetic throughout; the int8 codec's codes and scales bit for bit) and is reached through
+kernels.dispatch (backend "auto" on CPU tensors, or "native"). The C source is compiled on first use by
+kernels.native_build (one ISA per function picked at load: AVX512F, AVX2 + FMA, portable); no compiler, a failed
+build or a failed load logs one warning and `available()` is False, and dispatch keeps the reference.
 
 Layouts taken (anything else runs the reference, so every call is served):
     rms_norm           x, residual [T, H] float32 with rows of any stride; weight [H] float32
@@ -18,9 +18,9 @@ Layouts taken (anything else runs the reference, so every call is served):
     silu_mul           gate_up [T, 2 I] float32 with rows of any stride -> [T, I]
     gather_blocks_int8 / scatter_blocks_int8
                        the KV transfer's int8 codec: a contiguous float32 or bfloat16 cache [L, 2, num_blocks,
-                       block_size, Hkv, D] (D a multiple of 16), codes [n, L, 2, block_size, Hkv, D] int8 and scales [n, L, 2, Hkv]
-                       float32 dense past their block dim (any block stride: a KV payload's records); the
-                       reference's bits (integer codes; NaN aside), one pass a block, no temporaries
+                       block_size, Hkv, D] (D a multiple of 16), codes [n, L, 2, block_size, Hkv, D] int8 and
+                       scales [n, L, 2, Hkv] float32 dense past their block dim (any block stride: a KV payload's
+                       records); the reference's bits, one pass a block, no temporaries
     top_k_indices      x [M, N] float32 with rows of any stride, k <= 64 -> [M, k] int64 (an LM head's candidates)
     DecoderLayers      a pure decode batch through every layer of a plain pre-norm decoder (RMSNorm, fused qkv with
                        RoPE, paged attention, SiLU-gated MLP; every linear a kernels.cpu_matmul.NativeMatmul) in

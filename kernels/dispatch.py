@@ -215,11 +215,11 @@ def gather_blocks_int8(kv_cache: torch.Tensor, block_ids: torch.Tensor,
     """quantize_blocks_int8(gather_blocks(...)) in one pass on the Triton and native paths; written into `out` =
     (codes, scales) when given (the native path writes there itself: a KV payload's records)."""
     # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]; block_ids: [n] -> (int8 staging, fp32 [n, L, 2, Hkv])
-    if (native := _native_ops(kv_cache)) is not None:
-        return native.gather_blocks_int8(kv_cache, block_ids, out)
     if _use_triton(kv_cache):
         from kernels.triton_block_copy import gather_blocks_int8_triton
         data, scales = gather_blocks_int8_triton(kv_cache, block_ids)
+    elif (native := _native_ops(kv_cache)) is not None:
+        return native.gather_blocks_int8(kv_cache, block_ids, out)
     else:
         data, scales = ref.gather_blocks_int8_ref(kv_cache, block_ids)
     if out is None:

@@ -27,9 +27,9 @@ receive staging buffer (reused across transfers: ``BufferPool``) that is scatter
 No staging copies, no hashing ahead: ``write_records`` encodes a group of blocks straight into the memory that
 carries it (a pooled shared-memory segment, or the sender's reused grpc staging buffer; from a CPU cache the raw
 codec gathers there with kernels.gather_blocks(out=), the int8 one with kernels.gather_blocks_int8(out=), and the
-receiver scatters int8 records from where they landed) and hashes the group while it is still in cache. Over grpc the digests
-therefore travel in a trailer after the data (manifest.digests_in_trailer), and the first byte leaves as soon as
-the first group is gathered; over shm the manifest is sent once the segment is complete and carries them.
+receiver scatters int8 records from where they landed) and hashes the group while it is still in cache. Over grpc
+the digests therefore travel in a trailer after the data (manifest.digests_in_trailer), and the first byte leaves as
+soon as the first group is gathered; over shm the manifest is sent once the segment is complete and carries them.
 """
 from __future__ import annotations
 
@@ -96,7 +96,8 @@ def write_records(kv_cache: torch.Tensor, block_ids: Sequence[int], codec: str, 
     _check_codec(codec)
     # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]; out: [n * block_bytes] uint8
     n = len(block_ids)
-    block_bytes = KvLayoutSpec.from_cache(kv_cache, "").block_bytes(codec)
+    layout = KvLayoutSpec.from_cache(kv_cache, "")
+    block_bytes, block_elems = layout.block_bytes(codec), layout.block_elems
     if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != n * block_bytes or out.device.type != "cpu":
         raise ValueError(f"out must be a [{n * block_bytes}] uint8 CPU tensor, got {tuple(out.shape)} {out.dtype} "
                          f"on {out.device}")
@@ -104,7 +105,6 @@ def write_records(kv_cache: torch.Tensor, block_ids: Sequence[int], codec: str, 
         return ()
     num_layers, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     shape = (n, num_layers, 2, block_size, num_kv_heads, head_dim)
-    block_elems = num_layers * 2 * block_size * num_kv_heads * head_dim
     if codec == "raw" and kv_cache.device.type == "cpu":
         gather_blocks(kv_cache, _as_index(block_ids, kv_cache.device), out=out.view(kv_cache.dtype).view(shape))
     elif kv_cache.device.type == "cpu" and (out.storage_offset() + block_elems) % 4 == 0 and block_bytes % 4 == 0:
