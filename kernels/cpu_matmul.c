@@ -98,6 +98,9 @@ static void quant_row(const float *x, int64_t K, int8_t *xq, float *dx, float *s
 #if PD_X86
 /* ------------------------------------------------------------------------------------------------ AVX2 */
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+/* v as it stands, in a register: GCC otherwise reassociates a pass's integer sums into a tree over all the
+ * passes' products, live at once, and spills them. */
+#define PD_KEEP(v) __asm__("" : "+x"(v))
 
 AVX2_TARGET static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -838,9 +841,8 @@ AVX512BF16_TARGET static void q8b_bf16dot(const int8_t *w, const float *ws, cons
 #define Q4I_TILE_ROWS 8  /* from this many rows of x a unit's codes are spread into a tile once a call (Zen 4,
                             VBMI: 4 and 6 rows 14% and 3% faster spread in registers every pass, 8 and 11 not) */
 #define MT_Q4I_AVX2 2 /* AVX2 x rows per pass straight from the codes (a piece: four 8-channel sets a row) */
-#ifndef MT_Q4I_AVX2_TILE
-#define MT_Q4I_AVX2_TILE 4 /* AVX2 x rows per pass over a tile (one slice, two 8-channel halves) */
-#endif
+#define MT_Q4I_AVX2_TILE 4 /* AVX2 x rows per pass over a tile (one slice, two 8-channel halves; interleave_one's
+                              blocks) */
 #ifndef Q4I_AVX2_TILE_ROWS
 #define Q4I_AVX2_TILE_ROWS 10  /* AVX2: the tile from 10 rows (AVX2-only Zen 4, 2 threads, the 30 layers' matmuls
                                  from memory: straight from the codes 0.60x / 0.82x / 0.95x the tile's time at 3 / 5 /
@@ -1027,41 +1029,45 @@ AVX2_TARGET static void q4i_tile_avx2(const uint8_t *codes, int64_t K, int B, in
         }
 }
 
-/* One slice (channels c0 + 16 j .., two 8-lane halves) of the tile T against rows i0 .. i0 + R - 1 (R up to
- * MT_Q4I_AVX2_TILE): maddubs gives each 16-bit lane two products (at most 2 x 15 x 127 = 3,810), and a group's 8
- * passes add up in int16 (at most 30,480: no saturation); madd with ones then gives each channel its int32 sum,
- * exact as every integer sum is. The float totals wait in y between groups (exact: a float32 store). */
+/* One slice (16 channels from c, two 8-lane halves) of a tile against a block of 4 rows of x, interleaved (xi:
+ * inputs 4 p .. 4 p + 3 of the block's rows 0-3 at xi[16 p ..], di / si: dx and sx of group g at [4 g ..]; rows
+ * past M zero), R of them stored from y (row i0's channel c). t points at the slice's 64 bytes of pass 0, the
+ * next pass `stride` bytes on. maddubs gives each 16-bit lane two products (at most 2 x 15 x 127 = 3,810), and a
+ * group's 8 passes add up in int16 (at most 30,480: no saturation); madd with ones then gives each channel its
+ * int32 sum, exact as every integer sum is. The float totals wait in y between groups (exact: a float32 store).
+ * Interleaved, a pass reads x by one pointer (with four row pointers GCC spilled), and its sums stay in registers
+ * (PD_KEEP). */
 AVX2_TARGET static inline __attribute__((always_inline)) void q4i_avx2_tile(
-        const uint8_t *T, const int S, const int j, const uint32_t *tab, const int8_t *xq, const float *dx,
-        const float *sx, int64_t K, int64_t N, int64_t c0, int64_t i0, const int R, float *y) {
-    const int64_t G = K / 32;
-    const __m256i ones = _mm256_set1_epi16(1), high = _mm256_set1_epi32((int)0xFFFF0000u);
-    __m256i s[MT_Q4I_AVX2_TILE][2];
-    for (int64_t g = 0; g < G; g++) {
-        for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
+        const uint8_t *t, const int64_t stride, const uint32_t *tab, const int8_t *xi, const float *di,
+        const float *si, int64_t G, int64_t N, const int R, float *y) {
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u), ones = _mm256_set1_epi16(1);
+    for (int64_t g = 0; g < G; g++, xi += 128, tab += N) {
+        __m256i s[4][2];
 #pragma GCC unroll 8
-        for (int64_t p = 8 * g; p < 8 * g + 8; p++) {
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(T + (p * S + j) * 64));
-            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(T + (p * S + j) * 64 + 32));
-            for (int r = 0; r < R; r++) {
+        for (int q = 0; q < 8; q++, t += stride) {
+            const __m256i w0 = _mm256_load_si256((const __m256i *)t);
+            const __m256i w1 = _mm256_load_si256((const __m256i *)(t + 32));
+            for (int r = 0; r < 4; r++) {
                 int32_t x4;
-                memcpy(&x4, xq + (i0 + r) * K + 4 * p, 4);
+                memcpy(&x4, xi + 16 * q + 4 * r, 4);
                 const __m256i xv = _mm256_set1_epi32(x4);
-                s[r][0] = _mm256_add_epi16(s[r][0], _mm256_maddubs_epi16(w0, xv));
-                s[r][1] = _mm256_add_epi16(s[r][1], _mm256_maddubs_epi16(w1, xv));
+                const __m256i p0 = _mm256_maddubs_epi16(w0, xv), p1 = _mm256_maddubs_epi16(w1, xv);
+                s[r][0] = q ? _mm256_add_epi16(s[r][0], p0) : p0;
+                s[r][1] = q ? _mm256_add_epi16(s[r][1], p1) : p1;
+                PD_KEEP(s[r][0]);
+                PD_KEEP(s[r][1]);
             }
         }
         for (int h = 0; h < 2; h++) {
-            const __m256i t = _mm256_loadu_si256((const __m256i *)(tab + g * N + c0 + 16 * j + 8 * h));
-            const __m256 d = _mm256_castsi256_ps(_mm256_slli_epi32(t, 16));
-            const __m256 m = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), d, _mm256_castsi256_ps(_mm256_and_si256(t, high)));
+            const __m256i tv = _mm256_loadu_si256((const __m256i *)(tab + 8 * h));
+            const __m256 d = _mm256_castsi256_ps(_mm256_slli_epi32(tv, 16));
+            const __m256 m = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), d, _mm256_castsi256_ps(_mm256_and_si256(tv, high)));
             for (int r = 0; r < R; r++) {
-                const __m256 sc = _mm256_mul_ps(d, _mm256_set1_ps(dx[(i0 + r) * G + g]));
-                const __m256i isum = _mm256_madd_epi16(s[r][h], ones);
-                float *yp = y + (i0 + r) * N + c0 + 16 * j + 8 * h;
+                const __m256 sc = _mm256_mul_ps(d, _mm256_set1_ps(di[4 * g + r]));
+                const __m256 isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r][h], ones));
+                float *yp = y + r * N + 8 * h;
                 const __m256 acc = g ? _mm256_loadu_ps(yp) : _mm256_setzero_ps();
-                _mm256_storeu_ps(yp, _mm256_fmadd_ps(m, _mm256_set1_ps(sx[(i0 + r) * G + g]),
-                                                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, acc)));
+                _mm256_storeu_ps(yp, _mm256_fmadd_ps(m, _mm256_set1_ps(si[4 * g + r]), _mm256_fmadd_ps(isum, sc, acc)));
             }
         }
     }
@@ -1112,7 +1118,10 @@ AVX2_TARGET static inline __attribute__((always_inline)) void q4i_avx2_piece(
                 int32_t x4;
                 memcpy(&x4, xq + (i0 + r) * K + 4 * p, 4);
                 const __m256i xv = _mm256_shuffle_epi8(_mm256_set1_epi32(x4), pairs);
-                for (int k = k0; k < k1; k++) s[r][k] = _mm256_add_epi16(s[r][k], _mm256_maddubs_epi16(w[k], xv));
+                for (int k = k0; k < k1; k++) {
+                    s[r][k] = _mm256_add_epi16(s[r][k], _mm256_maddubs_epi16(w[k], xv));
+                    PD_KEEP(s[r][k]);
+                }
             }
         }
         for (int k = k0; k < k1; k++) {
@@ -1137,16 +1146,23 @@ AVX2_TARGET static inline __attribute__((always_inline)) void q4i_avx2_piece(
  * tile T, or (T NULL) straight from its codes cb, piece by piece (slice j: piece Q4P_OFF / 16, nibble
  * Q4P_SHIFT / 4; a unit holds both nibbles of its pieces, or one nibble of every piece). */
 AVX2_TARGET static void q4i_avx2(const uint8_t *T, const uint8_t *cb, int B, int64_t n0, int s0, const uint32_t *tab,
-                                 const int8_t *xq, const float *dx, const float *sx, int64_t K, int64_t N, int S,
-                                 int64_t i0, int R, float *y) {
+                                 const int8_t *xq, const float *dx, const float *sx, const int8_t *xi,
+                                 const float *di, const float *si, int64_t K, int64_t N, int S, int64_t i0, int R,
+                                 float *y) {
     const int64_t c0 = n0 + 16 * s0;
     if (T) {
+        const int64_t G = K / 32;
+        const int8_t *xb = xi + i0 * K;
+        const float *db = di + i0 * G, *sb = si + i0 * G;
         for (int j = 0; j < S; j++) {
+            const uint8_t *t = T + 64 * j;
+            const uint32_t *tj = tab + c0 + 16 * j;
+            float *yj = y + i0 * N + c0 + 16 * j;
             switch (R) {
-            case 1: q4i_avx2_tile(T, S, j, tab, xq, dx, sx, K, N, c0, i0, 1, y); break;
-            case 2: q4i_avx2_tile(T, S, j, tab, xq, dx, sx, K, N, c0, i0, 2, y); break;
-            case 3: q4i_avx2_tile(T, S, j, tab, xq, dx, sx, K, N, c0, i0, 3, y); break;
-            default: q4i_avx2_tile(T, S, j, tab, xq, dx, sx, K, N, c0, i0, 4, y); break;
+            case 1: q4i_avx2_tile(t, 64 * S, tj, xb, db, sb, G, N, 1, yj); break;
+            case 2: q4i_avx2_tile(t, 64 * S, tj, xb, db, sb, G, N, 2, yj); break;
+            case 3: q4i_avx2_tile(t, 64 * S, tj, xb, db, sb, G, N, 3, yj); break;
+            default: q4i_avx2_tile(t, 64 * S, tj, xb, db, sb, G, N, 4, yj); break;
             }
         }
         return;
@@ -1362,6 +1378,8 @@ AVX2_TARGET static inline __attribute__((always_inline)) void q8i_avx2_tile(
                 const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xv, w1));
                 s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(p0, ones));
                 s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(p1, ones));
+                PD_KEEP(s[r][0]);
+                PD_KEEP(s[r][1]);
             }
         }
         for (int r = 0; r < R; r++) {
@@ -1481,6 +1499,7 @@ struct job {
     const void *w, *table;       /* q4 kinds: codes, tab (int4pack's layout); q8 kinds: w, ws */
     float *y;
     int8_t *xq; float *dx, *sx;  /* int8 kinds: x quantized per 32 (quant_row) */
+    int8_t *xi; float *di, *si;  /* AVX2 int8 tiles: xq, dx and sx interleaved by blocks of 4 rows (interleave_one) */
     int32_t *sq;
     float *xb; int round_out;    /* bfloat16 kernels: x rounded to bfloat16, whether y is */
     int B;                       /* q4 kinds: output channels per block of int4pack's layout */
@@ -1489,6 +1508,24 @@ struct job {
     int *failed;                 /* q4 (int8 x): set when a thread cannot get its tile */
     float *xs; uint32_t *xp;     /* q4-bf16: each row's group sums X_g, its (x_k, x_k+1) bfloat16 pairs */
 };
+
+/* Block b of 4 rows of x (rows past M zero) interleaved for the AVX2 tiles: xi[b][p][r][4] = xq[4 b + r][4 p ..
+ * 4 p + 3], di[b][g][r] = dx[4 b + r][g], si likewise. */
+static void interleave_one(const struct job *j, int64_t b) {
+    const int64_t K = j->K, G = j->G;
+    int8_t *xi = j->xi + 4 * b * K;
+    for (int r = 0; r < 4; r++) {
+        const int64_t i = 4 * b + r;
+        for (int64_t p = 0; p < K / 4; p++) {
+            if (i < j->M) memcpy(xi + 16 * p + 4 * r, j->xq + i * K + 4 * p, 4);
+            else memset(xi + 16 * p + 4 * r, 0, 4);
+        }
+        for (int64_t g = 0; g < G; g++) {
+            j->di[4 * (b * G + g) + r] = i < j->M ? j->dx[i * G + g] : 0.0f;
+            j->si[4 * (b * G + g) + r] = i < j->M ? j->sx[i * G + g] : 0.0f;
+        }
+    }
+}
 
 /* Run fn over 0 .. count - 1 on nthreads OpenMP threads; a single thread calls it directly (no parallel region:
  * ~1 us a call, which batch-1 decode pays 121 times a step). */
@@ -1736,7 +1773,7 @@ static void run_unit_q4i(const struct job *j, int64_t b, int u) {
             continue;
         }
         if (j->isa == 1) {
-            q4i_avx2(T, cb, j->B, n0, s0, j->table, j->xq, j->dx, j->sx, K, N, S, i0, R, j->y);
+            q4i_avx2(T, cb, j->B, n0, s0, j->table, j->xq, j->dx, j->sx, j->xi, j->di, j->si, K, N, S, i0, R, j->y);
             continue;
         }
 #endif
@@ -1792,13 +1829,22 @@ static int run(int q8, const float *x, int64_t M, int64_t K, const void *w, cons
                     .unit = run_unit_q4i, .failed = &failed};
     const size_t xq_bytes = (size_t)(M * K + 64 + 63) / 64 * 64;
     const size_t g_bytes = (size_t)(M * j.G + 16) * sizeof(float);
-    char *base = get_scratch(xq_bytes + 3 * g_bytes);
+    /* the AVX2 q4 tile reads x interleaved (q4i_avx2_tile) */
+    const int64_t blocks = j.isa == 1 && !q8 && M >= Q4I_AVX2_TILE_ROWS ? (M + 3) / 4 : 0;
+    const size_t xi_bytes = (size_t)(4 * blocks * K + 63) / 64 * 64, gi_bytes = (size_t)(4 * blocks * j.G) * 4;
+    char *base = get_scratch(xq_bytes + 3 * g_bytes + xi_bytes + 2 * gi_bytes);
     if (!base) return -1;
     j.xq = (int8_t *)base;
     j.dx = (float *)(base + xq_bytes);
     j.sx = (float *)(base + xq_bytes + g_bytes);
     j.sq = (int32_t *)(base + xq_bytes + 2 * g_bytes);
     for_each(quant_one, &j, M, M >= 8 ? nthreads : 1);
+    if (blocks) {
+        j.xi = (int8_t *)(base + xq_bytes + 3 * g_bytes);
+        j.di = (float *)(base + xq_bytes + 3 * g_bytes + xi_bytes);
+        j.si = (float *)(base + xq_bytes + 3 * g_bytes + xi_bytes + gi_bytes);
+        for_each(interleave_one, &j, blocks, nthreads);
+    }
     if (q8) for_each(run_block_q8i, &j, (N + NB_Q8I - 1) / NB_Q8I, nthreads);
     else for_each(run_range, &j, j.nthreads, j.nthreads);
     return failed ? -1 : j.isa;

@@ -156,15 +156,16 @@ def varied_x(g: torch.Generator, k: int) -> torch.Tensor:
 def test_q4_every_path_gives_the_scalar_bits_at_both_block_sizes(isa, block_rows):
     """Random codes read as int4pack's layout of 32-row blocks (torch's AVX2 packing) or 64-row ones, scales and
     zeros of mixed sign and size, x from varied_x: 1-7 rows (AVX512 spreads the codes in registers every pass) and
-    8-35 (from 8: into a tile once a call), 1 and 3 threads (10 half-blocks: a block split between threads), the
-    scalar path's bits; a planted change of one code moves only its own channel's outputs."""
+    8-35 (from 8: into a tile once a call; AVX2 from 10, by blocks of 4 rows: 13 and 35 end in 1 and 3), 1 and 3
+    threads (10 half-blocks: a block split between threads), the scalar path's bits; a planted change of one code
+    moves only its own channel's outputs."""
     g = torch.Generator().manual_seed(11)
     n, k = 5 * block_rows, 224
     packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
     table = (torch.randn(k // 32, n, 2, generator=g) * torch.rand(k // 32, n, 2, generator=g).pow(4) * 4).bfloat16()
     x = varied_x(g, k)
     expected = cm.q4_matmul(x, packed, table, block_rows, isa=cm.ISA_SCALAR, nthreads=1)
-    for rows in (1, 2, 3, 7, 8, 35):
+    for rows in (1, 2, 3, 7, 8, 13, 35):
         for nthreads in (1, 3):
             got = cm.q4_matmul(x[:rows], packed, table, block_rows, isa=isa, nthreads=nthreads)
             assert torch.equal(got, expected[:rows]), (rows, nthreads)
@@ -184,11 +185,11 @@ def test_q4_the_largest_sums_do_not_saturate(isa, block_rows):
     packed = torch.full((n, k // 2), 0xFF, dtype=torch.uint8)
     table = torch.ones(k // 32, n, 2).bfloat16()
     signs = torch.tensor([1.0, -1.0, 1.0])
-    x = signs.repeat(3)[:, None].expand(9, k).clone()
+    x = signs.repeat(5)[:, None].expand(15, k).clone()
     x[2, k // 2:] = -1.0
     expected = cm.q4_matmul(x, packed, table, block_rows, isa=cm.ISA_SCALAR, nthreads=1)
     assert expected[0, 0].item() == k * 15 * 1.0 + k * 1.0 - 8.0 * k  # x = 1: sum of (15 - 8) d + z over k inputs
-    for rows in (1, 2, 3, 9):
+    for rows in (1, 2, 3, 9, 15):  # 15: AVX2's tile (from 10 rows), its last block of 4 rows 3
         got = cm.q4_matmul(x[:rows], packed, table, block_rows, isa=isa, nthreads=1)
         assert torch.equal(got, expected[:rows]), rows
 
