@@ -25,6 +25,7 @@ from engine.sampler import RowResult, SamplingRow, choice_seed, sample_rows
 from engine.scheduler import SchedulerOutput
 from engine.sequence import PromptLogprob, Sequence
 from engine.step_batch import StepBatch, copy_blocks, run_step
+from kvstore.malloc_tuning import zeros_on_huge_pages
 from kvstore.shm_cache import SharedKvCache
 
 log = logging.getLogger(__name__)
@@ -113,8 +114,10 @@ class ModelRunner:
         """Whether prefill steps take the digests of the blocks they finish as they write them (engine.kv_digests:
         Sequence.kv_digests, what a prefill worker's push sends in its trailer)."""
         self.kv_cache = (self.kv_segment.tensor if self.kv_segment is not None
+                         else zeros_on_huge_pages(shape, self.dtype) if self.device.type == "cpu"
                          else torch.zeros(shape, dtype=self.dtype, device=self.device))
-        """This rank's heads: [L, 2, blocks, block_size, kv_heads of rank 0, D] (all of them without TP)."""
+        """This rank's heads: [L, 2, blocks, block_size, kv_heads of rank 0, D] (all of them without TP); on CPU
+        on transparent huge pages where the kernel gives them (kvstore.malloc_tuning.zeros_on_huge_pages)."""
         self.compiled: CompiledDecodeStep | None = None
         """The compiled decode step (EngineConfig.compile_decode), compiled here at start-up, or None."""
         if config.compile_decode:

@@ -841,7 +841,7 @@ AVX512BF16_TARGET static void q8b_bf16dot(const int8_t *w, const float *ws, cons
 #define Q4I_TILE_ROWS 8  /* from this many rows of x a unit's codes are spread into a tile once a call (Zen 4,
                             VBMI: 4 and 6 rows 14% and 3% faster spread in registers every pass, 8 and 11 not) */
 #define MT_Q4I_AVX2 2 /* AVX2 x rows per pass straight from the codes (a piece: four 8-channel sets a row) */
-#define MT_Q4I_AVX2_TILE 4 /* AVX2 x rows per pass over a tile (one slice, two 8-channel halves; interleave_one's
+#define MT_Q4I_AVX2_TILE 4 /* AVX2 x rows per pass over a tile (one slice, two 8-channel halves; quant_block's
                               blocks) */
 #ifndef Q4I_AVX2_TILE_ROWS
 #define Q4I_AVX2_TILE_ROWS 10  /* AVX2: the tile from 10 rows (AVX2-only Zen 4, 2 threads, the 30 layers' matmuls
@@ -1499,7 +1499,7 @@ struct job {
     const void *w, *table;       /* q4 kinds: codes, tab (int4pack's layout); q8 kinds: w, ws */
     float *y;
     int8_t *xq; float *dx, *sx;  /* int8 kinds: x quantized per 32 (quant_row) */
-    int8_t *xi; float *di, *si;  /* AVX2 int8 tiles: xq, dx and sx interleaved by blocks of 4 rows (interleave_one) */
+    int8_t *xi; float *di, *si;  /* AVX2 int8 tiles: xq, dx and sx interleaved by blocks of 4 rows (quant_block) */
     int32_t *sq;
     float *xb; int round_out;    /* bfloat16 kernels: x rounded to bfloat16, whether y is */
     int B;                       /* q4 kinds: output channels per block of int4pack's layout */
@@ -1508,24 +1508,6 @@ struct job {
     int *failed;                 /* q4 (int8 x): set when a thread cannot get its tile */
     float *xs; uint32_t *xp;     /* q4-bf16: each row's group sums X_g, its (x_k, x_k+1) bfloat16 pairs */
 };
-
-/* Block b of 4 rows of x (rows past M zero) interleaved for the AVX2 tiles: xi[b][p][r][4] = xq[4 b + r][4 p ..
- * 4 p + 3], di[b][g][r] = dx[4 b + r][g], si likewise. */
-static void interleave_one(const struct job *j, int64_t b) {
-    const int64_t K = j->K, G = j->G;
-    int8_t *xi = j->xi + 4 * b * K;
-    for (int r = 0; r < 4; r++) {
-        const int64_t i = 4 * b + r;
-        for (int64_t p = 0; p < K / 4; p++) {
-            if (i < j->M) memcpy(xi + 16 * p + 4 * r, j->xq + i * K + 4 * p, 4);
-            else memset(xi + 16 * p + 4 * r, 0, 4);
-        }
-        for (int64_t g = 0; g < G; g++) {
-            j->di[4 * (b * G + g) + r] = i < j->M ? j->dx[i * G + g] : 0.0f;
-            j->si[4 * (b * G + g) + r] = i < j->M ? j->sx[i * G + g] : 0.0f;
-        }
-    }
-}
 
 /* Run fn over 0 .. count - 1 on nthreads OpenMP threads; a single thread calls it directly (no parallel region:
  * ~1 us a call, which batch-1 decode pays 121 times a step). */
@@ -1554,6 +1536,34 @@ static void quant_one(const struct job *j, int64_t i) {
 }
 
 #if PD_X86
+/* Rows 4 b .. 4 b + 3 of x quantized (quant_one), then interleaved for the AVX2 tiles (q4i_avx2_tile), rows past M
+ * zero: xi[b][p][r][4] = xq[4 b + r][4 p .. 4 p + 3] (a 4 x 4 transpose of 32-bit words per 16 bytes of the
+ * rows), di[b][g][r] = dx[4 b + r][g], si likewise. One parallel region for both, each block's rows still in
+ * cache when they are interleaved. */
+AVX2_TARGET static void quant_block(const struct job *j, int64_t b) {
+    const int64_t K = j->K, G = j->G;
+    const int n = j->M - 4 * b < 4 ? (int)(j->M - 4 * b) : 4;
+    const __m128i zero = _mm_setzero_si128();
+    for (int r = 0; r < n; r++) quant_one(j, 4 * b + r);
+    int8_t *xi = j->xi + 4 * b * K;
+    for (int64_t k = 0; k < K; k += 16) {
+        __m128i v[4];
+        for (int r = 0; r < 4; r++)
+            v[r] = r < n ? _mm_loadu_si128((const __m128i *)(j->xq + (4 * b + r) * K + k)) : zero;
+        const __m128i t0 = _mm_unpacklo_epi32(v[0], v[1]), t1 = _mm_unpackhi_epi32(v[0], v[1]);
+        const __m128i t2 = _mm_unpacklo_epi32(v[2], v[3]), t3 = _mm_unpackhi_epi32(v[2], v[3]);
+        _mm_storeu_si128((__m128i *)(xi + 4 * k), _mm_unpacklo_epi64(t0, t2));
+        _mm_storeu_si128((__m128i *)(xi + 4 * k + 16), _mm_unpackhi_epi64(t0, t2));
+        _mm_storeu_si128((__m128i *)(xi + 4 * k + 32), _mm_unpacklo_epi64(t1, t3));
+        _mm_storeu_si128((__m128i *)(xi + 4 * k + 48), _mm_unpackhi_epi64(t1, t3));
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int r = 0; r < 4; r++) {
+            j->di[4 * (b * G + g) + r] = r < n ? j->dx[(4 * b + r) * G + g] : 0.0f;
+            j->si[4 * (b * G + g) + r] = r < n ? j->sx[(4 * b + r) * G + g] : 0.0f;
+        }
+}
+
 /* round_bf16 and the flush of a subnormal result to +0, 16 lanes at a time over x[0 .. K) into xb; returns how
  * many it did (a multiple of 16: the scalar loop does the rest). */
 AVX512_TARGET static int64_t round_avx512(const float *x, int64_t K, float *xb) {
@@ -1838,12 +1848,15 @@ static int run(int q8, const float *x, int64_t M, int64_t K, const void *w, cons
     j.dx = (float *)(base + xq_bytes);
     j.sx = (float *)(base + xq_bytes + g_bytes);
     j.sq = (int32_t *)(base + xq_bytes + 2 * g_bytes);
-    for_each(quant_one, &j, M, M >= 8 ? nthreads : 1);
     if (blocks) {
         j.xi = (int8_t *)(base + xq_bytes + 3 * g_bytes);
         j.di = (float *)(base + xq_bytes + 3 * g_bytes + xi_bytes);
         j.si = (float *)(base + xq_bytes + 3 * g_bytes + xi_bytes + gi_bytes);
-        for_each(interleave_one, &j, blocks, nthreads);
+#if PD_X86
+        for_each(quant_block, &j, blocks, nthreads);
+#endif
+    } else {
+        for_each(quant_one, &j, M, M >= 8 ? nthreads : 1);
     }
     if (q8) for_each(run_block_q8i, &j, (N + NB_Q8I - 1) / NB_Q8I, nthreads);
     else for_each(run_range, &j, j.nthreads, j.nthreads);

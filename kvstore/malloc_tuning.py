@@ -28,6 +28,9 @@ threads one of the arenas already made, heaps and all. `pdserve`'s main() calls 
 thread starts (every process of a local cluster is a `pdserve` command); a spawned process calls it first too
 (a ProcessPoolExecutor's initializer), which holds even after importing torch (its import starts a thread that
 does not allocate).
+
+``zeros_on_huge_pages`` allocates a CPU engine's KV cache: zeroed, its pages advised as transparent huge pages
+before the zeroing faults them in (its docstring says why).
 """
 from __future__ import annotations
 
@@ -36,6 +39,10 @@ import logging
 import os
 import platform
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -79,3 +86,29 @@ def _arenas() -> int:
     text = ctypes.string_at(buf.value, size.value) if buf.value else b""
     libc.free(buf.value)
     return text.count(b"<heap nr=") if ok else 0
+
+
+MADV_HUGEPAGE = 14  # linux/mman.h
+HUGE_PAGE_BYTES = 2 << 20
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: "torch.dtype") -> "torch.Tensor":
+    """A zeroed CPU tensor whose memory the kernel is asked to back with 2 MiB transparent huge pages.
+
+    Where THP is in "madvise" mode (a common default, and this project's CI hosts), a large tensor lands on 4 KiB
+    pages: reading a KV cache of a few hundred MB a decode step misses the TLB once per 4 KiB, and the hardware
+    prefetchers stop at every page. The pages are advised before they are first touched (zeroing faults them in),
+    so they come huge where the kernel has them to give; elsewhere (no THP, not Linux, tensors under 2 MiB) this
+    is torch.zeros. bench/thp_read.c measures the difference on a host."""
+    import torch  # here: the processes that only tune malloc (the KV transfer's) need not import it
+
+    tensor = torch.empty(shape, dtype=dtype)
+    nbytes = tensor.numel() * tensor.element_size()
+    if platform.system() == "Linux" and nbytes >= 2 * HUGE_PAGE_BYTES:
+        start = -(-tensor.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+        end = (tensor.data_ptr() + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes, libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+        if libc.madvise(start, end - start, MADV_HUGEPAGE) != 0:
+            log.debug("madvise(MADV_HUGEPAGE) failed (errno %d): the tensor stays on small pages", ctypes.get_errno())
+    return tensor.zero_()
