@@ -9,6 +9,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+
+from kvstore.malloc_tuning import zeros_on_huge_pages
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -108,3 +111,34 @@ def test_an_engine_on_cpu_keeps_freed_memory_for_its_next_steps(default_model_pa
                          text=True, check=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
                                                      "HOME": str(Path.home())})
     assert out.stdout.strip() == "True"
+
+
+def _huge_kib(address: int, nbytes: int) -> int:
+    """AnonHugePages (KiB) of the mappings of this process that overlap [address, address + nbytes)."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo < address + nbytes and address < hi
+        elif inside and head == "AnonHugePages:":
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.parametrize("shape, dtype", [((3, 5), torch.float32), ((64, 1 << 16), torch.bfloat16),
+                                          ((2, 1024, 1024), torch.float32)])
+def test_zeros_on_huge_pages_is_a_zeroed_tensor_of_the_shape(shape, dtype):
+    t = zeros_on_huge_pages(shape, dtype)
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and not t.any()
+
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")
+def test_a_large_kv_cache_lands_on_huge_pages():
+    """Advised before the zeroing touches them: where THP is in "madvise" mode, torch.zeros would leave them small.
+    (A host short of free 2 MiB pages may still give some small ones: most of 64 MiB must come huge.)"""
+    t = zeros_on_huge_pages((16, 1 << 20), torch.float32)
+    assert _huge_kib(t.data_ptr(), t.numel() * 4) >= 32 << 10
