@@ -1204,12 +1204,11 @@ static void q4i_scalar(const uint8_t *T, const uint32_t *tab, const int8_t *xq, 
  * any number of threads. Units of NB_Q8I output channels are spread into a tile as for q4 ([K / 4][S][16][4]
  * bytes: one channel's weights at four consecutive inputs a 32-bit lane), as w ^ 0x80 = w + 128 unsigned for
  * vpdpbusd (whose sum, started from -128 * sumq_g, is isum_g), as w itself elsewhere (AVX2 multiplies |w| by
- * x with w's sign: pairs of products within int16). */
+ * x with w's sign, pairs of products within int16, or from Q8I_AVX2_WIDE_ROWS rows widens both to int16). */
 #define NB_Q8I 64     /* output channels per unit (the last may be partial) */
-#ifndef MT_Q8I_AVX2
-#define MT_Q8I_AVX2 4 /* AVX2 x rows per pass (one slice, two 8-channel halves; int32 sums: a 16-bit lane's two
-                         products reach 2 x 127 x 127) */
-#endif
+#define Q8I_AVX2_WIDE_ROWS 4  /* AVX2: from 4 rows of x, q8i_avx2_wide_tile (0.77-0.92x the time at 4-32 rows; below,
+                                 its weights' widening is not shared by rows enough) */
+#define MT_Q8I_AVX2 4 /* AVX2 x rows per pass (one slice, two 8-channel halves; int32 sums) */
 
 /* Channels n0 .. n0 + 16 S - 1 (those past N as zero weights) into T, each byte w ^ flip. */
 static void q8i_tile_scalar(const int8_t *w, int64_t K, int64_t N, int64_t n0, int S, uint8_t flip, uint8_t *T) {
@@ -1315,7 +1314,6 @@ VNNI_TARGET static void q8i_vnni(const uint8_t *T, const float *ws, const int8_t
                  case 3: CALL_Q8I_VNNI_R(3) break; default: CALL_Q8I_VNNI_R(4) break; }
 }
 
-/* One slice (channels n0 + 16 j .., two 8-lane halves) against rows i0 .. i0 + R - 1, the tile holding w. */
 /* q8i_tile_scalar's bytes (flip 0: the AVX2 kernel reads signed weights) by two 8 x 8 transposes of 32-bit words
  * per 16 rows and 8 words, the next 16 rows prefetched as q8i_tile_avx512 does. */
 AVX2_TARGET static void q8i_tile_avx2(const int8_t *w, int64_t K, int64_t N, int64_t n0, int S, uint8_t *T) {
@@ -1355,7 +1353,9 @@ AVX2_TARGET static void q8i_tile_avx2(const int8_t *w, int64_t K, int64_t N, int
         }
 }
 
-AVX2_TARGET static inline __attribute__((always_inline)) void q8i_avx2_tile(
+/* One slice (channels n0 + 16 j .., two 8-lane halves) against rows i0 .. i0 + R - 1, the tile holding w: |w|
+ * times x with w's sign by maddubs (a 16-bit lane's two products reach 2 x 127 x 127), madd into int32. */
+AVX2_TARGET static inline __attribute__((always_inline)) void q8i_avx2_sign_tile(
         const uint8_t *T, const int S, const int j, const float *ws, const int8_t *xq, const float *dx, int64_t K,
         int64_t N, int64_t n0, int64_t i0, const int R, float *y) {
     const int64_t G = K / 32;
@@ -1397,14 +1397,69 @@ AVX2_TARGET static inline __attribute__((always_inline)) void q8i_avx2_tile(
         }
 }
 
-AVX2_TARGET static void q8i_avx2(const uint8_t *T, const float *ws, const int8_t *xq, const float *dx, int64_t K,
-                                 int64_t N, int64_t n0, int S, int64_t i0, int R, float *y) {
+/* q8i_avx2_sign_tile's sums by vpmaddwd on int16: each weight byte widened in place (its 32-bit lane's even
+ * bytes, inputs 0 and 2, by two shifts, the odd ones by one: shifts run beside maddubs' ports), against x's pairs
+ * widened once a call (widen_one), 16 products an instruction, each sum exact in int32. Per 32 products two
+ * instructions on the ports maddubs, madd and the FMAs share (bench/avx2_ports.c), where |w| times x with w's
+ * sign takes three (vpsignb, vpmaddubsw, vpmaddwd). The same bits. */
+AVX2_TARGET static inline __attribute__((always_inline)) void q8i_avx2_wide_tile(
+        const uint8_t *T, const int S, const int j, const float *ws, const uint32_t *xw, const float *dx, int64_t K,
+        int64_t N, int64_t n0, int64_t i0, const int R, float *y) {
+    const int64_t G = K / 32;
+    float acc[MT_Q8I_AVX2][16];  /* the float totals between groups (exact: a float32 store) */
+    for (int64_t g = 0; g < G; g++) {
+        __m256i s[MT_Q8I_AVX2][2];
+#pragma GCC unroll 8
+        for (int q = 0; q < 8; q++) {
+            const int64_t p = 8 * g + q;
+            const uint8_t *tp = T + (p * S + j) * 64;
+            __m256i e[2], o[2];
+            for (int h = 0; h < 2; h++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(tp + 32 * h));
+                e[h] = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8);  /* inputs 0 and 2 of each channel */
+                o[h] = _mm256_srai_epi16(w, 8);                        /* inputs 1 and 3 */
+            }
+            for (int r = 0; r < R; r++) {
+                const uint32_t *xr = xw + (i0 + r) * (K / 2) + 2 * p;
+                const __m256i xe = _mm256_set1_epi32((int)xr[0]), xo = _mm256_set1_epi32((int)xr[1]);
+                for (int h = 0; h < 2; h++) {
+                    const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(e[h], xe), _mm256_madd_epi16(o[h], xo));
+                    s[r][h] = q ? _mm256_add_epi32(s[r][h], t) : t;
+                    PD_KEEP(s[r][h]);
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256 d = _mm256_set1_ps(dx[(i0 + r) * G + g]);
+            for (int h = 0; h < 2; h++) {
+                const __m256 prev = g ? _mm256_loadu_ps(acc[r] + 8 * h) : _mm256_setzero_ps();
+                _mm256_storeu_ps(acc[r] + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h]), d, prev));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int l = 0; l < 16; l++) {
+            const int64_t n = n0 + 16 * j + l;
+            if (n < N) y[(i0 + r) * N + n] = acc[r][l] * ws[n];
+        }
+}
+
+AVX2_TARGET static void q8i_avx2(const uint8_t *T, const float *ws, const int8_t *xq, const uint32_t *xw,
+                                 const float *dx, int64_t K, int64_t N, int64_t n0, int S, int64_t i0, int R,
+                                 float *y) {
     for (int j = 0; j < S; j++) {
+        if (!xw) {
+            if (R == 1) q8i_avx2_sign_tile(T, S, j, ws, xq, dx, K, N, n0, i0, 1, y);
+            else if (R == 2) q8i_avx2_sign_tile(T, S, j, ws, xq, dx, K, N, n0, i0, 2, y);
+            else if (R == 3) q8i_avx2_sign_tile(T, S, j, ws, xq, dx, K, N, n0, i0, 3, y);
+            else q8i_avx2_sign_tile(T, S, j, ws, xq, dx, K, N, n0, i0, 4, y);
+            continue;
+        }
         switch (R) {
-        case 1: q8i_avx2_tile(T, S, j, ws, xq, dx, K, N, n0, i0, 1, y); break;
-        case 2: q8i_avx2_tile(T, S, j, ws, xq, dx, K, N, n0, i0, 2, y); break;
-        case 3: q8i_avx2_tile(T, S, j, ws, xq, dx, K, N, n0, i0, 3, y); break;
-        default: q8i_avx2_tile(T, S, j, ws, xq, dx, K, N, n0, i0, 4, y); break;
+        case 1: q8i_avx2_wide_tile(T, S, j, ws, xw, dx, K, N, n0, i0, 1, y); break;
+        case 2: q8i_avx2_wide_tile(T, S, j, ws, xw, dx, K, N, n0, i0, 2, y); break;
+        case 3: q8i_avx2_wide_tile(T, S, j, ws, xw, dx, K, N, n0, i0, 3, y); break;
+        default: q8i_avx2_wide_tile(T, S, j, ws, xw, dx, K, N, n0, i0, 4, y); break;
         }
     }
 }
@@ -1500,6 +1555,7 @@ struct job {
     float *y;
     int8_t *xq; float *dx, *sx;  /* int8 kinds: x quantized per 32 (quant_row) */
     int8_t *xi; float *di, *si;  /* AVX2 int8 tiles: xq, dx and sx interleaved by blocks of 4 rows (quant_block) */
+    uint32_t *xw;                /* AVX2 q8: xq widened to int16 pairs (widen_one) */
     int32_t *sq;
     float *xb; int round_out;    /* bfloat16 kernels: x rounded to bfloat16, whether y is */
     int B;                       /* q4 kinds: output channels per block of int4pack's layout */
@@ -1508,6 +1564,18 @@ struct job {
     int *failed;                 /* q4 (int8 x): set when a thread cannot get its tile */
     float *xs; uint32_t *xp;     /* q4-bf16: each row's group sums X_g, its (x_k, x_k+1) bfloat16 pairs */
 };
+
+/* Row i of xq as the AVX2 q8 kernel reads it: for inputs 4 p .. 4 p + 3, the int16 pairs (x0, x2) and (x1, x3)
+ * as two 32-bit words at xw[i][2 p], xw[i][2 p + 1] (vpmaddwd's operands against the tile's even and odd bytes). */
+static void widen_one(const struct job *j, int64_t i) {
+    const int64_t K = j->K;
+    const int8_t *x = j->xq + i * K;
+    uint32_t *w = j->xw + i * (K / 2);
+    for (int64_t p = 0; p < K / 4; p++) {
+        w[2 * p] = (uint16_t)(int16_t)x[4 * p] | (uint32_t)(uint16_t)(int16_t)x[4 * p + 2] << 16;
+        w[2 * p + 1] = (uint16_t)(int16_t)x[4 * p + 1] | (uint32_t)(uint16_t)(int16_t)x[4 * p + 3] << 16;
+    }
+}
 
 /* Run fn over 0 .. count - 1 on nthreads OpenMP threads; a single thread calls it directly (no parallel region:
  * ~1 us a call, which batch-1 decode pays 121 times a step). */
@@ -1810,7 +1878,7 @@ static void run_block_q8i(const struct job *j, int64_t b) {
         const int R = M - i0 < mt ? (int)(M - i0) : (int)mt;
 #if PD_X86
         if (j->isa >= 2) { q8i_vnni(T, j->table, j->xq, j->dx, j->sq, K, N, n0, S, i0, R, j->y); continue; }
-        if (j->isa == 1) { q8i_avx2(T, j->table, j->xq, j->dx, K, N, n0, S, i0, R, j->y); continue; }
+        if (j->isa == 1) { q8i_avx2(T, j->table, j->xq, j->xw, j->dx, K, N, n0, S, i0, R, j->y); continue; }
 #endif
         for (int c = 0; c < 16 * S && n0 + c < N; c++)
             q8i_scalar(T, j->table, j->xq, j->dx, K, n0, S, c, i0, j->y + i0 * N + n0 + c);
@@ -1842,7 +1910,8 @@ static int run(int q8, const float *x, int64_t M, int64_t K, const void *w, cons
     /* the AVX2 q4 tile reads x interleaved (q4i_avx2_tile) */
     const int64_t blocks = j.isa == 1 && !q8 && M >= Q4I_AVX2_TILE_ROWS ? (M + 3) / 4 : 0;
     const size_t xi_bytes = (size_t)(4 * blocks * K + 63) / 64 * 64, gi_bytes = (size_t)(4 * blocks * j.G) * 4;
-    char *base = get_scratch(xq_bytes + 3 * g_bytes + xi_bytes + 2 * gi_bytes);
+    const size_t xw_bytes = j.isa == 1 && q8 && M >= Q8I_AVX2_WIDE_ROWS ? (size_t)(2 * M * K) : 0;
+    char *base = get_scratch(xq_bytes + 3 * g_bytes + xi_bytes + 2 * gi_bytes + xw_bytes);
     if (!base) return -1;
     j.xq = (int8_t *)base;
     j.dx = (float *)(base + xq_bytes);
@@ -1857,6 +1926,10 @@ static int run(int q8, const float *x, int64_t M, int64_t K, const void *w, cons
 #endif
     } else {
         for_each(quant_one, &j, M, M >= 8 ? nthreads : 1);
+    }
+    if (xw_bytes) {
+        j.xw = (uint32_t *)(base + xq_bytes + 3 * g_bytes + xi_bytes + 2 * gi_bytes);
+        for_each(widen_one, &j, M, M >= 8 ? nthreads : 1);
     }
     if (q8) for_each(run_block_q8i, &j, (N + NB_Q8I - 1) / NB_Q8I, nthreads);
     else for_each(run_range, &j, j.nthreads, j.nthreads);

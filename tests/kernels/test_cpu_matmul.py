@@ -205,7 +205,7 @@ def test_q8_every_path_gives_the_scalar_bits(isa):
     scale = torch.randn(n, generator=g) * torch.rand(n, generator=g).pow(4)
     x = varied_x(g, k)
     expected = cm.q8_matmul(x, qweight, scale, isa=cm.ISA_SCALAR, nthreads=1)
-    for rows in (1, 2, 3, 35):
+    for rows in (1, 2, 3, 4, 6, 35):  # AVX2: |w| times x's sign up to 3 rows, int16 products from 4
         for nthreads in (1, 3):
             got = cm.q8_matmul(x[:rows], qweight, scale, isa=isa, nthreads=nthreads)
             assert torch.equal(got, expected[:rows]), (rows, nthreads)
@@ -213,6 +213,24 @@ def test_q8_every_path_gives_the_scalar_bits(isa):
     planted[70, 150] = -planted[70, 150] if planted[70, 150] else 5
     moved = (cm.q8_matmul(x, planted, scale, isa=isa) != expected).any(dim=0).nonzero().flatten()
     assert moved.tolist() == [70]
+
+
+@pytest.mark.parametrize("isa", [isa_param(i) for i in (cm.ISA_AVX2, cm.ISA_AVX512, cm.ISA_AVX512_VBMI)])
+def test_q8_the_largest_sums_are_exact(isa):
+    """Weights all +127 or all -127 by halves against x rows that quantize to +127 or -127: each 32-input sum at
+    its largest magnitude (32 x 127 x 127), on every path and row count, the scalar path's bits."""
+    n, k = 80, 128
+    qweight = torch.full((n, k), 127, dtype=torch.int8)
+    qweight[n // 2:] = -127
+    scale = torch.ones(n)
+    signs = torch.tensor([1.0, -1.0, 1.0])
+    x = signs.repeat(3)[:, None].expand(9, k).clone()
+    x[2, k // 2:] = -1.0
+    expected = cm.q8_matmul(x, qweight, scale, isa=cm.ISA_SCALAR, nthreads=1)
+    assert expected[0, 0].item() == 127.0 * k  # x quantizes to 127 at scale 1 / 127
+    for rows in (1, 2, 3, 4, 9):
+        got = cm.q8_matmul(x[:rows], qweight, scale, isa=isa, nthreads=1)
+        assert torch.equal(got, expected[:rows]), rows
 
 
 @pytest.mark.parametrize("name", ["gate 1536x576", "down 576x1536", "lm_head 49152x576"])
