@@ -1206,7 +1206,7 @@ static void q4i_scalar(const uint8_t *T, const uint32_t *tab, const int8_t *xq, 
  * vpdpbusd (whose sum, started from -128 * sumq_g, is isum_g), as w itself elsewhere (AVX2 multiplies |w| by
  * x with w's sign, pairs of products within int16, or from Q8I_AVX2_WIDE_ROWS rows widens both to int16). */
 #define NB_Q8I 64     /* output channels per unit (the last may be partial) */
-#define Q8I_AVX2_WIDE_ROWS 4  /* AVX2: from 4 rows of x, q8i_avx2_wide_tile (0.77-0.92x the time at 4-32 rows; below,
+#define Q8I_AVX2_WIDE_ROWS 4  /* AVX2: from 4 rows of x, q8i_avx2_tile widens (0.88-0.94x the time at 4-128 rows; below,
                                  its weights' widening is not shared by rows enough) */
 #define MT_Q8I_AVX2 4 /* AVX2 x rows per pass (one slice, two 8-channel halves; int32 sums) */
 
@@ -1353,59 +1353,19 @@ AVX2_TARGET static void q8i_tile_avx2(const int8_t *w, int64_t K, int64_t N, int
         }
 }
 
-/* One slice (channels n0 + 16 j .., two 8-lane halves) against rows i0 .. i0 + R - 1, the tile holding w: |w|
- * times x with w's sign by maddubs (a 16-bit lane's two products reach 2 x 127 x 127), madd into int32. */
-AVX2_TARGET static inline __attribute__((always_inline)) void q8i_avx2_sign_tile(
-        const uint8_t *T, const int S, const int j, const float *ws, const int8_t *xq, const float *dx, int64_t K,
-        int64_t N, int64_t n0, int64_t i0, const int R, float *y) {
+/* One slice (channels n0 + 16 j .., two 8-lane halves) against rows i0 .. i0 + R - 1, the tile holding w, its
+ * int32 sums by one of two ways (the same sums, so the same bits):
+ * - not wide: |w| times x with w's sign by maddubs (a 16-bit lane's two products reach 2 x 127 x 127), madd into
+ *   int32: three instructions on the ports maddubs, madd and the FMAs share per 32 products (bench/avx2_ports.c);
+ * - wide (from Q8I_AVX2_WIDE_ROWS rows): each weight byte widened to int16 in registers (a 32-bit lane's even
+ *   bytes, inputs 0 and 2, by two shifts, the odd ones by one: shifts run beside maddubs' ports) against x's pairs
+ *   widened once a call (xw, widen_one), vpmaddwd 16 products an instruction: two such instructions per 32
+ *   products. Below that many rows the weights' widening is not shared by rows enough. */
+AVX2_TARGET static inline __attribute__((always_inline)) void q8i_avx2_tile(
+        const uint8_t *T, const int S, const int j, const float *ws, const int8_t *xq, const uint32_t *xw,
+        const float *dx, int64_t K, int64_t N, int64_t n0, int64_t i0, const int R, const int wide, float *y) {
     const int64_t G = K / 32;
     const __m256i ones = _mm256_set1_epi16(1);
-    float acc[MT_Q8I_AVX2][16];  /* the float totals between groups (exact: a float32 store) */
-    __m256i s[MT_Q8I_AVX2][2];
-    for (int64_t g = 0; g < G; g++) {
-        for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int64_t p = 8 * g; p < 8 * g + 8; p++) {
-            const uint8_t *tp = T + (p * S + j) * 64;
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)tp);
-            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(tp + 32));
-            const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
-            for (int r = 0; r < R; r++) {
-                int32_t x4;
-                memcpy(&x4, xq + (i0 + r) * K + 4 * p, 4);
-                const __m256i xv = _mm256_set1_epi32(x4);
-                const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xv, w0));
-                const __m256i p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xv, w1));
-                s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(p0, ones));
-                s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(p1, ones));
-                PD_KEEP(s[r][0]);
-                PD_KEEP(s[r][1]);
-            }
-        }
-        for (int r = 0; r < R; r++) {
-            const __m256 d = _mm256_set1_ps(dx[(i0 + r) * G + g]);
-            for (int h = 0; h < 2; h++) {
-                const __m256 prev = g ? _mm256_loadu_ps(acc[r] + 8 * h) : _mm256_setzero_ps();
-                _mm256_storeu_ps(acc[r] + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h]), d, prev));
-            }
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int l = 0; l < 16; l++) {
-            const int64_t n = n0 + 16 * j + l;
-            if (n < N) y[(i0 + r) * N + n] = acc[r][l] * ws[n];
-        }
-}
-
-/* q8i_avx2_sign_tile's sums by vpmaddwd on int16: each weight byte widened in place (its 32-bit lane's even
- * bytes, inputs 0 and 2, by two shifts, the odd ones by one: shifts run beside maddubs' ports), against x's pairs
- * widened once a call (widen_one), 16 products an instruction, each sum exact in int32. Per 32 products two
- * instructions on the ports maddubs, madd and the FMAs share (bench/avx2_ports.c), where |w| times x with w's
- * sign takes three (vpsignb, vpmaddubsw, vpmaddwd). The same bits. */
-AVX2_TARGET static inline __attribute__((always_inline)) void q8i_avx2_wide_tile(
-        const uint8_t *T, const int S, const int j, const float *ws, const uint32_t *xw, const float *dx, int64_t K,
-        int64_t N, int64_t n0, int64_t i0, const int R, float *y) {
-    const int64_t G = K / 32;
     float acc[MT_Q8I_AVX2][16];  /* the float totals between groups (exact: a float32 store) */
     for (int64_t g = 0; g < G; g++) {
         __m256i s[MT_Q8I_AVX2][2];
@@ -1413,18 +1373,32 @@ AVX2_TARGET static inline __attribute__((always_inline)) void q8i_avx2_wide_tile
         for (int q = 0; q < 8; q++) {
             const int64_t p = 8 * g + q;
             const uint8_t *tp = T + (p * S + j) * 64;
-            __m256i e[2], o[2];
+            __m256i w[2], e[2], o[2];
             for (int h = 0; h < 2; h++) {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(tp + 32 * h));
-                e[h] = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8);  /* inputs 0 and 2 of each channel */
-                o[h] = _mm256_srai_epi16(w, 8);                        /* inputs 1 and 3 */
+                w[h] = _mm256_loadu_si256((const __m256i *)(tp + 32 * h));
+                if (wide) {
+                    e[h] = _mm256_srai_epi16(_mm256_slli_epi16(w[h], 8), 8);  /* inputs 0 and 2 of each channel */
+                    o[h] = _mm256_srai_epi16(w[h], 8);                        /* inputs 1 and 3 */
+                } else {
+                    e[h] = _mm256_abs_epi8(w[h]);
+                }
             }
             for (int r = 0; r < R; r++) {
-                const uint32_t *xr = xw + (i0 + r) * (K / 2) + 2 * p;
-                const __m256i xe = _mm256_set1_epi32((int)xr[0]), xo = _mm256_set1_epi32((int)xr[1]);
+                __m256i t[2];
+                if (wide) {
+                    const uint32_t *xr = xw + (i0 + r) * (K / 2) + 2 * p;
+                    const __m256i xe = _mm256_set1_epi32((int)xr[0]), xo = _mm256_set1_epi32((int)xr[1]);
+                    for (int h = 0; h < 2; h++)
+                        t[h] = _mm256_add_epi32(_mm256_madd_epi16(e[h], xe), _mm256_madd_epi16(o[h], xo));
+                } else {
+                    int32_t x4;
+                    memcpy(&x4, xq + (i0 + r) * K + 4 * p, 4);
+                    const __m256i xv = _mm256_set1_epi32(x4);
+                    for (int h = 0; h < 2; h++)
+                        t[h] = _mm256_madd_epi16(_mm256_maddubs_epi16(e[h], _mm256_sign_epi8(xv, w[h])), ones);
+                }
                 for (int h = 0; h < 2; h++) {
-                    const __m256i t = _mm256_add_epi32(_mm256_madd_epi16(e[h], xe), _mm256_madd_epi16(o[h], xo));
-                    s[r][h] = q ? _mm256_add_epi32(s[r][h], t) : t;
+                    s[r][h] = q ? _mm256_add_epi32(s[r][h], t[h]) : t[h];
                     PD_KEEP(s[r][h]);
                 }
             }
@@ -1447,21 +1421,20 @@ AVX2_TARGET static inline __attribute__((always_inline)) void q8i_avx2_wide_tile
 AVX2_TARGET static void q8i_avx2(const uint8_t *T, const float *ws, const int8_t *xq, const uint32_t *xw,
                                  const float *dx, int64_t K, int64_t N, int64_t n0, int S, int64_t i0, int R,
                                  float *y) {
+#define CALL_Q8I_AVX2(r, wide) q8i_avx2_tile(T, S, j, ws, xq, xw, dx, K, N, n0, i0, r, wide, y)
     for (int j = 0; j < S; j++) {
-        if (!xw) {
-            if (R == 1) q8i_avx2_sign_tile(T, S, j, ws, xq, dx, K, N, n0, i0, 1, y);
-            else if (R == 2) q8i_avx2_sign_tile(T, S, j, ws, xq, dx, K, N, n0, i0, 2, y);
-            else if (R == 3) q8i_avx2_sign_tile(T, S, j, ws, xq, dx, K, N, n0, i0, 3, y);
-            else q8i_avx2_sign_tile(T, S, j, ws, xq, dx, K, N, n0, i0, 4, y);
-            continue;
-        }
-        switch (R) {
-        case 1: q8i_avx2_wide_tile(T, S, j, ws, xw, dx, K, N, n0, i0, 1, y); break;
-        case 2: q8i_avx2_wide_tile(T, S, j, ws, xw, dx, K, N, n0, i0, 2, y); break;
-        case 3: q8i_avx2_wide_tile(T, S, j, ws, xw, dx, K, N, n0, i0, 3, y); break;
-        default: q8i_avx2_wide_tile(T, S, j, ws, xw, dx, K, N, n0, i0, 4, y); break;
+        switch (R + 4 * !!xw) {
+        case 1: CALL_Q8I_AVX2(1, 0); break;
+        case 2: CALL_Q8I_AVX2(2, 0); break;
+        case 3: CALL_Q8I_AVX2(3, 0); break;
+        case 4: CALL_Q8I_AVX2(4, 0); break;
+        case 5: CALL_Q8I_AVX2(1, 1); break;
+        case 6: CALL_Q8I_AVX2(2, 1); break;
+        case 7: CALL_Q8I_AVX2(3, 1); break;
+        default: CALL_Q8I_AVX2(4, 1); break;
         }
     }
+#undef CALL_Q8I_AVX2
 }
 #endif
 
