@@ -95,12 +95,12 @@ HUGE_PAGE_BYTES = 2 << 20
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: "torch.dtype") -> "torch.Tensor":
     """A zeroed CPU tensor whose memory the kernel is asked to back with 2 MiB transparent huge pages.
 
-    Where THP is in "madvise" mode (a common default, and this project's CI hosts), a large tensor lands on 4 KiB
-    pages: reading a KV cache of a few hundred MB a decode step misses the TLB once per 4 KiB, and the hardware
-    prefetchers stop at every page. The pages are advised before they are first touched (zeroing faults them in),
-    so they come huge where the kernel has them to give; elsewhere (no THP, not Linux, tensors under 2 MiB) this
-    is torch.zeros. bench/thp_read.c measures the difference on a host."""
-    import torch  # here: the processes that only tune malloc (the KV transfer's) need not import it
+    Where THP is in "madvise" mode (a common default; the 2-core hosts measured in BENCHMARKS.md), a large tensor
+    lands on 4 KiB pages: reading a KV cache of a few hundred MB a decode step misses the TLB once per 4 KiB, and
+    the hardware prefetchers stop at every page. The pages are advised before they are first touched (zeroing
+    faults them in), so they come huge where the kernel has them to give; elsewhere (no THP, not Linux, tensors
+    under 4 MiB) this is torch.zeros. bench/thp_read.c and bench/bench_kv_pages.py measure the difference."""
+    import torch  # here: keep_freed_memory_for_reuse's callers need only ctypes
 
     tensor = torch.empty(shape, dtype=dtype)
     nbytes = tensor.numel() * tensor.element_size()
