@@ -1206,7 +1206,7 @@ static void q4i_scalar(const uint8_t *T, const uint32_t *tab, const int8_t *xq, 
  * vpdpbusd (whose sum, started from -128 * sumq_g, is isum_g), as w itself elsewhere (AVX2 multiplies |w| by
  * x with w's sign, pairs of products within int16, or from Q8I_AVX2_WIDE_ROWS rows widens both to int16). */
 #define NB_Q8I 64     /* output channels per unit (the last may be partial) */
-#define Q8I_AVX2_WIDE_ROWS 4  /* AVX2: from 4 rows of x, q8i_avx2_tile widens (0.88-0.94x the time at 4-128 rows; below,
+#define Q8I_AVX2_WIDE_ROWS 4  /* AVX2: from 4 rows of x, q8i_avx2_tile widens (0.88-0.95x the time at 4-128 rows; below,
                                  its weights' widening is not shared by rows enough) */
 #define MT_Q8I_AVX2 4 /* AVX2 x rows per pass (one slice, two 8-channel halves; int32 sums) */
 
@@ -1359,7 +1359,7 @@ AVX2_TARGET static void q8i_tile_avx2(const int8_t *w, int64_t K, int64_t N, int
  *   int32: three instructions on the ports maddubs, madd and the FMAs share per 32 products (bench/avx2_ports.c);
  * - wide (from Q8I_AVX2_WIDE_ROWS rows): each weight byte widened to int16 in registers (a 32-bit lane's even
  *   bytes, inputs 0 and 2, by two shifts, the odd ones by one: shifts run beside maddubs' ports) against x's pairs
- *   widened once a call (xw, widen_one), vpmaddwd 16 products an instruction: two such instructions per 32
+ *   widened once a call (xw, quant_widen_one), vpmaddwd 16 products an instruction: two such instructions per 32
  *   products. Below that many rows the weights' widening is not shared by rows enough. */
 AVX2_TARGET static inline __attribute__((always_inline)) void q8i_avx2_tile(
         const uint8_t *T, const int S, const int j, const float *ws, const int8_t *xq, const uint32_t *xw,
@@ -1528,7 +1528,7 @@ struct job {
     float *y;
     int8_t *xq; float *dx, *sx;  /* int8 kinds: x quantized per 32 (quant_row) */
     int8_t *xi; float *di, *si;  /* AVX2 int8 tiles: xq, dx and sx interleaved by blocks of 4 rows (quant_block) */
-    uint32_t *xw;                /* AVX2 q8: xq widened to int16 pairs (widen_one) */
+    uint32_t *xw;                /* AVX2 q8: xq widened to int16 pairs (quant_widen_one) */
     int32_t *sq;
     float *xb; int round_out;    /* bfloat16 kernels: x rounded to bfloat16, whether y is */
     int B;                       /* q4 kinds: output channels per block of int4pack's layout */
@@ -1538,17 +1538,6 @@ struct job {
     float *xs; uint32_t *xp;     /* q4-bf16: each row's group sums X_g, its (x_k, x_k+1) bfloat16 pairs */
 };
 
-/* Row i of xq as the AVX2 q8 kernel reads it: for inputs 4 p .. 4 p + 3, the int16 pairs (x0, x2) and (x1, x3)
- * as two 32-bit words at xw[i][2 p], xw[i][2 p + 1] (vpmaddwd's operands against the tile's even and odd bytes). */
-static void widen_one(const struct job *j, int64_t i) {
-    const int64_t K = j->K;
-    const int8_t *x = j->xq + i * K;
-    uint32_t *w = j->xw + i * (K / 2);
-    for (int64_t p = 0; p < K / 4; p++) {
-        w[2 * p] = (uint16_t)(int16_t)x[4 * p] | (uint32_t)(uint16_t)(int16_t)x[4 * p + 2] << 16;
-        w[2 * p + 1] = (uint16_t)(int16_t)x[4 * p + 1] | (uint32_t)(uint16_t)(int16_t)x[4 * p + 3] << 16;
-    }
-}
 
 /* Run fn over 0 .. count - 1 on nthreads OpenMP threads; a single thread calls it directly (no parallel region:
  * ~1 us a call, which batch-1 decode pays 121 times a step). */
@@ -1574,6 +1563,20 @@ static void quant_one(const struct job *j, int64_t i) {
     }
 #endif
     quant_row(j->x + i * K, K, j->xq + i * K, j->dx + i * G, j->sx + i * G, j->sq + i * G);
+}
+
+/* Row i quantized (quant_one), then as the AVX2 q8 kernel's wide way reads it: for inputs 4 p .. 4 p + 3, the
+ * int16 pairs (x0, x2) and (x1, x3) as two 32-bit words at xw[i][2 p], xw[i][2 p + 1] (vpmaddwd's operands
+ * against the tile's even and odd bytes), in the same parallel region. */
+static void quant_widen_one(const struct job *j, int64_t i) {
+    const int64_t K = j->K;
+    quant_one(j, i);
+    const int8_t *x = j->xq + i * K;
+    uint32_t *w = j->xw + i * (K / 2);
+    for (int64_t p = 0; p < K / 4; p++) {
+        w[2 * p] = (uint16_t)(int16_t)x[4 * p] | (uint32_t)(uint16_t)(int16_t)x[4 * p + 2] << 16;
+        w[2 * p + 1] = (uint16_t)(int16_t)x[4 * p + 1] | (uint32_t)(uint16_t)(int16_t)x[4 * p + 3] << 16;
+    }
 }
 
 #if PD_X86
@@ -1897,12 +1900,11 @@ static int run(int q8, const float *x, int64_t M, int64_t K, const void *w, cons
 #if PD_X86
         for_each(quant_block, &j, blocks, nthreads);
 #endif
+    } else if (xw_bytes) {
+        j.xw = (uint32_t *)(base + xq_bytes + 3 * g_bytes + xi_bytes + 2 * gi_bytes);
+        for_each(quant_widen_one, &j, M, M >= 8 ? nthreads : 1);
     } else {
         for_each(quant_one, &j, M, M >= 8 ? nthreads : 1);
-    }
-    if (xw_bytes) {
-        j.xw = (uint32_t *)(base + xq_bytes + 3 * g_bytes + xi_bytes + 2 * gi_bytes);
-        for_each(widen_one, &j, M, M >= 8 ? nthreads : 1);
     }
     if (q8) for_each(run_block_q8i, &j, (N + NB_Q8I - 1) / NB_Q8I, nthreads);
     else for_each(run_range, &j, j.nthreads, j.nthreads);
