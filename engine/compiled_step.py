@@ -194,7 +194,8 @@ class CompiledDecodeStep:
                 and batch.sample_positions == list(range(n)))
 
     def run(self, batch: StepBatch) -> torch.Tensor:
-        """Logits [num_seqs, vocab] float32 of a batch that `takes` accepts (an inference tensor on CPU)."""
+        """Logits [num_seqs, vocab] float32 of a batch that `takes` accepts (an inference tensor on the
+        model's device, where the sampler runs)."""
         n = len(batch.seq_lens)
         padded = self.bucket(n)
         pad = padded - n
@@ -213,7 +214,7 @@ class CompiledDecodeStep:
         # weight tensor, ~400 of them) would cost a few percent of a batch-1 step for nothing.
         with torch.inference_mode(), torch.compiler.set_stance(skip_guard_eval_unsafe=self._warm):
             logits = self._compiled(self.model, input_ids, positions, self.kv_cache, meta)
-        return logits[:n].cpu()
+        return logits[:n]
 
     def warm_up(self) -> float:
         """Compile every bucket now (an all-padding batch: no KV is written); returns and logs the seconds."""

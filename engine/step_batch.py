@@ -37,7 +37,8 @@ def run_step(model: DecoderModel, kv_cache: torch.Tensor, batch: StepBatch, devi
     """Run `batch` through `model`, writing its K/V into kv_cache [L, 2, blocks, block_size, kv_heads, D]
     (`after_kv_write`: AttentionMetadata's).
 
-    Returns the sampled rows' logits [num_sampling, vocab] on CPU (an inference tensor), or None when no row
+    Returns the sampled rows' logits [num_sampling, vocab] on the model's device (an inference tensor: the
+    sampler runs where they are, so a CUDA step moves only the chosen token ids to the host), or None when no row
     samples, and the prompt logprobs of each of batch.prompt_rows (engine.prompt_logprobs). On a
     tensor-parallel rank other than 0 the logits are that rank's vocabulary slice."""
     meta = AttentionMetadata(
@@ -53,7 +54,7 @@ def run_step(model: DecoderModel, kv_cache: torch.Tensor, batch: StepBatch, devi
                        for rows, targets, num_top in batch.prompt_rows]
     if not batch.sample_positions:
         return None, prompt_logprobs
-    return model.compute_logits(hidden[batch.sample_positions]).cpu(), prompt_logprobs
+    return model.compute_logits(hidden[batch.sample_positions]), prompt_logprobs
 
 
 def copy_blocks(kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:

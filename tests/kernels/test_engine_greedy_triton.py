@@ -30,12 +30,14 @@ PROMPTS = [PREFIX + [13, 14, 15], [9], list(range(30, 70)), PREFIX + [200, 201]]
 NEW_TOKENS = 6
 
 
-def greedy_tokens(backend: str, device: str, dtype: str) -> list[list[int]]:
+def greedy_tokens(backend: str, device: str, dtype: str,
+                  params: SamplingParams | None = None) -> list[list[int]]:
+    """Tokens of PROMPTS (greedy unless `params` says otherwise) from an engine on `device` with `backend`."""
     loaded = LoadedModel(config=CONFIG, weights=tiny_weights(CONFIG, seed=3), tokenizer=None,
                          fingerprint="tiny-random-gqa")
     engine = LLMEngine(EngineConfig(model="tiny-random-gqa", device=device, dtype=dtype, num_kv_blocks=64,
                                     block_size=16, max_num_batched_tokens=32), loaded=loaded)
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    params = params or SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     kernels.set_backend(backend)
     try:
         first = run(engine, PROMPTS[:1], [params])  # caches PREFIX's block for the last prompt
@@ -61,3 +63,24 @@ def test_engine_greedy_tokens_triton_equal_torch_cuda(dtype):
         assert ours == reference
     else:  # bf16 rounds differently in each path: a near-tie may flip, so one sequence of four may differ
         assert sum(a == b for a, b in zip(ours, reference)) >= len(PROMPTS) - 1, (ours, reference)
+
+
+# Every option the sampler applies to logits, each on the model's device (engine.step_batch.run_step leaves the
+# logits there): penalties, logit bias, min_tokens with stop ids, temperature with top-k / top-p / min-p, logprobs.
+SAMPLED = [
+    SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3, logit_bias=((7, 5.0),)),
+    SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, top_k=20, top_p=0.9, seed=7, ignore_eos=True),
+    SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, min_p=0.1, repetition_penalty=1.3, seed=8,
+                   ignore_eos=True),
+    SamplingParams(max_tokens=NEW_TOKENS, temperature=0.7, frequency_penalty=0.5, presence_penalty=0.4, seed=9,
+                   min_tokens=NEW_TOKENS, stop_token_ids=(3, 4)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("params", SAMPLED, ids=["greedy-logprobs-bias", "topk-topp", "minp-repetition",
+                                                  "penalties-min-tokens"])
+def test_engine_sampling_on_cuda_equals_cpu(params):
+    """float32 both ways: the sampler on CUDA logits picks the tokens it picks on CPU ones (the noise of seeded
+    rows comes from a CPU generator on both)."""
+    assert greedy_tokens("auto", "cuda", "float32", params) == greedy_tokens("torch", "cpu", "float32", params)
