@@ -77,7 +77,8 @@ def _paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]  # [blocks, block_size, kv_heads, D]
     kernels.write_kv(k[:n], v[:n], k_cache, v_cache, slot_mapping[:n])
     attn = kernels.paged_attention(q[:n], k_cache, v_cache, block_tables[:n], seq_lens[:n], query_start_loc[:n + 1],
-                                   scale, sliding_window=sliding_window, softcap=softcap)  # [n, heads, D]
+                                   scale, sliding_window=sliding_window, softcap=softcap,
+                                   max_query_len=1)  # [n, heads, D]
     if n == q.shape[0]:
         return attn.contiguous()
     out = q.new_zeros(q.shape)

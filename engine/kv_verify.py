@@ -91,7 +91,8 @@ def verify_received_kv(model: DecoderModel, kv_cache: torch.Tensor, prompt_token
         slot_mapping=torch.arange(num_tokens, dtype=torch.int64, device=device),
         block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0),
         seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device))
+        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+        max_query_len=num_tokens, max_seq_len=num_tokens)
     model.forward(torch.tensor(list(prompt_token_ids), dtype=torch.int64, device=device),
                   torch.arange(num_tokens, dtype=torch.int64, device=device), scratch, meta)
     for i, block_id in enumerate(block_ids):

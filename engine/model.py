@@ -61,6 +61,12 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [batch + 1] int32: offsets of each sequence's tokens in the flat batch
     after_kv_write: Callable[[int], None] | None = None
     """Called with the layer index right after each layer's K/V are written (engine.kv_digests), or None."""
+    max_query_len: int | None = None
+    """Most new tokens of one sequence, known on the host (upper bound), or None: kernels.paged_attention then
+    reads it from query_start_loc, a device->host sync per layer on CUDA."""
+    max_seq_len: int | None = None
+    """Longest context (upper bound), known on the host, or None: the Triton decode kernel then sizes its splits
+    by the block table's width."""
 
 
 class DenseMLP:
@@ -246,7 +252,8 @@ class DecoderModel:
             meta.after_kv_write(index)
         return kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                        self.scale, sliding_window=layer.window,
-                                       softcap=self.config.attn_logit_softcapping)
+                                       softcap=self.config.attn_logit_softcapping,
+                                       max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                       meta: AttentionMetadata, attention: Callable[..., torch.Tensor]) -> torch.Tensor:

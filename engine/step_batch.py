@@ -47,6 +47,8 @@ def run_step(model: DecoderModel, kv_cache: torch.Tensor, batch: StepBatch, devi
         seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=device),
         query_start_loc=torch.tensor(batch.query_start_loc, dtype=torch.int32, device=device),
         after_kv_write=after_kv_write,
+        max_query_len=max((b - a for a, b in zip(batch.query_start_loc, batch.query_start_loc[1:])), default=0),
+        max_seq_len=max(batch.seq_lens, default=0),
     )
     hidden = model.forward(torch.tensor(batch.input_ids, dtype=torch.int64, device=device),
                            torch.tensor(batch.positions, dtype=torch.int64, device=device), kv_cache, meta)

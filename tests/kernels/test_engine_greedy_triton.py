@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import kernels
 from engine.config import EngineConfig
@@ -84,3 +85,52 @@ def test_engine_sampling_on_cuda_equals_cpu(params):
     """float32 both ways: the sampler on CUDA logits picks the tokens it picks on CPU ones (the noise of seeded
     rows comes from a CPU generator on both)."""
     assert greedy_tokens("auto", "cuda", "float32", params) == greedy_tokens("torch", "cpu", "float32", params)
+
+
+def _cuda_step_inputs(device: str) -> dict[str, tuple]:
+    """(input_ids, positions, AttentionMetadata) of a decode step (3 sequences at 5, 17 and 33 tokens) and of a
+    20-token prefill, over distinct blocks of 16 slots."""
+    from engine.model import AttentionMetadata
+
+    def tensors(ids, positions, slots, tables, seq_lens, starts, max_query_len):
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            max_query_len=max_query_len, max_seq_len=max(seq_lens))
+        return (torch.tensor(ids, dtype=torch.int64, device=device),
+                torch.tensor(positions, dtype=torch.int64, device=device), meta)
+
+    return {"decode": tensors([1, 2, 3], [4, 16, 32], [4, 2 * 16, 5 * 16], [[0, 0, 0], [1, 2, 0], [3, 4, 5]],
+                              [5, 17, 33], [0, 1, 2, 3], 1),
+            "prefill": tensors(list(range(20)), list(range(20)), list(range(6 * 16, 6 * 16 + 20)), [[6, 7]], [20],
+                               [0, 20], 20)}
+
+
+@pytest.mark.gpu
+def test_forward_queues_its_kernels_without_a_device_sync():
+    """A step's forward never waits on the GPU (AttentionMetadata carries the batch's bounds from the host), so
+    the host runs ahead while kernels execute; torch raises on any synchronizing call inside. Without the
+    bounds the attention reads them from the device, and the check catches that."""
+
+    loaded = LoadedModel(config=CONFIG, weights=tiny_weights(CONFIG, seed=3), tokenizer=None,
+                         fingerprint="tiny-random-gqa")
+    engine = LLMEngine(EngineConfig(model="tiny-random-gqa", device="cuda", dtype="bfloat16", num_kv_blocks=64,
+                                    block_size=16), loaded=loaded)
+    model, kv_cache = engine.runner.model, engine.runner.kv_cache
+    steps = _cuda_step_inputs("cuda")
+    with torch.inference_mode():
+        for ids, positions, meta in steps.values():
+            model.forward(ids, positions, kv_cache, meta)  # Triton compiles outside the checked region
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for ids, positions, meta in steps.values():
+                model.forward(ids, positions, kv_cache, meta)
+            ids, positions, meta = steps["decode"]
+            meta = dataclasses.replace(meta, max_query_len=None)
+            with pytest.raises(RuntimeError, match="synchroniz"):
+                model.forward(ids, positions, kv_cache, meta)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
