@@ -253,7 +253,7 @@ def write(results: dict, args, out: Path) -> None:
     for name, entry in results["models"].items():
         for key, r in entry["systems"].items():
             row = [name, key, f"{r['prefill_ms']:.1f}", f"{r['tpot_ms']:.2f}",
-                   f"{entry['roofline_tpot_ms'] / r['tpot_ms'] * 100:.0f}%"]
+                   f"{entry['roofline_tpot_ms'] / r['tpot_ms'] * 100:.1f}%"]
             row += [f"{r[f'streams_{n}_tok_s']:.0f}" for n in streams]
             lines.append("| " + " | ".join(row) + " |")
     lines.append("")
