@@ -15,7 +15,8 @@ pdserve is `LLMEngine` (eager: Triton attention and KV-write kernels, cuBLAS lin
 transformers' `generate` (eager, its default dynamic cache), static batches of the same prompts. The greedy tokens
 of both on the first prompt are compared and the length of their common prefix reported (random weights give flat
 logits, so bfloat16 rounding may part them early; tests/kernels checks tokens against the torch path exactly).
-Writes engine_gpu.md and engine_gpu.json under $OUT when set, else bench/results/. Never passes or fails on speed.
+Writes engine_gpu.md and engine_gpu.json under --out, else $OUT when set, else bench/results/ (--smoke: only under
+--out). Never passes or fails on speed.
 """
 
 from __future__ import annotations
@@ -197,7 +198,7 @@ def main() -> None:
     parser.add_argument("--prefill-len", type=int, default=2048)
     parser.add_argument("--no-peer", action="store_true", help="pdserve only")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, float32: checks the script")
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "results"))
+    parser.add_argument("--out", default=None, help="report folder (default $OUT, else bench/results; --smoke: none)")
     args = parser.parse_args()
     if args.smoke:
         device, dtype, models = "cpu", "float32", ["tiny"]
@@ -237,11 +238,11 @@ def main() -> None:
                                                           entry["systems"]["transformers"]["first_tokens"])
         results["models"][name] = entry
         del weights
-    write(results, args, Path(args.out))
+    out = args.out or (None if args.smoke else os.environ.get("OUT") or str(ROOT / "bench" / "results"))
+    write(results, args, None if out is None else Path(out))
 
 
-def write(results: dict, args, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+def write(results: dict, args, out: Path | None) -> None:
     streams = args.streams
     head = ["model", "system", "prefill TTFT ms", "batch-1 ms/token", "% of roofline"]
     head += [f"{n} streams tok/s" for n in streams]
@@ -263,9 +264,11 @@ def write(results: dict, args, out: Path) -> None:
                      + (f"; greedy tokens equal for the first {entry['greedy_common_prefix']} of "
                         f"{args.decode_tokens}" if "greedy_common_prefix" in entry else ""))
     text = "\n".join(lines) + "\n"
-    (out / "engine_gpu.md").write_text(text)
-    (out / "engine_gpu.json").write_text(json.dumps(results, indent=1))
     print(text)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "engine_gpu.md").write_text(text)
+        (out / "engine_gpu.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
