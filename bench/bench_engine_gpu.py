@@ -40,6 +40,9 @@ from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.loader import LoadedModel  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "tests" / "unit" / "engine"))
+from tiny_model import hf_llama  # noqa: E402  (the tests' transformers twin of a Llama config)
+
 MODELS = {
     "smollm2-135m": ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                                 num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
@@ -136,18 +139,8 @@ class Pdserve:
 class Transformers:
     name = "transformers generate"
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: str, dtype: torch.dtype):
-        import transformers
-
-        c = config
-        hf = transformers.LlamaConfig(
-            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-            num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-            head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-            max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=True)
-        with torch.device(device):
-            self.model = transformers.LlamaForCausalLM(hf).to(dtype).eval()
-        self.model.load_state_dict({**weights, "lm_head.weight": weights["model.embed_tokens.weight"]})
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], device: str):
+        self.model = hf_llama(config, weights)
         self.device = device
 
     @torch.inference_mode()
@@ -221,7 +214,7 @@ def main() -> None:
         entry = {"weight_bytes": weight_bytes, "roofline_tpot_ms": weight_bytes / bandwidth * 1e3, "systems": {}}
         peers = [("pdserve", lambda: Pdserve(config, weights, device, dtype, kv_bytes=4 << 30))]
         if not args.no_peer:
-            peers.append(("transformers", lambda: Transformers(config, weights, device, torch_dtype)))
+            peers.append(("transformers", lambda: Transformers(config, weights, device)))
         for key, make in peers:
             t0 = time.perf_counter()
             system = make()

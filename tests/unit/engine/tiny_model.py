@@ -37,19 +37,26 @@ def tiny_weights(config: ModelConfig = TINY, seed: int = 0) -> dict[str, torch.T
 def tiny_hf_model(seed: int = 0):
     """TINY as a transformers LlamaForCausalLM (eval mode) holding tiny_weights(seed=seed), its LM head the
     embedding: the reference tiny_engine()'s logits and tokens are checked against. Callers importorskip
-    transformers first (the dev extra); it is imported here, not at the top, so that the tests using only
+    transformers first (the dev extra); it is imported in hf_llama, not at the top, so that the tests using only
     tiny_engine() do not pay for it."""
+    return hf_llama(TINY, tiny_weights(seed=seed))
+
+
+def hf_llama(config: ModelConfig, weights: dict[str, torch.Tensor]):
+    """A Llama `config` with tied embeddings as a transformers LlamaForCausalLM (eval mode) holding `weights`, on
+    their device and in their dtype (also bench/bench_engine_gpu.py's peer)."""
     import transformers
 
-    c = TINY
-    config = transformers.LlamaConfig(
+    c = config
+    hf = transformers.LlamaConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
         head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
         max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=True)
-    model = transformers.LlamaForCausalLM(config).eval()
-    weights = tiny_weights(seed=seed)
-    model.load_state_dict({**weights, "lm_head.weight": weights["model.embed_tokens.weight"]})
+    embed = weights["model.embed_tokens.weight"]
+    with torch.device(embed.device):
+        model = transformers.LlamaForCausalLM(hf).to(embed.dtype).eval()
+    model.load_state_dict({**weights, "lm_head.weight": embed})
     return model
 
 
