@@ -228,11 +228,14 @@ def _truncated_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torc
         kth = sorted_logits.gather(1, torch.tensor(top_k, device=dev).unsqueeze(1) - 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=dev).unsqueeze(1)
+    # min_p and top_p are tested on host tensors (in probs' dtype), so a CUDA batch does not wait on the device
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
     if bool((min_p > 0).any()):
+        min_p = min_p.to(dev).unsqueeze(1)
         probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
-    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=dev).unsqueeze(1)
+    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype)
     if bool((top_p < 1).any()):
+        top_p = top_p.to(dev).unsqueeze(1)
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs

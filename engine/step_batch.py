@@ -50,13 +50,16 @@ def run_step(model: DecoderModel, kv_cache: torch.Tensor, batch: StepBatch, devi
         max_query_len=max((b - a for a, b in zip(batch.query_start_loc, batch.query_start_loc[1:])), default=0),
         max_seq_len=max(batch.seq_lens, default=0),
     )
+    # every host-to-device copy before the forward: on CUDA a copy waits for the kernels queued before it
+    sampled = (torch.tensor(batch.sample_positions, dtype=torch.int64, device=device)
+               if batch.sample_positions else None)
     hidden = model.forward(torch.tensor(batch.input_ids, dtype=torch.int64, device=device),
                            torch.tensor(batch.positions, dtype=torch.int64, device=device), kv_cache, meta)
     prompt_logprobs = [compute_prompt_logprobs(model.compute_logits, hidden[rows], targets, num_top)
                        for rows, targets, num_top in batch.prompt_rows]
-    if not batch.sample_positions:
+    if sampled is None:
         return None, prompt_logprobs
-    return model.compute_logits(hidden[batch.sample_positions]), prompt_logprobs
+    return model.compute_logits(hidden[sampled]), prompt_logprobs
 
 
 def copy_blocks(kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
