@@ -1,14 +1,16 @@
 """Two builds of kernels/cpu_ops.c side by side in one process, the working tree's and the one at a git revision:
-the decode attention (pd_paged_attention, one new token per sequence) on the default model's shapes (9 query / 3
-KV heads, head_dim 64, blocks of 16), timed in interleaved rounds (median of each), outputs compared bit for bit.
+the decode attention (pd_paged_attention, one new token per sequence), or with --prompt N the prefill attention of
+whole N-token prompts, on the default model's shapes (9 query / 3 KV heads, head_dim 64, blocks of 16), timed in
+interleaved rounds (median of each), outputs compared bit for bit.
 
     python bench/bench_attention_ab.py --against 2a0a170 [--threads 2] [--batches 1,32] [--contexts 160,1024]
-        [--rounds 5] [--out bench/results/attention_ab.md]
+        [--prompt 128] [--rounds 5] [--out bench/results/attention_ab.md]
 
 Each of --layers (30, the model's) has its own KV cache, each sequence's blocks in a shuffled order as a pool
 hands them out, and a pass calls every layer once, as a decode step does: the caches together are larger than the
 last-level cache, so the K and V rows come from DRAM as in serving (one layer's cache timed alone would sit in L3).
-Each sequence's length is drawn from [context / 2, context]. GB/s: K and V bytes read per second.
+Each sequence's length is drawn from [context / 2, context] (with --prompt: each is the prompt, --contexts unused).
+GB/s: K and V bytes read per second (each position's once).
 """
 from __future__ import annotations
 
@@ -32,12 +34,12 @@ from pdserve.cli_args import parse_int_list  # noqa: E402
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
 
-def decode_pass(lib, case: dict, threads: int) -> torch.Tensor:
-    """Every layer's decode attention once; the last layer's output."""
+def attention_pass(lib, case: dict, threads: int) -> torch.Tensor:
+    """Every layer's attention once; the last layer's output."""
     q, seq_lens, starts, out = case["q"], case["seq_lens"], case["starts"], case["out"]
     for k, v, tables in case["layers"]:
         rc = lib.pd_paged_attention(
-            q.data_ptr(), q.stride(0), q.stride(1), q.shape[0], q.shape[0], HEADS, HEAD_DIM, k.data_ptr(),
+            q.data_ptr(), q.stride(0), q.stride(1), q.shape[0], seq_lens.shape[0], HEADS, HEAD_DIM, k.data_ptr(),
             v.data_ptr(), k.dtype is torch.bfloat16, k.shape[0], BLOCK, KV_HEADS, tables.data_ptr(), tables.shape[1],
             tables.shape[1], seq_lens.data_ptr(), starts.data_ptr(), HEAD_DIM ** -0.5, 0, 0.0, out.data_ptr(),
             threads)
@@ -46,7 +48,11 @@ def decode_pass(lib, case: dict, threads: int) -> torch.Tensor:
     return out.clone()
 
 
-def make_case(batch: int, context: int, layers: int, dtype: torch.dtype, g: torch.Generator) -> dict:
+def make_case(batch: int, context: int, layers: int, dtype: torch.dtype, g: torch.Generator,
+              prompt: int | None = None) -> dict:
+    """Decode: one new token per sequence at a length drawn from [context / 2, context]; prompt: whole prompts of
+    that many tokens, all new."""
+    context = prompt or context
     per_seq = (context + BLOCK - 1) // BLOCK
     num_blocks = batch * per_seq
     caches = []
@@ -54,9 +60,15 @@ def make_case(batch: int, context: int, layers: int, dtype: torch.dtype, g: torc
         k, v = (torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g).to(dtype) for _ in range(2))
         tables = torch.randperm(num_blocks, generator=g).int().view(batch, per_seq)
         caches.append((k, v, tables))
-    seq_lens = torch.randint(max(1, context // 2), context + 1, (batch,), dtype=torch.int32, generator=g)
-    return {"layers": caches, "q": torch.randn(batch, HEADS, HEAD_DIM, generator=g), "seq_lens": seq_lens,
-            "starts": torch.arange(batch + 1, dtype=torch.int32), "out": torch.empty(batch, HEADS, HEAD_DIM),
+    if prompt:
+        seq_lens = torch.full((batch,), prompt, dtype=torch.int32)
+        starts = torch.arange(0, batch * prompt + 1, prompt, dtype=torch.int32)
+    else:
+        seq_lens = torch.randint(max(1, context // 2), context + 1, (batch,), dtype=torch.int32, generator=g)
+        starts = torch.arange(batch + 1, dtype=torch.int32)
+    rows = int(starts[-1])
+    return {"layers": caches, "q": torch.randn(rows, HEADS, HEAD_DIM, generator=g), "seq_lens": seq_lens,
+            "starts": starts, "out": torch.empty(rows, HEADS, HEAD_DIM),
             "bytes": 2 * layers * int(seq_lens.sum()) * KV_HEADS * HEAD_DIM * (4 if dtype is torch.float32 else 2)}
 
 
@@ -66,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=parse_int_list, default=[1, 2])
     parser.add_argument("--batches", type=parse_int_list, default=[1, 32])
     parser.add_argument("--contexts", type=parse_int_list, default=[160, 1024])
+    parser.add_argument("--prompt", type=int, default=None, help="prefill whole prompts of this many tokens")
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/attention_ab.md")
@@ -76,30 +89,33 @@ def main(argv: list[str] | None = None) -> int:
     if None in libs.values():
         raise SystemExit("a build failed (see the warning above)")
     a_name, b_name = libs
-    lines = [f"### Decode attention, {a_name} against the working tree ({datetime.date.today()}, {cpu_model()}, "
+    kind = f"Prefill attention of {args.prompt}-token prompts" if args.prompt else "Decode attention"
+    lines = [f"### {kind}, {a_name} against the working tree ({datetime.date.today()}, {cpu_model()}, "
              f"{args.layers} layers' caches)", "",
              f"Command: `python bench/bench_attention_ab.py --against {args.against} --threads "
              f"{','.join(map(str, args.threads))} --batches {','.join(map(str, args.batches))} --contexts "
-             f"{','.join(map(str, args.contexts))} --rounds {args.rounds}`", "",
+             f"{','.join(map(str, args.contexts))}{f' --prompt {args.prompt}' if args.prompt else ''} --rounds {args.rounds}`",
+             "",
              f"| cache | batch | context <= | threads | {a_name} ms / step | working tree ms / step | ratio | GB/s "
              "| same bits |", "|---|---:|---:|---:|---:|---:|---:|---|---|"]
     print("\n".join(lines), flush=True)
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         for batch in args.batches:
-            for context in args.contexts:
-                case = make_case(batch, context, args.layers, dtype, g)
+            for context in [None] if args.prompt else args.contexts:
+                case = make_case(batch, context, args.layers, dtype, g, args.prompt)
                 for threads in args.threads:
                     times = {name: [] for name in libs}
-                    outs = {name: decode_pass(lib, case, threads) for name, lib in libs.items()}  # warm-up
+                    outs = {name: attention_pass(lib, case, threads) for name, lib in libs.items()}  # warm-up
                     for _ in range(args.rounds):
                         for name, lib in libs.items():
                             start = time.perf_counter()
-                            decode_pass(lib, case, threads)
+                            attention_pass(lib, case, threads)
                             times[name].append(time.perf_counter() - start)
                     a, b = (statistics.median(times[name]) for name in libs)
                     same = torch.equal(outs[a_name], outs[b_name])
-                    line = (f"| {str(dtype).removeprefix('torch.')} | {batch} | {context} | {threads} | {a * 1e3:.2f} "
+                    line = (f"| {str(dtype).removeprefix('torch.')} | {batch} | {args.prompt or context} | {threads} "
+                            f"| {a * 1e3:.2f} "
                             f"| {b * 1e3:.2f} | {b / a:.2f}x | {case['bytes'] / a / 1e9:.1f} -> "
                             f"{case['bytes'] / b / 1e9:.1f} | {'yes' if same else 'NO'} |")
                     print(line, flush=True)
