@@ -98,7 +98,6 @@ PD_INLINE v16f hsum16x16(const v16f *v) {
 /* Narrow kernels (AVX2 and the portable path): GCC keeps 16-lane vectors that the target splits in memory and moves
  * them piecewise, so these hold 8-lane ones, each lane the same sums as the 16-lane code's (bit for bit). */
 PD_INLINE v8f load8(const float *p) { v8f v; memcpy(&v, p, sizeof v); return v; }
-PD_INLINE v8f splat8(float f) { return (v8f){f, f, f, f, f, f, f, f}; }
 
 /* hsum16 of 4 vectors held as 8-lane halves (lanes 0-7 in lo, 8-15 in hi): lanes 0-3 of the result, bit for bit
  * (lanes l and l + 8 added first, then the same pairs as hsum16's tree). */
@@ -617,19 +616,21 @@ int pd_decode_attention(const float *q, int64_t q_s0, int64_t q_s1, int64_t B, i
 PD_INLINE void scores16(const float *q, int64_t q_s1, int64_t G, const float *restrict k, int64_t D, float scale,
                         float softcap, float *s, int64_t stride, const int narrow) {
     for (int64_t g = 0; g < G; g++) {
-        v16f out;
-        if (narrow) {
+        if (narrow) {  /* each 4 scores stored as they come (a 16-lane vector built lane by lane went to the stack) */
             for (int j0 = 0; j0 < 16; j0 += 4) {
-                const v8f sums = dot4_narrow(q + g * q_s1, k + j0 * D, D);
-                for (int j = 0; j < 4; j++) out[j0 + j] = sums[j];
+                const v8f sums = dot4_narrow(q + g * q_s1, k + j0 * D, D) * scale;
+                float *o = s + g * stride + j0;
+                if (softcap > 0.0f)
+                    for (int j = 0; j < 4; j++) o[j] = tanhf(sums[j] / softcap) * softcap;
+                else
+                    memcpy(o, &sums, 4 * sizeof(float));
             }
-            out = out * scale;
-        } else {
-            v16f part[16];
-            #pragma GCC unroll 16
-            for (int j = 0; j < 16; j++) part[j] = dot_lanes(q + g * q_s1, k + j * D, D);
-            out = hsum16x16(part) * scale;
+            continue;
         }
+        v16f part[16];
+        #pragma GCC unroll 16
+        for (int j = 0; j < 16; j++) part[j] = dot_lanes(q + g * q_s1, k + j * D, D);
+        v16f out = hsum16x16(part) * scale;
         if (softcap > 0.0f)
             for (int j = 0; j < 16; j++) out[j] = tanhf(out[j] / softcap) * softcap;
         memcpy(s + g * stride, &out, sizeof out);
@@ -641,7 +642,7 @@ PD_INLINE void pv_row_narrow(const float *w, const float *restrict v, int64_t n,
                              float *out) {
     v8f acc[8] = {{0}};
     for (int64_t p = 0; p < n; p++) {
-        const v8f wv = splat8(w[p]);
+        const float wv = w[p];  /* vector * scalar: one broadcast (a {f, f, ..} literal was built lane by lane) */
         #pragma GCC unroll 8
         for (int m = 0; m < 8; m++) acc[m] += wv * load8(v + p * D + c + 8 * m);
     }
