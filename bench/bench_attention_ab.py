@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.layers} layers' caches)", "",
              f"Command: `python bench/bench_attention_ab.py --against {args.against} --threads "
              f"{','.join(map(str, args.threads))} --batches {','.join(map(str, args.batches))} --contexts "
-             f"{','.join(map(str, args.contexts))}{f' --prompt {args.prompt}' if args.prompt else ''} --rounds {args.rounds}`",
-             "",
+             f"{','.join(map(str, args.contexts))}{f' --prompt {args.prompt}' if args.prompt else ''} "
+             f"--rounds {args.rounds}`", "",
              f"| cache | batch | context <= | threads | {a_name} ms / step | working tree ms / step | ratio | GB/s "
              "| same bits |", "|---|---:|---:|---:|---:|---:|---:|---|---|"]
     print("\n".join(lines), flush=True)
