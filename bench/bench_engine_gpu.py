@@ -10,7 +10,7 @@ weights (normal, std 0.02), built on the device: speed depends on the shapes, no
     N streams     N sequences of --prompt-len tokens, all due at once, --output-len tokens each (EOS ignored):
                   output tokens / wall time of the whole batch, prefill included
     roofline      batch-1 ms per token if every weight byte came from HBM once at the measured copy bandwidth
-                  (a large device-to-device copy, read + write bytes)
+                  (pdserve.bench.roofline.copy_bandwidth on the device: a 2 GiB copy, read + write bytes)
 pdserve is `LLMEngine` (eager: Triton attention and KV-write kernels, cuBLAS linears, no CUDA graphs); the peer is
 transformers' `generate` (eager, its default dynamic cache), static batches of the same prompts. The greedy tokens
 of both on the first prompt are compared and the length of their common prefix reported (random weights give flat
@@ -39,6 +39,7 @@ from engine.config import EngineConfig, ModelConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.loader import LoadedModel  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.bench.roofline import copy_bandwidth  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests" / "unit" / "engine"))
 from tiny_model import hf_llama  # noqa: E402  (the tests' transformers twin of a Llama config)
@@ -89,22 +90,6 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def copy_bandwidth(device: str) -> float:
-    """Bytes/s of a large device copy, read + write counted (the best of 5)."""
-    n = (1 << 30) if device.startswith("cuda") else (1 << 24)
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(5):
-        sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n / best
 
 
 class Pdserve:
@@ -203,7 +188,7 @@ def main() -> None:
         return
     torch_dtype = getattr(torch, dtype)
     where = torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or platform.machine()
-    bandwidth = copy_bandwidth(device)
+    bandwidth = copy_bandwidth(2**31 if device == "cuda" else 2**24, device=device)
     print(f"{where}: copy {bandwidth / 1e9:.0f} GB/s; torch {torch.__version__}", flush=True)
     results = {"device": where, "dtype": dtype, "copy_gb_s": bandwidth / 1e9, "torch": torch.__version__,
                "date": datetime.date.today().isoformat(), "args": vars(args), "models": {}}

@@ -84,30 +84,39 @@ def _quantized_bytes(tensor, quantization: str, head_as_is: bool = False) -> int
     return n + 2 * out_features
 
 
-def copy_bandwidth(num_bytes: int = 2**30, repeats: int = 5) -> float:
-    """Bytes/s of the fastest of `repeats` large float32 tensor copies (read + write counted), with the
-    threads torch is set to use.
+def copy_bandwidth(num_bytes: int = 2**30, repeats: int = 5, device: str = "cpu") -> float:
+    """Bytes/s of the fastest of `repeats` large float32 tensor copies (read + write counted) on `device`: on CPU
+    with the threads torch is set to use, on a GPU between synchronizations.
 
-    The copies run on a short-lived thread: a thread that has run a multi-threaded torch op keeps its OpenMP
+    The CPU copies run on a short-lived thread: a thread that has run a multi-threaded torch op keeps its OpenMP
     workers, and with more of them than CPUs libgomp stops spin-waiting, which slows every parallel region of
     the thread that steps an engine in this process (engine.engine_loop)."""
     import torch
 
     threads = torch.get_num_threads()
+    on_cpu = torch.device(device).type == "cpu"
     result: list[float] = []
 
     def measure() -> None:
-        torch.set_num_threads(threads)
-        src = torch.ones(num_bytes // 4, dtype=torch.float32)
+        if on_cpu:
+            torch.set_num_threads(threads)
+        src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
         dst = torch.empty_like(src)
         dst.copy_(src)
         best = float("inf")
         for _ in range(repeats):
+            if not on_cpu:
+                torch.cuda.synchronize(device)
             start = time.perf_counter()
             dst.copy_(src)
+            if not on_cpu:
+                torch.cuda.synchronize(device)
             best = min(best, time.perf_counter() - start)
         result.append(2 * num_bytes / best)
 
+    if not on_cpu:
+        measure()
+        return result[0]
     thread = threading.Thread(target=measure, name="copy-bandwidth")
     thread.start()
     thread.join()

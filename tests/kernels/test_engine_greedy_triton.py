@@ -31,13 +31,18 @@ PROMPTS = [PREFIX + [13, 14, 15], [9], list(range(30, 70)), PREFIX + [200, 201]]
 NEW_TOKENS = 6
 
 
+def tiny_gqa_engine(device: str, dtype: str, **config) -> LLMEngine:
+    """An engine over CONFIG's random weights, 64 blocks of 16 slots."""
+    loaded = LoadedModel(config=CONFIG, weights=tiny_weights(CONFIG, seed=3), tokenizer=None,
+                         fingerprint="tiny-random-gqa")
+    return LLMEngine(EngineConfig(model="tiny-random-gqa", device=device, dtype=dtype, num_kv_blocks=64,
+                                  block_size=16, **config), loaded=loaded)
+
+
 def greedy_tokens(backend: str, device: str, dtype: str,
                   params: SamplingParams | None = None) -> list[list[int]]:
     """Tokens of PROMPTS (greedy unless `params` says otherwise) from an engine on `device` with `backend`."""
-    loaded = LoadedModel(config=CONFIG, weights=tiny_weights(CONFIG, seed=3), tokenizer=None,
-                         fingerprint="tiny-random-gqa")
-    engine = LLMEngine(EngineConfig(model="tiny-random-gqa", device=device, dtype=dtype, num_kv_blocks=64,
-                                    block_size=16, max_num_batched_tokens=32), loaded=loaded)
+    engine = tiny_gqa_engine(device, dtype, max_num_batched_tokens=32)
     params = params or SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     kernels.set_backend(backend)
     try:
@@ -113,11 +118,7 @@ def test_forward_queues_its_kernels_without_a_device_sync():
     """A step's forward never waits on the GPU (AttentionMetadata carries the batch's bounds from the host), so
     the host runs ahead while kernels execute; torch raises on any synchronizing call inside. Without the
     bounds the attention reads them from the device, and the check catches that."""
-
-    loaded = LoadedModel(config=CONFIG, weights=tiny_weights(CONFIG, seed=3), tokenizer=None,
-                         fingerprint="tiny-random-gqa")
-    engine = LLMEngine(EngineConfig(model="tiny-random-gqa", device="cuda", dtype="bfloat16", num_kv_blocks=64,
-                                    block_size=16), loaded=loaded)
+    engine = tiny_gqa_engine("cuda", "bfloat16")
     model, kv_cache = engine.runner.model, engine.runner.kv_cache
     steps = _cuda_step_inputs("cuda")
     with torch.inference_mode():
