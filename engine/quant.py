@@ -58,6 +58,7 @@ from engine.fingerprint import quantized_fingerprint  # noqa: F401  (re-exported
 from engine.packed_weight import GroupedWeight, PackedWeight
 import kernels
 from kernels import cpu_matmul as native_kernels
+from kvstore.malloc_tuning import on_huge_pages
 
 INT8_MAX = 127
 
@@ -189,7 +190,7 @@ class Int8Linear:
             raise ValueError(f"qweight must be a 2-D int8 tensor, got {qweight.dtype} {list(qweight.shape)}")
         if scale.shape != qweight.shape[:1]:
             raise ValueError(f"scale must have shape {list(qweight.shape[:1])}, got {list(scale.shape)}")
-        qweight = qweight.contiguous()
+        qweight = on_huge_pages(qweight.contiguous())
         self.qweight = qweight if qweight.data_ptr() % 64 == 0 else qweight.clone()  # [out, in] int8, aligned
         self.scale = scale.float()                          # [out] float32, bfloat16-representable
         self.scale_bf16 = self.scale.to(torch.bfloat16)     # [out]: the same values, as int8pack_mm takes them
@@ -313,11 +314,11 @@ class Int4Linear:
         self.native_max_rows = NATIVE_INT4_MAX_ROWS
         """The largest batch the native kernel takes (larger ones the GEMM path)."""
         # [groups, out, 2] bfloat16 (scale, zero): the int4pack and native kernels' table, and the GEMM path's values.
-        self.scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        self.scale_zero = on_huge_pages(torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous())
         self.use_int4pack = codes.device.type == "cpu"
         self.block_rows = _int4pack_block_rows() if self.use_int4pack else None
         if self.use_int4pack:
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
+            self.packed = on_huge_pages(torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1))
         if self.block_rows is None or out_features % self.block_rows:
             self.block_rows = None
             self.nibbles = _ggml_nibbles(codes)
@@ -575,18 +576,21 @@ def lm_head_quantization(quantization: str | None) -> str | None:
 
 def held_bytes(*parts: object) -> int:
     """Bytes of every tensor `parts` hold (tensors, linears, packed weights, lists of them, objects of engine
-    classes holding them), each storage counted once however many objects share it: what weights occupy in
-    memory, including every copy a linear keeps for its two paths."""
+    classes holding them), each byte counted once however many objects share it: what weights occupy in memory,
+    including every copy a linear keeps for its two paths. A tensor holds the span of its storage it views (weights
+    share kvstore.malloc_tuning.on_huge_pages' chunks, the rest of which is not theirs)."""
     seen_objects: set[int] = set()
-    storages: dict[tuple[str, int], int] = {}
+    spans: dict[tuple[str, int], list[tuple[int, int]]] = {}  # storage -> [start, end) byte ranges viewed
 
     def walk(obj: object) -> None:
         if id(obj) in seen_objects:
             return
         seen_objects.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            storage = obj.untyped_storage()
-            storages[(str(obj.device), storage.data_ptr())] = storage.nbytes()
+            size, start = obj.element_size(), obj.storage_offset() * obj.element_size()
+            last = sum((n - 1) * s for n, s in zip(obj.shape, obj.stride())) if obj.numel() else -1
+            spans.setdefault((str(obj.device), obj.untyped_storage().data_ptr()), []).append(
+                (start, start + (last + 1) * size))
         elif isinstance(obj, (list, tuple)):
             for item in obj:
                 walk(item)
@@ -597,7 +601,13 @@ def held_bytes(*parts: object) -> int:
 
     for part in parts:
         walk(part)
-    return sum(storages.values())
+    total = 0
+    for ranges in spans.values():
+        end = 0
+        for lo, hi in sorted(ranges):
+            total += max(hi - max(lo, end), 0)
+            end = max(end, hi)
+    return total
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:

@@ -289,3 +289,20 @@ def test_int8_head_logits_of_a_row_do_not_depend_on_the_batch():
         for i in range(0, x.shape[0], 5):
             assert torch.equal(head.logits(x[i:i + 1]), batched[i:i + 1]), i
             assert torch.equal(head.logits(x[i:i + 3]), batched[i:i + 3][:x.shape[0] - i]), i
+
+
+def test_quantized_weights_are_placed_on_the_huge_page_chunks():
+    """What the CPU kernels stream each step sits on kvstore.malloc_tuning.on_huge_pages' chunks (not a mapping of
+    its own on small pages), and the forward is unchanged by where it sits."""
+    from kvstore.malloc_tuning import WEIGHT_CHUNK_BYTES
+
+    w = random_weight(1024, 576)
+    x = torch.randn(3, 576)
+    int4, int8 = Int4Linear.quantize(w), Int8Linear.quantize(w)
+    for t in (int4.packed, int4.scale_zero, int8.qweight):
+        assert t.untyped_storage().nbytes() >= WEIGHT_CHUNK_BYTES and t.data_ptr() % 64 == 0
+    # what they hold is their own bytes, not the chunk's
+    assert quant.held_bytes(int4) == int4.packed.nbytes + int4.scale_zero.nbytes
+    assert quant.held_bytes(int8) == int8.qweight.nbytes + int8.scale.nbytes + int8.scale_bf16.nbytes
+    torch.testing.assert_close(int4.forward(x), F.linear(x, int4.dequantize()), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(int8.forward(x), F.linear(x, int8.dequantize()), rtol=2e-2, atol=2e-2)

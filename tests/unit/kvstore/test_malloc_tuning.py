@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore.malloc_tuning import zeros_on_huge_pages
+from kvstore import malloc_tuning
+from kvstore.malloc_tuning import on_huge_pages, zeros_on_huge_pages
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -142,3 +143,39 @@ def test_a_large_kv_cache_lands_on_huge_pages():
     (A host short of free 2 MiB pages may still give some small ones: most of 64 MiB must come huge.)"""
     t = zeros_on_huge_pages((16, 1 << 20), torch.float32)
     assert _huge_kib(t.data_ptr(), t.numel() * 4) >= 32 << 10
+
+
+@pytest.mark.parametrize("shape, dtype", [((960, 288), torch.uint8), ((18, 960, 2), torch.bfloat16),
+                                          ((300, 700), torch.float32), ((4, 3, 6000), torch.int8)])
+def test_on_huge_pages_is_an_aligned_copy(shape, dtype):
+    t = (torch.randn(shape) * 100).to(dtype)
+    placed = on_huge_pages(t)
+    assert placed.dtype == dtype and placed.shape == t.shape and placed.is_contiguous()
+    assert torch.equal(placed, t) and placed.data_ptr() != t.data_ptr() and placed.data_ptr() % 64 == 0
+
+
+def test_on_huge_pages_packs_weights_back_to_back_and_gives_a_large_one_its_own_chunk(monkeypatch):
+    monkeypatch.setattr(malloc_tuning, "_chunk", None)  # a fresh chunk, whatever earlier tests placed
+    a, b = on_huge_pages(torch.ones(1 << 20, dtype=torch.uint8)), on_huge_pages(torch.full((1000, 100), 2.0))
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    assert b.data_ptr() == a.data_ptr() + (1 << 20)  # a's end, 64-byte aligned already
+    big = on_huge_pages(torch.full((malloc_tuning.WEIGHT_CHUNK_BYTES // 4 + 1,), 3.0))
+    assert big.untyped_storage().data_ptr() != a.untyped_storage().data_ptr() and bool((big == 3.0).all())
+    assert bool((a == 1).all()) and bool((b == 2.0).all())  # still intact beside the new chunk
+
+
+def test_on_huge_pages_leaves_small_and_non_cpu_tensors_as_they_are():
+    small = torch.ones(100)
+    assert on_huge_pages(small) is small
+    meta = torch.empty(1 << 20, device="meta")
+    assert on_huge_pages(meta) is meta
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")
+def test_weights_placed_on_huge_pages_land_on_huge_pages(monkeypatch):
+    """Weights of 1 MiB each, 16 MiB in all: small pages if each were allocated alone; most of them huge here."""
+    monkeypatch.setattr(malloc_tuning, "_chunk", None)
+    placed = [on_huge_pages(torch.full((1 << 18,), float(i))) for i in range(16)]
+    start = placed[0].data_ptr()
+    assert placed[-1].data_ptr() == start + (15 << 20)
+    assert _huge_kib(start, 16 << 20) >= 8 << 10
