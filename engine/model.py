@@ -41,9 +41,9 @@ from engine.gptq_format import GPTQWeight
 from engine.gptq_linear import GPTQLinear
 from engine.moe import SparseMoE
 from engine.packed_weight import cat_rows
-from engine.quant import (DequantWorkspace, Int4Linear, Int8Linear, Linear, held_bytes, lm_head_quantization,
-                          make_linear)
+from engine.quant import DequantWorkspace, Int4Linear, Int8Linear, Linear, lm_head_quantization, make_linear
 from engine.rope import rope_cos_sin_cache
+from engine.weight_memory import held_bytes
 from kernels import cpu_ops
 
 __all__ = ["AttentionMetadata", "DecoderModel", "LlamaModel"]

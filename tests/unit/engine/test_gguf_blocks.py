@@ -13,7 +13,8 @@ from gguf import GGMLQuantizationType as Q
 from engine.gguf_blocks import KEPT_TYPES, packed_weight
 from engine.gguf_loader import unpermute_qk
 from engine.packed_weight import GroupedWeight, HalfWeight, cat_rows
-from engine.quant import DequantWorkspace, Int4Linear, Int8Linear, PackedLinear, held_bytes, make_linear
+from engine.quant import DequantWorkspace, Int4Linear, Int8Linear, PackedLinear, make_linear
+from engine.weight_memory import held_bytes
 
 OUT, IN = 48, 512  # 2 K-quant super-blocks per row
 

@@ -15,6 +15,7 @@ from test_gguf_blocks import encoded, reference
 from engine import quant
 from engine.gguf_blocks import KEPT_TYPES, packed_weight
 from engine.quant import Int4Linear, Int8Linear, PackedLinear, make_linear
+from engine.weight_memory import held_bytes
 
 OUT, IN = 128, 512  # two tiles of int4pack's 64 rows (AVX512), two K-quant super-blocks per row
 CPU = torch.device("cpu")
@@ -56,7 +57,7 @@ def test_kept_weight_matmul_equals_dequantize_then_matmul(qtype, monkeypatch):
         assert lin.nbytes == data.nbytes
     bound = 1.5 if qtype in (Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K) else 1.12
     assert lin.nbytes <= bound * data.nbytes
-    assert quant.held_bytes(lin) <= bound * data.nbytes
+    assert held_bytes(lin) <= bound * data.nbytes
 
 
 def test_int4_codes_are_stored_once_and_read_back_exactly():

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import engine.quant as quant
+from engine.weight_memory import held_bytes
 from engine.config import EngineConfig
 from engine.model import AttentionMetadata, LlamaModel
 from engine.quant import DequantWorkspace, FloatLinear, Int4Linear, Int8Linear, make_linear, quantized_fingerprint
@@ -302,7 +303,7 @@ def test_quantized_weights_are_placed_on_the_huge_page_chunks():
     for t in (int4.packed, int4.scale_zero, int8.qweight):
         assert t.untyped_storage().nbytes() >= WEIGHT_CHUNK_BYTES and t.data_ptr() % 64 == 0
     # what they hold is their own bytes, not the chunk's
-    assert quant.held_bytes(int4) == int4.packed.nbytes + int4.scale_zero.nbytes
-    assert quant.held_bytes(int8) == int8.qweight.nbytes + int8.scale.nbytes + int8.scale_bf16.nbytes
+    assert held_bytes(int4) == int4.packed.nbytes + int4.scale_zero.nbytes
+    assert held_bytes(int8) == int8.qweight.nbytes + int8.scale.nbytes + int8.scale_bf16.nbytes
     torch.testing.assert_close(int4.forward(x), F.linear(x, int4.dequantize()), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(int8.forward(x), F.linear(x, int8.dequantize()), rtol=2e-2, atol=2e-2)
