@@ -1827,9 +1827,11 @@ static void run_unit_q4i(const struct job *j, int64_t b, int u) {
             continue;
         }
         if (j->isa == 1) {
-            if (T)  /* the next pass's output lines, for writing: they miss every cache in a large matmul */
+            if (T)  /* the next pass's output lines, for writing: in a large matmul they are in no cache, and the
+                     * tile's first store to each (a group's totals) held up the stores behind it (BENCHMARKS.md) */
                 for (int64_t i = i0 + mt; i < M && i < i0 + 2 * mt; i++)
-                    for (int s = 0; s < S; s++) _mm_prefetch((const char *)(j->y + i * N + c0 + 16 * s), _MM_HINT_ET0);
+                    for (int s = 0; s < S; s++)
+                        _mm_prefetch((const char *)(j->y + i * N + c0 + 16 * s), _MM_HINT_ET0);
             q4i_avx2(T, cb, j->B, n0, s0, j->table, j->xq, j->dx, j->sx, j->xi, j->di, j->si, K, N, S, i0, R, j->y);
             continue;
         }

@@ -30,7 +30,8 @@ thread starts (every process of a local cluster is a `pdserve` command); a spawn
 does not allocate).
 
 ``zeros_on_huge_pages`` allocates a CPU engine's KV cache: zeroed, its pages advised as transparent huge pages
-before the zeroing faults them in (its docstring says why).
+before the zeroing faults them in (its docstring says why). ``on_huge_pages`` places the quantized weights the CPU
+kernels stream each step on such pages too, back to back in shared chunks (engine.quant's int4 and int8 linears).
 """
 from __future__ import annotations
 
@@ -128,8 +129,8 @@ def on_huge_pages(tensor: "torch.Tensor") -> "torch.Tensor":
     A model's quantized weights are hundreds of tensors of 0.1-2 MB, each on a mapping of its own and on 4 KiB
     pages: a decode step that streams all of them misses the TLB every 4 KiB and stops the prefetchers at every
     page. Copied here they sit back to back in chunks of WEIGHT_CHUNK_BYTES that zeros_on_huge_pages allocated,
-    each starting on a 2 MiB boundary, so the whole chunk can come as huge pages (with the int8-activation kernels
-    on a 2-core AMD EPYC, the 120 matmuls of a batch-1 step take 0.92x the time: BENCHMARKS.md). A chunk lives as
+    each starting on a 2 MiB boundary, so the whole chunk can come as huge pages (on a 2-core AMD EPYC the 120
+    layer matmuls of a batch-1 step take 0.90-0.96x the time: bench/bench_weight_pages.py). A chunk lives as
     long as a tensor placed in it (they are views of it); the one being filled is also held here, so a process
     keeps at most WEIGHT_CHUNK_BYTES it does not use. Other devices, and tensors under 64 KiB, come back as they
     are: nothing to gain."""
