@@ -99,32 +99,38 @@ PD_INLINE v16f hsum16x16(const v16f *v) {
  * them piecewise, so these hold 8-lane ones, each lane the same sums as the 16-lane code's (bit for bit). */
 PD_INLINE v8f load8(const float *p) { v8f v; memcpy(&v, p, sizeof v); return v; }
 
-/* hsum16 of 4 vectors held as 8-lane halves (lanes 0-7 in lo, 8-15 in hi): lanes 0-3 of the result, bit for bit
- * (lanes l and l + 8 added first, then the same pairs as hsum16's tree). */
-PD_INLINE v8f hsum16x4(const v8f *lo, const v8f *hi) {
-    v8f a[4];
-    for (int j = 0; j < 4; j++) a[j] = lo[j] + hi[j];
+/* hsum16 of 8 16-lane vectors, each given as a[j] = its lanes 0-7 plus its lanes 8-15 (the tree's first level):
+ * the other levels, bit for bit, by two-source shuffles. Lane i of the result is the sum of vector (0, 2, 4, 6, 1,
+ * 3, 5, 7)[i], so positions passed as (0, 4, 1, 5, 2, 6, 3, 7) come out in order. */
+PD_INLINE v8f hsum16x8(const v8f *a) {
     const v8i lo4 = {0, 1, 2, 3, 8, 9, 10, 11}, hi4 = {4, 5, 6, 7, 12, 13, 14, 15};
-    const v8i lo2 = {0, 1, 4, 5, 8, 9, 12, 13}, hi2 = {2, 3, 6, 7, 10, 11, 14, 15};
-    const v8i lo1 = {0, 2, 4, 6, 0, 2, 4, 6}, hi1 = {1, 3, 5, 7, 1, 3, 5, 7};
-    const v8f x0 = __builtin_shuffle(a[0], a[1], lo4) + __builtin_shuffle(a[0], a[1], hi4);
-    const v8f x1 = __builtin_shuffle(a[2], a[3], lo4) + __builtin_shuffle(a[2], a[3], hi4);
-    const v8f y = __builtin_shuffle(x0, x1, lo2) + __builtin_shuffle(x0, x1, hi2);  /* vector j: lanes 2j, 2j + 1 */
-    return __builtin_shuffle(y, lo1) + __builtin_shuffle(y, hi1);
+    const v8i lo2 = {0, 1, 8, 9, 4, 5, 12, 13}, hi2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const v8i lo1 = {0, 2, 8, 10, 4, 6, 12, 14}, hi1 = {1, 3, 9, 11, 5, 7, 13, 15};
+    v8f x[4], y[2];
+    for (int m = 0; m < 4; m++)
+        x[m] = __builtin_shuffle(a[2 * m], a[2 * m + 1], lo4) + __builtin_shuffle(a[2 * m], a[2 * m + 1], hi4);
+    for (int m = 0; m < 2; m++)
+        y[m] = __builtin_shuffle(x[2 * m], x[2 * m + 1], lo2) + __builtin_shuffle(x[2 * m], x[2 * m + 1], hi2);
+    return __builtin_shuffle(y[0], y[1], lo1) + __builtin_shuffle(y[0], y[1], hi1);
 }
 
-/* dot_lanes of q against 4 rows of k (rows of n floats, n % 16 == 0), reduced: lanes 0-3 are dot()'s results. */
-PD_INLINE v8f dot4_narrow(const float *restrict q, const float *restrict k, int64_t n) {
-    v8f lo[4] = {{0}}, hi[4] = {{0}};
-    for (int64_t i = 0; i < n; i += LANES) {
-        const v8f qa = load8(q + i), qb = load8(q + i + 8);
-        #pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) {
-            lo[j] += qa * load8(k + j * n + i);
-            hi[j] += qb * load8(k + j * n + i + 8);
+/* dot_lanes of q against 8 rows of k (rows of n floats, n % 16 == 0), reduced: lane j is dot()'s result for row
+ * j. Two passes of 4 rows (8 sums and q's two registers), each row's halves added as its pass ends. */
+PD_INLINE v8f dot8_narrow(const float *restrict q, const float *restrict k, int64_t n) {
+    v8f a[8];
+    for (int half = 0; half < 2; half++) {
+        v8f lo[4] = {{0}}, hi[4] = {{0}};
+        for (int64_t i = 0; i < n; i += LANES) {
+            const v8f qa = load8(q + i), qb = load8(q + i + 8);
+            #pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                lo[j] += qa * load8(k + (4 * half + j) * n + i);
+                hi[j] += qb * load8(k + (4 * half + j) * n + i + 8);
+            }
         }
+        for (int j = 0; j < 4; j++) a[2 * j + half] = lo[j] + hi[j];  /* row 4 half + j at 2 j + half */
     }
-    return hsum16x4(lo, hi);
+    return hsum16x8(a);
 }
 
 /* sum_i a[i] * b[i] in LANES partial sums, then a fixed tree (in registers when n % 16 == 0). */
@@ -488,23 +494,52 @@ PD_INLINE float score(const float *restrict q, const float *restrict k, int64_t 
     return softcap > 0.0f ? tanhf(s / softcap) * softcap : s;
 }
 
-/* s[0 .. n) <- softmax(s) in place: max, exp and sum in LANES partials by index, then a fixed tree. */
+PD_INLINE v8f max8(v8f a, v8f b) {  /* a > b ? a : b lane by lane */
+    const v8i m = a > b;
+    return (v8f)(((v8i)a & m) | ((v8i)b & ~m));
+}
+
+/* x[l] <- exp_fast(x[l] - m) for 16 lanes, added to the partial sums lo (lanes 0-7) and hi (8-15). */
+PD_INLINE void exp16(float *restrict x, float m, v8f *lo, v8f *hi) {
+    for (int l = 0; l < LANES; l++) x[l] = exp_fast(x[l] - m);
+    *lo += load8(x);
+    *hi += load8(x + 8);
+}
+
+/* s[0 .. n) <- softmax(s) in place: max, exp and sum in LANES partials by index (s[i] in lane i % LANES), then
+ * hsum16's tree of the sums. The last n % LANES scores go through the same vector code, padded with -inf (exp 0:
+ * a partial sum plus 0 keeps its bits). */
 PD_INLINE void softmax_row(float *restrict s, int64_t n) {
-    float mx[LANES], sm[LANES];
-    for (int l = 0; l < LANES; l++) { mx[l] = -INFINITY; sm[l] = 0.0f; }
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; l++) mx[l] = s[i + l] > mx[l] ? s[i + l] : mx[l];
-    for (int l = 0; i < n; i++, l++) mx[l] = s[i] > mx[l] ? s[i] : mx[l];
-    float m = mx[0];
-    for (int l = 1; l < LANES; l++) m = mx[l] > m ? mx[l] : m;
-    for (i = 0; i + LANES <= n; i += LANES)
-        for (int l = 0; l < LANES; l++) { s[i + l] = exp_fast(s[i + l] - m); sm[l] += s[i + l]; }
-    for (int l = 0; i < n; i++, l++) { s[i] = exp_fast(s[i] - m); sm[l] += s[i]; }
-    for (int w = LANES / 2; w > 0; w /= 2)
-        for (int l = 0; l < w; l++) sm[l] += sm[l + w];
-    float inv = 1.0f / sm[0];
-    for (i = 0; i < n; i++) s[i] *= inv;
+    const int64_t body = n / LANES * LANES, rest = n - body;
+    float tail[LANES];
+    for (int l = 0; l < LANES; l++) tail[l] = l < rest ? s[body + l] : -INFINITY;
+    const v8f ninf = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    v8f lo = ninf, hi = ninf;
+    for (int64_t i = 0; i < body; i += LANES) {
+        lo = max8(load8(s + i), lo);
+        hi = max8(load8(s + i + 8), hi);
+    }
+    if (rest) {
+        lo = max8(load8(tail), lo);
+        hi = max8(load8(tail + 8), hi);
+    }
+    v8f mv = max8(hi, lo);
+    mv = max8(__builtin_shuffle(mv, (v8i){4, 5, 6, 7, 0, 1, 2, 3}), mv);
+    mv = max8(__builtin_shuffle(mv, (v8i){2, 3, 0, 1, 6, 7, 4, 5}), mv);
+    mv = max8(__builtin_shuffle(mv, (v8i){1, 0, 3, 2, 5, 4, 7, 6}), mv);
+    const float m = mv[0];
+    v8f sl = {0}, sh = {0};
+    for (int64_t i = 0; i < body; i += LANES) exp16(s + i, m, &sl, &sh);
+    if (rest) {
+        exp16(tail, m, &sl, &sh);
+        memcpy(s + body, tail, (size_t)rest * sizeof(float));
+    }
+    v8f t = sl + sh;  /* hsum16's tree: lanes l + (l + 8), then + 4, + 2, + 1 */
+    t = t + __builtin_shuffle(t, (v8i){4, 5, 6, 7, 0, 1, 2, 3});
+    t = t + __builtin_shuffle(t, (v8i){2, 3, 0, 1, 6, 7, 4, 5});
+    t = t + __builtin_shuffle(t, (v8i){1, 0, 3, 2, 5, 4, 7, 6});
+    const float inv = 1.0f / t[0];
+    for (int64_t i = 0; i < n; i++) s[i] *= inv;
 }
 
 /* o[0 .. D) += w * v[0 .. D): a row's share of one position in PV. */
@@ -611,20 +646,19 @@ int pd_decode_attention(const float *q, int64_t q_s0, int64_t q_s1, int64_t B, i
 
 /* The G query rows of one position against positions p .. p + 15 of k (rows of D): score() of each, bit for bit
  * (dot_lanes and hsum16x16 are dot's arithmetic), 16 scores at a time. s[r * stride + j] <- row r, position j.
- * narrow: 4 positions' partial sums at a time, reduced by hsum16x4 (hsum16x16's lanes, bit for bit), so that they
- * fit 16 registers of 8 lanes (AVX2), where 16 of them spilled. */
+ * narrow: 8 positions at a time in two passes of 4 (dot8_narrow: their partial sums fit 16 registers of 8 lanes,
+ * where 16 positions' spilled on AVX2), reduced by hsum16x8 (hsum16x16's lanes, bit for bit). */
 PD_INLINE void scores16(const float *q, int64_t q_s1, int64_t G, const float *restrict k, int64_t D, float scale,
                         float softcap, float *s, int64_t stride, const int narrow) {
     for (int64_t g = 0; g < G; g++) {
-        if (narrow) {  /* each 4 scores stored as they come (a 16-lane vector built lane by lane went to the stack) */
-            for (int j0 = 0; j0 < 16; j0 += 4) {
-                const v8f sums = dot4_narrow(q + g * q_s1, k + j0 * D, D) * scale;
-                float *o = s + g * stride + j0;
-                if (softcap > 0.0f)
-                    for (int j = 0; j < 4; j++) o[j] = tanhf(sums[j] / softcap) * softcap;
-                else
-                    memcpy(o, &sums, 4 * sizeof(float));
+        if (narrow) {  /* each 8 scores stored as they come (a 16-lane vector built lane by lane went to the stack) */
+            float *o = s + g * stride;
+            for (int j0 = 0; j0 < 16; j0 += 8) {
+                const v8f sums = dot8_narrow(q + g * q_s1, k + j0 * D, D) * scale;
+                memcpy(o + j0, &sums, sizeof sums);
             }
+            if (softcap > 0.0f)
+                for (int j = 0; j < 16; j++) o[j] = tanhf(o[j] / softcap) * softcap;
             continue;
         }
         v16f part[16];
@@ -637,16 +671,23 @@ PD_INLINE void scores16(const float *q, int64_t q_s1, int64_t G, const float *re
     }
 }
 
-/* pv_rows for one row and 64 columns from c (8 registers of 8 lanes): the same sums. */
-PD_INLINE void pv_row_narrow(const float *w, const float *restrict v, int64_t n, const int64_t D, const int64_t c,
-                             float *out) {
-    v8f acc[8] = {{0}};
+/* pv_rows for NG <= 3 rows (w at w_stride apart) and 32 columns from c: 12 sums in registers of 8 lanes, each V
+ * vector loaded once for the rows (one row and 64 columns a pass loaded it once a row). The same sums. */
+PD_INLINE void pv_rows_narrow(const int NG, const float *w, int64_t w_stride, const float *restrict v, int64_t n,
+                              const int64_t D, const int64_t c, float *out) {
+    v8f acc[3][4] = {{{0}}};
     for (int64_t p = 0; p < n; p++) {
-        const float wv = w[p];  /* vector * scalar: one broadcast (a {f, f, ..} literal was built lane by lane) */
-        #pragma GCC unroll 8
-        for (int m = 0; m < 8; m++) acc[m] += wv * load8(v + p * D + c + 8 * m);
+        v8f x[4];
+        #pragma GCC unroll 4
+        for (int m = 0; m < 4; m++) x[m] = load8(v + p * D + c + 8 * m);
+        #pragma GCC unroll 3
+        for (int g = 0; g < NG; g++) {
+            const float wv = w[g * w_stride + p];  /* vector * scalar: one broadcast */
+            #pragma GCC unroll 4
+            for (int m = 0; m < 4; m++) acc[g][m] += wv * x[m];
+        }
     }
-    memcpy(out + c, acc, sizeof acc);
+    for (int g = 0; g < NG; g++) memcpy(out + g * D + c, acc[g], sizeof acc[g]);
 }
 
 /* out[r] = sum over positions p of w[r][p] * v[p] for NR rows, in position order from zero (axpy's arithmetic,
@@ -711,9 +752,13 @@ PD_INLINE int prefill_body(const struct attn *a, int64_t b, int64_t h, int64_t i
         for (int64_t g = 0; g < G; g++) softmax_row(s + g * stride, n);
         float *o = a->out + ((start + i) * a->Hq + h * G) * D;
         const float *v = vbuf + (first - lo) * D;
-        if (D % 64 == 0 && narrow) {  /* one row, 64 columns a pass */
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t c = 0; c < D; c += 64) pv_row_narrow(s + g * stride, v, n, D, c, o + g * D);
+        if (D % 32 == 0 && narrow) {  /* three rows, 32 columns a pass */
+            for (int64_t g = 0; g < G; g += 3)
+                for (int64_t c = 0; c < D; c += 32) {
+                    if (G - g >= 3) pv_rows_narrow(3, s + g * stride, stride, v, n, D, c, o + g * D);
+                    else if (G - g == 2) pv_rows_narrow(2, s + g * stride, stride, v, n, D, c, o + g * D);
+                    else pv_rows_narrow(1, s + g * stride, stride, v, n, D, c, o + g * D);
+                }
         } else if (D % 16 == 0 && D <= 128) {
             int64_t g = 0;
             for (; g + 4 <= G; g += 4) pv_rows(4, s + g * stride, stride, v, n, D, o + g * D);
