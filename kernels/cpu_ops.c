@@ -133,8 +133,32 @@ PD_INLINE v8f dot8_narrow(const float *restrict q, const float *restrict k, int6
     return hsum16x8(a);
 }
 
-/* sum_i a[i] * b[i] in LANES partial sums, then a fixed tree (in registers when n % 16 == 0). */
-PD_INLINE float dot(const float *restrict a, const float *restrict b, int64_t n) {
+/* 1 where a 16-lane vector is one register (AVX512); else the narrow code below, the same bits in 8-lane halves.
+ * -DPD_NARROW takes the narrow code everywhere (tests/kernels/test_cpu_ops.py builds it so on AVX512 hosts too). */
+PD_INLINE int wide16(void) {
+#ifdef PD_NARROW
+    return 0;
+#else
+    return __builtin_cpu_supports("avx512f");
+#endif
+}
+
+/* sum_i a[i] * b[i] in LANES partial sums, then a fixed tree (in registers when n % 16 == 0). narrow: the partial
+ * sums as two 8-lane halves (lanes 0-7, 8-15), added first as hsum16's tree does: where a 16-lane vector is two
+ * registers GCC passed the sums through the stack every step (~2,000 cycles for RMSNorm's 576 on AVX2). */
+PD_INLINE float dot(const float *restrict a, const float *restrict b, int64_t n, const int narrow) {
+    if (n % LANES == 0 && narrow) {
+        v8f lo = {0}, hi = {0};
+        for (int64_t i = 0; i < n; i += LANES) {
+            lo += load8(a + i) * load8(b + i);
+            hi += load8(a + i + 8) * load8(b + i + 8);
+        }
+        v8f t = lo + hi;
+        t = t + __builtin_shuffle(t, (v8i){4, 5, 6, 7, 0, 1, 2, 3});
+        t = t + __builtin_shuffle(t, (v8i){2, 3, 0, 1, 6, 7, 4, 5});
+        t = t + __builtin_shuffle(t, (v8i){1, 0, 3, 2, 5, 4, 7, 6});
+        return t[0];
+    }
     if (n % LANES == 0) {
         v16f acc = dot_lanes(a, b, n);
         return hsum16(&acc);
@@ -149,7 +173,7 @@ PD_INLINE float dot(const float *restrict a, const float *restrict b, int64_t n)
     return acc[0];
 }
 
-PD_INLINE float sum_sq(const float *restrict a, int64_t n) { return dot(a, a, n); }
+PD_INLINE float sum_sq(const float *restrict a, int64_t n, const int narrow) { return dot(a, a, n, narrow); }
 
 /* exp(x) without branches (Cephes' expf: range reduction by ln 2 in two parts, degree-6 polynomial, 2^n from the
  * exponent bits), within 2 ulp of expf on [-87.3, 88.7]; below that it returns 0, above it clamps at exp(88.7). */
@@ -211,7 +235,7 @@ static void rms_row(const float *restrict xr, const float *restrict rr, const fl
         for (int64_t i = 0; i < H; i++) s[i] = xr[i] + rr[i];
         xr = s;
     }
-    float inv = 1.0f / sqrtf(sum_sq(xr, H) / (float)H + eps);
+    float inv = 1.0f / sqrtf(sum_sq(xr, H, !wide16()) / (float)H + eps);
     for (int64_t i = 0; i < H; i++) o[i] = xr[i] * inv * w[i];
 }
 
@@ -489,8 +513,9 @@ struct attn {
 };
 
 /* The scaled score of one query row against one key row (softcap 0: none). */
-PD_INLINE float score(const float *restrict q, const float *restrict k, int64_t D, float scale, float softcap) {
-    float s = dot(q, k, D) * scale;
+PD_INLINE float score(const float *restrict q, const float *restrict k, int64_t D, float scale, float softcap,
+                      const int narrow) {
+    float s = dot(q, k, D, narrow) * scale;
     return softcap > 0.0f ? tanhf(s / softcap) * softcap : s;
 }
 
@@ -551,7 +576,8 @@ PD_INLINE void axpy(float *restrict o, float w, const float *restrict v, int64_t
  * scores, max, exp, sum and PV, each in position order. A position's K (V) rows of all kv heads are one
  * contiguous slot row, read once for all the item's heads; each head's arithmetic is the same whatever h0 and h1,
  * so the split into items changes no bit. Returns 0; -1 a block id outside [0, num_blocks); -2 out of memory. */
-PD_INLINE int attend_body(const struct attn *a, int64_t b, int64_t h0, int64_t h1, const int64_t D) {
+PD_INLINE int attend_body(const struct attn *a, int64_t b, int64_t h0, int64_t h1, const int64_t D,
+                          const int narrow) {
     const int64_t Hkv = a->Hkv, G = a->Hq / Hkv, bs = a->block_size, len = a->seq_lens[b];
     const int64_t first = a->window > 0 && len > a->window ? len - a->window : 0;
     const int64_t n = len - first, rows = (h1 - h0) * G;  /* query heads of the item */
@@ -571,7 +597,7 @@ PD_INLINE int attend_body(const struct attn *a, int64_t b, int64_t h0, int64_t h
             const float *kr = cache_row(a->k_cache, a->bf16, (block * bs + off) * Hkv + h0, row_width, tmp, D);
             for (int64_t h = 0, r = 0; h < h1 - h0; h++)
                 for (int64_t g = 0; g < G; g++, r++) {
-                    scores[r * n + p - first] = score(qb + r * a->q_s1, kr + h * D, D, a->scale, a->softcap);
+                    scores[r * n + p - first] = score(qb + r * a->q_s1, kr + h * D, D, a->scale, a->softcap, narrow);
                 }
         }
     }
@@ -595,9 +621,10 @@ PD_INLINE int attend_body(const struct attn *a, int64_t b, int64_t h0, int64_t h
 /* attend_body with the common head dims as compile-time constants (unrolled dot products). */
 PD_CLONES
 static int attend_item(const struct attn *a, int64_t b, int64_t h0, int64_t h1) {
-    if (a->D == 64) return attend_body(a, b, h0, h1, 64);
-    if (a->D == 128) return attend_body(a, b, h0, h1, 128);
-    return attend_body(a, b, h0, h1, a->D);
+    const int narrow = !wide16();
+    if (a->D == 64) return attend_body(a, b, h0, h1, 64, narrow);
+    if (a->D == 128) return attend_body(a, b, h0, h1, 128, narrow);
+    return attend_body(a, b, h0, h1, a->D, narrow);
 }
 
 /* One new token per sequence (query row b is sequence b: query_start_loc must be 0, 1, .., B). q [B, Hq, D] fp32
@@ -747,7 +774,8 @@ PD_INLINE int prefill_body(const struct attn *a, int64_t b, int64_t h, int64_t i
         } else {
             for (int64_t g = 0; g < G; g++)
                 for (int64_t j = 0; j < n; j++)
-                    s[g * stride + j] = score(qi + g * a->q_s1, kbuf + (first - lo + j) * D, D, a->scale, a->softcap);
+                    s[g * stride + j] = score(qi + g * a->q_s1, kbuf + (first - lo + j) * D, D, a->scale, a->softcap,
+                                             narrow);
         }
         for (int64_t g = 0; g < G; g++) softmax_row(s + g * stride, n);
         float *o = a->out + ((start + i) * a->Hq + h * G) * D;
@@ -776,15 +804,12 @@ PD_INLINE int prefill_body(const struct attn *a, int64_t b, int64_t h, int64_t i
 
 PD_CLONES
 static int prefill_item(const struct attn *a, int64_t b, int64_t h, int64_t i0, int64_t i1) {
-    /* Without AVX512 a 16-lane vector takes two registers or four: the narrow blocking (same bits) then fits.
-     * -DPD_NARROW takes it everywhere (tests/kernels/test_cpu_ops.py builds it so on AVX512 hosts too). */
-#ifndef PD_NARROW
-    if (__builtin_cpu_supports("avx512f")) {
+    /* Without AVX512 a 16-lane vector takes two registers or four: the narrow blocking (same bits) then fits. */
+    if (wide16()) {
         if (a->D == 64) return prefill_body(a, b, h, i0, i1, 64, 0);
         if (a->D == 128) return prefill_body(a, b, h, i0, i1, 128, 0);
         return prefill_body(a, b, h, i0, i1, a->D, 0);
     }
-#endif
     if (a->D == 64) return prefill_body(a, b, h, i0, i1, 64, 1);
     if (a->D == 128) return prefill_body(a, b, h, i0, i1, 128, 1);
     return prefill_body(a, b, h, i0, i1, a->D, 1);
