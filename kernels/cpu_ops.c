@@ -41,8 +41,8 @@ PD_INLINE uint16_t f32_to_bf16(float f) {
 /* GCC vector extensions: one 16-float vector, lowered to the clone's registers (one zmm, two ymm, four xmm). */
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u32 __attribute__((vector_size(64)));
-typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
@@ -205,10 +205,10 @@ PD_INLINE const float *cache_row(const void *cache, int bf16, int64_t index, int
     if (!bf16) return (const float *)cache + index * D;
     const uint16_t *src = (const uint16_t *)cache + index * D;
     int64_t d = 0;
-    for (; d + 16 <= width; d += 16) {  /* 16 at a time in vector registers */
-        v16u16 h;
+    for (; d + 8 <= width; d += 8) {  /* 8 at a time (16-lane vectors went through the stack on AVX2) */
+        v8u16 h;
         memcpy(&h, src + d, sizeof h);
-        v16u32 w = __builtin_convertvector(h, v16u32) << 16;
+        v8u32 w = __builtin_convertvector(h, v8u32) << 16;
         memcpy(tmp + d, &w, sizeof w);
     }
     for (; d < width; d++) tmp[d] = bf16_to_f32(src[d]);
