@@ -114,9 +114,9 @@ PD_INLINE v8f hsum16x8(const v8f *a) {
     return __builtin_shuffle(y[0], y[1], lo1) + __builtin_shuffle(y[0], y[1], hi1);
 }
 
-/* dot_lanes of q against 8 rows of k (rows of n floats, n % 16 == 0), reduced: lane j is dot()'s result for row
- * j. Two passes of 4 rows (8 sums and q's two registers), each row's halves added as its pass ends. */
-PD_INLINE v8f dot8_narrow(const float *restrict q, const float *restrict k, int64_t n) {
+/* dot() of q (n floats, n % 16 == 0, narrow) against 8 rows of k, ks floats apart: lane j is row j's, bit for bit.
+ * Two passes of 4 rows (8 sums and q's two registers), each row's halves added as its pass ends. */
+PD_INLINE v8f dot8_narrow(const float *restrict q, const float *restrict k, int64_t ks, int64_t n) {
     v8f a[8];
     for (int half = 0; half < 2; half++) {
         v8f lo[4] = {{0}}, hi[4] = {{0}};
@@ -124,8 +124,8 @@ PD_INLINE v8f dot8_narrow(const float *restrict q, const float *restrict k, int6
             const v8f qa = load8(q + i), qb = load8(q + i + 8);
             #pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
-                lo[j] += qa * load8(k + (4 * half + j) * n + i);
-                hi[j] += qb * load8(k + (4 * half + j) * n + i + 8);
+                lo[j] += qa * load8(k + (4 * half + j) * ks + i);
+                hi[j] += qb * load8(k + (4 * half + j) * ks + i + 8);
             }
         }
         for (int j = 0; j < 4; j++) a[2 * j + half] = lo[j] + hi[j];  /* row 4 half + j at 2 j + half */
@@ -572,46 +572,128 @@ PD_INLINE void axpy(float *restrict o, float w, const float *restrict v, int64_t
     for (int64_t d = 0; d < D; d++) o[d] += w * v[d];
 }
 
+/* out[g] (+)= sum over positions p of w[g * w_stride + p] * v[p * vs + c ..] for NG <= 3 rows and the 32 columns
+ * from c, in position order (axpy's arithmetic, bit for bit) from zero (from_zero) or from out's values: 12 sums
+ * in registers of 8 lanes, each V vector loaded once for the rows (one row and 64 columns a pass loaded it once a
+ * row, and axpy's sums went through memory every position). Rows of out are D apart. */
+PD_INLINE void pv_rows_narrow(const int NG, const float *w, int64_t w_stride, const float *restrict v, int64_t vs,
+                              int64_t n, const int64_t D, const int64_t c, const int from_zero, float *out) {
+    v8f acc[3][4] = {{{0}}};
+    if (!from_zero)
+        for (int g = 0; g < NG; g++) memcpy(acc[g], out + g * D + c, sizeof acc[g]);
+    for (int64_t p = 0; p < n; p++) {
+        v8f x[4];
+        #pragma GCC unroll 4
+        for (int m = 0; m < 4; m++) x[m] = load8(v + p * vs + c + 8 * m);
+        #pragma GCC unroll 3
+        for (int g = 0; g < NG; g++) {
+            const float wv = w[g * w_stride + p];  /* vector * scalar: one broadcast */
+            #pragma GCC unroll 4
+            for (int m = 0; m < 4; m++) acc[g][m] += wv * x[m];
+        }
+    }
+    for (int g = 0; g < NG; g++) memcpy(out + g * D + c, acc[g], sizeof acc[g]);
+}
+
+/* pv_rows_narrow for rows g .. min(g + 3, G) - 1 of the G (out and w at row g), columns c .. c + 31. */
+PD_INLINE void pv_group_narrow(int64_t G, int64_t g, const float *w, int64_t w_stride, const float *restrict v,
+                               int64_t vs, int64_t n, const int64_t D, const int64_t c, const int from_zero,
+                               float *out) {
+    if (G - g >= 3) pv_rows_narrow(3, w, w_stride, v, vs, n, D, c, from_zero, out);
+    else if (G - g == 2) pv_rows_narrow(2, w, w_stride, v, vs, n, D, c, from_zero, out);
+    else pv_rows_narrow(1, w, w_stride, v, vs, n, D, c, from_zero, out);
+}
+
+/* Rows index, index + Hkv, .. of a cache (cnt positions of a block, `width` values each from the row's start) as
+ * fp32: the cache itself (*stride = Hkv * D), or converted into tmp (*stride = width). */
+PD_INLINE const float *block_rows(const void *cache, int bf16, int64_t index, int64_t cnt, int64_t Hkv, int64_t width,
+                                  const int64_t D, float *restrict tmp, int64_t *stride) {
+    if (!bf16) {
+        *stride = Hkv * D;
+        return (const float *)cache + index * D;
+    }
+    for (int64_t j = 0; j < cnt; j++) cache_row(cache, 1, index + j * Hkv, width, tmp + j * width, D);
+    *stride = width;
+    return tmp;
+}
+
 /* Sequence b, kv heads h0 .. h1 - 1, each with its G = Hq / Hkv query heads, against positions first .. len - 1:
- * scores, max, exp, sum and PV, each in position order. A position's K (V) rows of all kv heads are one
- * contiguous slot row, read once for all the item's heads; each head's arithmetic is the same whatever h0 and h1,
- * so the split into items changes no bit. Returns 0; -1 a block id outside [0, num_blocks); -2 out of memory. */
+ * scores, max, exp, sum and PV, each in position order, a block's positions at a time. A position's K (V) rows of
+ * all kv heads are one contiguous slot row, read once for all the item's heads; each head's arithmetic is the same
+ * whatever h0 and h1, so the split into items changes no bit. The next block's rows are prefetched while this
+ * block's are used (spread over the item's query rows). Narrow with D % 32 == 0: scores 8 positions a pass
+ * (dot8_narrow) and PV's sums in registers over a block (pv_group_narrow), the same bits. Returns 0; -1 a block id
+ * outside [0, num_blocks); -2 out of memory. */
 PD_INLINE int attend_body(const struct attn *a, int64_t b, int64_t h0, int64_t h1, const int64_t D,
                           const int narrow) {
     const int64_t Hkv = a->Hkv, G = a->Hq / Hkv, bs = a->block_size, len = a->seq_lens[b];
     const int64_t first = a->window > 0 && len > a->window ? len - a->window : 0;
     const int64_t n = len - first, rows = (h1 - h0) * G;  /* query heads of the item */
-    float *scores = get_scratch((size_t)(rows * n + Hkv * D + rows * D));
+    const int64_t row_width = (h1 - h0) * D;  /* the item's part of a slot row */
+    const int blocked = narrow && D % 32 == 0;
+    float *scores = get_scratch((size_t)(rows * n + bs * row_width + rows * D));
     if (!scores) return -2;
-    float *tmp = scores + rows * n, *acc = tmp + Hkv * D;
+    float *tmp = scores + rows * n, *acc = tmp + bs * row_width;
     const int32_t *table = a->tables + b * a->table_s0;
     const float *qb = a->q + b * a->q_s0 + h0 * G * a->q_s1;
-    const int64_t row_width = (h1 - h0) * D;  /* the item's part of a slot row */
+    const int32_t first_block = table[first / bs];  /* nothing fetched it ahead: both its K and V rows now */
+    if (first_block >= 0 && first_block < a->num_blocks)
+        for (int64_t p = first; p < len && (p == first || p % bs); p++) {
+            prefetch_row(a->k_cache, a->bf16, (first_block * bs + p % bs) * Hkv + h0, row_width, D);
+            prefetch_row(a->v_cache, a->bf16, (first_block * bs + p % bs) * Hkv + h0, row_width, D);
+        }
     for (int64_t blk = first / bs, p = first; p < len; blk++) {
-        int32_t block = table[blk];
+        const int32_t block = table[blk];
         if (block < 0 || block >= a->num_blocks) return -1;
         const int32_t next = (blk + 1) * bs < len ? table[blk + 1] : -1;
-        for (int64_t off = p - blk * bs; off < bs && p < len; off++, p++) {
+        const int64_t off = p - blk * bs, cnt = bs - off < len - p ? bs - off : len - p;
+        int64_t ks;
+        const float *kb = block_rows(a->k_cache, a->bf16, (block * bs + off) * Hkv + h0, cnt, Hkv, row_width, D, tmp,
+                                     &ks);
+        for (int64_t r = 0; r < rows; r++) {
             if (next >= 0 && next < a->num_blocks)
-                prefetch_row(a->k_cache, a->bf16, (next * bs + off) * Hkv + h0, row_width, D);
-            const float *kr = cache_row(a->k_cache, a->bf16, (block * bs + off) * Hkv + h0, row_width, tmp, D);
-            for (int64_t h = 0, r = 0; h < h1 - h0; h++)
-                for (int64_t g = 0; g < G; g++, r++) {
-                    scores[r * n + p - first] = score(qb + r * a->q_s1, kr + h * D, D, a->scale, a->softcap, narrow);
+                for (int64_t j = r * cnt / rows; j < (r + 1) * cnt / rows; j++)
+                    prefetch_row(a->k_cache, a->bf16, (next * bs + off + j) * Hkv + h0, row_width, D);
+            const float *qr = qb + r * a->q_s1, *kr = kb + r / G * D;
+            float *sr = scores + r * n + p - first;
+            int64_t j = 0;
+            if (blocked)
+                for (; j + 8 <= cnt; j += 8) {
+                    const v8f sums = dot8_narrow(qr, kr + j * ks, ks, D) * a->scale;
+                    memcpy(sr + j, &sums, sizeof sums);
+                    if (a->softcap > 0.0f)
+                        for (int64_t i = j; i < j + 8; i++) sr[i] = tanhf(sr[i] / a->softcap) * a->softcap;
                 }
+            for (; j < cnt; j++) sr[j] = score(qr, kr + j * ks, D, a->scale, a->softcap, narrow);
         }
+        p += cnt;
     }
     for (int64_t r = 0; r < rows; r++) softmax_row(scores + r * n, n);
     memset(acc, 0, (size_t)(rows * D) * sizeof(float));
     for (int64_t blk = first / bs, p = first; p < len; blk++) {
-        int32_t block = table[blk];  /* checked above */
+        const int32_t block = table[blk];  /* checked above */
         const int32_t next = (blk + 1) * bs < len ? table[blk + 1] : -1;
-        for (int64_t off = p - blk * bs; off < bs && p < len; off++, p++) {
-            if (next >= 0) prefetch_row(a->v_cache, a->bf16, (next * bs + off) * Hkv + h0, row_width, D);
-            const float *vr = cache_row(a->v_cache, a->bf16, (block * bs + off) * Hkv + h0, row_width, tmp, D);
-            for (int64_t h = 0, r = 0; h < h1 - h0; h++)
-                for (int64_t g = 0; g < G; g++, r++) axpy(acc + r * D, scores[r * n + p - first], vr + h * D, D);
+        const int64_t off = p - blk * bs, cnt = bs - off < len - p ? bs - off : len - p;
+        int64_t vs;
+        const float *vb = block_rows(a->v_cache, a->bf16, (block * bs + off) * Hkv + h0, cnt, Hkv, row_width, D, tmp,
+                                     &vs);
+        /* parts: (kv head, 32 columns) when blocked, else kv heads; the next block's rows spread over them */
+        const int64_t per_head = blocked ? D / 32 : 1, parts = (h1 - h0) * per_head;
+        for (int64_t part = 0; part < parts; part++) {
+            if (next >= 0)
+                for (int64_t j = part * cnt / parts; j < (part + 1) * cnt / parts; j++)
+                    prefetch_row(a->v_cache, a->bf16, (next * bs + off + j) * Hkv + h0, row_width, D);
+            const int64_t h = part / per_head;
+            const float *w = scores + h * G * n + p - first, *vh = vb + h * D;
+            if (blocked) {
+                for (int64_t g = 0; g < G; g += 3)
+                    pv_group_narrow(G, g, w + g * n, n, vh, vs, cnt, D, part % per_head * 32, 0, acc + (h * G + g) * D);
+                continue;
+            }
+            for (int64_t j = 0; j < cnt; j++)
+                for (int64_t g = 0; g < G; g++) axpy(acc + (h * G + g) * D, w[g * n + j], vh + j * vs, D);
         }
+        p += cnt;
     }
     for (int64_t r = 0; r < rows; r++)
         memcpy(a->out + (b * a->Hq + h0 * G + r) * D, acc + r * D, (size_t)D * sizeof(float));
@@ -681,7 +763,7 @@ PD_INLINE void scores16(const float *q, int64_t q_s1, int64_t G, const float *re
         if (narrow) {  /* each 8 scores stored as they come (a 16-lane vector built lane by lane went to the stack) */
             float *o = s + g * stride;
             for (int j0 = 0; j0 < 16; j0 += 8) {
-                const v8f sums = dot8_narrow(q + g * q_s1, k + j0 * D, D) * scale;
+                const v8f sums = dot8_narrow(q + g * q_s1, k + j0 * D, D, D) * scale;
                 memcpy(o + j0, &sums, sizeof sums);
             }
             if (softcap > 0.0f)
@@ -696,25 +778,6 @@ PD_INLINE void scores16(const float *q, int64_t q_s1, int64_t G, const float *re
             for (int j = 0; j < 16; j++) out[j] = tanhf(out[j] / softcap) * softcap;
         memcpy(s + g * stride, &out, sizeof out);
     }
-}
-
-/* pv_rows for NG <= 3 rows (w at w_stride apart) and 32 columns from c: 12 sums in registers of 8 lanes, each V
- * vector loaded once for the rows (one row and 64 columns a pass loaded it once a row). The same sums. */
-PD_INLINE void pv_rows_narrow(const int NG, const float *w, int64_t w_stride, const float *restrict v, int64_t n,
-                              const int64_t D, const int64_t c, float *out) {
-    v8f acc[3][4] = {{{0}}};
-    for (int64_t p = 0; p < n; p++) {
-        v8f x[4];
-        #pragma GCC unroll 4
-        for (int m = 0; m < 4; m++) x[m] = load8(v + p * D + c + 8 * m);
-        #pragma GCC unroll 3
-        for (int g = 0; g < NG; g++) {
-            const float wv = w[g * w_stride + p];  /* vector * scalar: one broadcast */
-            #pragma GCC unroll 4
-            for (int m = 0; m < 4; m++) acc[g][m] += wv * x[m];
-        }
-    }
-    for (int g = 0; g < NG; g++) memcpy(out + g * D + c, acc[g], sizeof acc[g]);
 }
 
 /* out[r] = sum over positions p of w[r][p] * v[p] for NR rows, in position order from zero (axpy's arithmetic,
@@ -782,11 +845,8 @@ PD_INLINE int prefill_body(const struct attn *a, int64_t b, int64_t h, int64_t i
         const float *v = vbuf + (first - lo) * D;
         if (D % 32 == 0 && narrow) {  /* three rows, 32 columns a pass */
             for (int64_t g = 0; g < G; g += 3)
-                for (int64_t c = 0; c < D; c += 32) {
-                    if (G - g >= 3) pv_rows_narrow(3, s + g * stride, stride, v, n, D, c, o + g * D);
-                    else if (G - g == 2) pv_rows_narrow(2, s + g * stride, stride, v, n, D, c, o + g * D);
-                    else pv_rows_narrow(1, s + g * stride, stride, v, n, D, c, o + g * D);
-                }
+                for (int64_t c = 0; c < D; c += 32)
+                    pv_group_narrow(G, g, s + g * stride, stride, v, D, n, D, c, 1, o + g * D);
         } else if (D % 16 == 0 && D <= 128) {
             int64_t g = 0;
             for (; g + 4 <= G; g += 4) pv_rows(4, s + g * stride, stride, v, n, D, o + g * D);
