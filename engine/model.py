@@ -67,6 +67,14 @@ class AttentionMetadata:
     max_seq_len: int | None = None
     """Longest context (upper bound), known on the host, or None: the Triton decode kernel then sizes its splits
     by the block table's width."""
+    keep_rows: torch.Tensor | None = None
+    """[n] int64 rows of the flat batch whose final hidden states the step uses (the sampled ones; n may be 0), or
+    None: all. The last layer then writes every row's K/V but attends, projects and runs its MLP for these rows
+    alone (each row's result is the same computation whatever the batch), and forward returns [n, hidden] in this
+    order."""
+    keep: AttentionMetadata | None = None
+    """With n > 0 keep_rows: the kept rows as one-token queries (query i is row keep_rows[i] at its position, its
+    sequence's block table, seq_len its position + 1)."""
 
 
 class DenseMLP:
@@ -229,8 +237,8 @@ class DecoderModel:
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [num_tokens]; kv_cache: [layers, 2, blocks, block_size, kv_heads, head_dim].
 
-        Returns the final-norm hidden states [num_tokens, hidden]. A pure decode batch takes the native decoder
-        when there is one (`native_decoder`), anything else the layer loop.
+        Returns the final-norm hidden states [num_tokens, hidden] (of meta.keep_rows alone when given). A pure
+        decode batch takes the native decoder when there is one (`native_decoder`), anything else the layer loop.
         """
         num_tokens = input_ids.shape[0]
         if (self.native_decoder is not None and num_tokens == meta.seq_lens.shape[0]
@@ -238,7 +246,7 @@ class DecoderModel:
             out = self.native_decoder(self._embed(input_ids), positions, kv_cache, meta.slot_mapping,
                                       meta.block_tables, meta.seq_lens, meta.query_start_loc)
             if out is not None:
-                return out
+                return out if meta.keep_rows is None else out[meta.keep_rows]
         return self.hidden_states(input_ids, positions, kv_cache, meta, self.attention)
 
     def attention(self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -250,6 +258,10 @@ class DecoderModel:
         kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.after_kv_write is not None:
             meta.after_kv_write(index)
+        if meta.keep_rows is not None and index == len(self.layers) - 1:  # the kept rows only: [n, heads, D]
+            if meta.keep is None:  # none
+                return q[:0]
+            q, meta = q[meta.keep_rows], meta.keep
         return kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                        self.scale, sliding_window=layer.window,
                                        softcap=self.config.attn_logit_softcapping,
@@ -273,6 +285,10 @@ class DecoderModel:
                 x, residual = kernels.rms_norm(h, layer.input_norm, eps, residual=residual)
             q, k, v = self._qkv(layer, x, positions)
             attn = attention(i, q, k, v, kv_cache, meta)             # [T, heads, head_dim]
+            if attn.shape[0] != num_tokens:                          # the last layer's kept rows (meta.keep)
+                residual, num_tokens = residual[meta.keep_rows], attn.shape[0]
+                if not num_tokens:
+                    return residual
             h = layer.o.forward(attn.reshape(num_tokens, q_size))
             if layer.pre_ff_norm is not None:
                 h = kernels.rms_norm(h, layer.post_norm, eps)
