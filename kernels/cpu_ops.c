@@ -241,7 +241,7 @@ static void rms_row(const float *restrict xr, const float *restrict rr, const fl
 
 void pd_rms_norm(const float *x, int64_t x_s, const float *res, int64_t r_s, const float *w, int64_t T, int64_t H,
                  float eps, float *out, float *res_out, int nthreads) {
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T * H >= 65536)
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T * H >= 16384)
     for (int64_t t = 0; t < T; t++)
         rms_row(x + t * x_s, res ? res + t * r_s : NULL, w, H, eps, out + t * H, res ? res_out + t * H : NULL);
 }
@@ -434,7 +434,7 @@ static void silu_row(const float *restrict g, const float *restrict u, int64_t I
 }
 
 void pd_silu_mul(const float *gu, int64_t gu_s, int64_t T, int64_t I, float *out, int nthreads) {
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T * I >= 65536)
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T * I >= 16384)
     for (int64_t t = 0; t < T; t++) silu_row(gu + t * gu_s, gu + t * gu_s + I, I, out + t * I);
 }
 
