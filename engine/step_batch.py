@@ -54,9 +54,8 @@ def run_step(model: DecoderModel, kv_cache: torch.Tensor, batch: StepBatch, devi
     # every host-to-device copy before the forward: on CUDA a copy waits for the kernels queued before it
     sampled = (torch.tensor(batch.sample_positions, dtype=torch.int64, device=device)
                if batch.sample_positions else None)
-    if not batch.prompt_rows and len(batch.sample_positions) < len(batch.input_ids):
-        meta.keep_rows = sampled if sampled is not None else torch.empty(0, dtype=torch.int64, device=device)
-        meta.keep = _kept_rows(batch, device) if sampled is not None else None
+    if (kept := _kept_rows(batch, sampled, device)) is not None:
+        meta.keep_rows, meta.keep = kept
     hidden = model.forward(torch.tensor(batch.input_ids, dtype=torch.int64, device=device),
                            torch.tensor(batch.positions, dtype=torch.int64, device=device), kv_cache, meta)
     prompt_logprobs = [compute_prompt_logprobs(model.compute_logits, hidden[rows], targets, num_top)
@@ -66,12 +65,18 @@ def run_step(model: DecoderModel, kv_cache: torch.Tensor, batch: StepBatch, devi
     return model.compute_logits(hidden if meta.keep is not None else hidden[sampled]), prompt_logprobs
 
 
-def _kept_rows(batch: StepBatch, device: torch.device) -> AttentionMetadata:
-    """The sampled rows as one-token queries for the last layer (AttentionMetadata.keep): row r of sequence b
-    sits at position seq_lens[b] - (query_start_loc[b + 1] - r), so it sees that many tokens plus itself."""
+def _kept_rows(batch: StepBatch, sampled: torch.Tensor | None, device: torch.device
+               ) -> tuple[torch.Tensor, AttentionMetadata | None] | None:
+    """AttentionMetadata's keep_rows and keep for a batch that uses fewer rows than it computes (none with prompt
+    logprobs, which read every row), else None. Row r of sequence b sits at position seq_lens[b] -
+    (query_start_loc[b + 1] - r), so as a one-token query it sees that many tokens plus itself."""
+    if batch.prompt_rows or len(batch.sample_positions) >= len(batch.input_ids):
+        return None
+    if sampled is None:
+        return torch.empty(0, dtype=torch.int64, device=device), None
     seqs = [bisect.bisect_right(batch.query_start_loc, r) - 1 for r in batch.sample_positions]
     lens = [batch.seq_lens[b] - (batch.query_start_loc[b + 1] - 1 - r) for b, r in zip(seqs, batch.sample_positions)]
-    return AttentionMetadata(
+    return sampled, AttentionMetadata(
         slot_mapping=torch.empty(0, dtype=torch.int64, device=device),
         block_tables=torch.tensor([batch.block_tables[b] for b in seqs], dtype=torch.int32, device=device),
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),

@@ -4,7 +4,6 @@ bound below the truth would make the Triton kernels skip tokens."""
 
 import kernels
 from engine import step_batch
-from engine.model import AttentionMetadata
 from engine.sampling_params import SamplingParams
 from tiny_model import run, tiny_engine
 
@@ -63,9 +62,7 @@ def test_the_last_layer_runs_the_sampled_rows_alone_with_the_bits_of_the_whole_b
     pruned_engine = tiny_engine(**kwargs)
     rows = _last_layer_rows(monkeypatch, pruned_engine)
     pruned = _generate(pruned_engine, prompts)
-    # every row, as before: no AttentionMetadata keeps rows
-    monkeypatch.setattr(AttentionMetadata, "keep_rows", property(lambda self: None, lambda self, value: None))
-    monkeypatch.setattr(step_batch, "_kept_rows", lambda batch, device: None)
+    monkeypatch.setattr(step_batch, "_kept_rows", lambda batch, sampled, device: None)  # every row, as before
     whole = _generate(tiny_engine(**kwargs), prompts)
     assert pruned == whole
     assert all(len(tokens) == 4 for tokens, _ in pruned)
