@@ -145,7 +145,7 @@ PD_INLINE int wide16(void) {
 
 /* sum_i a[i] * b[i] in LANES partial sums, then a fixed tree (in registers when n % 16 == 0). narrow: the partial
  * sums as two 8-lane halves (lanes 0-7, 8-15), added first as hsum16's tree does: where a 16-lane vector is two
- * registers GCC passed the sums through the stack every step (~2,000 cycles for RMSNorm's 576 on AVX2). */
+ * registers GCC passed the sums through the stack every step (RMSNorm ran slower than torch's on AVX2). */
 PD_INLINE float dot(const float *restrict a, const float *restrict b, int64_t n, const int narrow) {
     if (n % LANES == 0 && narrow) {
         v8f lo = {0}, hi = {0};
