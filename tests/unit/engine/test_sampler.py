@@ -37,6 +37,18 @@ def test_greedy_takes_argmax():
     assert ids == [17, 17]
 
 
+def test_greedy_takes_the_first_of_equal_maxima_and_agrees_with_argmax_on_a_real_vocabulary():
+    """Greedy rows on CPU go through the native top-1 (kernels.top_k_indices): on 32 rows of the default model's
+    vocabulary it gives torch.argmax's tokens, ties to the earliest index, -inf rows included."""
+    logits = torch.randn(32, 49152, generator=torch.Generator().manual_seed(3))
+    logits[1, 700] = logits[1, 9000] = logits[1].max() + 1.0  # a tie: the earlier index wins
+    logits[2, :] = float("-inf")                               # nothing allowed (a mask that forbids all)
+    logits[2, 40000] = 0.0
+    ids, _ = sample(infer(logits), [row(temperature=0.0) for _ in range(32)])
+    assert ids == torch.argmax(logits, dim=-1).tolist()
+    assert ids[1] == 700 and ids[2] == 40000
+
+
 def test_same_seed_same_token_regardless_of_batch():
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(0))
     alone, _ = sample(infer(logits), [row(seed=42)])
