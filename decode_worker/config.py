@@ -49,6 +49,10 @@ class DecodeWorkerConfig:
     verify_kv: str = "off"
     """Check received KV against a recomputation before decoding on it: "off"; "sample" (layer 0's K/V of a
     few received blocks); "full" (every layer of every received block: the whole prompt recomputed here)."""
+    busy_lock: str | None = None
+    """A file this worker holds an exclusive flock on while its engine has work, so that a prefill worker
+    borrowing its CPUs (PrefillWorkerConfig.borrow_lock) steps on them only while it is idle (engine.cpu_share).
+    None: no lock."""
     max_reserved_fraction_per_caller: float = 0.5
     """Share of the KV pool one caller may hold in reservations whose KV has not been committed; beyond it
     Reserve answers RESOURCE_EXHAUSTED with a retry hint. Committed and running requests do not count."""

@@ -15,6 +15,7 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.service import DecodeWorkerServicer
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
+from engine.cpu_share import BusyLock
 from engine.engine_loop import EngineLoop, build_engine
 from engine.llm_engine import LLMEngine
 from kvstore.transfer_service import KvTransferServicer, add_kv_transfer_servicer
@@ -50,12 +51,17 @@ def start_server(config: DecodeWorkerConfig, engine_config: EngineConfig,
     loop.add_housekeeping(lambda _engine: kv_transfer.segments.prune())
     server.add(add_kv_transfer_servicer, kv_transfer,
                kv_transfer_pb2.DESCRIPTOR.services_by_name["KvTransfer"].full_name)
+    closers: tuple = ()
+    if config.busy_lock:  # a prefill worker borrows this worker's CPUs while it is idle (engine.cpu_share)
+        busy = BusyLock(config.busy_lock)
+        loop.set_activity_hook(busy.activity)
+        closers = (busy.close,)
     loop.start()
     server.start()
     registration.start()
     metrics_server = serve_metrics(metrics.registry, config.host, config.metrics_port)
     log.info("decode worker %s serving on %s", config.worker_id, endpoint)
-    return WorkerHandle(server, loop, worker, registration, metrics_server)
+    return WorkerHandle(server, loop, worker, registration, metrics_server, closers=closers)
 
 
 def serve(config: DecodeWorkerConfig, engine_config: EngineConfig) -> None:

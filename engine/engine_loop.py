@@ -136,6 +136,7 @@ class EngineLoop:
         self._streams: dict[str, RequestStream] = {}
         self._idle_hooks: list[Callable[[LLMEngine], None]] = []
         self._step_hooks: list[Callable[[LLMEngine, float], None]] = []
+        self._activity_hook: Callable[[bool], None] | None = None
         self._stop = threading.Event()
         self._submit_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -172,6 +173,11 @@ class EngineLoop:
         (register before start; engine.last_step says what it computed)."""
         self._step_hooks.append(hook)
 
+    def set_activity_hook(self, hook: Callable[[bool], None]) -> None:
+        """Run `hook(True)` on the loop thread right before each step, and `hook(False)` once the engine has no
+        work left after steps (register before start; engine.cpu_share's CPU lending)."""
+        self._activity_hook = hook
+
     def call(self, fn: Callable[[LLMEngine], T], timeout: float | None = None) -> T:
         future: Future = Future()
         self._submit((fn, future, None))
@@ -204,7 +210,7 @@ class EngineLoop:
 
     def _run(self) -> None:
         use_engine_threads(self.engine)
-        progressed = False
+        progressed = active = False
         while not self._stop.is_set():
             # Wait for commands when idle, and also when the last step could schedule nothing (e.g. every free
             # block is held by reservations): spinning would only burn the core until something changes.
@@ -213,9 +219,15 @@ class EngineLoop:
                 break
             progressed = False
             if self.engine.has_unfinished():
+                if self._activity_hook is not None:
+                    self._run_hooks([self._activity_hook], True)
+                    active = True
                 steps_before = self.engine.num_steps
                 self._step()
                 progressed = self.engine.num_steps > steps_before
+            if active and not self.engine.has_unfinished():
+                self._run_hooks([self._activity_hook], False)
+                active = False
             self._housekeeping()
 
     def _run_commands(self, block: bool) -> None:

@@ -92,7 +92,7 @@ def _arg(group: Any, cls: type | None, name: str, help: str, **kwargs: Any) -> a
     default = kwargs["default"]
     flag = flag_for(name)
     if kwargs.get("action") is None:
-        if default is not None:
+        if default is not None and default != ():
             help = f"{help} (default: {default})"
         if "choices" not in kwargs:
             bytes_flag = kwargs.get("type") is parse_bytes
@@ -347,11 +347,31 @@ def cpu_affinity(args: argparse.Namespace) -> tuple[int, ...] | None:
     return cpus
 
 
+def _check_borrow_cpus(args: argparse.Namespace) -> None:
+    """A prefill worker's --borrow-cpus: CPUs this process may use, none of them its own --cpu-affinity ones."""
+    borrow = getattr(args, "borrow_cpus", ())
+    if not borrow:
+        return
+    own = getattr(args, "cpu_affinity", None)
+    if own is None:
+        raise UsageError("argument --borrow-cpus: needs --cpu-affinity (the worker's own CPUs, which it always "
+                         "steps on)")
+    try:
+        check_cpus(borrow, allowed_cpus())
+    except ValueError as exc:
+        raise UsageError(f"argument --borrow-cpus: {exc}") from None
+    shared = set(own) & set(borrow)
+    if shared:
+        raise UsageError(f"argument --borrow-cpus: CPU(s) {format_cpu_list(shared)} are this worker's own "
+                         f"(--cpu-affinity {format_cpu_list(own)})")
+
+
 def worker_config(cls: type[C], role: str, args: argparse.Namespace) -> C:
     """A PrefillWorkerConfig or DecodeWorkerConfig; without --worker-id the id is ROLE-HOSTNAME-PID. A worker
     needs its cluster certificate flags or an explicit --insecure-internal (UsageError otherwise)."""
     worker_id = args.worker_id if args.worker_id is not None else f"{role}-{socket.gethostname()}-{os.getpid()}"
     config = build_config(cls, args, worker_id=worker_id, redis_url=redis_url(args))
+    _check_borrow_cpus(args)
     if config.tls_files is None and not config.insecure_internal:
         raise UsageError(f"{role}-worker needs --cluster-ca, --cluster-cert and --cluster-key (mutual TLS inside "
                          "the cluster), or --insecure-internal to run plaintext without authentication")
@@ -414,6 +434,9 @@ def build_parser(description: str = "", extra_commands: Sequence[AddCommand] = (
     _arg(g, L, "num_cpus", "CPUs divided among the workers when --threads is not given (default: all)", type=int)
     _arg(g, L, "pin_workers", "pin each worker to CPUs of its own (--cpu-affinity), in slices of its thread "
          "share, prefill workers first; the gateway and Redis are not pinned", action="store_true")
+    _arg(g, L, "lend_idle_cpus", "with --pin-workers: prefill worker i also steps on decode worker i's CPUs while "
+         "that worker is idle, a step at a time (--borrow-cpus / --busy-lock); decode steps never wait for it",
+         action="store_true")
     _arg(g, L, "start_timeout_s", "seconds the whole start may take", type=float)
     _arg(g, L, "stop_timeout_s", "seconds each stop stage waits before SIGKILL", type=float)
     _arg(g, L, "restart_workers", "restart a worker process that exits (same id, port and flags, with a backoff); "
@@ -466,6 +489,12 @@ def build_parser(description: str = "", extra_commands: Sequence[AddCommand] = (
     g.add_argument("--decode-endpoint", dest="decode_endpoints", action="append", default=[], metavar="HOST:PORT",
                    help="a decode worker this worker may push KV to when it runs without --redis-url "
                         "(repeatable; with --redis-url only the index's live decode workers)")
+    g = prefill.add_argument_group("cpus")
+    _arg(g, PrefillWorkerConfig, "borrow_cpus", "a decode worker's CPUs this worker also steps on, a step at a "
+         "time, while that worker is idle, with --borrow-lock (what `pdserve up --lend-idle-cpus` sets)",
+         type=_cpu_list, metavar="CPUS")
+    _arg(g, PrefillWorkerConfig, "borrow_lock", "the --busy-lock file of the decode worker whose CPUs "
+         "--borrow-cpus names", metavar="FILE")
     prefill.add_argument("--fault-corrupt-transfers", dest="fault_corrupt_transfers", type=int,  # tests only
                          default=_default(PrefillWorkerConfig, "fault_corrupt_transfers"), help=argparse.SUPPRESS)
 
@@ -478,6 +507,8 @@ def build_parser(description: str = "", extra_commands: Sequence[AddCommand] = (
     _arg(g, DecodeWorkerConfig, "verify_kv", "compare received KV with a recomputation before decoding on it: "
          "off, sample (layer 0 of a few random blocks) or full (every layer; prefills the prompt again here)",
          choices=VERIFY_KV_MODES)
+    _arg(g, DecodeWorkerConfig, "busy_lock", "hold an exclusive lock on this file while the engine has work, so "
+         "that a prefill worker started with --borrow-lock FILE steps on this worker's CPUs only while it is idle", metavar="FILE")
 
     gen = sub.add_parser("generate", help="complete a raw prompt through a gateway, streaming the text")
     gen.add_argument("prompt")

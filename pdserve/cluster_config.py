@@ -50,6 +50,9 @@ class LocalClusterConfig:
     """Pin each worker process to CPUs of its own (pdserve.affinity): the first `num_cpus` of the CPUs this
     process may run on, in consecutive slices of each worker's thread count, prefill workers first. Off: workers
     float over every CPU (the kernel's scheduler places their threads)."""
+    lend_idle_cpus: bool = False
+    """With pin_workers: prefill worker i also steps on decode worker i's CPUs (i < num_decode) while that worker's
+    engine is idle, a step at a time (engine.cpu_share); a decode step never waits for it."""
     start_timeout_s: float = 600.0
     """Bound on the whole start (loading the model included)."""
     stop_timeout_s: float = 20.0
@@ -108,6 +111,8 @@ class LocalClusterConfig:
         if self.pin_workers and (self.engine.tensor_parallel_size != 1 or self.prefill_tensor_parallel_size
                                  not in (None, 1) or self.decode_tensor_parallel_size not in (None, 1)):
             raise ValueError("LocalClusterConfig.pin_workers is not supported with tensor parallelism")
+        if self.lend_idle_cpus and not self.pin_workers:
+            raise ValueError("LocalClusterConfig.lend_idle_cpus lends pinned CPUs: it needs pin_workers")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("LocalClusterConfig.tls_cert and tls_key go together: give both or neither")
         if self.tls and self.tls_cert is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from pathlib import Path
 
 from pdserve.affinity import allowed_cpus, format_cpu_list, split_cpus
 from pdserve.cli_args import engine_flags
@@ -91,6 +92,23 @@ def worker_argv(role: str, worker_id: str, port: int, config: LocalClusterConfig
     if cpus is not None:
         argv += ["--cpu-affinity", format_cpu_list(cpus)]
     return argv
+
+
+def lending_flags(config: LocalClusterConfig, roles: list[str], worker_ids: list[str],
+                  cpus: list[tuple[int, ...] | None], run_dir: Path) -> list[list[str]]:
+    """Each worker's CPU-lending flags (`roles`, `worker_ids`, `cpus` in start order; engine.cpu_share): with
+    config.lend_idle_cpus, decode worker i holds a busy lock in `run_dir` and prefill worker i borrows its CPUs
+    (those without a partner get none); else none."""
+    flags: list[list[str]] = [[] for _ in roles]
+    if not config.lend_idle_cpus:
+        return flags
+    prefill = [i for i, role in enumerate(roles) if role == "prefill"]
+    decode = [i for i, role in enumerate(roles) if role == "decode"]
+    for p, d in zip(prefill, decode):
+        lock = str(run_dir / f"{worker_ids[d]}.busy")
+        flags[d] = ["--busy-lock", lock]
+        flags[p] = ["--borrow-cpus", format_cpu_list(cpus[d] or ()), "--borrow-lock", lock]
+    return flags
 
 
 def gateway_argv(config: LocalClusterConfig, port: int, http_port: int | None, tls: TlsFiles | None) -> list[str]:

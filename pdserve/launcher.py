@@ -59,7 +59,7 @@ from pdserve.affinity import allowed_cpus
 from pdserve.cli_args import REDIS_URL_ENV
 from pdserve.cluster_config import LocalClusterConfig
 from pdserve.launch_plan import (ClusterError, available_cpus, child_command, connect_host, gateway_argv,
-                                 worker_argv, worker_cpus, worker_threads)
+                                 lending_flags, worker_argv, worker_cpus, worker_threads)
 from pdserve.pki import write_public_tls
 from protos.tls import TlsFiles, write_cluster_pki
 
@@ -305,8 +305,9 @@ class LocalCluster:
             config = self.config = dataclasses.replace(config, tls=False, tls_cert=str(public.cert_path),
                                                        tls_key=str(public.key_path), ca_cert=str(public.ca_path))
         probe = self._pki.get("probe")
-        for role, worker_id, port, num_threads, pinned in zip(roles, worker_ids, ports, threads, cpus):
-            argv = worker_argv(role, worker_id, port, config, num_threads, self._pki.get(worker_id), pinned)
+        lending = lending_flags(config, roles, worker_ids, cpus, self._run_dir)
+        for role, worker_id, port, num_threads, pinned, lend in zip(roles, worker_ids, ports, threads, cpus, lending):
+            argv = worker_argv(role, worker_id, port, config, num_threads, self._pki.get(worker_id), pinned) + lend
             credentials = health.Credentials.cluster(probe, server_role=role) if probe else None
             self._workers.append(self._spawn(worker_id, argv, f"127.0.0.1:{port}", credentials))
         _wait_serving(self._workers, deadline)

@@ -46,6 +46,11 @@ class PrefillWorkerConfig:
     drain_timeout_s: float = 15.0
     """On SIGTERM: how long requests already taken may take to finish once the worker left the index and
     refuses new ones; what is left then ends with UNAVAILABLE (below `pdserve up`'s 20 s stop timeout)."""
+    borrow_cpus: tuple[int, ...] = ()
+    """CPUs of a decode worker this worker also steps on while that worker is idle (engine.cpu_share), one torch
+    thread per CPU; with borrow_lock. Empty: only its own CPUs."""
+    borrow_lock: str | None = None
+    """That decode worker's busy_lock file."""
     fault_corrupt_transfers: int = 0
     """Fault injection for tests: flip a byte in the first data chunk of this many transfers, after their
     digests were computed, so the receiver must reject them. 0 in production."""
@@ -74,6 +79,9 @@ class PrefillWorkerConfig:
         if self.insecure_internal and any(tls):
             raise ValueError("PrefillWorkerConfig.insecure_internal excludes cluster_ca/cluster_cert/cluster_key")
         object.__setattr__(self, "decode_endpoints", tuple(self.decode_endpoints))
+        object.__setattr__(self, "borrow_cpus", tuple(self.borrow_cpus))
+        if bool(self.borrow_cpus) != bool(self.borrow_lock):
+            raise ValueError("PrefillWorkerConfig.borrow_cpus and borrow_lock go together: give both or neither")
         if not 0 <= self.port < 65536:
             raise ValueError(f"PrefillWorkerConfig.port must be in [0, 65535], got {self.port}")
         for name in ("health_port", "metrics_port"):

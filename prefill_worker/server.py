@@ -10,8 +10,10 @@ and embedding.
 from __future__ import annotations
 
 import logging
+import os
 
 from engine.config import EngineConfig
+from engine.cpu_share import CpuBorrower
 from engine.engine_loop import EngineLoop, build_engine
 from engine.llm_engine import LLMEngine
 from kvstore.shm import remove_orphaned_segments
@@ -50,12 +52,20 @@ def start_server(config: PrefillWorkerConfig, engine_config: EngineConfig,
     server.add(worker_pb2_grpc.add_PrefillWorkerServicer_to_server,
                PrefillWorkerServicer(worker, config.worker_id, epoch),
                worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name, refused_when_draining=["Prefill"])
+    closers: tuple = (worker.close,)
+    if config.borrow_cpus:  # a decode worker's CPUs, stepped on while it is idle (engine.cpu_share)
+        borrower = CpuBorrower(config.borrow_lock, sorted(os.sched_getaffinity(0)), config.borrow_cpus)
+        loop.set_activity_hook(borrower.activity)
+        metrics.count_steps_by_cpus(borrower.steps)
+        closers += (borrower.close,)
+        log.info("stepping on CPUs %s too while the decode worker of %s is idle",
+                 ",".join(map(str, config.borrow_cpus)), config.borrow_lock)
     loop.start()
     server.start()
     registration.start()
     metrics_server = serve_metrics(metrics.registry, config.host, config.metrics_port)
     log.info("prefill worker %s serving on %s", config.worker_id, endpoint)
-    return WorkerHandle(server, loop, worker, registration, metrics_server, closers=(worker.close,))
+    return WorkerHandle(server, loop, worker, registration, metrics_server, closers=closers)
 
 
 def serve(config: PrefillWorkerConfig, engine_config: EngineConfig) -> None:

@@ -18,6 +18,9 @@ Fed from the engine loop after each step that ran the model (EngineLoop.add_step
     pdserve_prompt_tokens_total           prompt tokens computed, prefix-cache hits excluded (rate() = prefill
                                           tokens/s)
     pdserve_request_queue_time_seconds    histogram: queued (or joined the batch from a reservation) -> first step
+Read at each scrape from a prefill worker's CpuBorrower (engine.cpu_share), when it borrows a decode worker's CPUs:
+    pdserve_engine_steps_by_cpus_total{cpus}   steps run on its own CPUs ("own") or on its own plus the idle
+                                               decode worker's ("borrowed")
 Fed from the service edge:
     pdserve_kv_transfer_bytes_total{transport}    KV payload bytes sent (prefill: per Prefill answered) or received
     pdserve_kv_transfer_seconds_total{transport}  (decode: per committed transfer), and the time they took;
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,6 +116,22 @@ class _LoadCollector(Collector):
         yield preemptions
 
 
+class _StepsByCpusCollector(Collector):
+    def __init__(self, label_values: tuple[str, str], steps: Mapping[str, int]) -> None:
+        self._label_values = list(label_values)
+        self._steps = steps               # counted by the loop thread
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        family = CounterMetricFamily("pdserve_engine_steps_by_cpus", "Engine steps run on the worker's own CPUs "
+                                     "or on its own plus a decode worker's idle ones", labels=[*LABELS, "cpus"])
+        for cpus, count in list(self._steps.items()):
+            family.add_metric([*self._label_values, cpus], count)
+        yield family
+
+
 class WorkerMetrics:
     """Every metric of one worker. Construct before the engine loop starts, then `attach(loop)`."""
 
@@ -141,6 +161,10 @@ class WorkerMetrics:
         self._values = values
         for reason in FAILURE_REASONS:
             failures.labels(*values, reason)
+
+    def count_steps_by_cpus(self, steps: Mapping[str, int]) -> None:
+        """Serve `steps` (CpuBorrower.steps: "own" / "borrowed" -> steps) as pdserve_engine_steps_by_cpus_total."""
+        self.registry.register(_StepsByCpusCollector(self._values, steps))
 
     # --- engine loop thread -------------------------------------------------------------------------------------
     def attach(self, loop) -> None:

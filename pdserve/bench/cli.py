@@ -136,10 +136,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="judge by the SLOs of an earlier run's results.json (same machine and flags) instead of "
                    "running pdserve-colocated's idle probe again, e.g. to add llama-server to a comparison")
     g.add_argument("--goodput-local-prefill-threshold", type=int, default=None, metavar="N",
-                   help="pdserve-1p1d-pinned's gateway --local-prefill-threshold (256: short turns prefill on the "
+                   help="pdserve-1p1d-pinned's and -lend's gateway --local-prefill-threshold (256: short turns prefill on the "
                    "decode worker)")
+    g.add_argument("--goodput-lend-batched-tokens", type=_positive, default=None, metavar="N",
+                   help="pdserve-1p1d-lend's --max-num-batched-tokens: bounds a prefill step on the decode worker's "
+                   "borrowed cores (256)")
     g.add_argument("--goodput-idle-offload-min-tokens", type=int, default=None, metavar="N",
-                   help="pdserve-1p1d-pinned's gateway --idle-offload-min-tokens (default: the gateway's; 0: short "
+                   help="pdserve-1p1d-pinned's and -lend's gateway --idle-offload-min-tokens (default: the gateway's; 0: short "
                    "turns always prefill on the decode worker)")
     return p
 
@@ -181,6 +184,7 @@ def _run_suite(args: argparse.Namespace) -> int:
             ("goodput_tpot_scale", args.goodput_tpot_scale), ("goodput_batched_tokens", args.goodput_batched_tokens),
             ("goodput_local_prefill_threshold", args.goodput_local_prefill_threshold),
             ("goodput_idle_offload_min_tokens", args.goodput_idle_offload_min_tokens),
+            ("goodput_lend_batched_tokens", args.goodput_lend_batched_tokens),
             ("goodput_long_prefill_token_threshold", args.goodput_long_prefill_token_threshold)) if value is not None}
         if args.goodput_slos_from is not None:
             goodput.update(goodput_reference_idle=_reference_idle(args.goodput_slos_from),

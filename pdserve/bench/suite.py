@@ -18,6 +18,9 @@ Systems (each gets the same `threads`; the disaggregated shapes divide them amon
                           (goodput_long_prefill_token_threshold) so that short prompts and decodes share every step
     pdserve-1p1d-pinned   1 prefill + 1 decode, the cores split between them, each pinned to its own; short
                           prompts prefilled on the decode worker (goodput_local_prefill_threshold)
+    pdserve-1p1d-lend     the same, and the prefill worker also steps on the decode worker's cores while that
+                          worker is idle (LocalClusterConfig.lend_idle_cpus), its steps at most
+                          goodput_lend_batched_tokens tokens
 
 Scenarios (prompts are random token ids wrapped in the model's chat template, rendered once here; greedy,
 EOS ignored, exactly max_tokens generated):
@@ -95,13 +98,15 @@ TWO_P_RR = "pdserve-2p1d-rr"
 COLOCATED = "pdserve-colocated"
 COLOCATED_CAPPED = "pdserve-colocated-capped"
 ONE_P_ONE_D_PINNED = "pdserve-1p1d-pinned"
+ONE_P_ONE_D_LEND = "pdserve-1p1d-lend"
 SYSTEMS = (LLAMA_SERVER, TRANSFORMERS, ENGINE, ENGINE_INT8, ENGINE_INT4, ENGINE_NATIVE, ONE_P_ONE_D, TWO_P_PREFIX,
-           TWO_P_RR, COLOCATED, COLOCATED_CAPPED, ONE_P_ONE_D_PINNED)
-GOODPUT_SYSTEMS = (LLAMA_SERVER, COLOCATED, COLOCATED_CAPPED, ONE_P_ONE_D_PINNED)
+           TWO_P_RR, COLOCATED, COLOCATED_CAPPED, ONE_P_ONE_D_PINNED, ONE_P_ONE_D_LEND)
+GOODPUT_SYSTEMS = (LLAMA_SERVER, COLOCATED, COLOCATED_CAPPED, ONE_P_ONE_D_PINNED, ONE_P_ONE_D_LEND)
 FAMILIES = ("batch1", "streams", "prefix_cache", "shared_prefix", "sweep", "goodput")
-NUM_PREFILL = {ONE_P_ONE_D: 1, TWO_P_PREFIX: 2, TWO_P_RR: 2, COLOCATED: 0, COLOCATED_CAPPED: 0, ONE_P_ONE_D_PINNED: 1}
+NUM_PREFILL = {ONE_P_ONE_D: 1, TWO_P_PREFIX: 2, TWO_P_RR: 2, COLOCATED: 0, COLOCATED_CAPPED: 0, ONE_P_ONE_D_PINNED: 1,
+               ONE_P_ONE_D_LEND: 1}
 """Prefill workers of each LocalCluster system (one decode worker each)."""
-PINNED = (COLOCATED, COLOCATED_CAPPED, ONE_P_ONE_D_PINNED)
+PINNED = (COLOCATED, COLOCATED_CAPPED, ONE_P_ONE_D_PINNED, ONE_P_ONE_D_LEND)
 """Cluster systems whose workers are pinned to their own cores (LocalClusterConfig.pin_workers)."""
 PEERS = (LLAMA_SERVER, TRANSFORMERS)
 """Suffix of a peer's second batch1/streams runs, at the end of the suite."""
@@ -179,10 +184,13 @@ class SuiteConfig:
     goodput_long_prefill_token_threshold: int = 256
     """pdserve-colocated-capped's --long-prefill-token-threshold: most prompt tokens of one sequence per step."""
     goodput_local_prefill_threshold: int = 256
-    """pdserve-1p1d-pinned's gateway --local-prefill-threshold: prompts with fewer uncached tokens (the short
+    """pdserve-1p1d-pinned's (and -lend's) gateway --local-prefill-threshold: prompts with fewer uncached tokens (the short
     chat turns) are prefilled on the decode worker, only long ones go to the prefill worker."""
+    goodput_lend_batched_tokens: int = 256
+    """pdserve-1p1d-lend's --max-num-batched-tokens: a step on borrowed cores runs on until it ends when the decode
+    worker gets work meanwhile, sharing its core; smaller steps bound that (engine.cpu_share)."""
     goodput_idle_offload_min_tokens: int | None = None
-    """pdserve-1p1d-pinned's gateway --idle-offload-min-tokens (None: the gateway's default): a short turn lacking
+    """pdserve-1p1d-pinned's (and -lend's) gateway --idle-offload-min-tokens (None: the gateway's default): a short turn lacking
     at least this many tokens goes to the prefill worker while it is idle and the decode worker is busy; 0 keeps
     every short turn on the decode worker."""
     goodput_reference_idle: IdleFigures | None = None
@@ -360,7 +368,7 @@ def _cluster(cfg: SuiteConfig, model_path: Path, system: str,
     num_prefill = NUM_PREFILL[system]
     gateway_args: tuple[str, ...] = ()
     engine = EngineConfig(model=str(model_path), kv_cache_memory=cfg.kv_cache_memory)
-    if system == ONE_P_ONE_D_PINNED:
+    if system in (ONE_P_ONE_D_PINNED, ONE_P_ONE_D_LEND):
         gateway_args = ("--local-prefill-threshold", str(cfg.goodput_local_prefill_threshold))
         if cfg.goodput_idle_offload_min_tokens is not None:
             gateway_args += ("--idle-offload-min-tokens", str(cfg.goodput_idle_offload_min_tokens))
@@ -368,6 +376,8 @@ def _cluster(cfg: SuiteConfig, model_path: Path, system: str,
         engine = dataclasses.replace(engine, max_num_batched_tokens=cfg.goodput_batched_tokens)
     if system == COLOCATED_CAPPED:
         engine = dataclasses.replace(engine, long_prefill_token_threshold=cfg.goodput_long_prefill_token_threshold)
+    if system == ONE_P_ONE_D_LEND:
+        engine = dataclasses.replace(engine, max_num_batched_tokens=cfg.goodput_lend_batched_tokens)
     if system in ROUTING:
         if "routing" not in {f.name for f in dataclasses.fields(GatewayConfig)}:
             raise RuntimeError("GatewayConfig has no `routing` field: `pdserve gateway --routing "
@@ -376,9 +386,11 @@ def _cluster(cfg: SuiteConfig, model_path: Path, system: str,
     prefill_kv = cfg.shared_prefill_kv_cache_memory if system in ROUTING else None
     config = LocalClusterConfig(num_prefill=num_prefill, num_decode=1, port=0, http_port=-1, num_cpus=cfg.threads,
                                 engine=engine, prefill_kv_cache_memory=prefill_kv, gateway_args=gateway_args,
-                                pin_workers=system in PINNED, run_dir=str(cfg.out_dir / "logs" / system))
+                                pin_workers=system in PINNED, lend_idle_cpus=system == ONE_P_ONE_D_LEND,
+                                run_dir=str(cfg.out_dir / "logs" / system))
     threads = divide_threads(cfg.threads, num_prefill + 1)
-    pinned = ", pin_workers=True" if config.pin_workers else ""
+    pinned = (", pin_workers=True" if config.pin_workers else "") + (", lend_idle_cpus=True"
+                                                                      if config.lend_idle_cpus else "")
     budget = (f", max_num_batched_tokens {engine.max_num_batched_tokens}, long_prefill_token_threshold "
               f"{engine.long_prefill_token_threshold}" if system in PINNED else "")
     results.peers[system] = (f"`LocalCluster(num_prefill={num_prefill}, num_decode=1, num_cpus={cfg.threads}{pinned})`"

@@ -263,6 +263,27 @@ def test_a_killed_redis_and_a_killed_worker_come_back_and_the_cluster_answers(de
     assert_all_stopped(cluster)
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="lending needs two CPUs")
+def test_lend_idle_cpus_lets_the_prefill_worker_step_on_the_idle_decode_workers_cpu(default_model_path, tmp_path):
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    config = LocalClusterConfig(port=0, http_port=-1, num_cpus=2, pin_workers=True, lend_idle_cpus=True,
+                                gateway_args=("--local-prefill-threshold", "0"), run_dir=str(tmp_path),
+                                engine=EngineConfig(model="default", kv_cache_memory=KV_CACHE_MEMORY))
+    with LocalCluster(config) as cluster:
+        assert ask_paris(cluster).startswith("The capital of France is Paris")
+
+        def masks(worker: str) -> set[tuple[int, ...]]:
+            pid = cluster.pids[worker]
+            return {tuple(sorted(os.sched_getaffinity(int(tid)))) for tid in os.listdir(f"/proc/{pid}/task")}
+
+        # the prefill ran while the decode worker had nothing to do: its step was on both CPUs (the loop thread
+        # and the OpenMP thread it started keep that mask); the decode worker never leaves its own CPU
+        assert masks("prefill-0") == {(first,), (first, second)}
+        assert masks("decode-0") == {(second,)}
+        assert (tmp_path / "decode-0.busy").exists()
+    assert_all_stopped(cluster)
+
+
 def probe_status(cluster: LocalCluster, worker: str, server_role: str | None = None) -> str:
     """A worker's health over mutual TLS with the launcher's probe certificate, checking its role."""
     credentials = health.Credentials.cluster(cluster.tls_files["probe"], server_role or worker.split("-")[0])

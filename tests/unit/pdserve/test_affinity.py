@@ -1,7 +1,9 @@
-"""Worker CPU pinning: CPU lists, the --cpu-affinity checks, the whole process pinned, `up --pin-workers` slices."""
+"""Worker CPU pinning: CPU lists, the --cpu-affinity checks, the whole process pinned, `up --pin-workers` slices,
+and `up --lend-idle-cpus`'s flags (--busy-lock, --borrow-cpus, --borrow-lock) and their checks."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -10,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
+from decode_worker.config import DecodeWorkerConfig
 from pdserve import cli, cli_args
 from pdserve.affinity import allowed_cpus, format_cpu_list, parse_cpu_list, split_cpus
 from pdserve.cluster_config import LocalClusterConfig
-from pdserve.launch_plan import ClusterError, worker_argv, worker_cpus
+from pdserve.launch_plan import ClusterError, lending_flags, worker_argv, worker_cpus
 
 ROOT = Path(__file__).resolve().parents[3]
 INSECURE = ["--insecure-internal"]
@@ -89,3 +92,37 @@ def test_up_pin_workers_slices_the_cpus_in_start_order_and_passes_them_on():
     with pytest.raises(ClusterError, match="--cpus 4: only 2"):
         worker_cpus(config, [1, 1], (0, 1))
     assert cli_args.cluster_config(cli_args.parse_args(["up", "--pin-workers"])).pin_workers
+
+
+def test_lend_idle_cpus_pairs_each_prefill_worker_with_a_decode_workers_cpus_and_lock(tmp_path):
+    config = LocalClusterConfig(pin_workers=True, lend_idle_cpus=True, num_prefill=2, num_decode=1,
+                                engine=EngineConfig(model="default"))
+    roles, ids = ["prefill", "prefill", "decode"], ["prefill-0", "prefill-1", "decode-0"]
+    flags = lending_flags(config, roles, ids, [(0,), (1,), (2, 3)], tmp_path)
+    lock = str(tmp_path / "decode-0.busy")
+    assert flags == [["--borrow-cpus", "2-3", "--borrow-lock", lock], [], ["--busy-lock", lock]]
+    prefill = cli_args.parse_args(worker_argv("prefill", "prefill-0", 4100, config, 1, None, (0,)) + flags[0])
+    decode = cli_args.parse_args(worker_argv("decode", "decode-0", 4101, config, 2, None, (2, 3)) + flags[2])
+    assert (prefill.borrow_cpus, prefill.borrow_lock, prefill.cpu_affinity) == ((2, 3), lock, (0,))
+    assert cli_args.worker_config(DecodeWorkerConfig, "decode", decode).busy_lock == lock
+    plain = dataclasses.replace(config, lend_idle_cpus=False)
+    assert lending_flags(plain, roles, ids, [(0,), (1,), (2, 3)], tmp_path) == [[], [], []]
+    assert cli_args.cluster_config(cli_args.parse_args(["up", "--pin-workers", "--lend-idle-cpus"])).lend_idle_cpus
+
+
+def test_lend_idle_cpus_without_pinned_workers_exits_2_naming_the_flag(capsys):
+    assert cli.main(["up", "--lend-idle-cpus"]) == 2
+    assert capsys.readouterr().err.startswith("pdserve: error: argument --lend-idle-cpus: ")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--borrow-cpus", "1", "--borrow-lock", "x"], "argument --borrow-cpus: needs --cpu-affinity"),
+    (["--cpu-affinity", "0", "--borrow-cpus", "0", "--borrow-lock", "x"],
+     "argument --borrow-cpus: CPU(s) 0 are this worker's own"),
+    (["--cpu-affinity", "0", "--borrow-cpus", "4096", "--borrow-lock", "x"],
+     "argument --borrow-cpus: CPU(s) 4096 not available to this process"),
+    (["--borrow-lock", "x"], "argument --borrow-cpus: PrefillWorkerConfig.borrow_cpus and borrow_lock go together"),
+])
+def test_bad_borrowing_exits_2_naming_the_flag_before_anything_starts(extra, message, capsys):
+    assert cli.main(["prefill-worker", *INSECURE, *extra]) == 2
+    assert capsys.readouterr().err.startswith(f"pdserve: error: {message}")
