@@ -10,8 +10,8 @@ import pytest
 from pdserve.bench import goodput, report
 from pdserve.bench.metrics import RequestRecord, summarize
 from pdserve.bench.runner import RunConfig, RunResult
-from pdserve.bench.suite import (COLOCATED, GOODPUT_SYSTEMS, LLAMA_SERVER, ONE_P_ONE_D_PINNED, SuiteConfig,
-                                 SuiteResults, build_scenarios, family)
+from pdserve.bench.suite import (COLOCATED, GOODPUT_SYSTEMS, LLAMA_SERVER, ONE_P_ONE_D_LEND, ONE_P_ONE_D_PINNED,
+                                 SuiteConfig, SuiteResults, build_scenarios, family)
 from pdserve.bench.workloads import RAW, mixed_workload, prompt_class
 
 
@@ -100,6 +100,8 @@ def test_the_suite_builds_goodput_scenarios_that_share_nothing_across_rates_and_
     results.runs[("goodput@0.2", COLOCATED)] = _run("c", 0.2, late)
     results.runs[("goodput@0.1", ONE_P_ONE_D_PINNED)] = _run("d", 0.1, good)
     results.runs[("goodput@0.2", ONE_P_ONE_D_PINNED)] = _run("d", 0.2, good)
+    results.runs[("goodput@0.1", ONE_P_ONE_D_LEND)] = _run("l", 0.1, good)
+    results.runs[("goodput@0.2", ONE_P_ONE_D_LEND)] = _run("l", 0.2, late)
     summary = report.goodput_summary(results)
     assert summary["slos"]["ttft_ms"] == pytest.approx({"long": 2000.0, "short": 200.0})
     coloc, disagg = summary["systems"][COLOCATED], summary["systems"][ONE_P_ONE_D_PINNED]
@@ -110,8 +112,11 @@ def test_the_suite_builds_goodput_scenarios_that_share_nothing_across_rates_and_
     assert report.goodput_goal(results) == (pytest.approx(0.2 / 0.12), "highest rate at 90% SLO attainment (1P+1D "
                                             "attains 90% at its highest measured rate: at least this; raise "
                                             "--goodput-rates)", "lower")
-    assert "at least this; raise --goodput-rates) | pdserve-1p1d-pinned | 1.67x | >= 1.5x | yes |" in "\n".join(
-        report._goals(results))
+    goals = "\n".join(report._goals(results))
+    assert "at least this; raise --goodput-rates) | pdserve-1p1d-pinned | 1.67x | >= 1.5x | yes |" in goals
+    # each 1P+1D system on its own row: the lending one attains 90% only as far as colocated does
+    assert report.goodput_goal(results, ONE_P_ONE_D_LEND)[0] == pytest.approx(1.0)
+    assert "| pdserve-1p1d-lend | 1.00x | >= 1.5x |" in goals
     lines = report._goodput(results)
     text = "\n".join(lines)
     assert "TTFT SLO = 2 x idle TTFT" in text and f"| {LLAMA_SERVER} |" not in text
