@@ -402,8 +402,10 @@ def _cluster(cfg: SuiteConfig, model_path: Path, system: str,
     try:
         with LocalCluster(config) as cluster:
             yield PdserveBackend(cluster.gateway_target, name=system), list(cluster.pids.values())
-    finally:  # the logs stay with the results; the stopped cluster's keys and certificates do not
+    finally:  # the logs stay with the results; the stopped cluster's keys, certificates and lock files do not
         shutil.rmtree(Path(config.run_dir) / "pki", ignore_errors=True)
+        for lock in Path(config.run_dir).glob("*.busy"):
+            lock.unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------------------------------------------ running
