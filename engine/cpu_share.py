@@ -25,14 +25,10 @@ beside a decode worker that never idled, where a borrowing one took 0.98x; 0.52x
 from __future__ import annotations
 
 import fcntl
-import logging
 import os
 from collections.abc import Sequence
 
 from engine.engine_loop import set_thread_torch_threads
-
-log = logging.getLogger(__name__)
-
 
 def _open_lock(path: str) -> int:
     return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -43,7 +39,6 @@ class BusyLock:
     On the engine loop's thread (EngineLoop.set_activity_hook)."""
 
     def __init__(self, path: str) -> None:
-        self.path = path
         self._fd = _open_lock(path)
         self._held = False
 
@@ -65,7 +60,6 @@ class CpuBorrower:
             raise ValueError("CpuBorrower needs CPUs of its own and CPUs to borrow")
         if set(own_cpus) & set(lent_cpus):
             raise ValueError(f"CpuBorrower: CPUs {sorted(set(own_cpus) & set(lent_cpus))} are both its own and lent")
-        self.path = path
         self._fd = _open_lock(path)
         self._own = frozenset(own_cpus)
         self._all = frozenset(own_cpus) | frozenset(lent_cpus)

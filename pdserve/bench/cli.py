@@ -136,14 +136,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="judge by the SLOs of an earlier run's results.json (same machine and flags) instead of "
                    "running pdserve-colocated's idle probe again, e.g. to add llama-server to a comparison")
     g.add_argument("--goodput-local-prefill-threshold", type=int, default=None, metavar="N",
-                   help="pdserve-1p1d-pinned's and -lend's gateway --local-prefill-threshold (256: short turns prefill on the "
-                   "decode worker)")
+                   help="pdserve-1p1d-pinned's and -lend's gateway --local-prefill-threshold (256: short turns "
+                   "prefill on the decode worker)")
     g.add_argument("--goodput-lend-batched-tokens", type=_positive, default=None, metavar="N",
                    help="pdserve-1p1d-lend's --max-num-batched-tokens: bounds a prefill step on the decode worker's "
                    "borrowed cores (256)")
     g.add_argument("--goodput-idle-offload-min-tokens", type=int, default=None, metavar="N",
-                   help="pdserve-1p1d-pinned's and -lend's gateway --idle-offload-min-tokens (default: the gateway's; 0: short "
-                   "turns always prefill on the decode worker)")
+                   help="pdserve-1p1d-pinned's and -lend's gateway --idle-offload-min-tokens (default: the "
+                   "gateway's; 0: short turns always prefill on the decode worker)")
     return p
 
 

@@ -184,15 +184,15 @@ class SuiteConfig:
     goodput_long_prefill_token_threshold: int = 256
     """pdserve-colocated-capped's --long-prefill-token-threshold: most prompt tokens of one sequence per step."""
     goodput_local_prefill_threshold: int = 256
-    """pdserve-1p1d-pinned's (and -lend's) gateway --local-prefill-threshold: prompts with fewer uncached tokens (the short
-    chat turns) are prefilled on the decode worker, only long ones go to the prefill worker."""
+    """pdserve-1p1d-pinned's (and -lend's) gateway --local-prefill-threshold: prompts with fewer uncached tokens
+    (the short chat turns) are prefilled on the decode worker, only long ones go to the prefill worker."""
     goodput_lend_batched_tokens: int = 256
     """pdserve-1p1d-lend's --max-num-batched-tokens: a step on borrowed cores runs on until it ends when the decode
     worker gets work meanwhile, sharing its core; smaller steps bound that (engine.cpu_share)."""
     goodput_idle_offload_min_tokens: int | None = None
-    """pdserve-1p1d-pinned's (and -lend's) gateway --idle-offload-min-tokens (None: the gateway's default): a short turn lacking
-    at least this many tokens goes to the prefill worker while it is idle and the decode worker is busy; 0 keeps
-    every short turn on the decode worker."""
+    """pdserve-1p1d-pinned's (and -lend's) gateway --idle-offload-min-tokens (None: the gateway's default): a short
+    turn lacking at least this many tokens goes to the prefill worker while it is idle and the decode worker is
+    busy; 0 keeps every short turn on the decode worker."""
     goodput_reference_idle: IdleFigures | None = None
     """Judge by the SLOs of an earlier run instead of this run's reference probe: that run's reference idle
     figures (results.json meta.goodput.reference_idle; `--goodput-slos-from`), to add a system to a comparison

@@ -27,7 +27,8 @@ SCRIPT = """
 import json, os, subprocess, sys, threading, torch
 from engine.cpu_share import BusyLock, CpuBorrower
 own, lent, path = {own}, {lent}, {path!r}
-holder = "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(600)"
+holder = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+          "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(600)")
 seen = []
 
 def step(borrower):
