@@ -272,12 +272,10 @@ class LocalCluster:
             fetch_default_model()
         self._pipe = os.pipe()
         num_workers = config.num_prefill + config.num_decode
-        *ports, free_grpc, free_http = free_ports(num_workers + 2)      # the workers', then the gateway's
-        gateway_port = _check_port_free(config.host, config.port, "--port") if config.port else free_grpc
+        ports = free_ports(num_workers)
+        gateway_port = _check_port_free(config.host, config.port, "--port") if config.port else 0
         if config.http_port > 0:
             self._http_port = _check_port_free(config.host, config.http_port, "--http-port")
-        elif config.http_port == 0:
-            self._http_port = free_http
         if config.redis_url is None:
             self._redis = EmbeddedRedis().start()
             self._redis_url = self._redis.url
@@ -312,6 +310,13 @@ class LocalCluster:
             self._workers.append(self._spawn(worker_id, argv, f"127.0.0.1:{port}", credentials))
         _wait_serving(self._workers, deadline)
 
+        # The gateway's free ports are picked only now: picked at the start, one was taken meanwhile as the local
+        # port of a connection the start made (every one draws from the same ephemeral range), and the gateway
+        # failed to bind it.
+        free_grpc, free_http = free_ports(2)
+        gateway_port = gateway_port or free_grpc
+        if config.http_port == 0:
+            self._http_port = free_http
         argv = gateway_argv(config, gateway_port, -1 if self._http_port is None else self._http_port,
                             self._pki.get("gateway"))
         credentials = health.Credentials.public(config.ca_cert) if config.tls_cert else None
