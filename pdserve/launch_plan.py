@@ -105,9 +105,11 @@ def lending_flags(config: LocalClusterConfig, roles: list[str], worker_ids: list
     prefill = [i for i, role in enumerate(roles) if role == "prefill"]
     decode = [i for i, role in enumerate(roles) if role == "decode"]
     for p, d in zip(prefill, decode):
+        if cpus[d] is None:
+            raise ClusterError("--lend-idle-cpus lends pinned CPUs: it needs --pin-workers")
         lock = str(run_dir / f"{worker_ids[d]}.busy")
         flags[d] = ["--busy-lock", lock]
-        flags[p] = ["--borrow-cpus", format_cpu_list(cpus[d] or ()), "--borrow-lock", lock]
+        flags[p] = ["--borrow-cpus", format_cpu_list(cpus[d]), "--borrow-lock", lock]
     return flags
 
 
