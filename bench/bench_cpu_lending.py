@@ -112,7 +112,7 @@ def prefill_process(mode: str, cpus: tuple[int, int], lock: str, prompt_len: int
     from pdserve.affinity import pin_process
 
     own, lent = cpus
-    pin_process([own] if mode != "sched-idle" else [own, lent])
+    pin_process([own] if mode != "sched-idle" else [own, lent], borrowed=[lent] if mode == "borrow" else ())
     if mode == "sched-idle":
         _sched_idle()
     engine = _engine(2 if mode == "sched-idle" else 1, max_num_batched_tokens)

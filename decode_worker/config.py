@@ -53,6 +53,11 @@ class DecodeWorkerConfig:
     """A file this worker holds an exclusive flock on while its engine has work, so that a prefill worker
     borrowing its CPUs (PrefillWorkerConfig.borrow_lock) steps on them only while it is idle (engine.cpu_share).
     None: no lock."""
+    borrow_cpus: tuple[int, ...] = ()
+    """CPUs of a prefill worker this worker also steps on while that worker is idle (engine.cpu_share), one torch
+    thread per CPU; with borrow_lock. Empty: only its own CPUs."""
+    borrow_lock: str | None = None
+    """That prefill worker's busy_lock file."""
     max_reserved_fraction_per_caller: float = 0.5
     """Share of the KV pool one caller may hold in reservations whose KV has not been committed; beyond it
     Reserve answers RESOURCE_EXHAUSTED with a retry hint. Committed and running requests do not count."""
@@ -66,6 +71,9 @@ class DecodeWorkerConfig:
                              "three or none")
         if self.insecure_internal and any(tls):
             raise ValueError("DecodeWorkerConfig.insecure_internal excludes cluster_ca/cluster_cert/cluster_key")
+        object.__setattr__(self, "borrow_cpus", tuple(self.borrow_cpus))
+        if bool(self.borrow_cpus) != bool(self.borrow_lock):
+            raise ValueError("DecodeWorkerConfig.borrow_cpus and borrow_lock go together: give both or neither")
         if self.verify_kv not in VERIFY_KV_MODES:
             raise ValueError(f"DecodeWorkerConfig.verify_kv must be one of {VERIFY_KV_MODES}, got {self.verify_kv!r}")
         if not 0 < self.max_reserved_fraction_per_caller <= 1:

@@ -15,13 +15,12 @@ from decode_worker.config import DecodeWorkerConfig
 from decode_worker.service import DecodeWorkerServicer
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
-from engine.cpu_share import BusyLock
 from engine.engine_loop import EngineLoop, build_engine
 from engine.llm_engine import LLMEngine
 from kvstore.transfer_service import KvTransferServicer, add_kv_transfer_servicer
 from protos.pdserve.v1 import kv_transfer_pb2, worker_pb2, worker_pb2_grpc
 from protos.service_runtime import (Registration, WorkerHandle, WorkerServer, log_internal_security,
-                                    wait_for_termination)
+                                    share_cpus, wait_for_termination)
 from protos.worker_metrics import WorkerMetrics, model_name, serve_metrics
 
 log = logging.getLogger(__name__)
@@ -51,11 +50,7 @@ def start_server(config: DecodeWorkerConfig, engine_config: EngineConfig,
     loop.add_housekeeping(lambda _engine: kv_transfer.segments.prune())
     server.add(add_kv_transfer_servicer, kv_transfer,
                kv_transfer_pb2.DESCRIPTOR.services_by_name["KvTransfer"].full_name)
-    closers: tuple = ()
-    if config.busy_lock:  # a prefill worker borrows this worker's CPUs while it is idle (engine.cpu_share)
-        busy = BusyLock(config.busy_lock)
-        loop.set_activity_hook(busy.activity)
-        closers = (busy.close,)
+    closers = share_cpus(loop, metrics, config, log)
     loop.start()
     server.start()
     registration.start()

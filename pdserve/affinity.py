@@ -3,7 +3,8 @@
 A CPU list is written the way taskset and /sys/devices/system/cpu/online write it: comma-separated CPU numbers
 and inclusive ranges ("0-3,6"). A pinned process runs only on its CPUs, every thread of it, so its torch threads
 (one per pinned CPU: the CLI makes the thread count match) never share a core with another pinned worker. The
-gateway and Redis are not pinned: they float over the machine.
+gateway and Redis are not pinned: they float over the machine. A worker that borrows another's CPUs while that
+one is idle (engine.cpu_share) is pinned with `borrowed=` those CPUs.
 """
 
 from __future__ import annotations
@@ -59,9 +60,26 @@ def check_cpus(cpus: Sequence[int], allowed: Sequence[int]) -> None:
                          f"(available: {format_cpu_list(allowed)})")
 
 
-def pin_process(cpus: Sequence[int]) -> None:
+BORROWING_SPIN_COUNT = "2000"
+"""GOMP_SPINCOUNT of a process that borrows CPUs (unless set already): how many times an idle OpenMP thread polls
+for work before it sleeps in the kernel. At libgomp's default, 300,000 (milliseconds of spinning), a borrowing
+worker's idle thread spun on after each borrowed step, on the core its partner then stepped on; 2,000 (tens of
+microseconds) covers the gaps between one step's parallel regions, not the gaps between steps (BENCHMARKS.md,
+"both ways")."""
+
+
+def pin_process(cpus: Sequence[int], *, borrowed: Sequence[int] = ()) -> None:
     """Restrict every thread of this process, and every thread and child it starts later, to `cpus`.
-    (sched_setaffinity(0) would move only the calling thread; threads started at import stay where they were.)"""
+    (sched_setaffinity(0) would move only the calling thread; threads started at import stay where they were.)
+
+    `borrowed`: CPUs it will also step on at times (engine.cpu_share). Then torch is loaded first, on `cpus` and
+    `borrowed` together, with GOMP_SPINCOUNT at BORROWING_SPIN_COUNT: libgomp counts the CPUs it may use once,
+    when it loads, and a team larger than that count sleeps in the kernel after every parallel region, paying a
+    futex wake-up per thread per region on the borrowed steps."""
+    if borrowed:
+        pin_process([*cpus, *borrowed])
+        os.environ.setdefault("GOMP_SPINCOUNT", BORROWING_SPIN_COUNT)
+        import torch  # noqa: F401  (and libgomp with it)
     mask = set(cpus)
     try:
         tids = [int(tid) for tid in os.listdir("/proc/self/task")]

@@ -78,10 +78,11 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def _pin(args: argparse.Namespace) -> None:
-    """Pin this worker process to its --cpu-affinity CPUs (checked first), before it starts any thread."""
+    """Pin this worker process to its --cpu-affinity CPUs (checked first), before it starts any thread; one that
+    borrows --borrow-cpus loads torch on both first (pdserve.affinity.pin_process)."""
     cpus = cli_args.cpu_affinity(args)
     if cpus is not None:
-        pin_process(cpus)
+        pin_process(cpus, borrowed=args.borrow_cpus)
         logging.getLogger(__name__).info("pinned to CPUs %s", format_cpu_list(cpus))
 
 

@@ -204,6 +204,12 @@ def _add_worker_args(p: argparse.ArgumentParser, cls: type) -> None:
     g.add_argument("--cpu-affinity", type=_cpu_list, default=None, metavar="CPUS",
                    help="run this process (every thread) only on these CPUs, e.g. 0-3 or 0,2; --threads then "
                         "defaults to their number and must equal it (default: not pinned)")
+    c = p.add_argument_group("cpu lending (what `pdserve up --lend-idle-cpus` sets; engine.cpu_share)")
+    _arg(c, cls, "busy_lock", "hold an exclusive lock on this file while the engine has work, so that a worker "
+         "started with --borrow-lock FILE steps on this worker's CPUs only while it is idle", metavar="FILE")
+    _arg(c, cls, "borrow_cpus", "another worker's CPUs this worker also steps on, a step at a time, while that "
+         "worker is idle, with --borrow-lock", type=_cpu_list, metavar="CPUS")
+    _arg(c, cls, "borrow_lock", "the --busy-lock file of the worker whose CPUs --borrow-cpus names", metavar="FILE")
     add_engine_args(p)
 
 
@@ -348,7 +354,7 @@ def cpu_affinity(args: argparse.Namespace) -> tuple[int, ...] | None:
 
 
 def _check_borrow_cpus(args: argparse.Namespace) -> None:
-    """A prefill worker's --borrow-cpus: CPUs this process may use, none of them its own --cpu-affinity ones."""
+    """A worker's --borrow-cpus: CPUs this process may use, none of them its own --cpu-affinity ones."""
     borrow = getattr(args, "borrow_cpus", ())
     if not borrow:
         return
@@ -434,9 +440,9 @@ def build_parser(description: str = "", extra_commands: Sequence[AddCommand] = (
     _arg(g, L, "num_cpus", "CPUs divided among the workers when --threads is not given (default: all)", type=int)
     _arg(g, L, "pin_workers", "pin each worker to CPUs of its own (--cpu-affinity), in slices of its thread "
          "share, prefill workers first; the gateway and Redis are not pinned", action="store_true")
-    _arg(g, L, "lend_idle_cpus", "with --pin-workers: prefill worker i also steps on decode worker i's CPUs while "
-         "that worker is idle, a step at a time (--borrow-cpus / --busy-lock); decode steps never wait for it",
-         action="store_true")
+    _arg(g, L, "lend_idle_cpus", "with --pin-workers: prefill worker i and decode worker i each also step on the "
+         "other's CPUs while the other is idle, a step at a time (--borrow-cpus / --busy-lock); neither waits for "
+         "the other", action="store_true")
     _arg(g, L, "start_timeout_s", "seconds the whole start may take", type=float)
     _arg(g, L, "stop_timeout_s", "seconds each stop stage waits before SIGKILL", type=float)
     _arg(g, L, "restart_workers", "restart a worker process that exits (same id, port and flags, with a backoff); "
@@ -489,12 +495,6 @@ def build_parser(description: str = "", extra_commands: Sequence[AddCommand] = (
     g.add_argument("--decode-endpoint", dest="decode_endpoints", action="append", default=[], metavar="HOST:PORT",
                    help="a decode worker this worker may push KV to when it runs without --redis-url "
                         "(repeatable; with --redis-url only the index's live decode workers)")
-    g = prefill.add_argument_group("cpus")
-    _arg(g, PrefillWorkerConfig, "borrow_cpus", "a decode worker's CPUs this worker also steps on, a step at a "
-         "time, while that worker is idle, with --borrow-lock (what `pdserve up --lend-idle-cpus` sets)",
-         type=_cpu_list, metavar="CPUS")
-    _arg(g, PrefillWorkerConfig, "borrow_lock", "the --busy-lock file of the decode worker whose CPUs "
-         "--borrow-cpus names", metavar="FILE")
     prefill.add_argument("--fault-corrupt-transfers", dest="fault_corrupt_transfers", type=int,  # tests only
                          default=_default(PrefillWorkerConfig, "fault_corrupt_transfers"), help=argparse.SUPPRESS)
 
@@ -507,8 +507,6 @@ def build_parser(description: str = "", extra_commands: Sequence[AddCommand] = (
     _arg(g, DecodeWorkerConfig, "verify_kv", "compare received KV with a recomputation before decoding on it: "
          "off, sample (layer 0 of a few random blocks) or full (every layer; prefills the prompt again here)",
          choices=VERIFY_KV_MODES)
-    _arg(g, DecodeWorkerConfig, "busy_lock", "hold an exclusive lock on this file while the engine has work, so "
-         "that a prefill worker started with --borrow-lock FILE steps on this worker's CPUs only while it is idle", metavar="FILE")
 
     gen = sub.add_parser("generate", help="complete a raw prompt through a gateway, streaming the text")
     gen.add_argument("prompt")

@@ -51,8 +51,8 @@ class LocalClusterConfig:
     process may run on, in consecutive slices of each worker's thread count, prefill workers first. Off: workers
     float over every CPU (the kernel's scheduler places their threads)."""
     lend_idle_cpus: bool = False
-    """With pin_workers: prefill worker i also steps on decode worker i's CPUs (i < num_decode) while that worker's
-    engine is idle, a step at a time (engine.cpu_share); a decode step never waits for it."""
+    """With pin_workers: prefill worker i and decode worker i (i < min(num_prefill, num_decode)) each also step on
+    the other's CPUs while the other's engine is idle, a step at a time (engine.cpu_share); neither waits."""
     start_timeout_s: float = 600.0
     """Bound on the whole start (loading the model included)."""
     stop_timeout_s: float = 20.0

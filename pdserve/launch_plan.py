@@ -97,19 +97,20 @@ def worker_argv(role: str, worker_id: str, port: int, config: LocalClusterConfig
 def lending_flags(config: LocalClusterConfig, roles: list[str], worker_ids: list[str],
                   cpus: list[tuple[int, ...] | None], run_dir: Path) -> list[list[str]]:
     """Each worker's CPU-lending flags (`roles`, `worker_ids`, `cpus` in start order; engine.cpu_share): with
-    config.lend_idle_cpus, decode worker i holds a busy lock in `run_dir` and prefill worker i borrows its CPUs
-    (those without a partner get none); else none."""
+    config.lend_idle_cpus, prefill worker i and decode worker i each hold a busy lock in `run_dir` and borrow the
+    other's CPUs (workers without a partner get none); else none."""
     flags: list[list[str]] = [[] for _ in roles]
     if not config.lend_idle_cpus:
         return flags
     prefill = [i for i, role in enumerate(roles) if role == "prefill"]
     decode = [i for i, role in enumerate(roles) if role == "decode"]
     for p, d in zip(prefill, decode):
-        if cpus[d] is None:
+        if cpus[d] is None or cpus[p] is None:
             raise ClusterError("--lend-idle-cpus lends pinned CPUs: it needs --pin-workers")
-        lock = str(run_dir / f"{worker_ids[d]}.busy")
-        flags[d] = ["--busy-lock", lock]
-        flags[p] = ["--borrow-cpus", format_cpu_list(cpus[d]), "--borrow-lock", lock]
+        locks = {i: str(run_dir / f"{worker_ids[i]}.busy") for i in (p, d)}
+        for me, partner in ((p, d), (d, p)):
+            flags[me] = ["--busy-lock", locks[me], "--borrow-cpus", format_cpu_list(cpus[partner]),
+                         "--borrow-lock", locks[partner]]
     return flags
 
 

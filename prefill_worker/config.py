@@ -51,6 +51,9 @@ class PrefillWorkerConfig:
     thread per CPU; with borrow_lock. Empty: only its own CPUs."""
     borrow_lock: str | None = None
     """That decode worker's busy_lock file."""
+    busy_lock: str | None = None
+    """A file this worker holds an exclusive flock on while its engine has work, so that a decode worker
+    borrowing its CPUs (DecodeWorkerConfig.borrow_lock) steps on them only while it is idle. None: no lock."""
     fault_corrupt_transfers: int = 0
     """Fault injection for tests: flip a byte in the first data chunk of this many transfers, after their
     digests were computed, so the receiver must reject them. 0 in production."""

@@ -13,7 +13,6 @@ import logging
 import os
 
 from engine.config import EngineConfig
-from engine.cpu_share import CpuBorrower
 from engine.engine_loop import EngineLoop, build_engine
 from engine.llm_engine import LLMEngine
 from kvstore.shm import remove_orphaned_segments
@@ -23,7 +22,7 @@ from prefill_worker.service import PrefillWorkerServicer
 from prefill_worker.worker import PrefillWorker
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from protos.service_runtime import (Registration, WorkerHandle, WorkerServer, log_internal_security,
-                                    wait_for_termination)
+                                    share_cpus, wait_for_termination)
 from protos.worker_metrics import WorkerMetrics, model_name, serve_metrics
 
 log = logging.getLogger(__name__)
@@ -52,14 +51,7 @@ def start_server(config: PrefillWorkerConfig, engine_config: EngineConfig,
     server.add(worker_pb2_grpc.add_PrefillWorkerServicer_to_server,
                PrefillWorkerServicer(worker, config.worker_id, epoch),
                worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name, refused_when_draining=["Prefill"])
-    closers: tuple = (worker.close,)
-    if config.borrow_cpus:  # a decode worker's CPUs, stepped on while it is idle (engine.cpu_share)
-        borrower = CpuBorrower(config.borrow_lock, sorted(os.sched_getaffinity(0)), config.borrow_cpus)
-        loop.set_activity_hook(borrower.activity)
-        metrics.count_steps_by_cpus(borrower.steps)
-        closers += (borrower.close,)
-        log.info("stepping on CPUs %s too while the decode worker of %s is idle",
-                 ",".join(map(str, config.borrow_cpus)), config.borrow_lock)
+    closers = (worker.close, *share_cpus(loop, metrics, config, log))
     loop.start()
     server.start()
     registration.start()

@@ -16,12 +16,16 @@ end to observers (protos.worker_metrics) and, once draining, answers the methods
 (Reserve, Prefill) UNAVAILABLE. WorkerHandle.stop is the drain: NOT_SERVING and the gate closed, deregister,
 wait (up to the drain timeout) until the engine holds no request, stop the loop (what is left gets LoopStopped:
 UNAVAILABLE), stop the servers.
+
+CPU lending (`share_cpus`): a pinned worker holds a busy lock while its engine has work and may step on its
+partner's CPUs while the partner's lock is free (engine.cpu_share; `pdserve up --pin-workers --lend-idle-cpus`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 import time
@@ -33,6 +37,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine.cpu_share import CpuShare
 from engine.engine_loop import EngineLoop, LoopStopped, set_thread_torch_threads
 from engine.errors import (InvalidRequestError, OverloadedError, PermissionDeniedError, PreconditionError,
                            RequestAborted, RequestFailedError)
@@ -260,6 +265,21 @@ def log_internal_security(log: logging.Logger, what: str, tls: TlsFiles | None, 
 
 SIGNAL_POLL_S = 0.2
 """How often the main thread wakes to run signal handlers (wait_for_termination)."""
+
+
+def share_cpus(loop: EngineLoop, metrics, config, log: logging.Logger) -> tuple[Callable[[], None], ...]:
+    """Lend this worker's CPUs while its engine is idle (`config.busy_lock`) and step on its partner's while that
+    one is idle (`config.borrow_cpus`, `config.borrow_lock`): engine.cpu_share on `loop`'s activity hook, the
+    borrowed steps counted by `metrics` (protos.worker_metrics). Returns the closers for WorkerHandle."""
+    if not config.busy_lock and not config.borrow_cpus:
+        return ()
+    share = CpuShare(config.busy_lock, sorted(os.sched_getaffinity(0)), config.borrow_cpus, config.borrow_lock)
+    loop.set_activity_hook(share.activity)
+    if share.steps is not None:
+        metrics.count_steps_by_cpus(share.steps)
+        log.info("stepping on CPUs %s too while the worker holding %s is idle",
+                 ",".join(map(str, config.borrow_cpus)), config.borrow_lock)
+    return (share.close,)
 
 
 def wait_for_termination(on_stop: Callable[[], None]) -> None:

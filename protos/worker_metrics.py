@@ -18,9 +18,9 @@ Fed from the engine loop after each step that ran the model (EngineLoop.add_step
     pdserve_prompt_tokens_total           prompt tokens computed, prefix-cache hits excluded (rate() = prefill
                                           tokens/s)
     pdserve_request_queue_time_seconds    histogram: queued (or joined the batch from a reservation) -> first step
-Read at each scrape from a prefill worker's CpuBorrower (engine.cpu_share), when it borrows a decode worker's CPUs:
+Read at each scrape from a worker's CpuShare (engine.cpu_share), when it borrows another worker's CPUs:
     pdserve_engine_steps_by_cpus_total{cpus}   steps run on its own CPUs ("own") or on its own plus the idle
-                                               decode worker's ("borrowed")
+                                               other worker's ("borrowed")
 Fed from the service edge:
     pdserve_kv_transfer_bytes_total{transport}    KV payload bytes sent (prefill: per Prefill answered) or received
     pdserve_kv_transfer_seconds_total{transport}  (decode: per committed transfer), and the time they took;
@@ -126,7 +126,7 @@ class _StepsByCpusCollector(Collector):
 
     def collect(self):
         family = CounterMetricFamily("pdserve_engine_steps_by_cpus", "Engine steps run on the worker's own CPUs "
-                                     "or on its own plus a decode worker's idle ones", labels=[*LABELS, "cpus"])
+                                     "or on its own plus another worker's idle ones", labels=[*LABELS, "cpus"])
         for cpus, count in list(self._steps.items()):
             family.add_metric([*self._label_values, cpus], count)
         yield family
@@ -163,7 +163,7 @@ class WorkerMetrics:
             failures.labels(*values, reason)
 
     def count_steps_by_cpus(self, steps: Mapping[str, int]) -> None:
-        """Serve `steps` (CpuBorrower.steps: "own" / "borrowed" -> steps) as pdserve_engine_steps_by_cpus_total."""
+        """Serve `steps` (CpuShare.steps: "own" / "borrowed" -> steps) as pdserve_engine_steps_by_cpus_total."""
         self.registry.register(_StepsByCpusCollector(self._values, steps))
 
     # --- engine loop thread -------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from pdserve.bench.suite import SuiteResults
 
 PEERS = ("llama-server", "transformers")
-PDSERVE = ("pdserve-engine", "pdserve-engine-int8", "pdserve-engine-int4", "pdserve-engine-native", "pdserve-1p1d")
+PDSERVE = ("pdserve-engine", "pdserve-engine-int8", "pdserve-engine-int4", "pdserve-engine-native", "pdserve-1p1d",
+           "pdserve-1p1d-lend")
 
 
 def _f(value: float | None, digits: int = 1) -> str:

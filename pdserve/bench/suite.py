@@ -18,9 +18,9 @@ Systems (each gets the same `threads`; the disaggregated shapes divide them amon
                           (goodput_long_prefill_token_threshold) so that short prompts and decodes share every step
     pdserve-1p1d-pinned   1 prefill + 1 decode, the cores split between them, each pinned to its own; short
                           prompts prefilled on the decode worker (goodput_local_prefill_threshold)
-    pdserve-1p1d-lend     the same, and the prefill worker also steps on the decode worker's cores while that
-                          worker is idle (LocalClusterConfig.lend_idle_cpus), its steps at most
-                          goodput_lend_batched_tokens tokens
+    pdserve-1p1d-lend     the same, and each worker also steps on the other's cores while the other is idle
+                          (LocalClusterConfig.lend_idle_cpus), the prefill worker's steps at most
+                          goodput_lend_batched_tokens tokens; in the batch1 and streams scenarios too
 
 Scenarios (prompts are random token ids wrapped in the model's chat template, rendered once here; greedy,
 EOS ignored, exactly max_tokens generated):
@@ -268,11 +268,11 @@ def build_scenarios(cfg: SuiteConfig, fmt: PromptFormat, token_range: tuple[int,
         Scenario("batch1", "1 stream",
                  random_workload(cfg.batch1_requests, cfg.input_len, cfg.output_len, seed=cfg.seed, **kw),
                  RunConfig(max_concurrency=1, progress=progress),
-                 pick(LLAMA_SERVER, TRANSFORMERS, *ENGINES, ONE_P_ONE_D)),
+                 pick(LLAMA_SERVER, TRANSFORMERS, *ENGINES, ONE_P_ONE_D, ONE_P_ONE_D_LEND)),
         Scenario("streams", f"{cfg.streams} concurrent streams",
                  random_workload(cfg.streams_requests, cfg.input_len, cfg.output_len, seed=cfg.seed + 1, **kw),
                  RunConfig(max_concurrency=cfg.streams, progress=progress),
-                 pick(LLAMA_SERVER, TRANSFORMERS, *ENGINES, ONE_P_ONE_D)),
+                 pick(LLAMA_SERVER, TRANSFORMERS, *ENGINES, ONE_P_ONE_D, ONE_P_ONE_D_LEND)),
     ]
     pairs = shared_prefix_workload(cfg.prefix_trials, 2, cfg.prefix_len, 16, 4, seed=cfg.seed + 2, **kw)
     ordered = sorted(pairs.requests, key=lambda r: (r.group_id, r.request_id))

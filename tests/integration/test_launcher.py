@@ -264,7 +264,7 @@ def test_a_killed_redis_and_a_killed_worker_come_back_and_the_cluster_answers(de
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="lending needs two CPUs")
-def test_lend_idle_cpus_lets_the_prefill_worker_step_on_the_idle_decode_workers_cpu(default_model_path, tmp_path):
+def test_lend_idle_cpus_lets_each_worker_step_on_the_others_cpu_while_it_idles(default_model_path, tmp_path):
     first, second = sorted(os.sched_getaffinity(0))[:2]
     config = LocalClusterConfig(port=0, http_port=-1, num_cpus=2, pin_workers=True, lend_idle_cpus=True,
                                 gateway_args=("--local-prefill-threshold", "0"), run_dir=str(tmp_path),
@@ -276,11 +276,12 @@ def test_lend_idle_cpus_lets_the_prefill_worker_step_on_the_idle_decode_workers_
             pid = cluster.pids[worker]
             return {tuple(sorted(os.sched_getaffinity(int(tid)))) for tid in os.listdir(f"/proc/{pid}/task")}
 
-        # the prefill ran while the decode worker had nothing to do: its step was on both CPUs (the loop thread
-        # and the OpenMP thread it started keep that mask); the decode worker never leaves its own CPU
+        # the prefill ran while the decode worker had nothing to do, and the decode while the prefill worker had
+        # nothing to do: each stepped on both CPUs (its loop thread and the OpenMP thread it started keep that
+        # mask); the rest of each process stays on its own CPU
         assert masks("prefill-0") == {(first,), (first, second)}
-        assert masks("decode-0") == {(second,)}
-        assert (tmp_path / "decode-0.busy").exists()
+        assert masks("decode-0") == {(second,), (first, second)}
+        assert (tmp_path / "decode-0.busy").exists() and (tmp_path / "prefill-0.busy").exists()
     assert_all_stopped(cluster)
 
 

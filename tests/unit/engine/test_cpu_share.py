@@ -1,5 +1,5 @@
-"""A decode worker's idle CPUs lent to a prefill worker (engine.cpu_share): the lock, the borrower's choice of CPUs
-and threads a step, and the engine loop's activity hook that drives both."""
+"""Pinned workers lending each other their idle CPUs (engine.cpu_share): the lock, the borrower's choice of CPUs
+and threads a step, a worker that lends and borrows at once, and the engine loop's activity hook that drives them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cpu_share import BusyLock, CpuBorrower
+from engine.cpu_share import BusyLock, CpuBorrower, CpuShare
 from engine.engine_loop import EngineLoop
 from engine.sampling_params import SamplingParams
 from tiny_model import tiny_engine
@@ -69,6 +69,58 @@ def test_the_borrower_steps_on_the_lent_cpus_only_while_no_decode_worker_holds_t
     both, alone = [sorted(own + lent), 2], [own, 1]
     assert result["seen"] == [both, alone, alone, both, alone, both, both]
     assert result["steps"] == {"own": 3, "borrowed": 4}
+
+
+# Both ways: this process's CpuShare lends (mine) and borrows (partner's); the partner side is played by a BusyLock
+# and a CpuBorrower on other open files of the same locks (flock conflicts between open files as between processes).
+BOTH_WAYS = """
+import json, os, threading, torch
+from engine.cpu_share import BusyLock, CpuBorrower, CpuShare
+own, lent, mine, partner = {own}, {lent}, {mine!r}, {partner!r}
+seen = []
+
+def run():
+    share = CpuShare(mine, own, lent, partner)
+    partner_busy, partner_borrower = BusyLock(partner), CpuBorrower(mine, lent, own)
+    def step():
+        share.activity(True)
+        seen.append([sorted(os.sched_getaffinity(0)), torch.get_num_threads(), partner_borrower.lender_idle()])
+    step()                                  # the partner idles: borrowed; mine is held before the partner tests it
+    partner_busy.activity(True)
+    step()                                  # the partner works: own CPUs only
+    share.activity(False)
+    seen.append(partner_borrower.lender_idle())   # idle: the partner may borrow mine
+    partner_busy.activity(False)
+    step()
+    share.close()
+    seen.append(partner_borrower.lender_idle())   # closed: lent for good
+    print(json.dumps({{"seen": seen, "steps": share.steps}}))
+
+thread = threading.Thread(target=run); thread.start(); thread.join()
+"""
+
+
+@two_cpus
+def test_a_worker_that_lends_and_borrows_holds_its_own_lock_while_it_steps_on_either(tmp_path):
+    own, lent = [CPUS[0]], [CPUS[1]]
+    code = BOTH_WAYS.format(own=own, lent=lent, mine=str(tmp_path / "decode-0.busy"),
+                            partner=str(tmp_path / "prefill-0.busy"))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    both, alone = [sorted(own + lent), 2, False], [own, 1, False]
+    assert result["seen"] == [both, alone, True, both, True]
+    assert result["steps"] == {"own": 1, "borrowed": 2}
+
+
+def test_a_share_that_only_lends_counts_no_steps_and_borrowing_needs_both_settings(tmp_path):
+    share = CpuShare(str(tmp_path / "decode-0.busy"))
+    assert share.steps is None
+    share.activity(True)
+    share.close()
+    with pytest.raises(ValueError, match="borrow_cpus and borrow_lock go together"):
+        CpuShare(None, [0], [1], None)
 
 
 def test_a_borrower_needs_cpus_of_its_own_and_others_to_borrow(tmp_path):

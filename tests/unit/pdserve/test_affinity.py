@@ -13,8 +13,10 @@ import pytest
 
 from engine.config import EngineConfig
 from decode_worker.config import DecodeWorkerConfig
+from prefill_worker.config import PrefillWorkerConfig
 from pdserve import cli, cli_args
-from pdserve.affinity import allowed_cpus, format_cpu_list, parse_cpu_list, split_cpus
+from pdserve.affinity import (BORROWING_SPIN_COUNT, allowed_cpus, format_cpu_list, parse_cpu_list,
+                              split_cpus)
 from pdserve.cluster_config import LocalClusterConfig
 from pdserve.launch_plan import ClusterError, lending_flags, worker_argv, worker_cpus
 
@@ -80,6 +82,52 @@ def test_pin_process_moves_threads_started_before_it_and_after_it():
     assert out.strip() == f"[({cpu},)]"
 
 
+# Pinned to one CPU, then stepping on two with two torch threads, as a borrowing worker does (engine.cpu_share):
+# the count of times torch's OpenMP threads went to sleep in the kernel over 200 parallel ops.
+SLEEPS = """
+import os, sys, threading
+from pdserve.affinity import pin_process
+own, lent = {own}, {lent}
+pin_process(own, borrowed=lent if sys.argv[1] == "borrowed" else ())
+import torch
+def run():
+    os.sched_setaffinity(0, own + lent)
+    torch.set_num_threads(2); torch.get_num_threads(); torch.set_num_threads(2)
+    a = torch.ones(1 << 20); out = torch.empty_like(a)
+    torch.add(a, a, out=out)  # starts the OpenMP team
+    me = str(threading.get_native_id())
+    team = [t for t in os.listdir("/proc/self/task") if t not in (me, str(os.getpid()))]
+    def sleeps():
+        return sum(int(line.split()[1]) for t in team for line in open(f"/proc/self/task/{{t}}/status")
+                   if line.startswith("voluntary_ctxt_switches"))
+    before = sleeps()
+    for _ in range(200):
+        torch.add(a, a, out=out)
+    print(sorted(os.sched_getaffinity(os.getpid())), os.environ.get("GOMP_SPINCOUNT"), sleeps() - before)
+thread = threading.Thread(target=run); thread.start(); thread.join()
+"""
+
+
+@pytest.mark.skipif(len(allowed_cpus()) < 2, reason="borrowing needs two CPUs")
+def test_a_borrowing_process_loads_libgomp_on_both_cpus_so_its_threads_spin_between_parallel_ops():
+    own, lent = [allowed_cpus()[0]], [allowed_cpus()[1]]
+
+    def run(mode: str, **env: str) -> list[str]:
+        base = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+        out = subprocess.run([sys.executable, "-c", SLEEPS.format(own=own, lent=lent), mode], capture_output=True,
+                             text=True, timeout=120, check=True, cwd=ROOT,
+                             env={**base, "PYTHONPATH": str(ROOT), **env}).stdout
+        return out.split()
+
+    plain, borrowed = run("plain"), run("borrowed")
+    assert plain[:2] == [f"[{own[0]}]", "None"]
+    assert borrowed[:2] == [f"[{own[0]}]", BORROWING_SPIN_COUNT]
+    # libgomp loaded on one CPU throttles a two-thread team: it sleeps after every op (one futex wake-up each)
+    assert int(plain[2]) >= 100
+    assert int(borrowed[2]) * 4 < int(plain[2])
+    assert run("borrowed", GOMP_SPINCOUNT="7")[1] == "7"   # the user's own setting stays
+
+
 def test_up_pin_workers_slices_the_cpus_in_start_order_and_passes_them_on():
     config = LocalClusterConfig(pin_workers=True, num_cpus=4, engine=EngineConfig(model="default"))
     assert worker_cpus(config, [2, 2], (0, 1, 2, 3, 4, 5)) == [(0, 1), (2, 3)]
@@ -94,17 +142,23 @@ def test_up_pin_workers_slices_the_cpus_in_start_order_and_passes_them_on():
     assert cli_args.cluster_config(cli_args.parse_args(["up", "--pin-workers"])).pin_workers
 
 
-def test_lend_idle_cpus_pairs_each_prefill_worker_with_a_decode_workers_cpus_and_lock(tmp_path):
+def test_lend_idle_cpus_pairs_each_prefill_worker_with_a_decode_worker_both_ways(tmp_path, monkeypatch):
+    monkeypatch.setattr(cli_args, "allowed_cpus", lambda: tuple(range(4)))  # --borrow-cpus must exist here
     config = LocalClusterConfig(pin_workers=True, lend_idle_cpus=True, num_prefill=2, num_decode=1,
                                 engine=EngineConfig(model="default"))
     roles, ids = ["prefill", "prefill", "decode"], ["prefill-0", "prefill-1", "decode-0"]
     flags = lending_flags(config, roles, ids, [(0,), (1,), (2, 3)], tmp_path)
-    lock = str(tmp_path / "decode-0.busy")
-    assert flags == [["--borrow-cpus", "2-3", "--borrow-lock", lock], [], ["--busy-lock", lock]]
+    p_lock, d_lock = str(tmp_path / "prefill-0.busy"), str(tmp_path / "decode-0.busy")
+    assert flags == [["--busy-lock", p_lock, "--borrow-cpus", "2-3", "--borrow-lock", d_lock], [],
+                     ["--busy-lock", d_lock, "--borrow-cpus", "0", "--borrow-lock", p_lock]]
     prefill = cli_args.parse_args(worker_argv("prefill", "prefill-0", 4100, config, 1, None, (0,)) + flags[0])
     decode = cli_args.parse_args(worker_argv("decode", "decode-0", 4101, config, 2, None, (2, 3)) + flags[2])
-    assert (prefill.borrow_cpus, prefill.borrow_lock, prefill.cpu_affinity) == ((2, 3), lock, (0,))
-    assert cli_args.worker_config(DecodeWorkerConfig, "decode", decode).busy_lock == lock
+    p_config = cli_args.worker_config(PrefillWorkerConfig, "prefill", prefill)
+    d_config = cli_args.worker_config(DecodeWorkerConfig, "decode", decode)
+    assert (p_config.busy_lock, p_config.borrow_cpus, p_config.borrow_lock, prefill.cpu_affinity) == \
+        (p_lock, (2, 3), d_lock, (0,))
+    assert (d_config.busy_lock, d_config.borrow_cpus, d_config.borrow_lock, decode.cpu_affinity) == \
+        (d_lock, (0,), p_lock, (2, 3))
     plain = dataclasses.replace(config, lend_idle_cpus=False)
     assert lending_flags(plain, roles, ids, [(0,), (1,), (2, 3)], tmp_path) == [[], [], []]
     assert cli_args.cluster_config(cli_args.parse_args(["up", "--pin-workers", "--lend-idle-cpus"])).lend_idle_cpus
@@ -121,8 +175,9 @@ def test_lend_idle_cpus_without_pinned_workers_exits_2_naming_the_flag(capsys):
      "argument --borrow-cpus: CPU(s) 0 are this worker's own"),
     (["--cpu-affinity", "0", "--borrow-cpus", "4096", "--borrow-lock", "x"],
      "argument --borrow-cpus: CPU(s) 4096 not available to this process"),
-    (["--borrow-lock", "x"], "argument --borrow-cpus: PrefillWorkerConfig.borrow_cpus and borrow_lock go together"),
+    (["--borrow-lock", "x"], "argument --borrow-cpus: {config}.borrow_cpus and borrow_lock go together"),
 ])
-def test_bad_borrowing_exits_2_naming_the_flag_before_anything_starts(extra, message, capsys):
-    assert cli.main(["prefill-worker", *INSECURE, *extra]) == 2
-    assert capsys.readouterr().err.startswith(f"pdserve: error: {message}")
+@pytest.mark.parametrize("role, config", [("prefill", "PrefillWorkerConfig"), ("decode", "DecodeWorkerConfig")])
+def test_bad_borrowing_exits_2_naming_the_flag_before_anything_starts(extra, message, role, config, capsys):
+    assert cli.main([f"{role}-worker", *INSECURE, *extra]) == 2
+    assert capsys.readouterr().err.startswith(f"pdserve: error: {message.format(config=config)}")

@@ -80,11 +80,12 @@ def test_gateway_defaults_are_the_dataclass_defaults():
 
 def test_prefill_worker_flags_map_onto_worker_and_engine_configs(monkeypatch):
     monkeypatch.setattr(cli_args, "allowed_cpus", lambda: tuple(range(8)))  # --borrow-cpus must exist here
-    args = parse("prefill-worker", "--cpu-affinity", "0", "--borrow-cpus", "6-7", "--borrow-lock", "/run/d.busy", "--worker-id", "p7", "--host", "0.0.0.0", "--port", "7001", "--advertise-host",
-                 "p7.svc", "--redis-url", "redis://r:1/0", "--worker-ttl", "4", "--transport", "grpc", "--codec",
-                 "int8", "--chunk-bytes", "1M", "--shm-pool-bytes", "256M", "--fault-corrupt-transfers", "2", *TLS_FLAGS,
-                 "--decode-endpoint",
-                 "d:1", "--decode-endpoint", "d:2", "--health-port", "8081", "--metrics-port", "9090",
+    args = parse("prefill-worker", "--cpu-affinity", "0", "--borrow-cpus", "6-7", "--borrow-lock", "/run/d.busy",
+                 "--busy-lock", "/run/p.busy", "--worker-id", "p7", "--host", "0.0.0.0", "--port", "7001",
+                 "--advertise-host", "p7.svc", "--redis-url", "redis://r:1/0", "--worker-ttl", "4", "--transport",
+                 "grpc", "--codec", "int8", "--chunk-bytes", "1M", "--shm-pool-bytes", "256M",
+                 "--fault-corrupt-transfers", "2", *TLS_FLAGS, "--decode-endpoint", "d:1", "--decode-endpoint", "d:2",
+                 "--health-port", "8081", "--metrics-port", "9090",
                  "--drain-timeout", "7", *ENGINE_FLAGS)
     config = cli_args.worker_config(PrefillWorkerConfig, "prefill", args)
     assert config == PrefillWorkerConfig(worker_id="p7", redis_url="redis://r:1/0", host="0.0.0.0", port=7001,
@@ -94,14 +95,16 @@ def test_prefill_worker_flags_map_onto_worker_and_engine_configs(monkeypatch):
                                          cluster_ca="/pki/ca.pem", cluster_cert="/pki/w.pem",
                                          cluster_key="/pki/w-key.pem", decode_endpoints=("d:1", "d:2"),
                                          health_port=8081, metrics_port=9090, drain_timeout_s=7.0,
-                                         borrow_cpus=(6, 7), borrow_lock="/run/d.busy")
+                                         borrow_cpus=(6, 7), borrow_lock="/run/d.busy", busy_lock="/run/p.busy")
     assert_every_field_differs_from_default(dataclasses.replace(config, worker_id="x"), exclusive=["insecure_internal"])
     assert cli_args.engine_config(args) == ENGINE
     assert_every_field_differs_from_default(ENGINE)
 
 
-def test_decode_worker_flags_map_onto_worker_and_engine_configs():
-    args = parse("decode-worker", "--worker-id", "d1", "--host", "0.0.0.0", "--port", "7002", "--advertise-host",
+def test_decode_worker_flags_map_onto_worker_and_engine_configs(monkeypatch):
+    monkeypatch.setattr(cli_args, "allowed_cpus", lambda: tuple(range(8)))  # --borrow-cpus must exist here
+    args = parse("decode-worker", "--cpu-affinity", "1", "--borrow-cpus", "0", "--borrow-lock", "/run/p.busy",
+                 "--worker-id", "d1", "--host", "0.0.0.0", "--port", "7002", "--advertise-host",
                  "d1.svc", "--redis-url", "redis://r:1/0", "--worker-ttl", "5", "--max-lease-ms", "900",
                  *TLS_FLAGS, "--verify-kv", "sample", "--max-reserved-fraction-per-caller", "0.25",
                  "--health-port", "8081", "--metrics-port", "9090", "--drain-timeout", "7", "--busy-lock",
@@ -112,7 +115,8 @@ def test_decode_worker_flags_map_onto_worker_and_engine_configs():
                                         cluster_ca="/pki/ca.pem", cluster_cert="/pki/w.pem",
                                         cluster_key="/pki/w-key.pem", verify_kv="sample",
                                         max_reserved_fraction_per_caller=0.25, health_port=8081, metrics_port=9090,
-                                        drain_timeout_s=7.0, busy_lock="/run/d.busy")
+                                        drain_timeout_s=7.0, busy_lock="/run/d.busy", borrow_cpus=(0,),
+                                        borrow_lock="/run/p.busy")
     assert_every_field_differs_from_default(dataclasses.replace(config, worker_id="x"), exclusive=["insecure_internal"])
     assert cli_args.engine_config(args) == ENGINE
 
