@@ -1,8 +1,8 @@
 """The cost of disaggregation on this machine: the cluster vs the offline engine, and what the gateway adds.
 
     python bench/bench_cluster.py [--prompts 12] [--prompt-len 256] [--out bench/results/cluster.md]
-    python bench/bench_cluster.py --tpot-vs-engine [--threads 1] [--rounds 7] [--new-tokens 64]
-                                  [--json bench/figures/1p1d-tpot/DATE-threadsN.json]
+    python bench/bench_cluster.py --tpot-vs-engine [--threads 1] [--lend] [--rounds 7] [--new-tokens 64]
+                                  [--json bench/figures/1p1d-tpot/DATE-threadsN[-lend].json]
 
 In one run, one request at a time (so the figures are latencies, not queueing), the same token-id prompts,
 greedy, EOS ignored, 32 new tokens:
@@ -27,6 +27,11 @@ ratios). Where the time goes: each request also records the CPU milliseconds per
 ("this process" is the client; engine, gateway, prefill-0, decode-0, redis)
 and how many CPUs other jobs kept busy meanwhile (pdserve.bench.cpumeter).
 
+With --lend the cluster is `pdserve up --pin-workers --lend-idle-cpus` on 2 x --threads CPUs: each worker pinned
+to --threads CPUs of its own and stepping on the other's while that one idles (engine.cpu_share), so a decode
+step between requests' prefills runs on all 2 x --threads; the engine then gets 2 x --threads threads, the
+CPUs the decode worker steps on.
+
 The workers are dialled as the cluster's gateway dials them (`worker_channel`): mutual TLS with the gateway's
 certificate of the run, or plaintext for a cluster started with insecure_internal.
 """
@@ -36,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import dataclasses
 import datetime
 import json
 import multiprocessing
@@ -296,26 +302,31 @@ async def interleave(backends: list[Backend], rounds: list[list[BenchRequest]],
     return [r[1:] for r in records]
 
 
-def tpot_vs_engine(model_path: Path, threads: int, num_rounds: int, prompt_len: int, new_tokens: int) -> dict:
+def tpot_vs_engine(model_path: Path, threads: int, num_rounds: int, prompt_len: int, new_tokens: int,
+                   lend: bool = False) -> dict:
     """Issue 16's 1P+1D batch-1 TPOT goal, per weights mode (module docstring). Returns the figures."""
     systems = (ENGINE, GATEWAY, DIRECT)
     prompts = iter(make_prompts(model_path, (num_rounds + 1) * len(systems) * len(WEIGHT_MODES), prompt_len))
     figures = {"meta": {"date": datetime.date.today().isoformat(), "machine": roofline.machine_info().to_dict(),
-                        "model": str(model_path), "threads": threads, "rounds": num_rounds,
+                        "model": str(model_path), "threads": threads, "lend": lend, "rounds": num_rounds,
                         "prompt_len": prompt_len, "new_tokens": new_tokens,
                         "openmp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_"))},
                         "command": f"python bench/bench_cluster.py --tpot-vs-engine --threads {threads} --rounds "
-                                   f"{num_rounds} --prompt-len {prompt_len} --new-tokens {new_tokens}"},
+                                   f"{num_rounds} --prompt-len {prompt_len} --new-tokens {new_tokens}"
+                                   + (" --lend" if lend else "")},
                "modes": {}}
     for mode, keep in WEIGHT_MODES.items():
         engine_config = EngineConfig(model=str(model_path), dtype="float32", num_threads=threads,
                                      kv_cache_memory=256 * 2**20, keep_quantized_weights=keep)
         cluster_config = LocalClusterConfig(num_prefill=1, num_decode=1, port=0, http_port=-1,
-                                            engine=engine_config, gateway_args=("--local-prefill-threshold", "0"))
+                                            engine=engine_config, gateway_args=("--local-prefill-threshold", "0"),
+                                            num_cpus=2 * threads if lend else None, pin_workers=lend,
+                                            lend_idle_cpus=lend)
         rounds = [[BenchRequest(f"{mode}-{i}-{j}", tuple(next(prompts)), new_tokens) for j in range(len(systems))]
                   for i in range(num_rounds + 1)]
         with LocalCluster(cluster_config) as cluster:
-            engine = EngineProcess(engine_config, name=ENGINE)
+            engine = EngineProcess(dataclasses.replace(engine_config, num_threads=2 * threads) if lend
+                                   else engine_config, name=ENGINE)
             try:
                 backends = [engine, PdserveBackend(cluster.gateway_target, name=GATEWAY),
                             DirectBackend(cluster.workers, cluster.tls_files.get("gateway"), name=DIRECT)]
@@ -347,8 +358,10 @@ def tpot_vs_engine(model_path: Path, threads: int, num_rounds: int, prompt_len: 
 
 def tpot_table(figures: dict) -> str:
     meta = figures["meta"]
-    title = (f"1P+1D batch-1 TPOT vs the one-process engine: {meta['machine']['cpu']}, {meta['threads']} decode "
-             f"thread(s), {meta['rounds']} rounds interleaved, {meta['prompt_len']}-token prompts, "
+    threads = (f"workers pinned to {meta['threads']} CPU(s) each and lending them both ways, the engine "
+               f"{2 * meta['threads']} threads" if meta.get("lend") else f"{meta['threads']} decode thread(s)")
+    title = (f"1P+1D batch-1 TPOT vs the one-process engine: {meta['machine']['cpu']}, {threads}, "
+             f"{meta['rounds']} rounds interleaved, {meta['prompt_len']}-token prompts, "
              f"{meta['new_tokens']} new tokens, load average {meta['machine']['load_average'][0]:.2f} at the start, "
              f"{meta['load_average_end'][0]:.2f} at the end"
              + "".join(f", {k}={v}" for k, v in meta.get("openmp_env", {}).items()))
@@ -375,6 +388,8 @@ def main() -> None:
                         help="measure 1P+1D batch-1 TPOT against the one-process engine instead (module docstring)")
     parser.add_argument("--threads", type=int, default=1, help="--tpot-vs-engine: threads of the engine and of "
                         "each worker")
+    parser.add_argument("--lend", action="store_true", help="--tpot-vs-engine: the workers pinned and lending each "
+                        "other their idle CPUs, the engine on both workers' CPUs (module docstring)")
     parser.add_argument("--rounds", type=int, default=7, help="--tpot-vs-engine: measured rounds (after one warm-up)")
     parser.add_argument("--new-tokens", type=int, default=64, help="--tpot-vs-engine: tokens per request")
     parser.add_argument("--json", default=None, help="--tpot-vs-engine: where the figures go (default "
@@ -383,9 +398,10 @@ def main() -> None:
 
     model_path = fetch_default_model()
     if args.tpot_vs_engine:
-        figures = tpot_vs_engine(model_path, args.threads, args.rounds, args.prompt_len, args.new_tokens)
+        figures = tpot_vs_engine(model_path, args.threads, args.rounds, args.prompt_len, args.new_tokens, args.lend)
         print(tpot_table(figures))
-        out = Path(args.json or f"bench/figures/1p1d-tpot/{figures['meta']['date']}-threads{args.threads}.json")
+        lend = "-lend" if args.lend else ""
+        out = Path(args.json or f"bench/figures/1p1d-tpot/{figures['meta']['date']}-threads{args.threads}{lend}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(figures, indent=1) + "\n")
         print(f"figures in {out}")
