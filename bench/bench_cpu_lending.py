@@ -1,6 +1,7 @@
 """A prefill worker beside a decode worker on two CPUs: prefill on its own CPU only, on both CPUs at the kernel's idle
 priority (SCHED_IDLE), or on its own CPU plus the decode worker's whenever that one is idle, a step at a time
-(engine.cpu_share, what `pdserve up --pin-workers --lend-idle-cpus` does).
+(engine.cpu_share: the prefill side of what `pdserve up --pin-workers --lend-idle-cpus` does; the decode side's
+figures come from the suite's pdserve-1p1d-lend and `bench/bench_cluster.py --tpot-vs-engine --lend`).
 
 Two processes stand for the workers, each an engine of the default model (float32 activations on the GGUF's codes,
 the workers' default) stepped on a thread of its own as an engine loop does:
@@ -13,7 +14,8 @@ the workers' default) stepped on a thread of its own as an engine loop does:
                sched-idle  both CPUs, two threads, every thread SCHED_IDLE (runs only where nothing else wants the CPU)
                borrow      its own CPU, and before each step engine.cpu_share.CpuBorrower widens the step to both CPUs
                            (two threads) while the decode process holds no lock; --max-num-batched-tokens bounds a
-                           step
+                           step; pinned as a borrowing worker is (pdserve.affinity.pin_process `borrowed=`: libgomp
+                           loaded on both CPUs, short spinning)
 The table: each mode's median prefill seconds, and the decode process's median step while the prefills ran against
 before they started (its own pace alone).
 
