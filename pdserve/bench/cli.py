@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
 WORKLOADS = ("random", "shared-prefix", "multi-turn")
@@ -37,6 +38,35 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _finite_positive_float(text: str) -> float:
+    """A finite number > 0."""
+    value = _positive_float(text)
+    if value == math.inf:
+        raise argparse.ArgumentTypeError(f"must be finite, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    """A number in [0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -45,6 +75,18 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _http_url(text: str) -> str:
+    """An http(s)://HOST[:PORT][/PATH] URL."""
+    try:
+        parts = urllib.parse.urlsplit(text)
+        port = parts.port  # ValueError on a port that is not a number in range
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not a URL: {text!r} ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
+        raise argparse.ArgumentTypeError(f"expected http(s)://HOST[:PORT], got {text!r}")
+    return text
 
 
 def _length_range(text: str) -> tuple[int, int]:
@@ -67,7 +109,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     target = p.add_argument_group("what to benchmark (one of)")
     what = target.add_mutually_exclusive_group(required=True)
     what.add_argument("--target", metavar="HOST:PORT", help="a pdserve gateway (gRPC)")
-    what.add_argument("--openai-url", metavar="URL", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8080 "
+    what.add_argument("--openai-url", type=_http_url, metavar="URL", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8080 "
                       "(streams /v1/completions with token-id prompts)")
     what.add_argument("--suite", choices=("cpu",), help="the side-by-side suite: llama-server, transformers and "
                       "pdserve in three shapes on this machine")
@@ -117,17 +159,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="run only these scenario families: batch1 streams prefix_cache shared_prefix sweep goodput "
                    "(default: all); systems none of them uses are not started")
     g = p.add_argument_group("suite: goodput, disaggregated vs colocated (defaults: pdserve.bench.suite.SuiteConfig)")
-    g.add_argument("--goodput-rates", nargs="+", type=_positive_float, default=None, metavar="R",
+    g.add_argument("--goodput-rates", nargs="+", type=_finite_positive_float, default=None, metavar="R",
                    help="Poisson rates (req/s); default 0.1 0.2 0.3 0.4")
     g.add_argument("--goodput-requests", type=_positive, default=None, metavar="N", help="requests per rate (24)")
     g.add_argument("--goodput-long-len", type=_length_range, default=None, metavar="LOW-HIGH",
                    help="long prompts' length range in tokens (1024-4096, the issue's); a slow or busy machine may "
                    "scale it down, e.g. 256-1024, and the report says which range ran")
-    g.add_argument("--goodput-long-fraction", type=float, default=None, metavar="F", help="share of long prompts "
+    g.add_argument("--goodput-long-fraction", type=_fraction, default=None, metavar="F", help="share of long prompts "
                    "(0.25)")
-    g.add_argument("--goodput-ttft-scale", type=_positive_float, default=None, metavar="K",
+    g.add_argument("--goodput-ttft-scale", type=_finite_positive_float, default=None, metavar="K",
                    help="TTFT SLO = K x the idle TTFT of the prompt's class (3)")
-    g.add_argument("--goodput-tpot-scale", type=_positive_float, default=None, metavar="K", help="TPOT SLO = K x idle TPOT (3)")
+    g.add_argument("--goodput-tpot-scale", type=_finite_positive_float, default=None, metavar="K", help="TPOT SLO = K x idle TPOT (3)")
     g.add_argument("--goodput-batched-tokens", type=_positive, default=None, metavar="N",
                    help="pdserve-colocated's chunked-prefill budget per step (default: the engine's)")
     g.add_argument("--goodput-long-prefill-token-threshold", type=_positive, default=None, metavar="N",
@@ -135,13 +177,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     g.add_argument("--goodput-slos-from", type=Path, default=None, metavar="RESULTS_JSON",
                    help="judge by the SLOs of an earlier run's results.json (same machine and flags) instead of "
                    "running pdserve-colocated's idle probe again, e.g. to add llama-server to a comparison")
-    g.add_argument("--goodput-local-prefill-threshold", type=int, default=None, metavar="N",
+    g.add_argument("--goodput-local-prefill-threshold", type=_non_negative, default=None, metavar="N",
                    help="pdserve-1p1d-pinned's and -lend's gateway --local-prefill-threshold (256: short turns "
                    "prefill on the decode worker)")
     g.add_argument("--goodput-lend-batched-tokens", type=_positive, default=None, metavar="N",
                    help="pdserve-1p1d-lend's --max-num-batched-tokens: bounds a prefill step on the decode worker's "
                    "borrowed cores (256)")
-    g.add_argument("--goodput-idle-offload-min-tokens", type=int, default=None, metavar="N",
+    g.add_argument("--goodput-idle-offload-min-tokens", type=_non_negative, default=None, metavar="N",
                    help="pdserve-1p1d-pinned's and -lend's gateway --idle-offload-min-tokens (default: the "
                    "gateway's; 0: short turns always prefill on the decode worker)")
     return p
@@ -243,7 +285,7 @@ def _run_one(args: argparse.Namespace) -> int:
     from pdserve.bench import plots
     from pdserve.bench.backends import OpenAIBackend, PdserveBackend
     from pdserve.bench.metrics import parse_slos
-    from pdserve.bench.runner import RunConfig, run, write_json
+    from pdserve.bench.runner import RunConfig, WarmupFailed, run, write_json
 
     try:
         slos = parse_slos(args.goodput)
@@ -259,7 +301,11 @@ def _run_one(args: argparse.Namespace) -> int:
     else:
         backend = OpenAIBackend(args.openai_url, model=args.served_model, extra_body=args.extra_body)
     label = args.label or f"{args.workload}-{'inf' if math.isinf(args.request_rate) else args.request_rate}"
-    result = run(backend, requests, config, label=label, slos_ms=slos)
+    try:
+        result = run(backend, requests, config, label=label, slos_ms=slos)
+    except WarmupFailed as exc:
+        _err(f"pdserve bench: error: {exc}")
+        return 1
     result.meta = {"target": args.target or args.openai_url, "workload": args.workload,
                    "argv": sys.argv[1:], "date": datetime.datetime.now().isoformat(timespec="seconds")}
     print(format_summary(result))

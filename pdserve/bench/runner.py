@@ -101,6 +101,10 @@ def arrival_offsets(num_units: int, request_rate: float, burstiness: float = 1.0
     return offsets
 
 
+class WarmupFailed(RuntimeError):
+    """The warm-up request failed (the server is unreachable, or refused it): no run was started."""
+
+
 async def run_async(backend: Backend, requests: Sequence[BenchRequest], config: RunConfig,
                     label: str = "", slos_ms: Mapping[str, float] | None = None) -> RunResult:
     """Send `requests` to a started backend; returns the records and their summary."""
@@ -111,7 +115,7 @@ async def run_async(backend: Backend, requests: Sequence[BenchRequest], config: 
     if config.warmup:
         warm = await backend.send(warmup_request(requests))
         if not warm.success:
-            raise RuntimeError(f"{label or backend.name}: the warm-up request failed: {warm.error}")
+            raise WarmupFailed(f"{label or backend.name}: the warm-up request failed: {warm.error}")
     units = sessions(requests)
     offsets = arrival_offsets(len(units), config.request_rate, config.burstiness, config.seed)
     limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None

@@ -218,11 +218,25 @@ class SuiteConfig:
         unknown = set(self.only) - set(FAMILIES)
         if unknown:
             raise ValueError(f"unknown scenario famil(ies) {sorted(unknown)}; known: {', '.join(FAMILIES)}")
-        if not all(rate > 0 for rate in self.goodput_rates) or not self.goodput_rates:
-            raise ValueError(f"goodput_rates must be > 0, got {self.goodput_rates}")
+        if not all(0 < rate < math.inf for rate in self.goodput_rates) or not self.goodput_rates:
+            raise ValueError(f"goodput_rates must be finite and > 0, got {self.goodput_rates}")
         low, high = self.goodput_long_len
         if not 1 <= low <= high:
             raise ValueError(f"goodput_long_len must be (low, high) with 1 <= low <= high, got {self.goodput_long_len}")
+        if not 0 <= self.goodput_long_fraction <= 1:  # NaN fails too
+            raise ValueError(f"goodput_long_fraction must be in [0, 1], got {self.goodput_long_fraction}")
+        for name in ("goodput_requests", "goodput_lend_batched_tokens", "goodput_long_prefill_token_threshold",
+                     "goodput_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        for name in ("goodput_local_prefill_threshold", "goodput_idle_offload_min_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        for name in ("goodput_ttft_scale", "goodput_tpot_scale"):
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be finite and > 0, got {getattr(self, name)}")
         if self.goodput_slo_reference not in SYSTEMS:
             raise ValueError(f"goodput_slo_reference must be a system, got {self.goodput_slo_reference!r}")
 
