@@ -19,18 +19,23 @@ same decode threads", for float32 weights and for --keep-quantized-weights: per 
 (every worker `--threads` threads, prefill always on the prefill worker) and one engine (`LLMEngine` stepped by
 its own thread in a spawned process of its own, as the serving suite runs it, no RPC, the same threads: in
 this process, which has started the cluster and holds gRPC channels, its OpenMP threads spun at 2 threads and
-a token took 5x its CPU), then `--rounds` rounds, each one request to the
-engine, one through the gateway and one calling the workers directly, every request on a prompt of its own.
+a token took 5x its CPU), and one colocated cluster (one decode worker with the engine's threads, prefilling
+locally, behind a gateway of its own: the same serving stack without disaggregation), then `--rounds` rounds,
+each one request to the engine, one through the 1P+1D gateway, one calling the workers directly and one through
+the colocated gateway, every request on a prompt of its own.
 TPOT is taken from the stream: (arrival of the last token - arrival of the first) / (tokens - 1); the ratio
 is the median cluster TPOT over the median engine TPOT of the same run (and the median of the per-round
-ratios). Where the time goes: each request also records the CPU milliseconds per token of every process
-("this process" is the client; engine, gateway, prefill-0, decode-0, redis)
-and how many CPUs other jobs kept busy meanwhile (pdserve.bench.cpumeter).
+ratios); 1P+1D via its gateway is also divided by colocated via its own, which separates what disaggregation
+costs from what serving over gRPC on the same CPUs costs (the client, the gateway and the worker's stream share
+them with the decode step). Where the time goes: each request also records the CPU milliseconds per token of
+every process ("this process" is the client; engine, gateway, prefill-0, decode-0, redis, the colocated
+cluster's "colocated gateway" and "colocated decode-0") and how many CPUs other jobs kept busy meanwhile
+(pdserve.bench.cpumeter).
 
 With --lend the cluster is `pdserve up --pin-workers --lend-idle-cpus` on 2 x --threads CPUs: each worker pinned
 to --threads CPUs of its own and stepping on the other's while that one idles (engine.cpu_share), so a decode
-step between requests' prefills runs on all 2 x --threads; the engine then gets 2 x --threads threads, the
-CPUs the decode worker steps on.
+step between requests' prefills runs on all 2 x --threads; the engine and the colocated worker (pinned to the
+same CPUs) then get 2 x --threads threads, the CPUs the decode worker steps on.
 
 The workers are dialled as the cluster's gateway dials them (`worker_channel`): mutual TLS with the gateway's
 certificate of the run, or plaintext for a cluster started with insecure_internal.
@@ -266,6 +271,7 @@ class EngineProcess(Backend):
 WEIGHT_MODES = {"float32": False, "kept GGUF codes": True}
 """Weights mode -> EngineConfig.keep_quantized_weights (the same in the engine and in every worker)."""
 ENGINE, GATEWAY, DIRECT = "one-process engine", "1P+1D via gateway", "1P+1D workers direct"
+COLOCATED = "colocated via gateway"
 
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
@@ -305,7 +311,7 @@ async def interleave(backends: list[Backend], rounds: list[list[BenchRequest]],
 def tpot_vs_engine(model_path: Path, threads: int, num_rounds: int, prompt_len: int, new_tokens: int,
                    lend: bool = False) -> dict:
     """Issue 16's 1P+1D batch-1 TPOT goal, per weights mode (module docstring). Returns the figures."""
-    systems = (ENGINE, GATEWAY, DIRECT)
+    systems = (ENGINE, GATEWAY, DIRECT, COLOCATED)
     prompts = iter(make_prompts(model_path, (num_rounds + 1) * len(systems) * len(WEIGHT_MODES), prompt_len))
     figures = {"meta": {"date": datetime.date.today().isoformat(), "machine": roofline.machine_info().to_dict(),
                         "model": str(model_path), "threads": threads, "lend": lend, "rounds": num_rounds,
@@ -322,15 +328,22 @@ def tpot_vs_engine(model_path: Path, threads: int, num_rounds: int, prompt_len: 
                                             engine=engine_config, gateway_args=("--local-prefill-threshold", "0"),
                                             num_cpus=2 * threads if lend else None, pin_workers=lend,
                                             lend_idle_cpus=lend)
+        # The same serving stack without disaggregation: one decode worker with the engine's threads (pinned to
+        # the same CPUs with --lend) prefills locally and decodes, behind its own gateway.
+        decode_threads = 2 * threads if lend else threads
+        colocated_config = dataclasses.replace(
+            cluster_config, num_prefill=0, engine=dataclasses.replace(engine_config, num_threads=decode_threads),
+            gateway_args=(), lend_idle_cpus=False)
         rounds = [[BenchRequest(f"{mode}-{i}-{j}", tuple(next(prompts)), new_tokens) for j in range(len(systems))]
                   for i in range(num_rounds + 1)]
-        with LocalCluster(cluster_config) as cluster:
-            engine = EngineProcess(dataclasses.replace(engine_config, num_threads=2 * threads) if lend
-                                   else engine_config, name=ENGINE)
+        with LocalCluster(cluster_config) as cluster, LocalCluster(colocated_config) as colocated:
+            engine = EngineProcess(dataclasses.replace(engine_config, num_threads=decode_threads), name=ENGINE)
             try:
                 backends = [engine, PdserveBackend(cluster.gateway_target, name=GATEWAY),
-                            DirectBackend(cluster.workers, cluster.tls_files.get("gateway"), name=DIRECT)]
-                pids = {"this process": os.getpid(), "engine": engine.pid, **cluster.pids, "redis": cluster.redis_pid}
+                            DirectBackend(cluster.workers, cluster.tls_files.get("gateway"), name=DIRECT),
+                            PdserveBackend(colocated.gateway_target, name=COLOCATED)]
+                pids = {"this process": os.getpid(), "engine": engine.pid, **cluster.pids, "redis": cluster.redis_pid,
+                        **{f"colocated {name}": pid for name, pid in colocated.pids.items()}}
                 records = asyncio.run(interleave(backends, rounds, pids))
             finally:
                 engine.shutdown()
@@ -347,10 +360,13 @@ def tpot_vs_engine(model_path: Path, threads: int, num_rounds: int, prompt_len: 
                                                                               for _, cpu in measured)
                                                    for process in pids}}
         base = rows[ENGINE]["tpot_p50_ms"]
-        for name in (GATEWAY, DIRECT):
+        for name in (GATEWAY, DIRECT, COLOCATED):
             rows[name]["tpot_ratio"] = rows[name]["tpot_p50_ms"] / base
             rows[name]["tpot_ratio_paired_p50"] = statistics.median(
                 c / e for c, e in zip(rows[name]["tpot_ms"], rows[ENGINE]["tpot_ms"]))
+        rows[GATEWAY]["tpot_ratio_vs_colocated"] = rows[GATEWAY]["tpot_p50_ms"] / rows[COLOCATED]["tpot_p50_ms"]
+        rows[GATEWAY]["tpot_ratio_vs_colocated_paired_p50"] = statistics.median(
+            c / e for c, e in zip(rows[GATEWAY]["tpot_ms"], rows[COLOCATED]["tpot_ms"]))
         figures["modes"][mode] = rows
     figures["meta"]["load_average_end"] = list(roofline.machine_info().load_average)
     return figures
@@ -365,15 +381,18 @@ def tpot_table(figures: dict) -> str:
              f"{meta['new_tokens']} new tokens, load average {meta['machine']['load_average'][0]:.2f} at the start, "
              f"{meta['load_average_end'][0]:.2f} at the end"
              + "".join(f", {k}={v}" for k, v in meta.get("openmp_env", {}).items()))
-    header = ("| weights | system | TPOT p50 ms | vs engine (of medians) | vs engine (paired, p50) | TTFT p50 ms "
-              "| longest gap p50 ms | CPU ms per token (p50) | other jobs (CPUs) |")
-    lines = [title, "", header, "|---|---|---:|---:|---:|---:|---:|---|---:|"]
+    header = ("| weights | system | TPOT p50 ms | vs engine (of medians) | vs engine (paired, p50) "
+              "| vs colocated (of medians / paired) | TTFT p50 ms | longest gap p50 ms | CPU ms per token (p50) "
+              "| other jobs (CPUs) |")
+    lines = [title, "", header, "|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for mode, rows in figures["modes"].items():
         for name, r in rows.items():
             ratio = f"{r['tpot_ratio']:.3f}x" if "tpot_ratio" in r else "1"
             paired = f"{r['tpot_ratio_paired_p50']:.3f}x" if "tpot_ratio_paired_p50" in r else "1"
+            colocated = (f"{r['tpot_ratio_vs_colocated']:.3f}x / {r['tpot_ratio_vs_colocated_paired_p50']:.3f}x"
+                         if "tpot_ratio_vs_colocated" in r else "")
             cpu = ", ".join(f"{process} {ms:.1f}" for process, ms in r["cpu_ms_per_token_p50"].items() if ms >= 0.05)
-            lines.append(f"| {mode} | {name} | {r['tpot_p50_ms']:.2f} | {ratio} | {paired} | "
+            lines.append(f"| {mode} | {name} | {r['tpot_p50_ms']:.2f} | {ratio} | {paired} | {colocated} | "
                          f"{r['ttft_p50_ms']:.1f} | {r['max_itl_p50_ms']:.1f} | {cpu} | "
                          f"{r['other_jobs_cpus_p50']:.2f} |")
     return "\n".join(lines) + "\n"
