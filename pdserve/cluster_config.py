@@ -113,6 +113,9 @@ class LocalClusterConfig:
             raise ValueError("LocalClusterConfig.pin_workers is not supported with tensor parallelism")
         if self.lend_idle_cpus and not self.pin_workers:
             raise ValueError("LocalClusterConfig.lend_idle_cpus lends pinned CPUs: it needs pin_workers")
+        if self.lend_idle_cpus and self.num_prefill < 1:
+            raise ValueError("LocalClusterConfig.lend_idle_cpus pairs prefill worker i with decode worker i: it "
+                             "needs num_prefill >= 1 (with no prefill worker nothing would lend)")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("LocalClusterConfig.tls_cert and tls_key go together: give both or neither")
         if self.tls and self.tls_cert is not None:
