@@ -27,12 +27,16 @@ from pathlib import Path
 WORKLOADS = ("random", "shared-prefix", "multi-turn")
 
 
-def _positive_float(text: str) -> float:
-    """A number > 0 (a request rate may be inf)."""
+def _float(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def _positive_float(text: str) -> float:
+    """A number > 0 (a request rate may be inf)."""
+    value = _float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
@@ -48,33 +52,26 @@ def _finite_positive_float(text: str) -> float:
 
 def _fraction(text: str) -> float:
     """A number in [0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    value = _float(text)
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
     return value
 
 
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+def _int_at_least(minimum: int):
+    """An argparse type: an integer >= `minimum`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return parse
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+_positive, _non_negative = _int_at_least(1), _int_at_least(0)
 
 
 def _http_url(text: str) -> str:
@@ -109,8 +106,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     target = p.add_argument_group("what to benchmark (one of)")
     what = target.add_mutually_exclusive_group(required=True)
     what.add_argument("--target", metavar="HOST:PORT", help="a pdserve gateway (gRPC)")
-    what.add_argument("--openai-url", type=_http_url, metavar="URL", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8080 "
-                      "(streams /v1/completions with token-id prompts)")
+    what.add_argument("--openai-url", type=_http_url, metavar="URL", help="an OpenAI-compatible server, e.g. "
+                      "http://127.0.0.1:8080 (streams /v1/completions with token-id prompts)")
     what.add_argument("--suite", choices=("cpu",), help="the side-by-side suite: llama-server, transformers and "
                       "pdserve in three shapes on this machine")
     target.add_argument("--served-model", default="default", help="`model` field of OpenAI requests")
@@ -169,7 +166,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    "(0.25)")
     g.add_argument("--goodput-ttft-scale", type=_finite_positive_float, default=None, metavar="K",
                    help="TTFT SLO = K x the idle TTFT of the prompt's class (3)")
-    g.add_argument("--goodput-tpot-scale", type=_finite_positive_float, default=None, metavar="K", help="TPOT SLO = K x idle TPOT (3)")
+    g.add_argument("--goodput-tpot-scale", type=_finite_positive_float, default=None, metavar="K",
+                   help="TPOT SLO = K x idle TPOT (3)")
     g.add_argument("--goodput-batched-tokens", type=_positive, default=None, metavar="N",
                    help="pdserve-colocated's chunked-prefill budget per step (default: the engine's)")
     g.add_argument("--goodput-long-prefill-token-threshold", type=_positive, default=None, metavar="N",
