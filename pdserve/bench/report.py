@@ -331,6 +331,9 @@ STREAMS_GOAL = 4.0
 """Issue 16: 32-stream output tokens/s >= 4x llama-server's."""
 BATCH1_GOAL = 1.0
 """Issue 16: int4 batch-1 TPOT <= 1.0x llama-server's (the systems decoding the GGUF's int4 codes)."""
+ONE_P_ONE_D_TPOT_GOAL = 1.1
+"""Issue 16: 1P+1D batch-1 TPOT within 1.1x of the one-process engine with the same decode threads (in the
+suite: pdserve-1p1d-lend, whose decode steps run on both workers' cores, against pdserve-engine on them)."""
 INT4_SYSTEMS = ("pdserve-engine", "pdserve-engine-int4", "pdserve-engine-native")
 GOODPUT_DISAGGREGATED = ("pdserve-1p1d-pinned", "pdserve-1p1d-lend")
 """The 1P+1D systems the goodput goal compares with pdserve-colocated, each on its own row."""
@@ -571,6 +574,18 @@ def _goals(results: SuiteResults) -> list[str]:
                     r is not None and r <= BATCH1_GOAL)
             else:
                 row("batch-1 TPOT vs llama-server", system, r, "—", None)
+    engine_b1, lend_b1, colocated_b1 = (_run(results, "batch1", system) for system in
+                                        ("pdserve-engine", "pdserve-1p1d-lend", "pdserve-colocated"))
+    if lend_b1 is not None and engine_b1 is not None:
+        r = _ratio(lend_b1.tpot_ms.median, engine_b1.tpot_ms.median)
+        row("batch-1 TPOT, 1P+1D / the one-process engine on the same cores", "pdserve-1p1d-lend", r,
+            f"<= {ONE_P_ONE_D_TPOT_GOAL:g}x", r is not None and r <= ONE_P_ONE_D_TPOT_GOAL)
+    if colocated_b1 is not None and engine_b1 is not None:
+        row("batch-1 TPOT, colocated through its gateway / the one-process engine (serving's share)",
+            "pdserve-colocated", _ratio(colocated_b1.tpot_ms.median, engine_b1.tpot_ms.median), "—", None)
+    if lend_b1 is not None and colocated_b1 is not None:
+        row("batch-1 TPOT, 1P+1D / colocated, both through a gateway (disaggregation's share)", "pdserve-1p1d-lend",
+            _ratio(lend_b1.tpot_ms.median, colocated_b1.tpot_ms.median), "—", None)
     for system, (cold, cached) in prefix_cache_rows(results).items():
         if system.startswith("pdserve"):
             row(f"cached {results.config.prefix_len}-token prefix TTFT / cold TTFT", system, cached / cold,

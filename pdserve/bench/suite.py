@@ -21,6 +21,9 @@ Systems (each gets the same `threads`; the disaggregated shapes divide them amon
     pdserve-1p1d-lend     the same, and each worker also steps on the other's cores while the other is idle
                           (LocalClusterConfig.lend_idle_cpus), the prefill worker's steps at most
                           goodput_lend_batched_tokens tokens; in the batch1 and streams scenarios too
+pdserve-colocated runs batch1 as well: beside pdserve-engine (the same threads, no RPC) and pdserve-1p1d-lend (a
+decode step on the same cores), it separates what serving through a gateway costs a stream from what
+disaggregation adds.
 
 Scenarios (prompts are random token ids wrapped in the model's chat template, rendered once here; greedy,
 EOS ignored, exactly max_tokens generated):
@@ -282,7 +285,7 @@ def build_scenarios(cfg: SuiteConfig, fmt: PromptFormat, token_range: tuple[int,
         Scenario("batch1", "1 stream",
                  random_workload(cfg.batch1_requests, cfg.input_len, cfg.output_len, seed=cfg.seed, **kw),
                  RunConfig(max_concurrency=1, progress=progress),
-                 pick(LLAMA_SERVER, TRANSFORMERS, *ENGINES, ONE_P_ONE_D, ONE_P_ONE_D_LEND)),
+                 pick(LLAMA_SERVER, TRANSFORMERS, *ENGINES, ONE_P_ONE_D, ONE_P_ONE_D_LEND, COLOCATED)),
         Scenario("streams", f"{cfg.streams} concurrent streams",
                  random_workload(cfg.streams_requests, cfg.input_len, cfg.output_len, seed=cfg.seed + 1, **kw),
                  RunConfig(max_concurrency=cfg.streams, progress=progress),
