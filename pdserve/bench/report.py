@@ -497,8 +497,8 @@ _BOUND_NOTES = {"lower": " (1P+1D attains 90% at its highest measured rate: at l
 def goodput_goal(results: SuiteResults, disaggregated: str = GOODPUT_DISAGGREGATED[0]
                  ) -> tuple[float, str, str | None] | None:
     """1P+1D (`disaggregated`) / colocated, what was compared (with why the ratio is a bound, when it is one), and
-    which bound it is: "lower" (the ratio is at least this), "upper" (at most this), "unknown" (either), None (a measured ratio).
-    None without both systems. Compared, in this order:
+    which bound it is: "lower" (the ratio is at least this), "upper" (at most this), "unknown" (either), None (a
+    measured ratio). None without both systems. Compared, in this order:
     - both attain 90% at some measured rate: their highest rates at 90% attainment (DistServe's goodput). Lower
       when 1P+1D still attains 90% at its highest measured rate (its capacity lies above), upper when colocated
       does and 1P+1D does not, unknown when both do;
