@@ -617,8 +617,8 @@ PD_INLINE const float *block_rows(const void *cache, int bf16, int64_t index, in
     return tmp;
 }
 
-/* The G query rows of one position against positions p .. p + 15 of k (rows ks floats apart): score() of each, bit for bit
- * (dot_lanes and hsum16x16 are dot's arithmetic), 16 scores at a time. s[r * stride + j] <- row r, position j.
+/* The G query rows of one position against positions p .. p + 15 of k (rows ks floats apart): score() of each, bit
+ * for bit (dot_lanes and hsum16x16 are dot's arithmetic), 16 scores at a time. s[r * stride + j] <- row r, position j.
  * narrow: 8 positions at a time in two passes of 4 (dot8_narrow: their partial sums fit 16 registers of 8 lanes,
  * where 16 positions' spilled on AVX2), reduced by hsum16x8 (hsum16x16's lanes, bit for bit). */
 PD_INLINE void scores16(const float *q, int64_t q_s1, int64_t G, const float *restrict k, int64_t ks, int64_t D,
