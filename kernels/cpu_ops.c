@@ -486,8 +486,10 @@ int pd_top_k_rows(const float *x, int64_t M, int64_t N, int64_t stride, int64_t 
 
 /* ------------------------------------------------------------------------------------------------ attention */
 /* Fewer (position, kv head) pairs than this run on one thread: ~20 ns each, less than waking a second thread on a
- * loaded host (measured at batch 1: a 128-token context took 20 us on one thread, 90 us on two). */
-#define PARALLEL_WORK 8192
+ * loaded host (measured at batch 1: a 128-token context took 20 us on one thread, 90 us on two). From here two
+ * threads pay on a quiet one (2-core Zen 4, bench/bench_attention_ab.py: 0.58-0.85x the time of one thread between
+ * 1024 and 8192 pairs at 1-4 sequences, prompts of 16-32 tokens 0.68-1.0x, in the decode step's own region). */
+#define PARALLEL_WORK 1024
 
 /* The thread-local scratch of one work item (scores, a converted row, the output accumulator): grown, never
  * shrunk. */
@@ -644,32 +646,61 @@ PD_INLINE void scores16(const float *q, int64_t q_s1, int64_t G, const float *re
     }
 }
 
-/* out[r] (+)= sum over positions p < n of w[r * w_stride + p] * v[p * vs ..] for NR <= 4 rows, in position order
- * (axpy's arithmetic, bit for bit) from zero (from_zero) or from out's values, the sums in registers: v rows of D (a
- * multiple of 16, at most 128) columns, vs floats apart; rows of out D apart. */
+/* out[r] (+)= sum over positions p < n of w[r * w_stride + p] * v[p * vs ..] for NR <= 4 rows and `cols` columns (a
+ * multiple of 16, at most 128), in position order (axpy's arithmetic, bit for bit) from zero (from_zero) or from
+ * out's values, the sums in registers: v rows vs floats apart, rows of out D apart. */
 PD_INLINE void pv_rows(const int NR, const float *w, int64_t w_stride, const float *restrict v, int64_t vs, int64_t n,
-                       const int64_t D, const int from_zero, float *out) {
-    v16f acc[4][8] = {{{0}}};  /* NR <= 4 rows, D <= 128 */
+                       const int64_t cols, int64_t D, const int from_zero, float *out) {
+    v16f acc[4][8] = {{{0}}};  /* NR <= 4 rows, cols <= 128 */
     if (!from_zero)
-        for (int r = 0; r < NR; r++) memcpy(acc[r], out + r * D, (size_t)D * sizeof(float));
+        for (int r = 0; r < NR; r++) memcpy(acc[r], out + r * D, (size_t)cols * sizeof(float));
     for (int64_t p = 0; p < n; p++) {
-        for (int64_t c = 0; c < D / 16; c++) {
+        for (int64_t c = 0; c < cols / 16; c++) {
             v16f x;
             memcpy(&x, v + p * vs + c * 16, sizeof x);
             for (int r = 0; r < NR; r++) acc[r][c] += w[r * w_stride + p] * x;
         }
     }
-    for (int r = 0; r < NR; r++) memcpy(out + r * D, acc[r], (size_t)D * sizeof(float));
+    for (int r = 0; r < NR; r++) memcpy(out + r * D, acc[r], (size_t)cols * sizeof(float));
 }
 
 /* pv_rows for all G rows, four at a time (w and out at row 0). */
 PD_INLINE void pv_all_rows(int64_t G, const float *w, int64_t w_stride, const float *restrict v, int64_t vs, int64_t n,
-                           const int64_t D, const int from_zero, float *out) {
+                           const int64_t cols, int64_t D, const int from_zero, float *out) {
     int64_t g = 0;
-    for (; g + 4 <= G; g += 4) pv_rows(4, w + g * w_stride, w_stride, v, vs, n, D, from_zero, out + g * D);
-    if (G - g == 3) pv_rows(3, w + g * w_stride, w_stride, v, vs, n, D, from_zero, out + g * D);
-    if (G - g == 2) pv_rows(2, w + g * w_stride, w_stride, v, vs, n, D, from_zero, out + g * D);
-    if (G - g == 1) pv_rows(1, w + g * w_stride, w_stride, v, vs, n, D, from_zero, out + g * D);
+    for (; g + 4 <= G; g += 4) pv_rows(4, w + g * w_stride, w_stride, v, vs, n, cols, D, from_zero, out + g * D);
+    if (G - g == 3) pv_rows(3, w + g * w_stride, w_stride, v, vs, n, cols, D, from_zero, out + g * D);
+    if (G - g == 2) pv_rows(2, w + g * w_stride, w_stride, v, vs, n, cols, D, from_zero, out + g * D);
+    if (G - g == 1) pv_rows(1, w + g * w_stride, w_stride, v, vs, n, cols, D, from_zero, out + g * D);
+}
+
+/* The scores of `rows` query rows (from qr, a->q_s1 apart) against cnt positions whose K rows are kr, ks floats
+ * apart: s[g * n + j] for row g, position j, score()'s bits: 16 positions reduced together (wide, D % 16 == 0) or
+ * 8 (narrow, D % 32 == 0), the rest one at a time. */
+PD_INLINE void head_scores(const struct attn *a, const float *qr, const float *restrict kr, int64_t ks, int64_t cnt,
+                           int64_t rows, const int64_t D, const int narrow, float *s, int64_t n) {
+    if (!narrow && D % 16 == 0) {
+        int64_t j = 0;
+        for (; j + 16 <= cnt; j += 16)
+            scores16(qr, a->q_s1, rows, kr + j * ks, ks, D, a->scale, a->softcap, s + j, n, 0);
+        for (; j < cnt; j++)
+            for (int64_t g = 0; g < rows; g++)
+                s[g * n + j] = score(qr + g * a->q_s1, kr + j * ks, D, a->scale, a->softcap, 0);
+        return;
+    }
+    for (int64_t g = 0; g < rows; g++) {
+        const float *q = qr + g * a->q_s1;
+        float *sr = s + g * n;
+        int64_t j = 0;
+        if (narrow && D % 32 == 0)
+            for (; j + 8 <= cnt; j += 8) {
+                const v8f sums = dot8_narrow(q, kr + j * ks, ks, D) * a->scale;
+                memcpy(sr + j, &sums, sizeof sums);
+                if (a->softcap > 0.0f)
+                    for (int64_t i = j; i < j + 8; i++) sr[i] = tanhf(sr[i] / a->softcap) * a->softcap;
+            }
+        for (; j < cnt; j++) sr[j] = score(q, kr + j * ks, D, a->scale, a->softcap, narrow);
+    }
 }
 
 /* Sequence b, kv heads h0 .. h1 - 1, each with its G = Hq / Hkv query heads, against positions first .. len - 1:
@@ -689,7 +720,7 @@ PD_INLINE int attend_body(const struct attn *a, int64_t b, int64_t h0, int64_t h
     const int64_t n = len - first, rows = (h1 - h0) * G;  /* query heads of the item */
     const int64_t row_width = (h1 - h0) * D;  /* the item's part of a slot row */
     const int blocked = narrow && D % 32 == 0;
-    const int wide_blocks = !narrow && D % 16 == 0 && D <= 128, heads = (int)(h1 - h0);
+    const int wide_blocks = !narrow && D % 16 == 0 && D <= 128;
     float *scores = get_scratch((size_t)(rows * n + bs * row_width + rows * D));
     if (!scores) return -2;
     float *tmp = scores + rows * n, *acc = tmp + bs * row_width;
@@ -709,34 +740,14 @@ PD_INLINE int attend_body(const struct attn *a, int64_t b, int64_t h0, int64_t h
         int64_t ks;
         const float *kb = block_rows(a->k_cache, a->bf16, (block * bs + off) * Hkv + h0, cnt, Hkv, row_width, D, tmp,
                                      &ks);
-        for (int64_t h = 0; wide_blocks && h < heads; h++) {  /* 16 positions' scores reduced together */
+        /* the next block's rows prefetched spread over the item's rows (narrow) or heads, each one's scores */
+        const int64_t per = narrow ? 1 : G, chunks = rows / per;
+        for (int64_t c = 0; c < chunks; c++) {
             if (next >= 0 && next < a->num_blocks)
-                for (int64_t j = h * cnt / heads; j < (h + 1) * cnt / heads; j++)
+                for (int64_t j = c * cnt / chunks; j < (c + 1) * cnt / chunks; j++)
                     prefetch_row(a->k_cache, a->bf16, (next * bs + off + j) * Hkv + h0, row_width, D);
-            float *sh = scores + h * G * n + p - first;
-            int64_t j = 0;
-            for (; j + 16 <= cnt; j += 16)
-                scores16(qb + h * G * a->q_s1, a->q_s1, G, kb + h * D + j * ks, ks, D, a->scale, a->softcap, sh + j, n,
-                         0);
-            for (; j < cnt; j++)
-                for (int64_t g = 0; g < G; g++)
-                    sh[g * n + j] = score(qb + (h * G + g) * a->q_s1, kb + h * D + j * ks, D, a->scale, a->softcap, 0);
-        }
-        for (int64_t r = 0; r < rows && !wide_blocks; r++) {
-            if (next >= 0 && next < a->num_blocks)
-                for (int64_t j = r * cnt / rows; j < (r + 1) * cnt / rows; j++)
-                    prefetch_row(a->k_cache, a->bf16, (next * bs + off + j) * Hkv + h0, row_width, D);
-            const float *qr = qb + r * a->q_s1, *kr = kb + r / G * D;
-            float *sr = scores + r * n + p - first;
-            int64_t j = 0;
-            if (blocked)
-                for (; j + 8 <= cnt; j += 8) {
-                    const v8f sums = dot8_narrow(qr, kr + j * ks, ks, D) * a->scale;
-                    memcpy(sr + j, &sums, sizeof sums);
-                    if (a->softcap > 0.0f)
-                        for (int64_t i = j; i < j + 8; i++) sr[i] = tanhf(sr[i] / a->softcap) * a->softcap;
-                }
-            for (; j < cnt; j++) sr[j] = score(qr, kr + j * ks, D, a->scale, a->softcap, narrow);
+            head_scores(a, qb + c * per * a->q_s1, kb + c * per / G * D, ks, cnt, per, D, narrow,
+                        scores + c * per * n + p - first, n);
         }
         p += cnt;
     }
@@ -763,7 +774,7 @@ PD_INLINE int attend_body(const struct attn *a, int64_t b, int64_t h0, int64_t h
                 continue;
             }
             if (wide_blocks) {
-                pv_all_rows(G, w, n, vh, vs, cnt, D, 0, acc + h * G * D);
+                pv_all_rows(G, w, n, vh, vs, cnt, D, D, 0, acc + h * G * D);
                 continue;
             }
             for (int64_t j = 0; j < cnt; j++)
@@ -785,6 +796,136 @@ static int attend_item(const struct attn *a, int64_t b, int64_t h0, int64_t h1) 
     return attend_body(a, b, h0, h1, a->D, narrow);
 }
 
+/* A decode batch with too few (sequence, kv head) items to keep the threads even (batch 1: 3 kv heads on 2 threads
+ * ran as 2 and 1) runs attend_body's arithmetic in three phases that split finer: the scores of runs of blocks
+ * (split_scores), each query row's softmax, and PV by 32 columns of a kv head (split_pv), whose sums are each
+ * output's own. Every score, softmax and sum is computed as attend_body computes it, in position order: the
+ * same bits. s: the batch's scores, sequence b's Hq rows of n_b at s_off[b]. */
+struct split_unit { int64_t b, h, lo, hi; };  /* scores: blocks lo .. hi - 1; PV: columns lo .. hi - 1 */
+
+PD_INLINE int split_scores(const struct attn *a, const struct split_unit *u, float *s, int64_t n, const int64_t D,
+                           const int narrow) {
+    const int64_t Hkv = a->Hkv, G = a->Hq / Hkv, bs = a->block_size, len = a->seq_lens[u->b];
+    const int64_t first = a->window > 0 && len > a->window ? len - a->window : 0;
+    float *tmp = get_scratch((size_t)(bs * D));
+    if (!tmp) return -2;
+    const int32_t *table = a->tables + u->b * a->table_s0;
+    const float *qh = a->q + u->b * a->q_s0 + u->h * G * a->q_s1;
+    for (int64_t blk = u->lo; blk < u->hi; blk++) {
+        const int32_t block = table[blk];
+        if (block < 0 || block >= a->num_blocks) return -1;
+        const int64_t p = blk * bs > first ? blk * bs : first, off = p - blk * bs;
+        const int64_t cnt = bs - off < len - p ? bs - off : len - p;
+        const int32_t next = blk + 1 < u->hi ? table[blk + 1] : -1;
+        if (next >= 0 && next < a->num_blocks)
+            for (int64_t j = 0; j < bs; j++) prefetch_row(a->k_cache, a->bf16, (next * bs + j) * Hkv + u->h, D, D);
+        int64_t ks;
+        const float *kb = block_rows(a->k_cache, a->bf16, (block * bs + off) * Hkv + u->h, cnt, Hkv, D, D, tmp, &ks);
+        head_scores(a, qh, kb, ks, cnt, G, D, narrow, s + u->h * G * n + p - first, n);
+    }
+    return 0;
+}
+
+PD_INLINE int split_pv(const struct attn *a, const struct split_unit *u, const float *s, int64_t n, const int64_t D,
+                       const int narrow) {
+    const int64_t Hkv = a->Hkv, G = a->Hq / Hkv, bs = a->block_size, len = a->seq_lens[u->b];
+    const int64_t first = a->window > 0 && len > a->window ? len - a->window : 0;
+    float *tmp = get_scratch((size_t)(bs * D));
+    if (!tmp) return -2;
+    const int32_t *table = a->tables + u->b * a->table_s0;
+    float *out = a->out + (u->b * a->Hq + u->h * G) * D;
+    for (int64_t blk = first / bs, p = first; p < len; blk++) {
+        const int32_t block = table[blk];  /* checked by split_scores */
+        const int32_t next = (blk + 1) * bs < len ? table[blk + 1] : -1;
+        const int64_t off = p - blk * bs, cnt = bs - off < len - p ? bs - off : len - p;
+        if (next >= 0)
+            for (int64_t j = 0; j < bs; j++) prefetch_row(a->v_cache, a->bf16, (next * bs + j) * Hkv + u->h, D, D);
+        int64_t vs;
+        const float *vb = block_rows(a->v_cache, a->bf16, (block * bs + off) * Hkv + u->h, cnt, Hkv, D, D, tmp, &vs);
+        const float *w = s + u->h * G * n + p - first;
+        if (narrow)
+            for (int64_t g = 0; g < G; g += 3)
+                pv_group_narrow(G, g, w + g * n, n, vb, vs, cnt, D, u->lo, p == first, out + g * D);
+        else
+            pv_all_rows(G, w, n, vb + u->lo, vs, cnt, u->hi - u->lo, D, p == first, out + u->lo);
+        p += cnt;
+    }
+    return 0;
+}
+
+/* The three phases on nthreads threads (D % 32 == 0, D <= 128). Returns 0, -1 or -2 as attend_body. */
+PD_CLONES
+static int decode_attention_split(const struct attn *a, int64_t B, int nthreads) {
+    const int narrow = !wide16();
+    const int64_t Hkv = a->Hkv, Hq = a->Hq, D = a->D, bs = a->block_size;
+    int64_t *s_off = malloc((size_t)(B + 1) * sizeof(int64_t)), blocks = 0;
+    if (!s_off) return -2;
+    s_off[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t len = a->seq_lens[b], first = a->window > 0 && len > a->window ? len - a->window : 0;
+        s_off[b + 1] = s_off[b] + Hq * (len - first);
+        blocks += (len - 1) / bs - first / bs + 1;
+    }
+    /* runs of blocks: about 8 a thread over the batch's kv heads */
+    const int64_t run = blocks * Hkv / (8 * nthreads) > 1 ? blocks * Hkv / (8 * nthreads) : 1;
+    const int64_t parts = D / 32, num_pv = B * Hkv * parts;
+    int64_t num_scores = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t len = a->seq_lens[b], first = a->window > 0 && len > a->window ? len - a->window : 0;
+        num_scores += Hkv * (((len - 1) / bs - first / bs + run) / run);
+    }
+    float *s = malloc((size_t)s_off[B] * sizeof(float));
+    struct split_unit *units = malloc((size_t)(num_scores + num_pv) * sizeof *units);
+    int status = s && units ? 0 : -2;
+    if (!status) {
+        int64_t i = 0;
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t len = a->seq_lens[b], first = a->window > 0 && len > a->window ? len - a->window : 0;
+            for (int64_t h = 0; h < Hkv; h++)
+                for (int64_t blk = first / bs; blk <= (len - 1) / bs; blk += run)
+                    units[i++] = (struct split_unit){b, h, blk, blk + run < (len - 1) / bs + 1 ? blk + run
+                                                                                            : (len - 1) / bs + 1};
+        }
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < Hkv; h++)
+                for (int64_t c = 0; c < parts; c++) units[i++] = (struct split_unit){b, h, 32 * c, 32 * c + 32};
+        #pragma omp parallel num_threads(nthreads)
+        {
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t k = 0; k < num_scores; k++) {
+                const struct split_unit *u = &units[k];
+                const int64_t n = (s_off[u->b + 1] - s_off[u->b]) / Hq;
+                int rc = D == 64 ? split_scores(a, u, s + s_off[u->b], n, 64, narrow)
+                                 : split_scores(a, u, s + s_off[u->b], n, D, narrow);
+                if (rc) {
+                    #pragma omp atomic write
+                    status = rc;
+                }
+            }
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < B * Hq; r++) {
+                const int64_t n = (s_off[r / Hq + 1] - s_off[r / Hq]) / Hq;
+                if (!status) softmax_row(s + s_off[r / Hq] + r % Hq * n, n);
+            }
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t k = num_scores; k < num_scores + num_pv; k++) {
+                const struct split_unit *u = &units[k];
+                const int64_t n = (s_off[u->b + 1] - s_off[u->b]) / Hq;
+                int rc = status ? 0 : D == 64 ? split_pv(a, u, s + s_off[u->b], n, 64, narrow)
+                                              : split_pv(a, u, s + s_off[u->b], n, D, narrow);
+                if (rc) {
+                    #pragma omp atomic write
+                    status = rc;
+                }
+            }
+        }
+    }
+    free(units);
+    free(s);
+    free(s_off);
+    return status;
+}
+
 /* One new token per sequence (query row b is sequence b: query_start_loc must be 0, 1, .., B). q [B, Hq, D] fp32
  * (stride q_s0, q_s1); caches [num_blocks, block_size, Hkv, D] fp32 or bf16; tables [B, max_blocks] int32 (row
  * stride table_s0); window 0 = none, softcap 0 = none; out [B, Hq, D] contiguous fp32.
@@ -803,13 +944,15 @@ int pd_decode_attention(const float *q, int64_t q_s0, int64_t q_s1, int64_t B, i
         if ((seq_lens[b] + block_size - 1) / block_size > max_blocks) return -3;
         work += (window > 0 && seq_lens[b] > window ? window : seq_lens[b]) * Hkv;
     }
+    const int split = B * Hkv < 2 * (int64_t)nthreads && D % 32 == 0 && D <= 128;
     if (work < PARALLEL_WORK) nthreads = 1;
     struct attn a = {q, q_s0, q_s1, Hq, D, k_cache, v_cache, bf16, num_blocks, block_size, Hkv, tables, table_s0,
                      seq_lens, scale, softcap, window, out, query_start_loc};
     /* Items: one sequence's kv heads all together (each slot row read once) when there are sequences enough for
-     * the threads, else one kv head each (a batch of 1 still spreads over Hkv threads). */
+     * the threads, else one kv head each; fewer of those than twice the threads: the split phases. */
     int status = 0;
     const int64_t per_item = B >= 2 * (int64_t)nthreads ? Hkv : 1, items = B * (Hkv / per_item);
+    if (nthreads > 1 && split) return decode_attention_split(&a, B, nthreads);
     if (nthreads > 1 && items > 1) {
         #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
         for (int64_t i = 0; i < items; i++) {
@@ -882,7 +1025,7 @@ PD_INLINE int prefill_body(const struct attn *a, int64_t b, int64_t h, int64_t i
                 for (int64_t c = 0; c < D; c += 32)
                     pv_group_narrow(G, g, s + g * stride, stride, v, D, n, D, c, 1, o + g * D);
         } else if (D % 16 == 0 && D <= 128) {
-            pv_all_rows(G, s, stride, v, D, n, D, 1, o);
+            pv_all_rows(G, s, stride, v, D, n, D, D, 1, o);
         } else {
             memset(o, 0, (size_t)(G * D) * sizeof(float));
             for (int64_t j = 0; j < n; j++)

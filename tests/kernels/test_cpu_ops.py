@@ -210,6 +210,36 @@ def test_a_row_gets_the_same_bits_cold_continued_chunked_batched_and_as_a_decode
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap", [(None, None), (500, None), (None, 50.0)])
+def test_one_long_sequence_decodes_on_two_threads_with_the_same_bits(dtype, window, softcap):
+    """A decode step of one sequence has fewer kv heads than twice the threads: from ~1k (position, kv head) pairs
+    its attention splits into phases (scores by runs of blocks, PV by 32 columns) that keep every sum in position
+    order, so its row is the same bits as on one thread and as the same position's row in a cold prompt."""
+    threads = torch.get_num_threads()
+    try:
+        for length in (343, 700, 1000, 1500):
+            q, k_cache, v_cache, tables, seq_lens, qsl = prefill_case([length], [length], dtype)
+
+            def attention(q_rows: torch.Tensor) -> torch.Tensor:
+                return cpu_ops.paged_attention(q_rows, k_cache, v_cache, tables, seq_lens,
+                                               torch.tensor([0, len(q_rows)], dtype=torch.int32), 0.125, window,
+                                               softcap)
+
+            torch.set_num_threads(1)
+            cold = attention(q)
+            alone = attention(q[-1:])
+            torch.set_num_threads(2)
+            split = attention(q[-1:])
+            assert torch.equal(split, alone), length
+            assert torch.equal(split, cold[-1:]), length
+            want = ref.paged_attention_ref(q[-1:], k_cache, v_cache, tables, seq_lens,
+                                           torch.tensor([0, 1], dtype=torch.int32), 0.125, window, softcap)
+            torch.testing.assert_close(split, want, rtol=1e-5, atol=2e-6)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_paged_attention_rejects_bad_query_start_loc():
     q, k_cache, v_cache, tables, lens, _ = prefill_case([20, 3], [4, 3])
     for qsl in ([0, 4, 8], [0, 2, 7], [-1, 4, 7], [0, 4, 3]):  # past T; q_len > seq_len; negative; falling
@@ -385,6 +415,16 @@ def test_each_isa_path_matches_the_reference(flags, tmp_path, monkeypatch):
             one = torch.tensor([0, 1], dtype=torch.int32)
             decode = cpu_ops.paged_attention(q[69:70], k_cache, v_cache, tables[:1], one[1:] * 70, one, 0.125, 50, 30.0)
             assert torch.equal(decode[0], prefill[69])
+            # one long sequence's decode step split over two threads: still its cold prompt's last row
+            q, k_cache, v_cache, tables, lens, qsl = prefill_case([700], [700], dtype)
+            cold = cpu_ops.paged_attention(q, k_cache, v_cache, tables, lens, qsl, 0.125, None, 30.0)
+            threads = torch.get_num_threads()
+            try:
+                torch.set_num_threads(2)
+                decode = cpu_ops.paged_attention(q[-1:], k_cache, v_cache, tables, lens, one, 0.125, None, 30.0)
+            finally:
+                torch.set_num_threads(threads)
+            assert torch.equal(decode, cold[-1:])
             kv_cache, ids = int8_case(dtype)
             data, scales = cpu_ops.gather_blocks_int8(kv_cache, ids)
             data_ref, scales_ref = ref.gather_blocks_int8_ref(kv_cache, ids)
