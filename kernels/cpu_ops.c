@@ -514,6 +514,12 @@ struct attn {
     const int32_t *starts;  /* query_start_loc: sequence b's new tokens are query rows starts[b] .. starts[b + 1] - 1 */
 };
 
+/* The first position sequence b's new token sees: its window's start, 0 without one. */
+PD_INLINE int64_t first_visible(const struct attn *a, int64_t b) {
+    const int64_t len = a->seq_lens[b];
+    return a->window > 0 && len > a->window ? len - a->window : 0;
+}
+
 /* The scaled score of one query row against one key row (softcap 0: none). */
 PD_INLINE float score(const float *restrict q, const float *restrict k, int64_t D, float scale, float softcap,
                       const int narrow) {
@@ -716,8 +722,7 @@ PD_INLINE void head_scores(const struct attn *a, const float *qr, const float *r
 PD_INLINE int attend_body(const struct attn *a, int64_t b, int64_t h0, int64_t h1, const int64_t D,
                           const int narrow) {
     const int64_t Hkv = a->Hkv, G = a->Hq / Hkv, bs = a->block_size, len = a->seq_lens[b];
-    const int64_t first = a->window > 0 && len > a->window ? len - a->window : 0;
-    const int64_t n = len - first, rows = (h1 - h0) * G;  /* query heads of the item */
+    const int64_t first = first_visible(a, b), n = len - first, rows = (h1 - h0) * G;  /* query heads of the item */
     const int64_t row_width = (h1 - h0) * D;  /* the item's part of a slot row */
     const int blocked = narrow && D % 32 == 0;
     const int wide_blocks = !narrow && D % 16 == 0 && D <= 128;
@@ -806,7 +811,7 @@ struct split_unit { int64_t b, h, lo, hi; };  /* scores: blocks lo .. hi - 1; PV
 PD_INLINE int split_scores(const struct attn *a, const struct split_unit *u, float *s, int64_t n, const int64_t D,
                            const int narrow) {
     const int64_t Hkv = a->Hkv, G = a->Hq / Hkv, bs = a->block_size, len = a->seq_lens[u->b];
-    const int64_t first = a->window > 0 && len > a->window ? len - a->window : 0;
+    const int64_t first = first_visible(a, u->b);
     float *tmp = get_scratch((size_t)(bs * D));
     if (!tmp) return -2;
     const int32_t *table = a->tables + u->b * a->table_s0;
@@ -829,7 +834,7 @@ PD_INLINE int split_scores(const struct attn *a, const struct split_unit *u, flo
 PD_INLINE int split_pv(const struct attn *a, const struct split_unit *u, const float *s, int64_t n, const int64_t D,
                        const int narrow) {
     const int64_t Hkv = a->Hkv, G = a->Hq / Hkv, bs = a->block_size, len = a->seq_lens[u->b];
-    const int64_t first = a->window > 0 && len > a->window ? len - a->window : 0;
+    const int64_t first = first_visible(a, u->b);
     float *tmp = get_scratch((size_t)(bs * D));
     if (!tmp) return -2;
     const int32_t *table = a->tables + u->b * a->table_s0;
@@ -862,7 +867,7 @@ static int decode_attention_split(const struct attn *a, int64_t B, int nthreads)
     if (!s_off) return -2;
     s_off[0] = 0;
     for (int64_t b = 0; b < B; b++) {
-        const int64_t len = a->seq_lens[b], first = a->window > 0 && len > a->window ? len - a->window : 0;
+        const int64_t len = a->seq_lens[b], first = first_visible(a, b);
         s_off[b + 1] = s_off[b] + Hq * (len - first);
         blocks += (len - 1) / bs - first / bs + 1;
     }
@@ -871,7 +876,7 @@ static int decode_attention_split(const struct attn *a, int64_t B, int nthreads)
     const int64_t parts = D / 32, num_pv = B * Hkv * parts;
     int64_t num_scores = 0;
     for (int64_t b = 0; b < B; b++) {
-        const int64_t len = a->seq_lens[b], first = a->window > 0 && len > a->window ? len - a->window : 0;
+        const int64_t len = a->seq_lens[b], first = first_visible(a, b);
         num_scores += Hkv * (((len - 1) / bs - first / bs + run) / run);
     }
     float *s = malloc((size_t)s_off[B] * sizeof(float));
@@ -880,7 +885,7 @@ static int decode_attention_split(const struct attn *a, int64_t B, int nthreads)
     if (!status) {
         int64_t i = 0;
         for (int64_t b = 0; b < B; b++) {
-            const int64_t len = a->seq_lens[b], first = a->window > 0 && len > a->window ? len - a->window : 0;
+            const int64_t len = a->seq_lens[b], first = first_visible(a, b);
             for (int64_t h = 0; h < Hkv; h++)
                 for (int64_t blk = first / bs; blk <= (len - 1) / bs; blk += run)
                     units[i++] = (struct split_unit){b, h, blk, blk + run < (len - 1) / bs + 1 ? blk + run
