@@ -2,11 +2,14 @@
 
     python bench/bench_quality.py [--threads 2] [--out-dir bench/results/quality] [--skip-speed]
                                   [--skip-perplexity] [--speed-rounds 3] [--speed-tokens 64]
-                                  [--llama-perplexity PATH] [--ctx 512]
+                                  [--llama-perplexity PATH] [--ctx 512] [--modes float32 int4 int4-native ...]
 
-Modes: float32 (the Q4_1 GGUF dequantized), int8, int4 (the GGUF's Q4_1 codes), and GPTQ checkpoints written by
+Modes: float32 (the Q4_1 GGUF dequantized), int8, int4 (the GGUF's Q4_1 codes), int4-native (the same codes
+through `cpu_matmul="native"`: activations rounded to int8 per 32 inputs and integer dot products, llama.cpp's
+arithmetic for Q4_1, where the default rounds them to bfloat16), and GPTQ checkpoints written by
 `pdserve quantize` from the dequantized GGUF: RTN 4-bit g128, GPTQ 4-bit g128, GPTQ 4-bit g128 act-order
 (symmetric, calibrated on bench/data/shakespeare_calibration.txt; their LM head runs int8, as in the int4 mode).
+--modes runs a subset (float32, the ratios' base, always runs; GPTQ checkpoints are made only when asked for).
 Per mode:
 - weight memory: bytes one decode step reads (every layer, final norm, LM head; model.decode_weight_bytes);
 - perplexity on bench/data/shakespeare_eval.txt the way llama.cpp's llama-perplexity computes it: the token
@@ -59,7 +62,8 @@ GPTQ_MODES = {
     "gptq4-g128-act-order": QuantizeOptions(method="gptq", bits=4, group_size=128, act_order=True),
 }
 LABELS = {"float32": "float32 (Q4_1 dequantized)", "int8": "int8 (per-row, from float32)",
-          "int4": "int4 (the GGUF's Q4_1 codes)", "rtn4-g128": "RTN 4-bit g128", "gptq4-g128": "GPTQ 4-bit g128",
+          "int4": "int4 (the GGUF's Q4_1 codes)", "int4-native": "int4, `cpu_matmul=\"native\"` (int8 activations)",
+          "rtn4-g128": "RTN 4-bit g128", "gptq4-g128": "GPTQ 4-bit g128",
           "gptq4-g128-act-order": "GPTQ 4-bit g128 act-order"}
 SPEED_PROMPT_LEN = 16
 SPEED_KEYS = ("decode_b1", f"decode_b{BATCH}", "prefill_512")
@@ -137,6 +141,9 @@ def load_mode(name: str, model_path: Path, out_dir: Path, loaded, kv_cache_memor
     if name in GPTQ_MODES:  # the LM head (kept float16 in the checkpoint) runs int8, as in the int4 mode
         return LLM(model=str(out_dir / name), dtype="float32", quantization="int8",
                    kv_cache_memory=kv_cache_memory, progress=False)
+    if name == "int4-native":
+        return LLM(model=str(model_path), dtype="float32", quantization="int4", cpu_matmul="native",
+                   kv_cache_memory=kv_cache_memory, progress=False, loaded=loaded)
     return LLM(model=str(model_path), dtype="float32", quantization=None if name == "float32" else name,
                kv_cache_memory=kv_cache_memory, progress=False, loaded=loaded)
 
@@ -163,7 +170,10 @@ def main() -> None:
     parser.add_argument("--speed-tokens", type=int, default=NEW_TOKENS,
                         help="new tokens per sequence in the decode speed runs")
     parser.add_argument("--speed-rounds", type=int, default=3, help="interleaved speed rounds (best one kept)")
+    parser.add_argument("--modes", nargs="+", choices=list(LABELS), default=list(LABELS),
+                        help="modes to run (float32 always runs: the ratios' base)")
     args = parser.parse_args()
+    modes = ["float32"] + [name for name in LABELS if name in args.modes and name != "float32"]
     torch.set_num_threads(args.threads)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -172,16 +182,16 @@ def main() -> None:
     text = EVAL_TEXT.read_text(encoding="utf-8")
     quantize_s = {}
     for name, options in GPTQ_MODES.items():
-        if not (out_dir / name / "config.json").is_file():
+        if name in modes and not (out_dir / name / "config.json").is_file():
             t = time.perf_counter()
             quantize_checkpoint(model_path, out_dir / name, options, CALIBRATION_TEXT.read_text(encoding="utf-8"),
                                 progress=False, log=lambda line, name=name: print(f"{name}: {line}", flush=True))
             quantize_s[name] = time.perf_counter() - t
 
     loaded = load_model(model_path, torch.float32, progress=False, keep_quantized=False)  # the float32 row is float
-    results: dict[str, dict] = {name: {"label": label} for name, label in LABELS.items()}
+    results: dict[str, dict] = {name: {"label": LABELS[name]} for name in modes}
     if not args.skip_perplexity:
-        for name in LABELS:
+        for name in modes:
             llm = load_mode(name, model_path, out_dir, loaded, 512 * 2**20)
             tokenizer = llm.tokenizer
             ids = tokenizer.encode(text)
@@ -193,7 +203,7 @@ def main() -> None:
             print(name, json.dumps(results[name]), flush=True)
             del llm
     if not args.skip_speed:
-        engines = {name: load_mode(name, model_path, out_dir, loaded, 256 * 2**20) for name in LABELS}
+        engines = {name: load_mode(name, model_path, out_dir, loaded, 256 * 2**20) for name in modes}
         for name, figures in speed_rounds(engines, args.speed_rounds, args.speed_tokens).items():
             results[name] |= {"weight_mib": engines[name].engine.runner.model.decode_weight_bytes() / 2**20,
                               **figures}
