@@ -286,7 +286,16 @@ PD_CLONES
 static void write_row(const float *restrict src, int64_t D, void *cache, int bf16, int64_t row) {
     if (bf16) {
         uint16_t *restrict dst = (uint16_t *)cache + row;
-        for (int64_t d = 0; d < D; d++) dst[d] = f32_to_bf16(src[d]);
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) {  /* f32_to_bf16 of 8 at a time, branch-free: a NaN lane takes the quiet form */
+            v8u32 u;
+            memcpy(&u, src + d, sizeof u);
+            const v8u32 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+            const v8u32 nan = (v8u32)((u & 0x7FFFFFFFu) > 0x7F800000u);
+            const v8u16 h = __builtin_convertvector((rounded & ~nan) | (quiet & nan), v8u16);
+            memcpy(dst + d, &h, sizeof h);
+        }
+        for (; d < D; d++) dst[d] = f32_to_bf16(src[d]);
     } else {
         memcpy((float *)cache + row, src, (size_t)D * sizeof(float));
     }

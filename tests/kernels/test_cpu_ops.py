@@ -111,6 +111,27 @@ def test_write_kv_is_exact_and_skips_padding(dtype):
         cpu_ops.write_kv(k, v, kv[0], kv[1], torch.tensor([0, 1, 2, 3, 4, -2]))
 
 
+def test_write_kv_rounds_to_bfloat16_as_torch_does_special_values_included():
+    """The bfloat16 rows are written 8 values at a time: ties to even, infinities, subnormals and the largest
+    values (which round up to infinity) as torch rounds them; a NaN stays a NaN (torch's own conversions disagree
+    on its bits: 0x7FC0 scalar, 0xFFFF vectorized)."""
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e-40, -1e-40, 3.4e38, -3.4e38, 1.0 + 2 ** -8,
+                            1.0 + 3 * 2 ** -8, 1.0 + 2 ** -8 + 2 ** -20, float("nan")])
+    nans = torch.tensor([0x7FC00001, 0xFFC00000, 0x7F800001, 0xFF812345], dtype=torch.int64).to(torch.uint32)
+    key = torch.randn(5, KV_HEADS, HEAD_DIM)
+    key.view(-1)[:special.numel()] = special
+    key.view(-1)[200:204] = nans.view(torch.float32)             # signalling and quiet NaNs with payloads
+    value = -key
+    kv = torch.zeros(2, 10, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    kv2 = kv.clone()
+    slots = torch.tensor([3, 40, 41, 100, 159])
+    cpu_ops.write_kv(key, value, kv[0], kv[1], slots)
+    ref.write_kv_ref(key, value, kv2[0], kv2[1], slots)
+    nan = kv2.isnan()
+    assert nan.sum() == 2 * 5 and torch.equal(kv.isnan(), nan)
+    assert torch.equal(kv.view(torch.int16)[~nan], kv2.view(torch.int16)[~nan])
+
+
 # --------------------------------------------------------------------------------------------------- attention
 def decode_case(seq_lens: list[int], dtype=torch.float32, extra_blocks: int = 4):
     """A decode step's attention inputs laid out as the engine lays them: blocks from a real BlockPool, tables
