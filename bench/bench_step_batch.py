@@ -49,7 +49,7 @@ import torch
 
 import kernels
 from engine import model_runner, quant
-from engine.config import CPU_MATMULS, EngineConfig
+from engine.config import CPU_MATMULS, KV_CACHE_DTYPES, EngineConfig
 from engine.engine_loop import (
     EngineLoop,
     RequestStream,
@@ -167,7 +167,7 @@ def run_scenario(engine, args, seed: int, timers: StepTimers | None) -> dict:
 
 def measure(threads: int, args) -> dict:
     config = EngineConfig(model=str(fetch_default_model()), num_threads=threads, kv_cache_memory=2 * 2**30,
-                          cpu_matmul=args.cpu_matmul)
+                          cpu_matmul=args.cpu_matmul, kv_cache_dtype=args.kv_cache_dtype)
     engine = build_engine(config, progress=False)
     timers = StepTimers()
     result: dict = {}
@@ -209,10 +209,11 @@ def table(results: list[dict], args, bandwidth: float) -> str:
     cols = [*COLUMNS, "outside linears and LM head"]
     lines = [(f"### Batch-{args.batch_size} steps of the {args.batch_size}-stream scenario, ms per step "
               f"({datetime.date.today()}, {cpu_model()}, copy {bandwidth / 1e9:.1f} GB/s, torch {torch.__version__}, "
-              f"SmolLM2-135M Q4_1, EngineConfig defaults, cpu_matmul {args.cpu_matmul})"), "",
+              f"SmolLM2-135M Q4_1, EngineConfig defaults, cpu_matmul {args.cpu_matmul}, kv_cache_dtype "
+              f"{args.kv_cache_dtype})"), "",
              (f"Command: `python bench/bench_step_batch.py --batch-size {args.batch_size} --threads "
               f"{','.join(map(str, args.threads))} --prompt-len {args.prompt_len} --output-len {args.output_len} "
-              f"--repeats {args.repeats} --cpu-matmul {args.cpu_matmul}`"), "",
+              f"--repeats {args.repeats} --cpu-matmul {args.cpu_matmul} --kv-cache-dtype {args.kv_cache_dtype}`"), "",
              "| threads | steps | " + " | ".join(cols) + " |", "|---|---|" + "---:|" * len(cols)]
     for res in results:
         for kind, row in res["rows"].items():
@@ -235,6 +236,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="scenario runs per thread count (each: untimed, timed)")
     parser.add_argument("--cpu-matmul", choices=CPU_MATMULS, default=EngineConfig.cpu_matmul,
                         help="EngineConfig.cpu_matmul (the default's unless given)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=EngineConfig.kv_cache_dtype,
+                        help="EngineConfig.kv_cache_dtype (the default's unless given)")
     parser.add_argument("--out", default="bench/results/step_batch.json")
     args = parser.parse_args()
     if args.batch_size < 1 or args.prompt_len < 1 or args.output_len < 2 or args.repeats < 1:

@@ -74,6 +74,8 @@ class ModelRunner:
         `kv_digests`: prefill steps take the digests of the blocks they finish (CPU, one rank; engine.kv_digests)."""
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
+        """What the KV cache stores (EngineConfig.kv_cache_dtype): the compute dtype, or bfloat16 on CPU."""
         self.block_size = config.block_size
         self.eos_token_ids = tuple(model_config.eos_token_ids)
         c = model_config
@@ -84,7 +86,7 @@ class ModelRunner:
             shards = rank_shards(c, config.tensor_parallel_size, config.quantization)
             # Every rank has the same blocks: size them for the rank with the most KV heads.
             largest = max(shards, key=lambda s: len(s.heads.kv_heads))
-            self.num_blocks = num_kv_blocks_for(config, shard_config(c, largest), self.dtype, self.device)
+            self.num_blocks = num_kv_blocks_for(config, shard_config(c, largest), self.kv_dtype, self.device)
             self.tp = TensorParallelGroup.start(config, c, weights, shards, max_model_len, self.num_blocks,
                                                 self.dtype)
             try:
@@ -98,10 +100,10 @@ class ModelRunner:
         else:
             self.model = LlamaModel(c, weights, self.dtype, self.device, max_position=max_model_len,
                                     quantization=config.quantization, cpu_matmul=config.cpu_matmul)
-            self.num_blocks = num_kv_blocks_for(config, c, self.dtype, self.device)
-        bytes_per_token = local.kv_bytes_per_token(self.dtype.itemsize)
+            self.num_blocks = num_kv_blocks_for(config, c, self.kv_dtype, self.device)
+        bytes_per_token = local.kv_bytes_per_token(self.kv_dtype.itemsize)
         log.info("KV cache: %d bytes/token (%s%s), %d blocks of %d tokens = %d tokens, %.1f MiB",
-                 bytes_per_token, str(self.dtype).removeprefix("torch."),
+                 bytes_per_token, str(self.kv_dtype).removeprefix("torch."),
                  f", rank 0 of {config.tensor_parallel_size}" if self.tp else "", self.num_blocks, self.block_size,
                  self.num_blocks * self.block_size, self.num_blocks * self.block_size * bytes_per_token / 2**20)
         # Zeroed, not empty: attention masks the slots past a sequence's length, but a masked slot still enters
@@ -114,8 +116,8 @@ class ModelRunner:
         """Whether prefill steps take the digests of the blocks they finish as they write them (engine.kv_digests:
         Sequence.kv_digests, what a prefill worker's push sends in its trailer)."""
         self.kv_cache = (self.kv_segment.tensor if self.kv_segment is not None
-                         else zeros_on_huge_pages(shape, self.dtype) if self.device.type == "cpu"
-                         else torch.zeros(shape, dtype=self.dtype, device=self.device))
+                         else zeros_on_huge_pages(shape, self.kv_dtype) if self.device.type == "cpu"
+                         else torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
         """This rank's heads: [L, 2, blocks, block_size, kv_heads of rank 0, D] (all of them without TP); on CPU
         on transparent huge pages where the kernel gives them (kvstore.malloc_tuning.zeros_on_huge_pages)."""
         self.compiled: CompiledDecodeStep | None = None
@@ -136,7 +138,7 @@ class ModelRunner:
                         "tensor parallelism" if self.tp is not None else f"device {self.device}")
             return None
         try:
-            segment = SharedKvCache(shape, self.dtype)  # zeroed, like the private cache
+            segment = SharedKvCache(shape, self.kv_dtype)  # zeroed, like the private cache
         except OSError as exc:
             log.warning("KV cache not in shared memory (%s): KV pushes use the pooled segments", exc)
             return None

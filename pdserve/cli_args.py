@@ -16,7 +16,7 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from engine.config import CPU_MATMULS, DTYPES, QUANTIZATIONS, EngineConfig
+from engine.config import CPU_MATMULS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from gateway.config import GatewayConfig
 from gateway.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 from decode_worker.config import VERIFY_KV_MODES, DecodeWorkerConfig
@@ -120,6 +120,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> list[argparse.Action]:
         _arg(g, E, "model", "a .gguf file, a Hugging Face directory, or 'default' (SmolLM2-135M-Instruct)",
              default="default"),
         _arg(g, E, "dtype", "compute and KV dtype (auto: bfloat16 on CUDA, float32 on CPU)", choices=DTYPES),
+        _arg(g, E, "kv_cache_dtype", "what the KV cache stores (auto: --dtype); bfloat16 with float32 compute "
+             "(CPU) holds twice the tokens in the same memory and halves what attention reads; prefill and "
+             "decode workers must agree", choices=KV_CACHE_DTYPES),
         _arg(g, E, "quantization", "weight-only quantization: int8 (linear layers and LM head) or int4 (linear "
              "layers, 32-input groups; LM head int8) (default: none, weights in --dtype)", choices=QUANTIZATIONS),
         _arg(g, E, "keep_quantized_weights", "keep a GGUF's quantized matrices in the file's encoding in memory, "

@@ -20,6 +20,12 @@ LOGIT_ATOL = 1e-3
 
 def engine_last_logits(llm, token_ids: list[int]) -> torch.Tensor:
     """Prefill `token_ids` into scratch blocks of the engine's own cache and return the last-position logits."""
+    hidden = engine_prefill(llm, token_ids)
+    return llm.engine.runner.model.compute_logits(hidden[-1:])[0]
+
+
+def engine_prefill(llm, token_ids: list[int]) -> torch.Tensor:
+    """The hidden states of one prefill of `token_ids` into scratch blocks of the engine's own cache."""
     runner = llm.engine.runner
     n = len(token_ids)
     num_blocks = -(-n // runner.block_size)
@@ -28,8 +34,7 @@ def engine_last_logits(llm, token_ids: list[int]) -> torch.Tensor:
     meta = AttentionMetadata(slot_mapping=torch.tensor(slots), block_tables=torch.tensor([block_ids], dtype=torch.int32),
                              seq_lens=torch.tensor([n], dtype=torch.int32),
                              query_start_loc=torch.tensor([0, n], dtype=torch.int32))
-    hidden = runner.model.forward(torch.tensor(token_ids), torch.arange(n), runner.kv_cache, meta)
-    return runner.model.compute_logits(hidden[-1:])[0]
+    return runner.model.forward(torch.tensor(token_ids), torch.arange(n), runner.kv_cache, meta)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

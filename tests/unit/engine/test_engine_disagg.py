@@ -7,6 +7,7 @@ import torch
 
 import kernels
 from engine.block_lease import LeaseState
+from engine.config import EngineConfig
 from engine.errors import OverloadedError
 from engine.sampling_params import SamplingParams
 from test_engine_tiny import prompts
@@ -118,3 +119,39 @@ def test_engine_loop_stop_fails_waiting_callers_instead_of_hanging():
     with pytest.raises(LoopStopped):
         loop.call(lambda e: e.stats())
     stream.close()
+
+
+def test_a_bfloat16_kv_cache_moves_between_engines_and_decodes_as_one_engine_does():
+    """kv_cache_dtype="bfloat16" with float32 compute: the blocks a prefill engine writes (rounded to bfloat16)
+    gathered and scattered into a decode engine's cache give the tokens one such engine gives alone."""
+    params = PARAMS[0]
+    ps = prompts(4, seed=12, lo=5, hi=40)
+    expected = run(tiny_engine(kv_cache_dtype="bfloat16"), ps, [params] * 4)
+    prefill, decode = tiny_engine(kv_cache_dtype="bfloat16"), tiny_engine(kv_cache_dtype="bfloat16")
+    assert prefill.runner.kv_cache.dtype == decode.runner.kv_cache.dtype == torch.bfloat16
+    got = [prefill_then_decode(prefill, decode, f"r{i}", p, params, seed=0).output_token_ids
+           for i, p in enumerate(ps)]
+    assert got == expected
+    for engine in (prefill, decode):
+        assert engine.stats().used_blocks == 0 and engine.stats().held == 0
+
+
+def test_a_bfloat16_kv_cache_holds_twice_the_blocks_in_the_same_memory():
+    budget = 2**20
+    as_float32 = tiny_engine(num_kv_blocks=None, kv_cache_memory=budget)
+    as_bfloat16 = tiny_engine(num_kv_blocks=None, kv_cache_memory=budget, kv_cache_dtype="bfloat16")
+    assert as_float32.runner.kv_cache.dtype == torch.float32
+    assert as_bfloat16.runner.num_blocks == 2 * as_float32.runner.num_blocks
+    assert as_bfloat16.runner.kv_cache.nbytes == as_float32.runner.kv_cache.nbytes
+    assert as_float32.runner.kv_dtype == torch.float32 and as_bfloat16.runner.model.dtype == torch.float32
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"kv_cache_dtype": "int8"}, "must be one of"),
+    ({"kv_cache_dtype": "float32", "device": "cuda"}, "CPU only"),
+    ({"kv_cache_dtype": "bfloat16", "tensor_parallel_size": 2}, "without tensor parallelism"),
+])
+def test_kv_cache_dtype_is_validated_naming_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=f"EngineConfig.kv_cache_dtype.*{message}"):
+        EngineConfig(model="m", **kwargs)
+    EngineConfig(model="m", kv_cache_dtype="bfloat16", dtype="bfloat16", device="cuda")  # the compute dtype: fine

@@ -19,7 +19,7 @@ from pdserve.launcher import LocalClusterConfig
 from prefill_worker.config import PrefillWorkerConfig
 
 ENGINE_FLAGS = ["--model", "/models/x.gguf", "--dtype", "bfloat16", "--quantization", "int8", "--no-keep-quantized-weights",
-                "--cpu-matmul", "native", "--device", "cuda:1",
+                "--kv-cache-dtype", "bfloat16", "--cpu-matmul", "native", "--device", "cuda:1",
                 "--max-model-len", "4096", "--kv-cache-memory", "256M", "--kv-cache-memory-fraction", "0.5",
                 "--num-kv-blocks", "300", "--block-size", "32", "--max-num-seqs", "8",
                 "--max-num-batched-tokens", "512", "--long-prefill-token-threshold", "128", "--max-waiting", "10",
@@ -27,7 +27,7 @@ ENGINE_FLAGS = ["--model", "/models/x.gguf", "--dtype", "bfloat16", "--quantizat
                 "--seed", "7", "--tensor-parallel-size", "2", "--tensor-parallel-timeout", "30", "--compile-decode",
                 "--compile-batch-sizes", "1,4"]
 ENGINE = EngineConfig(model="/models/x.gguf", dtype="bfloat16", quantization="int8", keep_quantized_weights=False,
-                      cpu_matmul="native", device="cuda:1",
+                      kv_cache_dtype="bfloat16", cpu_matmul="native", device="cuda:1",
                       max_model_len=4096, kv_cache_memory=256 * 2**20, kv_cache_memory_fraction=0.5, num_kv_blocks=300,
                       block_size=32, max_num_seqs=8, max_num_batched_tokens=512, long_prefill_token_threshold=128, max_waiting=10,
                       enable_prefix_caching=False, num_threads=3, seed=7, tensor_parallel_size=2,
@@ -71,6 +71,17 @@ def test_gateway_flags_map_onto_every_field():
     assert config == expected
     assert_every_field_differs_from_default(dataclasses.replace(config, model="x", redis_url="y"),
                                             exclusive=["insecure_internal"])
+
+
+def test_kv_cache_dtype_apart_from_the_compute_dtype_is_a_usage_error_naming_the_flag_off_cpu():
+    args = parse("decode-worker", "--redis-url", "redis://r:1/0", "--device", "cuda", "--kv-cache-dtype", "float32")
+    with pytest.raises(cli_args.UsageError, match="--kv-cache-dtype.*CPU only"):
+        cli_args.engine_config(args)
+    with pytest.raises(SystemExit):  # argparse's own error for a value outside the choices
+        parse("decode-worker", "--kv-cache-dtype", "int8")
+    on_cpu = cli_args.engine_config(parse("decode-worker", "--redis-url", "redis://r:1/0", "--kv-cache-dtype",
+                                          "bfloat16"))
+    assert on_cpu.kv_cache_dtype == "bfloat16" and "--kv-cache-dtype" in cli_args.engine_flags(on_cpu)
 
 
 def test_gateway_defaults_are_the_dataclass_defaults():
