@@ -6,7 +6,8 @@
 
 Modes: float32 (the Q4_1 GGUF dequantized), int8, int4 (the GGUF's Q4_1 codes), int4-native (the same codes
 through `cpu_matmul="native"`: activations rounded to int8 per 32 inputs and integer dot products, llama.cpp's
-arithmetic for Q4_1, where the default rounds them to bfloat16), and GPTQ checkpoints written by
+arithmetic for Q4_1, where the default rounds them to bfloat16), int4-kv-bf16 (the same codes over a bfloat16 KV
+cache, kv_cache_dtype="bfloat16"), and GPTQ checkpoints written by
 `pdserve quantize` from the dequantized GGUF: RTN 4-bit g128, GPTQ 4-bit g128, GPTQ 4-bit g128 act-order
 (symmetric, calibrated on bench/data/shakespeare_calibration.txt; their LM head runs int8, as in the int4 mode).
 --modes runs a subset (float32, the ratios' base, always runs; GPTQ checkpoints are made only when asked for).
@@ -63,8 +64,10 @@ GPTQ_MODES = {
 }
 LABELS = {"float32": "float32 (Q4_1 dequantized)", "int8": "int8 (per-row, from float32)",
           "int4": "int4 (the GGUF's Q4_1 codes)", "int4-native": "int4, `cpu_matmul=\"native\"` (int8 activations)",
-          "rtn4-g128": "RTN 4-bit g128", "gptq4-g128": "GPTQ 4-bit g128",
-          "gptq4-g128-act-order": "GPTQ 4-bit g128 act-order"}
+          "int4-kv-bf16": "int4, `kv_cache_dtype=\"bfloat16\"`", "rtn4-g128": "RTN 4-bit g128",
+          "gptq4-g128": "GPTQ 4-bit g128", "gptq4-g128-act-order": "GPTQ 4-bit g128 act-order"}
+KERNEL_MODES = {"int4-native": {"cpu_matmul": "native"}, "int4-kv-bf16": {"kv_cache_dtype": "bfloat16"}}
+"""The int4 mode with another EngineConfig choice."""
 SPEED_PROMPT_LEN = 16
 SPEED_KEYS = ("decode_b1", f"decode_b{BATCH}", "prefill_512")
 
@@ -141,9 +144,9 @@ def load_mode(name: str, model_path: Path, out_dir: Path, loaded, kv_cache_memor
     if name in GPTQ_MODES:  # the LM head (kept float16 in the checkpoint) runs int8, as in the int4 mode
         return LLM(model=str(out_dir / name), dtype="float32", quantization="int8",
                    kv_cache_memory=kv_cache_memory, progress=False)
-    if name == "int4-native":
-        return LLM(model=str(model_path), dtype="float32", quantization="int4", cpu_matmul="native",
-                   kv_cache_memory=kv_cache_memory, progress=False, loaded=loaded)
+    if name in KERNEL_MODES:
+        return LLM(model=str(model_path), dtype="float32", quantization="int4", kv_cache_memory=kv_cache_memory,
+                   progress=False, loaded=loaded, **KERNEL_MODES[name])
     return LLM(model=str(model_path), dtype="float32", quantization=None if name == "float32" else name,
                kv_cache_memory=kv_cache_memory, progress=False, loaded=loaded)
 
