@@ -5,6 +5,7 @@ sender killed mid-push and a restarted sender (new segment, new epoch) in their 
 pair whose prefill cache lives in shared memory gives the offline engine's tokens."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -352,3 +353,28 @@ def test_a_1p1d_pair_with_the_prefill_cache_in_shared_memory_gives_the_offline_t
         d.stop(0)
     assert segment is not None and not (SHM_DIR / segment.name).exists()   # unlinked at shutdown
 
+
+
+@pytest.mark.parametrize("transport", ["shm", "grpc"])
+def test_a_1p1d_pair_with_bfloat16_kv_caches_gives_one_such_engines_tokens(transport):
+    """kv_cache_dtype="bfloat16" on both workers: the prefill worker's bfloat16 blocks (zero-copy out of its
+    shared-memory cache, or in gRPC chunks) land in the decode worker's bfloat16 cache and decode to the tokens one
+    engine with such a cache gives alone."""
+    config = dataclasses.replace(ENGINE, kv_cache_dtype="bfloat16")
+    d = start_decode(DecodeWorkerConfig("d0", None, max_lease_ms=60_000, insecure_internal=True), config,
+                     engine=tiny_engine(kv_cache_dtype="bfloat16"))
+    endpoint = f"127.0.0.1:{d.port}"
+    p = start_prefill(PrefillWorkerConfig("p0", None, transport=transport, decode_endpoints=(endpoint,)), config,
+                      engine=LLMEngine(config, loaded=tiny_loaded(), kv_cache_in_shm=True, kv_digests=True))
+    try:
+        assert p.worker.layout.dtype == d.worker.layout.dtype == "bfloat16"
+        pstub, dstub = stubs(p, d)
+        for rid, prompt in (("r1", PROMPT), ("r2", PROMPT + [7, 8, 9])):
+            tokens, pre, _ = disaggregated(pstub, dstub, rid, prompt, GREEDY)
+            assert tokens == run(tiny_engine(kv_cache_dtype="bfloat16"), [prompt], [GREEDY])[0]
+            assert pre.transport == transport and pre.transfer_bytes > 0
+        assert wait_idle(dstub).used_blocks == 0 and wait_idle(pstub).used_blocks == 0
+        assert d.worker.num_transfer_errors == 0
+    finally:
+        p.stop(0)
+        d.stop(0)
