@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8", "int4")
+"""Values of EngineConfig.quantization besides None."""
 CPU_MATMULS = ("torch", "native", "native-bf16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
-"""Values of EngineConfig.quantization besides None."""
 
 
 ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn", "longrope")
@@ -192,8 +192,8 @@ class EngineConfig:
     """Dtype the KV cache stores: "auto" (the compute dtype), "float32" or "bfloat16". "bfloat16" with float32
     compute (CPU) halves the cache's bytes: twice the tokens in the same kv_cache_memory, and half the bytes a
     decode step's attention reads (the keys and values are rounded to bfloat16 as they are written, attention
-    computes in float32, as with a bfloat16 model). Another dtype than the compute dtype runs on CPU only. Part
-    of the KV layout a transfer checks: prefill and decode workers must agree."""
+    computes in float32, as with a bfloat16 model), on CPU without tensor parallelism: the one dtype apart from the
+    compute dtype. Part of the KV layout a transfer checks: prefill and decode workers must agree."""
     quantization: str | None = None
     """Weight quantization, lossy and part of the model fingerprint (caches never mix encodings); see engine.quant.
     None keeps the checkpoint's weights as loaded: a GGUF's matrices in the file's encoding (keep_quantized_weights),
@@ -283,13 +283,13 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
                              f"got {self.kv_cache_dtype!r}")
         compute = self.dtype if self.dtype != "auto" else "float32" if self.device.startswith("cpu") else "bfloat16"
-        if self.kv_cache_dtype not in ("auto", compute):
-            if not self.device.startswith("cpu"):
-                raise ValueError(f"EngineConfig.kv_cache_dtype {self.kv_cache_dtype!r} with {compute} compute runs on "
-                                 f"CPU only, not on device {self.device!r}: use 'auto' there")
-            if self.tensor_parallel_size > 1:
-                raise ValueError(f"EngineConfig.kv_cache_dtype {self.kv_cache_dtype!r} with {compute} compute runs "
-                                 "without tensor parallelism only: use 'auto' with tensor_parallel_size > 1")
+        if self.kv_cache_dtype not in ("auto", compute) and not (
+                self.kv_cache_dtype == "bfloat16" and compute == "float32" and self.device.startswith("cpu")
+                and self.tensor_parallel_size == 1):
+            raise ValueError(f"EngineConfig.kv_cache_dtype {self.kv_cache_dtype!r} differs from the compute dtype "
+                             f"({compute}, device {self.device!r}, tensor_parallel_size {self.tensor_parallel_size}):"
+                             " only 'bfloat16' under float32 compute on CPU without tensor parallelism may; use "
+                             "'auto'")
         if self.cpu_matmul not in CPU_MATMULS:
             raise ValueError(f"EngineConfig.cpu_matmul must be one of {CPU_MATMULS}, got {self.cpu_matmul!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:

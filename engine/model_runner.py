@@ -75,7 +75,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
-        """What the KV cache stores (EngineConfig.kv_cache_dtype): the compute dtype, or bfloat16 on CPU."""
+        """What the KV cache stores (EngineConfig.kv_cache_dtype): the compute dtype, or bfloat16 under float32."""
         self.block_size = config.block_size
         self.eos_token_ids = tuple(model_config.eos_token_ids)
         c = model_config

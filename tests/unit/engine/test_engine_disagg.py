@@ -148,8 +148,9 @@ def test_a_bfloat16_kv_cache_holds_twice_the_blocks_in_the_same_memory():
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"kv_cache_dtype": "int8"}, "must be one of"),
-    ({"kv_cache_dtype": "float32", "device": "cuda"}, "CPU only"),
-    ({"kv_cache_dtype": "bfloat16", "tensor_parallel_size": 2}, "without tensor parallelism"),
+    ({"kv_cache_dtype": "float32", "device": "cuda"}, "device 'cuda'.*on CPU without tensor parallelism"),
+    ({"kv_cache_dtype": "bfloat16", "tensor_parallel_size": 2}, "tensor_parallel_size 2.*without tensor parallelism"),
+    ({"kv_cache_dtype": "float32", "dtype": "bfloat16"}, "only 'bfloat16' under float32 compute"),
 ])
 def test_kv_cache_dtype_is_validated_naming_the_field(kwargs, message):
     with pytest.raises(ValueError, match=f"EngineConfig.kv_cache_dtype.*{message}"):

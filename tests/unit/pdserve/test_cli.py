@@ -75,7 +75,7 @@ def test_gateway_flags_map_onto_every_field():
 
 def test_kv_cache_dtype_apart_from_the_compute_dtype_is_a_usage_error_naming_the_flag_off_cpu():
     args = parse("decode-worker", "--redis-url", "redis://r:1/0", "--device", "cuda", "--kv-cache-dtype", "float32")
-    with pytest.raises(cli_args.UsageError, match="--kv-cache-dtype.*CPU only"):
+    with pytest.raises(cli_args.UsageError, match="--kv-cache-dtype.*on CPU without tensor parallelism"):
         cli_args.engine_config(args)
     with pytest.raises(SystemExit):  # argparse's own error for a value outside the choices
         parse("decode-worker", "--kv-cache-dtype", "int8")
