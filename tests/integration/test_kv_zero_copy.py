@@ -354,7 +354,6 @@ def test_a_1p1d_pair_with_the_prefill_cache_in_shared_memory_gives_the_offline_t
     assert segment is not None and not (SHM_DIR / segment.name).exists()   # unlinked at shutdown
 
 
-
 @pytest.mark.parametrize("transport", ["shm", "grpc"])
 def test_a_1p1d_pair_with_bfloat16_kv_caches_gives_one_such_engines_tokens(transport):
     """kv_cache_dtype="bfloat16" on both workers: the prefill worker's bfloat16 blocks (zero-copy out of its
