@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from pdserve.bench.suite import SuiteResults
 
 PEERS = ("llama-server", "transformers")
-PDSERVE = ("pdserve-engine", "pdserve-engine-int8", "pdserve-engine-int4", "pdserve-engine-native", "pdserve-1p1d",
-           "pdserve-1p1d-lend")
+PDSERVE = ("pdserve-engine", "pdserve-engine-int8", "pdserve-engine-int4", "pdserve-engine-native",
+           "pdserve-engine-kv-bf16", "pdserve-1p1d", "pdserve-1p1d-lend")
 
 
 def _f(value: float | None, digits: int = 1) -> str:
@@ -81,7 +81,8 @@ def render(results: SuiteResults, pngs: Mapping[str, str]) -> str:
         "rendered once, sent as raw completions), greedy, EOS ignored, exactly max_tokens generated",
         f"- Batch-1 decode roofline: weights read per token {weights['stored'] / 2**20:.0f} MiB as stored in the "
         f"GGUF (llama.cpp reads these) / {weights['kept'] / 2**20:.0f} MiB as pdserve keeps the file's codes "
-        "(int4 4-bit groups, int8 8-bit ones: pdserve-engine, pdserve-engine-native, the clusters) "
+        "(int4 4-bit groups, int8 8-bit ones: pdserve-engine, pdserve-engine-native, pdserve-engine-kv-bf16, the "
+        "clusters) "
         f"/ {weights['float32'] / 2**20:.0f} MiB as float32 (transformers) "
         f"/ {weights['int8'] / 2**20:.0f} MiB as int8 + bf16 row scales (pdserve-engine-int8) "
         f"/ {weights['int4'] / 2**20:.0f} MiB as int4 + bf16 group scales, int8 LM head (pdserve-engine-int4); "
@@ -334,7 +335,7 @@ BATCH1_GOAL = 1.0
 ONE_P_ONE_D_TPOT_GOAL = 1.1
 """Issue 16: 1P+1D batch-1 TPOT within 1.1x of the one-process engine with the same decode threads (in the
 suite: pdserve-1p1d-lend, whose decode steps run on both workers' cores, against pdserve-engine on them)."""
-INT4_SYSTEMS = ("pdserve-engine", "pdserve-engine-int4", "pdserve-engine-native")
+INT4_SYSTEMS = ("pdserve-engine", "pdserve-engine-int4", "pdserve-engine-native", "pdserve-engine-kv-bf16")
 GOODPUT_DISAGGREGATED = ("pdserve-1p1d-pinned", "pdserve-1p1d-lend")
 """The 1P+1D systems the goodput goal compares with pdserve-colocated, each on its own row."""
 SLO_SCALES = (2.0, 3.0, 5.0)

@@ -9,6 +9,8 @@ Systems (each gets the same `threads`; the disaggregated shapes divide them amon
     pdserve-engine-int4   the same with int4 weight-only quantization (the GGUF's Q4_1 codes, int8 LM head)
     pdserve-engine-native pdserve-engine on int8 activations (EngineConfig.cpu_matmul="native"), llama.cpp's
                           arithmetic: its greedy tokens may differ from transformers'
+    pdserve-engine-kv-bf16  pdserve-engine with its KV cache in bfloat16 (EngineConfig.kv_cache_dtype="bfloat16"):
+                          half the bytes attention reads; its greedy tokens may differ from transformers'
     pdserve-1p1d          LocalCluster: 1 prefill + 1 decode worker + gateway + Redis (gRPC client)
     pdserve-2p1d-prefix   2 prefill + 1 decode, prefix-aware routing
     pdserve-2p1d-rr       2 prefill + 1 decode, round-robin routing
@@ -92,8 +94,9 @@ ENGINE = "pdserve-engine"
 ENGINE_INT8 = "pdserve-engine-int8"
 ENGINE_INT4 = "pdserve-engine-int4"
 ENGINE_NATIVE = "pdserve-engine-native"
+ENGINE_KV_BF16 = "pdserve-engine-kv-bf16"
 ENGINES = {ENGINE: {}, ENGINE_INT8: {"quantization": "int8"}, ENGINE_INT4: {"quantization": "int4"},
-           ENGINE_NATIVE: {"cpu_matmul": "native"}}
+           ENGINE_NATIVE: {"cpu_matmul": "native"}, ENGINE_KV_BF16: {"kv_cache_dtype": "bfloat16"}}
 """In-process engine systems and their EngineConfig fields beyond the suite's own."""
 ONE_P_ONE_D = "pdserve-1p1d"
 TWO_P_PREFIX = "pdserve-2p1d-prefix"
@@ -102,8 +105,8 @@ COLOCATED = "pdserve-colocated"
 COLOCATED_CAPPED = "pdserve-colocated-capped"
 ONE_P_ONE_D_PINNED = "pdserve-1p1d-pinned"
 ONE_P_ONE_D_LEND = "pdserve-1p1d-lend"
-SYSTEMS = (LLAMA_SERVER, TRANSFORMERS, ENGINE, ENGINE_INT8, ENGINE_INT4, ENGINE_NATIVE, ONE_P_ONE_D, TWO_P_PREFIX,
-           TWO_P_RR, COLOCATED, COLOCATED_CAPPED, ONE_P_ONE_D_PINNED, ONE_P_ONE_D_LEND)
+SYSTEMS = (LLAMA_SERVER, TRANSFORMERS, ENGINE, ENGINE_INT8, ENGINE_INT4, ENGINE_NATIVE, ENGINE_KV_BF16, ONE_P_ONE_D,
+           TWO_P_PREFIX, TWO_P_RR, COLOCATED, COLOCATED_CAPPED, ONE_P_ONE_D_PINNED, ONE_P_ONE_D_LEND)
 GOODPUT_SYSTEMS = (LLAMA_SERVER, COLOCATED, COLOCATED_CAPPED, ONE_P_ONE_D_PINNED, ONE_P_ONE_D_LEND)
 FAMILIES = ("batch1", "streams", "prefix_cache", "shared_prefix", "sweep", "goodput")
 NUM_PREFILL = {ONE_P_ONE_D: 1, TWO_P_PREFIX: 2, TWO_P_RR: 2, COLOCATED: 0, COLOCATED_CAPPED: 0, ONE_P_ONE_D_PINNED: 1,
