@@ -225,6 +225,34 @@ PD_INLINE void prefetch_row(const void *cache, int bf16, int64_t index, int64_t 
     for (int64_t c = 0; c < width * (bf16 ? 2 : 4); c += 64) __builtin_prefetch(row + c, 0, 2);
 }
 
+/* The same lines fetched a few at a time between the reads of the rows in use rather than all at once: `count` rows of
+ * a cache from `index` (`width` values each, Hkv * D apart), `per` lines a pf_next call. A burst of a block's lines
+ * stalls on the miss buffers (the prefetches wait for free ones, and the arithmetic behind them), where the same
+ * lines spread over the block's arithmetic overlap with it: the float32 decode attention at 32 sequences reads
+ * 1.2x as many bytes a second (bench/bench_attention_ab.py; BENCHMARKS.md, "the decode attention's prefetches"). */
+struct pf_stream { const char *row; int64_t col, bytes, stride, rows, per; };
+
+PD_INLINE struct pf_stream pf_rows(const void *cache, int bf16, int64_t index, int64_t count, int64_t Hkv,
+                                   int64_t width, int64_t D, int64_t calls) {
+    const int64_t es = bf16 ? 2 : 4, lines = count * ((width * es + 63) / 64);
+    if (count <= 0) return (struct pf_stream){NULL, 0, 0, 0, 0, 0};
+    return (struct pf_stream){(const char *)cache + index * D * es, 0, width * es, Hkv * D * es, count,
+                              (lines + calls - 1) / calls};
+}
+
+PD_INLINE void pf_next(struct pf_stream *f) {
+    if (!f) return;
+    for (int64_t i = 0; i < f->per && f->rows > 0; i++) {
+        __builtin_prefetch(f->row + f->col, 0, 2);
+        f->col += 64;
+        if (f->col >= f->bytes) {
+            f->col = 0;
+            f->row += f->stride;
+            f->rows--;
+        }
+    }
+}
+
 /* ------------------------------------------------------------------------------------------------ RMSNorm */
 /* out[t] = x[t] * (1 / sqrt(mean(x[t]^2) + eps)) * w. With residual (res != NULL): x[t] + res[t] is written to
  * res_out[t] first and normalized. x, res: rows of stride x_s / r_s; out, res_out: contiguous [T, H]. */
@@ -639,7 +667,7 @@ PD_INLINE const float *block_rows(const void *cache, int bf16, int64_t index, in
  * narrow: 8 positions at a time in two passes of 4 (dot8_narrow: their partial sums fit 16 registers of 8 lanes,
  * where 16 positions' spilled on AVX2), reduced by hsum16x8 (hsum16x16's lanes, bit for bit). */
 PD_INLINE void scores16(const float *q, int64_t q_s1, int64_t G, const float *restrict k, int64_t ks, int64_t D,
-                        float scale, float softcap, float *s, int64_t stride, const int narrow) {
+                        float scale, float softcap, float *s, int64_t stride, const int narrow, struct pf_stream *f) {
     for (int64_t g = 0; g < G; g++) {
         if (narrow) {  /* each 8 scores stored as they come (a 16-lane vector built lane by lane went to the stack) */
             float *o = s + g * stride;
@@ -653,7 +681,10 @@ PD_INLINE void scores16(const float *q, int64_t q_s1, int64_t G, const float *re
         }
         v16f part[16];
         #pragma GCC unroll 16
-        for (int j = 0; j < 16; j++) part[j] = dot_lanes(q + g * q_s1, k + j * ks, D);
+        for (int j = 0; j < 16; j++) {
+            pf_next(f);
+            part[j] = dot_lanes(q + g * q_s1, k + j * ks, D);
+        }
         v16f out = hsum16x16(part) * scale;
         if (softcap > 0.0f)
             for (int j = 0; j < 16; j++) out[j] = tanhf(out[j] / softcap) * softcap;
@@ -663,13 +694,18 @@ PD_INLINE void scores16(const float *q, int64_t q_s1, int64_t G, const float *re
 
 /* out[r] (+)= sum over positions p < n of w[r * w_stride + p] * v[p * vs ..] for NR <= 4 rows and `cols` columns (a
  * multiple of 16, at most 128), in position order (axpy's arithmetic, bit for bit) from zero (from_zero) or from
- * out's values, the sums in registers: v rows vs floats apart, rows of out D apart. */
+ * out's values, the sums in registers: v rows vs floats apart, rows of out D apart. f (or NULL): lines fetched
+ * a position at a time. */
 PD_INLINE void pv_rows(const int NR, const float *w, int64_t w_stride, const float *restrict v, int64_t vs, int64_t n,
-                       const int64_t cols, int64_t D, const int from_zero, float *out) {
-    v16f acc[4][8] = {{{0}}};  /* NR <= 4 rows, cols <= 128 */
-    if (!from_zero)
-        for (int r = 0; r < NR; r++) memcpy(acc[r], out + r * D, (size_t)cols * sizeof(float));
+                       const int64_t cols, int64_t D, const int from_zero, float *out, struct pf_stream *f) {
+    v16f acc[4][8];  /* NR <= 4 rows, cols <= 128; only those used are set (all of it was a 2 KiB store a call) */
+    for (int r = 0; r < NR; r++)
+        for (int64_t c = 0; c < cols / 16; c++) {
+            if (from_zero) acc[r][c] = (v16f){0};
+            else memcpy(&acc[r][c], out + r * D + 16 * c, sizeof acc[r][c]);
+        }
     for (int64_t p = 0; p < n; p++) {
+        pf_next(f);
         for (int64_t c = 0; c < cols / 16; c++) {
             v16f x;
             memcpy(&x, v + p * vs + c * 16, sizeof x);
@@ -681,23 +717,23 @@ PD_INLINE void pv_rows(const int NR, const float *w, int64_t w_stride, const flo
 
 /* pv_rows for all G rows, four at a time (w and out at row 0). */
 PD_INLINE void pv_all_rows(int64_t G, const float *w, int64_t w_stride, const float *restrict v, int64_t vs, int64_t n,
-                           const int64_t cols, int64_t D, const int from_zero, float *out) {
+                           const int64_t cols, int64_t D, const int from_zero, float *out, struct pf_stream *f) {
     int64_t g = 0;
-    for (; g + 4 <= G; g += 4) pv_rows(4, w + g * w_stride, w_stride, v, vs, n, cols, D, from_zero, out + g * D);
-    if (G - g == 3) pv_rows(3, w + g * w_stride, w_stride, v, vs, n, cols, D, from_zero, out + g * D);
-    if (G - g == 2) pv_rows(2, w + g * w_stride, w_stride, v, vs, n, cols, D, from_zero, out + g * D);
-    if (G - g == 1) pv_rows(1, w + g * w_stride, w_stride, v, vs, n, cols, D, from_zero, out + g * D);
+    for (; g + 4 <= G; g += 4) pv_rows(4, w + g * w_stride, w_stride, v, vs, n, cols, D, from_zero, out + g * D, f);
+    if (G - g == 3) pv_rows(3, w + g * w_stride, w_stride, v, vs, n, cols, D, from_zero, out + g * D, f);
+    if (G - g == 2) pv_rows(2, w + g * w_stride, w_stride, v, vs, n, cols, D, from_zero, out + g * D, f);
+    if (G - g == 1) pv_rows(1, w + g * w_stride, w_stride, v, vs, n, cols, D, from_zero, out + g * D, f);
 }
 
 /* The scores of `rows` query rows (from qr, a->q_s1 apart) against cnt positions whose K rows are kr, ks floats
  * apart: s[g * n + j] for row g, position j, score()'s bits: 16 positions reduced together (wide, D % 16 == 0) or
  * 8 (narrow, D % 32 == 0), the rest one at a time. */
 PD_INLINE void head_scores(const struct attn *a, const float *qr, const float *restrict kr, int64_t ks, int64_t cnt,
-                           int64_t rows, const int64_t D, const int narrow, float *s, int64_t n) {
+                           int64_t rows, const int64_t D, const int narrow, float *s, int64_t n, struct pf_stream *f) {
     if (!narrow && D % 16 == 0) {
         int64_t j = 0;
         for (; j + 16 <= cnt; j += 16)
-            scores16(qr, a->q_s1, rows, kr + j * ks, ks, D, a->scale, a->softcap, s + j, n, 0);
+            scores16(qr, a->q_s1, rows, kr + j * ks, ks, D, a->scale, a->softcap, s + j, n, 0, f);
         for (; j < cnt; j++)
             for (int64_t g = 0; g < rows; g++)
                 s[g * n + j] = score(qr + g * a->q_s1, kr + j * ks, D, a->scale, a->softcap, 0);
@@ -735,6 +771,9 @@ PD_INLINE int attend_body(const struct attn *a, int64_t b, int64_t h0, int64_t h
     const int64_t row_width = (h1 - h0) * D;  /* the item's part of a slot row */
     const int blocked = narrow && D % 32 == 0;
     const int wide_blocks = !narrow && D % 16 == 0 && D <= 128;
+    /* the next block's lines spread over this block's reads (pf_stream); a bfloat16 cache is converted a block at
+     * a time (block_rows) as it begins, which a burst serves better (measured, bench/bench_attention_ab.py) */
+    const int spread = wide_blocks && !a->bf16;
     float *scores = get_scratch((size_t)(rows * n + bs * row_width + rows * D));
     if (!scores) return -2;
     float *tmp = scores + rows * n, *acc = tmp + bs * row_width;
@@ -754,15 +793,21 @@ PD_INLINE int attend_body(const struct attn *a, int64_t b, int64_t h0, int64_t h
         int64_t ks;
         const float *kb = block_rows(a->k_cache, a->bf16, (block * bs + off) * Hkv + h0, cnt, Hkv, row_width, D, tmp,
                                      &ks);
-        /* the next block's rows prefetched spread over the item's rows (narrow) or heads, each one's scores */
+        /* the next block's rows prefetched: a position's score at a time (spread), else in a burst a chunk of the
+         * item's rows (narrow) or heads */
         const int64_t per = narrow ? 1 : G, chunks = rows / per;
+        const int next_ok = next >= 0 && next < a->num_blocks;
+        struct pf_stream fs = pf_rows(a->k_cache, a->bf16, (next * bs + off) * Hkv + h0, spread && next_ok ? cnt : 0,
+                                      Hkv, row_width, D, rows * 16);
         for (int64_t c = 0; c < chunks; c++) {
-            if (next >= 0 && next < a->num_blocks)
+            if (!spread && next_ok)
                 for (int64_t j = c * cnt / chunks; j < (c + 1) * cnt / chunks; j++)
                     prefetch_row(a->k_cache, a->bf16, (next * bs + off + j) * Hkv + h0, row_width, D);
             head_scores(a, qb + c * per * a->q_s1, kb + c * per / G * D, ks, cnt, per, D, narrow,
-                        scores + c * per * n + p - first, n);
+                        scores + c * per * n + p - first, n, &fs);
         }
+        fs.per = INT64_MAX;  /* what a short block left */
+        pf_next(&fs);
         p += cnt;
     }
     for (int64_t r = 0; r < rows; r++) softmax_row(scores + r * n, n);
@@ -774,10 +819,13 @@ PD_INLINE int attend_body(const struct attn *a, int64_t b, int64_t h0, int64_t h
         int64_t vs;
         const float *vb = block_rows(a->v_cache, a->bf16, (block * bs + off) * Hkv + h0, cnt, Hkv, row_width, D, tmp,
                                      &vs);
-        /* parts: (kv head, 32 columns) when blocked, else kv heads; the next block's rows spread over them */
+        /* parts: (kv head, 32 columns) when blocked, else kv heads; the next block's rows a position at a time
+         * (spread), else in a burst a part */
         const int64_t per_head = blocked ? D / 32 : 1, parts = (h1 - h0) * per_head;
+        struct pf_stream fv = pf_rows(a->v_cache, a->bf16, (next * bs + off) * Hkv + h0,
+                                      spread && next >= 0 ? cnt : 0, Hkv, row_width, D, parts * cnt);
         for (int64_t part = 0; part < parts; part++) {
-            if (next >= 0)
+            if (!spread && next >= 0)
                 for (int64_t j = part * cnt / parts; j < (part + 1) * cnt / parts; j++)
                     prefetch_row(a->v_cache, a->bf16, (next * bs + off + j) * Hkv + h0, row_width, D);
             const int64_t h = part / per_head;
@@ -788,12 +836,14 @@ PD_INLINE int attend_body(const struct attn *a, int64_t b, int64_t h0, int64_t h
                 continue;
             }
             if (wide_blocks) {
-                pv_all_rows(G, w, n, vh, vs, cnt, D, D, 0, acc + h * G * D);
+                pv_all_rows(G, w, n, vh, vs, cnt, D, D, 0, acc + h * G * D, &fv);
                 continue;
             }
             for (int64_t j = 0; j < cnt; j++)
                 for (int64_t g = 0; g < G; g++) axpy(acc + (h * G + g) * D, w[g * n + j], vh + j * vs, D);
         }
+        fv.per = INT64_MAX;
+        pf_next(&fv);
         p += cnt;
     }
     for (int64_t r = 0; r < rows; r++)
@@ -835,7 +885,7 @@ PD_INLINE int split_scores(const struct attn *a, const struct split_unit *u, flo
             for (int64_t j = 0; j < bs; j++) prefetch_row(a->k_cache, a->bf16, (next * bs + j) * Hkv + u->h, D, D);
         int64_t ks;
         const float *kb = block_rows(a->k_cache, a->bf16, (block * bs + off) * Hkv + u->h, cnt, Hkv, D, D, tmp, &ks);
-        head_scores(a, qh, kb, ks, cnt, G, D, narrow, s + u->h * G * n + p - first, n);
+        head_scores(a, qh, kb, ks, cnt, G, D, narrow, s + u->h * G * n + p - first, n, NULL);
     }
     return 0;
 }
@@ -861,7 +911,7 @@ PD_INLINE int split_pv(const struct attn *a, const struct split_unit *u, const f
             for (int64_t g = 0; g < G; g += 3)
                 pv_group_narrow(G, g, w + g * n, n, vb, vs, cnt, D, u->lo, p == first, out + g * D);
         else
-            pv_all_rows(G, w, n, vb + u->lo, vs, cnt, u->hi - u->lo, D, p == first, out + u->lo);
+            pv_all_rows(G, w, n, vb + u->lo, vs, cnt, u->hi - u->lo, D, p == first, out + u->lo, NULL);
         p += cnt;
     }
     return 0;
@@ -1024,7 +1074,7 @@ PD_INLINE int prefill_body(const struct attn *a, int64_t b, int64_t h, int64_t i
         if (D % 16 == 0) {
             for (int64_t j = 0; j < n; j += 16)
                 scores16(qi, a->q_s1, G, kbuf + (first - lo + j) * D, D, D, a->scale, a->softcap, s + j, stride,
-                         narrow);
+                         narrow, NULL);
         } else {
             for (int64_t g = 0; g < G; g++)
                 for (int64_t j = 0; j < n; j++)
@@ -1039,7 +1089,7 @@ PD_INLINE int prefill_body(const struct attn *a, int64_t b, int64_t h, int64_t i
                 for (int64_t c = 0; c < D; c += 32)
                     pv_group_narrow(G, g, s + g * stride, stride, v, D, n, D, c, 1, o + g * D);
         } else if (D % 16 == 0 && D <= 128) {
-            pv_all_rows(G, s, stride, v, D, n, D, D, 1, o);
+            pv_all_rows(G, s, stride, v, D, n, D, D, 1, o, NULL);
         } else {
             memset(o, 0, (size_t)(G * D) * sizeof(float));
             for (int64_t j = 0; j < n; j++)
