@@ -43,6 +43,8 @@ typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v8u32 __attribute__((vector_size(32)));
 typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v16u32 __attribute__((vector_size(64)));
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
 
@@ -56,16 +58,33 @@ PD_INLINE float hsum16(const v16f *in) {
     return v[0];
 }
 
-/* The LANES partial sums of sum_i a[i] * b[i] for n % LANES == 0: lane l holds the terms i = l (mod LANES). */
-PD_INLINE v16f dot_lanes(const float *restrict a, const float *restrict b, int64_t n) {
-    v16f acc = {0};
-    for (int64_t i = 0; i < n; i += LANES) {
-        v16f x, y;
-        memcpy(&x, a + i, sizeof x);
-        memcpy(&y, b + i, sizeof y);
-        acc += x * y;
+/* Element i of a float32 (bf16 0) or bfloat16 (bf16 1) array. */
+PD_INLINE const void *elem(const void *p, int64_t i, const int bf16) { return (const char *)p + i * (bf16 ? 2 : 4); }
+
+/* Elements i .. i + 15 of such an array as float32 (a bfloat16 widened in registers: exact). */
+PD_INLINE v16f load16(const void *p, int64_t i, const int bf16) {
+    v16f v;
+    if (!bf16) {
+        memcpy(&v, (const float *)p + i, sizeof v);
+        return v;
     }
+    v16u16 h;
+    memcpy(&h, (const uint16_t *)p + i, sizeof h);
+    const v16u32 w = __builtin_convertvector(h, v16u32) << 16;
+    memcpy(&v, &w, sizeof v);
+    return v;
+}
+
+/* The LANES partial sums of sum_i a[i] * b[i] for n % LANES == 0: lane l holds the terms i = l (mod LANES); b float32
+ * or bfloat16 (bf16), the same sums either way for the same values. */
+PD_INLINE v16f dot_lanes_of(const float *restrict a, const void *restrict b, int64_t n, const int bf16) {
+    v16f acc = {0};
+    for (int64_t i = 0; i < n; i += LANES) acc += load16(a, i, 0) * load16(b, i, bf16);
     return acc;
+}
+
+PD_INLINE v16f dot_lanes(const float *restrict a, const float *restrict b, int64_t n) {
+    return dot_lanes_of(a, b, n, 0);
 }
 
 /* hsum16 of 16 vectors at once: lane j of the result is hsum16(&v[j]), bit for bit (the same pairs added at
@@ -666,13 +685,14 @@ PD_INLINE const float *block_rows(const void *cache, int bf16, int64_t index, in
  * for bit (dot_lanes and hsum16x16 are dot's arithmetic), 16 scores at a time. s[r * stride + j] <- row r, position j.
  * narrow: 8 positions at a time in two passes of 4 (dot8_narrow: their partial sums fit 16 registers of 8 lanes,
  * where 16 positions' spilled on AVX2), reduced by hsum16x8 (hsum16x16's lanes, bit for bit). */
-PD_INLINE void scores16(const float *q, int64_t q_s1, int64_t G, const float *restrict k, int64_t ks, int64_t D,
-                        float scale, float softcap, float *s, int64_t stride, const int narrow, struct pf_stream *f) {
+PD_INLINE void scores16(const float *q, int64_t q_s1, int64_t G, const void *restrict k, int64_t ks, int64_t D,
+                        float scale, float softcap, float *s, int64_t stride, const int narrow, struct pf_stream *f,
+                        const int bf16) {
     for (int64_t g = 0; g < G; g++) {
         if (narrow) {  /* each 8 scores stored as they come (a 16-lane vector built lane by lane went to the stack) */
             float *o = s + g * stride;
             for (int j0 = 0; j0 < 16; j0 += 8) {
-                const v8f sums = dot8_narrow(q + g * q_s1, k + j0 * ks, ks, D) * scale;
+                const v8f sums = dot8_narrow(q + g * q_s1, (const float *)k + j0 * ks, ks, D) * scale;
                 memcpy(o + j0, &sums, sizeof sums);
             }
             if (softcap > 0.0f)
@@ -683,7 +703,7 @@ PD_INLINE void scores16(const float *q, int64_t q_s1, int64_t G, const float *re
         #pragma GCC unroll 16
         for (int j = 0; j < 16; j++) {
             pf_next(f);
-            part[j] = dot_lanes(q + g * q_s1, k + j * ks, D);
+            part[j] = dot_lanes_of(q + g * q_s1, elem(k, j * ks, bf16), D, bf16);
         }
         v16f out = hsum16x16(part) * scale;
         if (softcap > 0.0f)
@@ -696,8 +716,9 @@ PD_INLINE void scores16(const float *q, int64_t q_s1, int64_t G, const float *re
  * multiple of 16, at most 128), in position order (axpy's arithmetic, bit for bit) from zero (from_zero) or from
  * out's values, the sums in registers: v rows vs floats apart, rows of out D apart. f (or NULL): lines fetched
  * a position at a time. */
-PD_INLINE void pv_rows(const int NR, const float *w, int64_t w_stride, const float *restrict v, int64_t vs, int64_t n,
-                       const int64_t cols, int64_t D, const int from_zero, float *out, struct pf_stream *f) {
+PD_INLINE void pv_rows(const int NR, const float *w, int64_t w_stride, const void *restrict v, int64_t vs, int64_t n,
+                       const int64_t cols, int64_t D, const int from_zero, float *out, struct pf_stream *f,
+                       const int bf16) {
     v16f acc[4][8];  /* NR <= 4 rows, cols <= 128; only those used are set (all of it was a 2 KiB store a call) */
     for (int r = 0; r < NR; r++)
         for (int64_t c = 0; c < cols / 16; c++) {
@@ -707,8 +728,7 @@ PD_INLINE void pv_rows(const int NR, const float *w, int64_t w_stride, const flo
     for (int64_t p = 0; p < n; p++) {
         pf_next(f);
         for (int64_t c = 0; c < cols / 16; c++) {
-            v16f x;
-            memcpy(&x, v + p * vs + c * 16, sizeof x);
+            const v16f x = load16(v, p * vs + c * 16, bf16);
             for (int r = 0; r < NR; r++) acc[r][c] += w[r * w_stride + p] * x;
         }
     }
@@ -716,29 +736,42 @@ PD_INLINE void pv_rows(const int NR, const float *w, int64_t w_stride, const flo
 }
 
 /* pv_rows for all G rows, four at a time (w and out at row 0). */
-PD_INLINE void pv_all_rows(int64_t G, const float *w, int64_t w_stride, const float *restrict v, int64_t vs, int64_t n,
-                           const int64_t cols, int64_t D, const int from_zero, float *out, struct pf_stream *f) {
+PD_INLINE void pv_all_rows(int64_t G, const float *w, int64_t w_stride, const void *restrict v, int64_t vs, int64_t n,
+                           const int64_t cols, int64_t D, const int from_zero, float *out, struct pf_stream *f,
+                           const int bf16) {
     int64_t g = 0;
-    for (; g + 4 <= G; g += 4) pv_rows(4, w + g * w_stride, w_stride, v, vs, n, cols, D, from_zero, out + g * D, f);
-    if (G - g == 3) pv_rows(3, w + g * w_stride, w_stride, v, vs, n, cols, D, from_zero, out + g * D, f);
-    if (G - g == 2) pv_rows(2, w + g * w_stride, w_stride, v, vs, n, cols, D, from_zero, out + g * D, f);
-    if (G - g == 1) pv_rows(1, w + g * w_stride, w_stride, v, vs, n, cols, D, from_zero, out + g * D, f);
+    for (; g + 4 <= G; g += 4)
+        pv_rows(4, w + g * w_stride, w_stride, v, vs, n, cols, D, from_zero, out + g * D, f, bf16);
+    if (G - g == 3) pv_rows(3, w + g * w_stride, w_stride, v, vs, n, cols, D, from_zero, out + g * D, f, bf16);
+    if (G - g == 2) pv_rows(2, w + g * w_stride, w_stride, v, vs, n, cols, D, from_zero, out + g * D, f, bf16);
+    if (G - g == 1) pv_rows(1, w + g * w_stride, w_stride, v, vs, n, cols, D, from_zero, out + g * D, f, bf16);
 }
 
 /* The scores of `rows` query rows (from qr, a->q_s1 apart) against cnt positions whose K rows are kr, ks floats
  * apart: s[g * n + j] for row g, position j, score()'s bits: 16 positions reduced together (wide, D % 16 == 0) or
  * 8 (narrow, D % 32 == 0), the rest one at a time. */
-PD_INLINE void head_scores(const struct attn *a, const float *qr, const float *restrict kr, int64_t ks, int64_t cnt,
-                           int64_t rows, const int64_t D, const int narrow, float *s, int64_t n, struct pf_stream *f) {
+PD_INLINE void head_scores(const struct attn *a, const float *qr, const void *restrict kv, int64_t ks, int64_t cnt,
+                           int64_t rows, const int64_t D, const int narrow, float *s, int64_t n, struct pf_stream *f,
+                           const int bf16) {
     if (!narrow && D % 16 == 0) {
         int64_t j = 0;
         for (; j + 16 <= cnt; j += 16)
-            scores16(qr, a->q_s1, rows, kr + j * ks, ks, D, a->scale, a->softcap, s + j, n, 0, f);
-        for (; j < cnt; j++)
-            for (int64_t g = 0; g < rows; g++)
-                s[g * n + j] = score(qr + g * a->q_s1, kr + j * ks, D, a->scale, a->softcap, 0);
+            scores16(qr, a->q_s1, rows, elem(kv, j * ks, bf16), ks, D, a->scale, a->softcap, s + j, n, 0, f, bf16);
+        for (; j < cnt; j++) {
+            float row[128];  /* a bfloat16 row widened (D <= 128 where bf16 is set) */
+            const float *kj = (const float *)elem(kv, j * ks, bf16);
+            if (bf16) {
+                for (int64_t d = 0; d < D; d += 16) {
+                    const v16f x = load16(kv, j * ks + d, 1);
+                    memcpy(row + d, &x, sizeof x);
+                }
+                kj = row;
+            }
+            for (int64_t g = 0; g < rows; g++) s[g * n + j] = score(qr + g * a->q_s1, kj, D, a->scale, a->softcap, 0);
+        }
         return;
     }
+    const float *kr = kv;  /* float32 rows below */
     for (int64_t g = 0; g < rows; g++) {
         const float *q = qr + g * a->q_s1;
         float *sr = s + g * n;
@@ -765,15 +798,16 @@ PD_INLINE void head_scores(const struct attn *a, const float *qr, const float *r
  * either way: the tests hold decode and prefill rows equal. Returns 0; -1 a block id outside [0, num_blocks); -2
  * out of memory. */
 PD_INLINE int attend_body(const struct attn *a, int64_t b, int64_t h0, int64_t h1, const int64_t D,
-                          const int narrow) {
+                          const int narrow, const int kbf16) {
     const int64_t Hkv = a->Hkv, G = a->Hq / Hkv, bs = a->block_size, len = a->seq_lens[b];
     const int64_t first = first_visible(a, b), n = len - first, rows = (h1 - h0) * G;  /* query heads of the item */
     const int64_t row_width = (h1 - h0) * D;  /* the item's part of a slot row */
     const int blocked = narrow && D % 32 == 0;
     const int wide_blocks = !narrow && D % 16 == 0 && D <= 128;
-    /* the next block's lines spread over this block's reads (pf_stream); a bfloat16 cache is converted a block at
-     * a time (block_rows) as it begins, which a burst serves better (measured, bench/bench_attention_ab.py) */
-    const int spread = wide_blocks && !a->bf16;
+    /* direct: the wide path reads the cache's rows where they lie (kbf16: a bfloat16 cache, each row widened in
+     * registers), the next block's lines spread over this block's reads (pf_stream); else block_rows gives float32
+     * rows (a bfloat16 block converted as it begins, which the bursts of prefetch_row serve better) */
+    const int direct = kbf16 || (wide_blocks && !a->bf16);
     float *scores = get_scratch((size_t)(rows * n + bs * row_width + rows * D));
     if (!scores) return -2;
     float *tmp = scores + rows * n, *acc = tmp + bs * row_width;
@@ -790,21 +824,22 @@ PD_INLINE int attend_body(const struct attn *a, int64_t b, int64_t h0, int64_t h
         if (block < 0 || block >= a->num_blocks) return -1;
         const int32_t next = (blk + 1) * bs < len ? table[blk + 1] : -1;
         const int64_t off = p - blk * bs, cnt = bs - off < len - p ? bs - off : len - p;
-        int64_t ks;
-        const float *kb = block_rows(a->k_cache, a->bf16, (block * bs + off) * Hkv + h0, cnt, Hkv, row_width, D, tmp,
-                                     &ks);
-        /* the next block's rows prefetched: a position's score at a time (spread), else in a burst a chunk of the
+        int64_t ks = Hkv * D;
+        const void *kb = direct ? elem(a->k_cache, ((block * bs + off) * Hkv + h0) * D, kbf16)
+                                : block_rows(a->k_cache, a->bf16, (block * bs + off) * Hkv + h0, cnt, Hkv, row_width, D,
+                                             tmp, &ks);
+        /* the next block's rows prefetched: a position's score at a time (direct), else in a burst a chunk of the
          * item's rows (narrow) or heads */
         const int64_t per = narrow ? 1 : G, chunks = rows / per;
         const int next_ok = next >= 0 && next < a->num_blocks;
-        struct pf_stream fs = pf_rows(a->k_cache, a->bf16, (next * bs + off) * Hkv + h0, spread && next_ok ? cnt : 0,
+        struct pf_stream fs = pf_rows(a->k_cache, a->bf16, (next * bs + off) * Hkv + h0, direct && next_ok ? cnt : 0,
                                       Hkv, row_width, D, rows * 16);
         for (int64_t c = 0; c < chunks; c++) {
-            if (!spread && next_ok)
+            if (!direct && next_ok)
                 for (int64_t j = c * cnt / chunks; j < (c + 1) * cnt / chunks; j++)
                     prefetch_row(a->k_cache, a->bf16, (next * bs + off + j) * Hkv + h0, row_width, D);
-            head_scores(a, qb + c * per * a->q_s1, kb + c * per / G * D, ks, cnt, per, D, narrow,
-                        scores + c * per * n + p - first, n, &fs);
+            head_scores(a, qb + c * per * a->q_s1, elem(kb, c * per / G * D, kbf16), ks, cnt, per, D, narrow,
+                        scores + c * per * n + p - first, n, &fs, kbf16);
         }
         fs.per = INT64_MAX;  /* what a short block left */
         pf_next(&fs);
@@ -816,31 +851,34 @@ PD_INLINE int attend_body(const struct attn *a, int64_t b, int64_t h0, int64_t h
         const int32_t block = table[blk];  /* checked above */
         const int32_t next = (blk + 1) * bs < len ? table[blk + 1] : -1;
         const int64_t off = p - blk * bs, cnt = bs - off < len - p ? bs - off : len - p;
-        int64_t vs;
-        const float *vb = block_rows(a->v_cache, a->bf16, (block * bs + off) * Hkv + h0, cnt, Hkv, row_width, D, tmp,
-                                     &vs);
+        int64_t vs = Hkv * D;
+        const void *vb = direct ? elem(a->v_cache, ((block * bs + off) * Hkv + h0) * D, kbf16)
+                                : block_rows(a->v_cache, a->bf16, (block * bs + off) * Hkv + h0, cnt, Hkv, row_width, D,
+                                             tmp, &vs);
         /* parts: (kv head, 32 columns) when blocked, else kv heads; the next block's rows a position at a time
-         * (spread), else in a burst a part */
+         * (direct), else in a burst a part */
         const int64_t per_head = blocked ? D / 32 : 1, parts = (h1 - h0) * per_head;
         struct pf_stream fv = pf_rows(a->v_cache, a->bf16, (next * bs + off) * Hkv + h0,
-                                      spread && next >= 0 ? cnt : 0, Hkv, row_width, D, parts * cnt);
+                                      direct && next >= 0 ? cnt : 0, Hkv, row_width, D, parts * cnt);
         for (int64_t part = 0; part < parts; part++) {
-            if (!spread && next >= 0)
+            if (!direct && next >= 0)
                 for (int64_t j = part * cnt / parts; j < (part + 1) * cnt / parts; j++)
                     prefetch_row(a->v_cache, a->bf16, (next * bs + off + j) * Hkv + h0, row_width, D);
             const int64_t h = part / per_head;
-            const float *w = scores + h * G * n + p - first, *vh = vb + h * D;
+            const float *w = scores + h * G * n + p - first;
+            const void *vh = elem(vb, h * D, kbf16);
             if (blocked) {
                 for (int64_t g = 0; g < G; g += 3)
                     pv_group_narrow(G, g, w + g * n, n, vh, vs, cnt, D, part % per_head * 32, 0, acc + (h * G + g) * D);
                 continue;
             }
             if (wide_blocks) {
-                pv_all_rows(G, w, n, vh, vs, cnt, D, D, 0, acc + h * G * D, &fv);
+                pv_all_rows(G, w, n, vh, vs, cnt, D, D, 0, acc + h * G * D, &fv, kbf16);
                 continue;
             }
             for (int64_t j = 0; j < cnt; j++)
-                for (int64_t g = 0; g < G; g++) axpy(acc + (h * G + g) * D, w[g * n + j], vh + j * vs, D);
+                for (int64_t g = 0; g < G; g++)
+                    axpy(acc + (h * G + g) * D, w[g * n + j], (const float *)vh + j * vs, D);
         }
         fv.per = INT64_MAX;
         pf_next(&fv);
@@ -855,9 +893,11 @@ PD_INLINE int attend_body(const struct attn *a, int64_t b, int64_t h0, int64_t h
 PD_CLONES
 static int attend_item(const struct attn *a, int64_t b, int64_t h0, int64_t h1) {
     const int narrow = !wide16();
-    if (a->D == 64) return attend_body(a, b, h0, h1, 64, narrow);
-    if (a->D == 128) return attend_body(a, b, h0, h1, 128, narrow);
-    return attend_body(a, b, h0, h1, a->D, narrow);
+    if (!narrow && a->bf16 && a->D == 64) return attend_body(a, b, h0, h1, 64, 0, 1);
+    if (!narrow && a->bf16 && a->D == 128) return attend_body(a, b, h0, h1, 128, 0, 1);
+    if (a->D == 64) return attend_body(a, b, h0, h1, 64, narrow, 0);
+    if (a->D == 128) return attend_body(a, b, h0, h1, 128, narrow, 0);
+    return attend_body(a, b, h0, h1, a->D, narrow, 0);
 }
 
 /* A decode batch with too few (sequence, kv head) items to keep the threads even (batch 1: 3 kv heads on 2 threads
@@ -885,7 +925,7 @@ PD_INLINE int split_scores(const struct attn *a, const struct split_unit *u, flo
             for (int64_t j = 0; j < bs; j++) prefetch_row(a->k_cache, a->bf16, (next * bs + j) * Hkv + u->h, D, D);
         int64_t ks;
         const float *kb = block_rows(a->k_cache, a->bf16, (block * bs + off) * Hkv + u->h, cnt, Hkv, D, D, tmp, &ks);
-        head_scores(a, qh, kb, ks, cnt, G, D, narrow, s + u->h * G * n + p - first, n, NULL);
+        head_scores(a, qh, kb, ks, cnt, G, D, narrow, s + u->h * G * n + p - first, n, NULL, 0);
     }
     return 0;
 }
@@ -911,7 +951,7 @@ PD_INLINE int split_pv(const struct attn *a, const struct split_unit *u, const f
             for (int64_t g = 0; g < G; g += 3)
                 pv_group_narrow(G, g, w + g * n, n, vb, vs, cnt, D, u->lo, p == first, out + g * D);
         else
-            pv_all_rows(G, w, n, vb + u->lo, vs, cnt, u->hi - u->lo, D, p == first, out + u->lo, NULL);
+            pv_all_rows(G, w, n, vb + u->lo, vs, cnt, u->hi - u->lo, D, p == first, out + u->lo, NULL, 0);
         p += cnt;
     }
     return 0;
@@ -1074,7 +1114,7 @@ PD_INLINE int prefill_body(const struct attn *a, int64_t b, int64_t h, int64_t i
         if (D % 16 == 0) {
             for (int64_t j = 0; j < n; j += 16)
                 scores16(qi, a->q_s1, G, kbuf + (first - lo + j) * D, D, D, a->scale, a->softcap, s + j, stride,
-                         narrow, NULL);
+                         narrow, NULL, 0);
         } else {
             for (int64_t g = 0; g < G; g++)
                 for (int64_t j = 0; j < n; j++)
@@ -1089,7 +1129,7 @@ PD_INLINE int prefill_body(const struct attn *a, int64_t b, int64_t h, int64_t i
                 for (int64_t c = 0; c < D; c += 32)
                     pv_group_narrow(G, g, s + g * stride, stride, v, D, n, D, c, 1, o + g * D);
         } else if (D % 16 == 0 && D <= 128) {
-            pv_all_rows(G, s, stride, v, D, n, D, D, 1, o, NULL);
+            pv_all_rows(G, s, stride, v, D, n, D, D, 1, o, NULL, 0);
         } else {
             memset(o, 0, (size_t)(G * D) * sizeof(float));
             for (int64_t j = 0; j < n; j++)

@@ -159,10 +159,15 @@ def test_decode_attention_matches_reference(dtype, window, softcap):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
 
 
-def test_decode_attention_is_batch_and_thread_invariant():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_is_batch_and_thread_invariant(dtype):
+    """A batch's rows (each sequence's kv heads read together, the next block's lines fetched as the rows are
+    read, a bfloat16 row widened in registers) equal a lone sequence's, on 1 or 2 threads, and the row prefill
+    computes for the same position (a 2-token chunk ending there)."""
     lens = [int(n) for n in torch.randint(1, 700, (32,))]
     lens[5] = 129
-    q, k_cache, v_cache, tables, seq_lens, qsl = decode_case(lens)
+    q, k_cache, v_cache, tables, seq_lens, qsl = decode_case(lens, dtype)
+    chunk_q = torch.cat([torch.randn(1, HEADS, HEAD_DIM), q[5:6]])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -171,10 +176,13 @@ def test_decode_attention_is_batch_and_thread_invariant():
                                         qsl[:2], 0.125)
         torch.set_num_threads(2)
         two = cpu_ops.paged_attention(q, k_cache, v_cache, tables, seq_lens, qsl, 0.125)
+        chunk = cpu_ops.paged_attention(chunk_q, k_cache, v_cache, tables[5:6, :9].contiguous(), seq_lens[5:6],
+                                        torch.tensor([0, 2], dtype=torch.int32), 0.125)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
     assert torch.equal(one[5:6], alone)
+    assert torch.equal(one[5:6], chunk[1:2])
 
 
 def prefill_case(seq_lens: list[int], q_lens: list[int], dtype=torch.float32):
