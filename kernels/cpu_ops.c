@@ -244,11 +244,12 @@ PD_INLINE void prefetch_row(const void *cache, int bf16, int64_t index, int64_t 
     for (int64_t c = 0; c < width * (bf16 ? 2 : 4); c += 64) __builtin_prefetch(row + c, 0, 2);
 }
 
-/* The same lines fetched a few at a time between the reads of the rows in use rather than all at once: `count` rows of
- * a cache from `index` (`width` values each, Hkv * D apart), `per` lines a pf_next call. A burst of a block's lines
- * stalls on the miss buffers (the prefetches wait for free ones, and the arithmetic behind them), where the same
- * lines spread over the block's arithmetic overlap with it: the float32 decode attention at 32 sequences reads
- * 1.2x as many bytes a second (bench/bench_attention_ab.py; BENCHMARKS.md, "the decode attention's prefetches"). */
+/* The same lines fetched a few at a time between the reads of the rows in use rather than all at once: `count` rows
+ * of a cache from `index` (`width` values each, Hkv * D apart), `per` lines a pf_next call. A burst of a block's
+ * lines stalls on the miss buffers (the prefetches wait for free ones, and the arithmetic behind them), where the
+ * same lines spread over the block's arithmetic overlap with it: the float32 decode attention at 32 sequences
+ * reads 1.13-1.19x as many bytes a second (bench/bench_attention_ab.py; BENCHMARKS.md, "the decode attention's
+ * prefetches"). */
 struct pf_stream { const char *row; int64_t col, bytes, stride, rows, per; };
 
 PD_INLINE struct pf_stream pf_rows(const void *cache, int bf16, int64_t index, int64_t count, int64_t Hkv,
@@ -791,10 +792,13 @@ PD_INLINE void head_scores(const struct attn *a, const float *qr, const void *re
  * scores, max, exp, sum and PV, each in position order, a block's positions at a time. A position's K (V) rows of
  * all kv heads are one contiguous slot row, read once for all the item's heads; each head's arithmetic is the same
  * whatever h0 and h1, so the split into items changes no bit. The next block's rows are prefetched while this
- * block's are used (spread over the item's query rows or heads). Narrow with D % 32 == 0: scores 8 positions a
- * pass (dot8_narrow) and PV's sums in registers over a block (pv_group_narrow). Wide (AVX512) with D % 16 == 0:
- * the prefill's own blocking, 16 positions' scores reduced together (scores16) and PV's sums in registers over a
- * block (pv_rows; 0.8x the time of a score and an axpy through memory per position at batch 1). The same bits
+ * block's are used (a few lines a position where the rows are read in place, else in bursts spread over the item's
+ * query rows or heads). kbf16 (a constant): the cache is bfloat16, read in place on the wide path, each row widened
+ * in registers; otherwise a bfloat16 block is first converted (block_rows). Narrow with D % 32 == 0: scores 8
+ * positions a pass (dot8_narrow) and PV's sums in registers over a block (pv_group_narrow). Wide (AVX512) with
+ * D % 16 == 0: the prefill's own blocking, 16 positions' scores reduced together (scores16) and PV's sums in
+ * registers over a block (pv_rows; 0.8x the time of a score and an axpy through memory per position at batch 1).
+ * The same bits
  * either way: the tests hold decode and prefill rows equal. Returns 0; -1 a block id outside [0, num_blocks); -2
  * out of memory. */
 PD_INLINE int attend_body(const struct attn *a, int64_t b, int64_t h0, int64_t h1, const int64_t D,
