@@ -682,7 +682,8 @@ PD_INLINE const float *block_rows(const void *cache, int bf16, int64_t index, in
     return tmp;
 }
 
-/* The G query rows of one position against positions p .. p + 15 of k (rows ks floats apart): score() of each, bit
+/* The G query rows of one position against positions p .. p + 15 of k (rows ks values apart, float32 or bfloat16
+ * when bf16, wide only; f: lines fetched a position at a time): score() of each, bit
  * for bit (dot_lanes and hsum16x16 are dot's arithmetic), 16 scores at a time. s[r * stride + j] <- row r, position j.
  * narrow: 8 positions at a time in two passes of 4 (dot8_narrow: their partial sums fit 16 registers of 8 lanes,
  * where 16 positions' spilled on AVX2), reduced by hsum16x8 (hsum16x16's lanes, bit for bit). */
@@ -748,9 +749,10 @@ PD_INLINE void pv_all_rows(int64_t G, const float *w, int64_t w_stride, const vo
     if (G - g == 1) pv_rows(1, w + g * w_stride, w_stride, v, vs, n, cols, D, from_zero, out + g * D, f, bf16);
 }
 
-/* The scores of `rows` query rows (from qr, a->q_s1 apart) against cnt positions whose K rows are kr, ks floats
- * apart: s[g * n + j] for row g, position j, score()'s bits: 16 positions reduced together (wide, D % 16 == 0) or
- * 8 (narrow, D % 32 == 0), the rest one at a time. */
+/* The scores of `rows` query rows (from qr, a->q_s1 apart) against cnt positions whose K rows are kv, ks values
+ * apart (float32, or bfloat16 when bf16: the wide path only): s[g * n + j] for row g, position j, score()'s bits:
+ * 16 positions reduced together (wide, D % 16 == 0) or 8 (narrow, D % 32 == 0), the rest one at a time; f (or
+ * NULL): lines fetched a position's score at a time. */
 PD_INLINE void head_scores(const struct attn *a, const float *qr, const void *restrict kv, int64_t ks, int64_t cnt,
                            int64_t rows, const int64_t D, const int narrow, float *s, int64_t n, struct pf_stream *f,
                            const int bf16) {
@@ -798,9 +800,8 @@ PD_INLINE void head_scores(const struct attn *a, const float *qr, const void *re
  * positions a pass (dot8_narrow) and PV's sums in registers over a block (pv_group_narrow). Wide (AVX512) with
  * D % 16 == 0: the prefill's own blocking, 16 positions' scores reduced together (scores16) and PV's sums in
  * registers over a block (pv_rows; 0.8x the time of a score and an axpy through memory per position at batch 1).
- * The same bits
- * either way: the tests hold decode and prefill rows equal. Returns 0; -1 a block id outside [0, num_blocks); -2
- * out of memory. */
+ * The same bits either way: the tests hold decode and prefill rows equal. Returns 0; -1 a block id outside
+ * [0, num_blocks); -2 out of memory. */
 PD_INLINE int attend_body(const struct attn *a, int64_t b, int64_t h0, int64_t h1, const int64_t D,
                           const int narrow, const int kbf16) {
     const int64_t Hkv = a->Hkv, G = a->Hq / Hkv, bs = a->block_size, len = a->seq_lens[b];
@@ -836,7 +837,8 @@ PD_INLINE int attend_body(const struct attn *a, int64_t b, int64_t h0, int64_t h
          * item's rows (narrow) or heads */
         const int64_t per = narrow ? 1 : G, chunks = rows / per;
         const int next_ok = next >= 0 && next < a->num_blocks;
-        struct pf_stream fs = pf_rows(a->k_cache, a->bf16, (next * bs + off) * Hkv + h0, direct && next_ok ? cnt : 0,
+        const int64_t next_rows = len - (blk + 1) * bs < bs ? len - (blk + 1) * bs : bs;
+        struct pf_stream fs = pf_rows(a->k_cache, a->bf16, next * bs * Hkv + h0, direct && next_ok ? next_rows : 0,
                                       Hkv, row_width, D, rows * 16);
         for (int64_t c = 0; c < chunks; c++) {
             if (!direct && next_ok)
@@ -862,8 +864,9 @@ PD_INLINE int attend_body(const struct attn *a, int64_t b, int64_t h0, int64_t h
         /* parts: (kv head, 32 columns) when blocked, else kv heads; the next block's rows a position at a time
          * (direct), else in a burst a part */
         const int64_t per_head = blocked ? D / 32 : 1, parts = (h1 - h0) * per_head;
-        struct pf_stream fv = pf_rows(a->v_cache, a->bf16, (next * bs + off) * Hkv + h0,
-                                      direct && next >= 0 ? cnt : 0, Hkv, row_width, D, parts * cnt);
+        const int64_t next_rows = len - (blk + 1) * bs < bs ? len - (blk + 1) * bs : bs;
+        struct pf_stream fv = pf_rows(a->v_cache, a->bf16, next * bs * Hkv + h0, direct && next >= 0 ? next_rows : 0,
+                                      Hkv, row_width, D, parts * cnt);
         for (int64_t part = 0; part < parts; part++) {
             if (!direct && next >= 0)
                 for (int64_t j = part * cnt / parts; j < (part + 1) * cnt / parts; j++)
