@@ -762,14 +762,7 @@ PD_INLINE void head_scores(const struct attn *a, const float *qr, const void *re
             scores16(qr, a->q_s1, rows, elem(kv, j * ks, bf16), ks, D, a->scale, a->softcap, s + j, n, 0, f, bf16);
         for (; j < cnt; j++) {
             float row[128];  /* a bfloat16 row widened (D <= 128 where bf16 is set) */
-            const float *kj = (const float *)elem(kv, j * ks, bf16);
-            if (bf16) {
-                for (int64_t d = 0; d < D; d += 16) {
-                    const v16f x = load16(kv, j * ks + d, 1);
-                    memcpy(row + d, &x, sizeof x);
-                }
-                kj = row;
-            }
+            const float *kj = cache_row(elem(kv, j * ks, bf16), bf16, 0, D, row, D);
             for (int64_t g = 0; g < rows; g++) s[g * n + j] = score(qr + g * a->q_s1, kj, D, a->scale, a->softcap, 0);
         }
         return;
