@@ -195,6 +195,7 @@ class Int8Linear:
         self.scale = scale.float()                          # [out] float32, bfloat16-representable
         self.scale_bf16 = self.scale.to(torch.bfloat16)     # [out]: the same values, as int8pack_mm takes them
         self.bias = bias                                    # [out] in the model dtype, or None
+        self.bias_f32 = None if bias is None else bias.float().contiguous()  # as logits' recompute adds it
         in_features = qweight.shape[1]
         self.native = _native_q8(qweight, self.scale, cpu_matmul)
         """The native kernel (kernels.cpu_matmul) batches of up to native_max_rows rows take, or None."""
@@ -268,13 +269,9 @@ class Int8Linear:
         if not (self._takes_int8pack(x, INT8PACK_HEAD_MAX_ROWS) or self._takes_native(x, INT8PACK_HEAD_MAX_ROWS)):
             return out
         top = kernels.top_k_indices(out, min(LOGITS_EXACT_TOP_K, out.shape[-1]))      # [M, k]
-        rows = self.dequantize(torch.float32, top.flatten()).view(*top.shape, -1)     # [M, k, in]
-        # Products summed along `in` row by row (not a bmm, whose kernel and so rounding depend on M): a row's
-        # logits do not depend on the batch it is in.
-        exact = (rows * x.float()[:, None, :]).sum(-1)                                 # [M, k]
-        if self.bias is not None:
-            exact += self.bias.float()[top]
-        return out.scatter_(1, top, exact)
+        # Each row on its own (kernels.recompute_logits_int8): a row's logits do not depend on the batch it is in.
+        return kernels.recompute_logits_int8(out, x.float().contiguous(), self.qweight, self.scale, self.bias_f32,
+                                             top)
 
     @property
     def nbytes(self) -> int:

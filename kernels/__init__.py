@@ -2,8 +2,8 @@
 
 Every public function below dispatches through `kernels.dispatch`: Triton when the tensors are CUDA and triton
 imports; on CPU tensors the native C ops of `kernels.cpu_ops` (rms_norm, rotary_embedding, write_kv, decode
-paged_attention, silu_mul, top_k_indices; built on first use when a C compiler exists) for the layouts they take;
-`kernels.reference` otherwise. `set_backend` / PDSERVE_KERNEL_BACKEND (auto | torch | native | triton) override
+paged_attention, silu_mul, top_k_indices, recompute_logits_int8; built on first use when a C compiler exists) for
+the layouts they take; `kernels.reference` otherwise. `set_backend` / PDSERVE_KERNEL_BACKEND (auto | torch | native | triton) override
 the choice. Each Triton launcher and native wrapper validates shapes, dtypes and strides (ValueError naming the
 argument) and has a parametrized test against its reference (tests/kernels).
 
@@ -25,6 +25,7 @@ x + residual to x.dtype first (that is the returned residual) and normalizes tha
 silu_mul: silu(gate) * up of a fused [T, 2 I] gate/up projection (the first half is the gate) -> [T, I].
 top_k_indices: the indices of the k largest values of each row [M, N] -> [M, k] int64, in no promised order (the
 native kernel: of equal values the earliest index; the reference: torch.topk's choice).
+recompute_logits_int8: an int8 LM head's candidates (ids [M, k]) recomputed in float32 into its logits [M, N].
 gptq_gemm: x @ W.T over a GPTQ checkpoint's packed int32 qweight/qzeros, scales and g_idx (engine.gptq_format).
 int8 quantization: scale = absmax / 127, q = round_half_to_even(x * (1 / scale)), all-zero heads get scale 0.
 
@@ -34,12 +35,12 @@ is chosen per linear at load time by engine.quant (EngineConfig.cpu_matmul), sin
 
 from kernels.dispatch import (dequantize_blocks_int8, gather_blocks, gather_blocks_int8, get_backend,
                               gptq_gemm, native_available, native_serves, paged_attention, quantize_blocks_int8,
-                              rms_norm, rotary_embedding, scatter_blocks, scatter_blocks_int8, set_backend,
-                              silu_mul, top_k_indices, triton_available, write_kv)
+                              recompute_logits_int8, rms_norm, rotary_embedding, scatter_blocks,
+                              scatter_blocks_int8, set_backend, silu_mul, top_k_indices, triton_available, write_kv)
 
 __all__ = [
     "write_kv", "paged_attention", "rms_norm", "rotary_embedding", "gather_blocks", "scatter_blocks",
     "quantize_blocks_int8", "dequantize_blocks_int8", "gather_blocks_int8", "scatter_blocks_int8", "top_k_indices",
-    "gptq_gemm", "silu_mul", "set_backend", "get_backend", "triton_available", "native_available",
+    "recompute_logits_int8", "gptq_gemm", "silu_mul", "set_backend", "get_backend", "triton_available", "native_available",
     "native_serves",
 ]

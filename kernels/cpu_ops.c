@@ -541,6 +541,36 @@ int pd_top_k_rows(const float *x, int64_t M, int64_t N, int64_t stride, int64_t 
     return short_rows;
 }
 
+/* out[m][n] <- (sum_i w[n][i] x[m][i]) * scale[n] + bias[n] for each n = ids[m][j], j < k: an int8 LM head's top
+ * candidates recomputed in float32 from its int8 weights (engine.quant.Int8Linear.logits), each row on its own.
+ * w [N][K] int8 and x [M][K] float32 contiguous, ids [M][k], out rows `out_stride` floats apart, bias NULL or [N].
+ * Returns 0; -1 (nothing written) when an id is outside [0, N). */
+PD_CLONES static void recompute_row(const float *restrict x, int64_t K, const int8_t *restrict w,
+                                    const float *restrict scale, const float *restrict bias,
+                                    const int64_t *restrict ids, int64_t k, float *restrict out) {
+    for (int64_t j = 0; j < k; j++) {
+        const int8_t *restrict row = w + ids[j] * K;
+        float acc[LANES] = {0};
+        int64_t i = 0;
+        for (; i + LANES <= K; i += LANES)
+            for (int l = 0; l < LANES; l++) acc[l] += (float)row[i + l] * x[i + l];
+        for (int l = 0; i < K; i++, l++) acc[l] += (float)row[i] * x[i];
+        for (int h = LANES / 2; h > 0; h /= 2)
+            for (int l = 0; l < h; l++) acc[l] += acc[l + h];
+        out[ids[j]] = acc[0] * scale[ids[j]] + (bias ? bias[ids[j]] : 0.0f);
+    }
+}
+
+int pd_recompute_logits_int8(const float *x, int64_t M, int64_t K, const int8_t *w, const float *scale,
+                             const float *bias, int64_t N, const int64_t *ids, int64_t k, float *out,
+                             int64_t out_stride, int nthreads) {
+    for (int64_t t = 0; t < M * k; t++)
+        if (ids[t] < 0 || ids[t] >= N) return -1;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && M * k * K >= 65536)
+    for (int64_t m = 0; m < M; m++) recompute_row(x + m * K, K, w, scale, bias, ids + m * k, k, out + m * out_stride);
+    return 0;
+}
+
 /* ------------------------------------------------------------------------------------------------ attention */
 /* Fewer (position, kv head) pairs than this run on one thread: ~20 ns each, less than waking a second thread on a
  * loaded host (measured at batch 1: a 128-token context took 20 us on one thread, 90 us on two). From here two

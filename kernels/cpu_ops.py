@@ -22,6 +22,9 @@ Layouts taken (anything else runs the reference, so every call is served):
                        scales [n, L, 2, Hkv] float32 dense past their block dim (any block stride: a KV payload's
                        records); the reference's bits, one pass a block, no temporaries
     top_k_indices      x [M, N] float32 with rows of any stride, k <= 64 -> [M, k] int64 (an LM head's candidates)
+    recompute_logits_int8
+                       those candidates of an int8 LM head recomputed in float32 into its logits [M, N] (rows of
+                       any stride) from contiguous x [M, K] float32, weights [N, K] int8, scale and bias [N] float32
     DecoderLayers      a pure decode batch through every layer of a plain pre-norm decoder (RMSNorm, fused qkv with
                        RoPE, paged attention, SiLU-gated MLP; every linear a kernels.cpu_matmul.NativeMatmul) in
                        one C call: the ops above and the matmuls in the eager step's order, so the same bits
@@ -71,6 +74,7 @@ def load_library(source: Path) -> ctypes.CDLL | None:
         "pd_write_kv": (cint, [ptr, i64, i64, ptr, i64, i64, i64, i64, i64, ptr, ptr, cint, i64, ptr]),
         "pd_silu_mul": (None, [ptr, i64, i64, i64, ptr, cint]),
         "pd_top_k_rows": (cint, [ptr, i64, i64, i64, i64, ptr, cint]),
+        "pd_recompute_logits_int8": (cint, [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, cint]),
         "pd_paged_attention": (cint, [ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, cint, i64, i64, i64, ptr, i64,
                                       i64, ptr, ptr, f32, i64, f32, ptr, cint]),
         "pd_decode_layers": (cint, [ptr, ptr, i64, ptr, ptr, ptr, cint, i64, i64, ptr, i64, ptr, ptr, ptr, cint]),
@@ -356,6 +360,36 @@ def top_k_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     if rows and _lib().pd_top_k_rows(x.data_ptr(), rows, width, x.stride(0), k, out.data_ptr(),
                                      torch.get_num_threads()):
         return ref.top_k_indices_ref(x, k)
+    return out
+
+
+def recompute_logits_int8(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                          bias: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+    """kernels.reference.recompute_logits_int8_ref: out [M, N] float32 (rows of any stride), x [M, K] float32,
+    qweight [N, K] int8, scale [N] float32, bias [N] float32 or None, ids [M, k] int64; out returned. Other
+    layouts and dtypes take the reference."""
+    if out.dim() != 2 or x.dim() != 2 or qweight.dim() != 2 or ids.dim() != 2:
+        raise ValueError(f"out, x, qweight and ids must be 2-D, got {out.dim()}, {x.dim()}, {qweight.dim()} and "
+                         f"{ids.dim()} dims")
+    (rows, n), k_in = out.shape, x.shape[1]
+    if tuple(qweight.shape) != (n, k_in):
+        raise _shape_error("qweight", qweight, (n, k_in))
+    if x.shape[0] != rows:
+        raise _shape_error("x", x, (rows, k_in))
+    if ids.shape[0] != rows:
+        raise _shape_error("ids", ids, (rows, ids.shape[1]))
+    if scale.numel() != n or (bias is not None and bias.numel() != n):
+        raise ValueError(f"scale and bias must have {n} entries, got {scale.numel()} and "
+                         f"{None if bias is None else bias.numel()}")
+    if not (_rows_ok(out) and _dense_ok(x, _F32) and _dense_ok(qweight, torch.int8) and _dense_ok(scale, _F32)
+            and (bias is None or _dense_ok(bias, _F32)) and _dense_ok(ids, _INT64)):
+        if ids.numel() and not bool(((ids >= 0) & (ids < n)).all()):
+            raise ValueError(f"ids entries must be in [0, {n})")
+        return ref.recompute_logits_int8_ref(out, x, qweight, scale, bias, ids)
+    if rows and ids.shape[1] and _lib().pd_recompute_logits_int8(
+            x.data_ptr(), rows, k_in, qweight.data_ptr(), scale.data_ptr(), 0 if bias is None else bias.data_ptr(),
+            n, ids.data_ptr(), ids.shape[1], out.data_ptr(), out.stride(0), torch.get_num_threads()):
+        raise ValueError(f"ids entries must be in [0, {n})")
     return out
 
 

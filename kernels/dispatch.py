@@ -176,6 +176,14 @@ def top_k_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     return ref.top_k_indices_ref(x, k)
 
 
+def recompute_logits_int8(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                          bias: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+    """out[m, ids[m, j]] <- x[m] . (qweight[n] * scale[n]) + bias[n] in float32, n = ids[m, j]; returns out."""
+    if (native := _native_ops(out)) is not None:
+        return native.recompute_logits_int8(out, x, qweight, scale, bias, ids)
+    return ref.recompute_logits_int8_ref(out, x, qweight, scale, bias, ids)
+
+
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     # kv_cache: [L, 2, num_blocks, block_size, Hkv, D]; block_ids: [n] -> [n, L, 2, block_size, Hkv, D]
     # (written into `out` and returned when given: contiguous, that shape, the cache's dtype and device)

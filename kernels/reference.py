@@ -236,6 +236,20 @@ def top_k_indices_ref(x: torch.Tensor, k: int) -> torch.Tensor:
     return x.topk(k, dim=-1).indices
 
 
+def recompute_logits_int8_ref(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                              bias: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+    """out[m, n] <- x[m] . (qweight[n] * scale[n]) + bias[n] in float32 for each n in ids[m] ([M, k] int64): an int8
+    LM head's candidates (top_k_indices of its rounded logits out [M, N]) recomputed as its dequantize + GEMM path
+    computes every logit; the other entries of out stay as they are. Each row on its own (products summed along
+    K row by row, not a bmm whose rounding depends on M). Returns out."""
+    flat = ids.flatten()
+    rows = (qweight[flat].float() * scale.float()[flat, None]).view(*ids.shape, -1)    # [M, k, K]
+    exact = (rows * x.float()[:, None, :]).sum(-1)                                     # [M, k]
+    if bias is not None:
+        exact += bias.float()[ids]
+    return out.scatter_(1, ids, exact)
+
+
 # --------------------------------------------------------------------------------------------------- blocks
 def gather_blocks_ref(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Copy the given blocks of every layer into one contiguous staging buffer (the wire format). With `out`

@@ -326,6 +326,51 @@ def test_top_k_indices_ties_nan_and_what_falls_back():
     assert sorted(cpu_ops.top_k_indices(wide[:, :16], 16)[0].tolist()) == list(range(16))
 
 
+def lm_head_case(vocab: int, hidden: int, rows: int, bias: bool):
+    """An int8 LM head (engine.quant.Int8Linear's layout) and the candidates its logits recompute: logits
+    [rows, vocab] as its forward leaves them, in rows of a wider tensor (the native kernel takes any row stride)."""
+    qweight = torch.randint(-127, 128, (vocab, hidden), dtype=torch.int8)
+    scale = torch.rand(vocab) * 0.01 + 1e-3
+    x = torch.randn(rows, hidden) * 4
+    logits = (torch.randn(rows, vocab + 8) * 5)[:, 3:3 + vocab]
+    return qweight, scale, (torch.randn(vocab) if bias else None), x, logits
+
+
+@pytest.mark.parametrize("hidden", [576, 100])     # the default model's width; one with a tail past 16 lanes
+@pytest.mark.parametrize("bias", [False, True])
+def test_recompute_logits_int8_matches_the_reference(hidden, bias):
+    qweight, scale, b, x, logits = lm_head_case(3000, hidden, 33, bias)
+    ids = cpu_ops.top_k_indices(logits, 16)
+    got = cpu_ops.recompute_logits_int8(logits.clone(), x, qweight, scale, b, ids)
+    want = ref.recompute_logits_int8_ref(logits.clone(), x, qweight, scale, b, ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    untouched = torch.ones_like(logits, dtype=torch.bool).scatter_(1, ids, False)
+    assert torch.equal(got[untouched], logits[untouched])      # only the candidates change
+    assert not torch.equal(got.gather(1, ids), logits.gather(1, ids))
+    for i in (0, 7, 32):                                       # a row's values do not depend on its batch
+        alone = cpu_ops.recompute_logits_int8(logits[i:i + 1].clone(), x[i:i + 1], qweight, scale, b, ids[i:i + 1])
+        assert torch.equal(alone, got[i:i + 1]), i
+
+
+def test_recompute_logits_int8_names_what_is_wrong():
+    qweight, scale, _, x, logits = lm_head_case(300, 64, 2, False)
+    ids = torch.tensor([[0, 5], [299, 300]])
+    before = logits.clone()
+    with pytest.raises(ValueError, match="ids"):
+        cpu_ops.recompute_logits_int8(logits, x, qweight, scale, None, ids)
+    assert torch.equal(logits, before)                          # nothing written
+    with pytest.raises(ValueError, match="ids"):                # the same on the reference's way (a float64 x)
+        cpu_ops.recompute_logits_int8(logits, x.double(), qweight, scale, None, ids)
+    assert torch.equal(logits, before)
+    ids = ids[:, :1]
+    with pytest.raises(ValueError, match="qweight"):
+        cpu_ops.recompute_logits_int8(logits, x, qweight[:, :32], scale, None, ids)
+    with pytest.raises(ValueError, match="x must"):
+        cpu_ops.recompute_logits_int8(logits, x[:1], qweight, scale, None, ids)
+    with pytest.raises(ValueError, match="scale"):
+        cpu_ops.recompute_logits_int8(logits, x, qweight, scale[:10], None, ids)
+
+
 # --------------------------------------------------------------------------------------------------- ISAs
 def _cpu_flags() -> set[str]:
     text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
@@ -425,6 +470,11 @@ def test_each_isa_path_matches_the_reference(flags, tmp_path, monkeypatch):
         logits = torch.randn(3, 49152)
         assert torch.equal(cpu_ops.top_k_indices(logits, 16).sort(-1).values,
                            ref.top_k_indices_ref(logits, 16).sort(-1).values)
+        qweight, scale, b, x, logits = lm_head_case(3000, 100, 3, True)
+        ids = cpu_ops.top_k_indices(logits, 16)
+        torch.testing.assert_close(cpu_ops.recompute_logits_int8(logits.clone(), x, qweight, scale, b, ids),
+                                   ref.recompute_logits_int8_ref(logits.clone(), x, qweight, scale, b, ids),
+                                   rtol=1e-5, atol=1e-5)
         q, k, _ = qkv_views(3)
         q2, k2 = q.clone(), k.clone()
         cache, positions = rope_cos_sin_cache(HEAD_DIM, 512, 10000.0, None), torch.tensor([0, 17, 511])
