@@ -3,9 +3,9 @@
 Every public function below dispatches through `kernels.dispatch`: Triton when the tensors are CUDA and triton
 imports; on CPU tensors the native C ops of `kernels.cpu_ops` (rms_norm, rotary_embedding, write_kv, decode
 paged_attention, silu_mul, top_k_indices, recompute_logits_int8; built on first use when a C compiler exists) for
-the layouts they take; `kernels.reference` otherwise. `set_backend` / PDSERVE_KERNEL_BACKEND (auto | torch | native | triton) override
-the choice. Each Triton launcher and native wrapper validates shapes, dtypes and strides (ValueError naming the
-argument) and has a parametrized test against its reference (tests/kernels).
+the layouts they take; `kernels.reference` otherwise. `set_backend` / PDSERVE_KERNEL_BACKEND (auto | torch |
+native | triton) override the choice. Each Triton launcher and native wrapper validates shapes, dtypes and
+strides (ValueError naming the argument) and has a parametrized test against its reference (tests/kernels).
 
 Layouts:
     kv_cache      [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]   (one tensor per worker)
@@ -41,6 +41,6 @@ from kernels.dispatch import (dequantize_blocks_int8, gather_blocks, gather_bloc
 __all__ = [
     "write_kv", "paged_attention", "rms_norm", "rotary_embedding", "gather_blocks", "scatter_blocks",
     "quantize_blocks_int8", "dequantize_blocks_int8", "gather_blocks_int8", "scatter_blocks_int8", "top_k_indices",
-    "recompute_logits_int8", "gptq_gemm", "silu_mul", "set_backend", "get_backend", "triton_available", "native_available",
-    "native_serves",
+    "recompute_logits_int8", "gptq_gemm", "silu_mul", "set_backend", "get_backend", "triton_available",
+    "native_available", "native_serves",
 ]
