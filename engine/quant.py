@@ -40,8 +40,9 @@ instead: x rounded to int8 per 32 inputs, integer dot products (NATIVE_INT4_MAX_
 `cpu_matmul="native-bf16"` they run its bfloat16-activation kernels (bfloat16 x, float32 sums, bfloat16-rounded
 output) over torch's int4 layout and the int8 one above: int8pack_mm's values where its order is, and for int4
 the exact products of x with the codes summed group by group (vdpbf16ps's arithmetic; kernels.cpu_matmul), torch's
-int4pack_mm within float32 rounding (NATIVE_INT4_MAX_ROWS, NATIVE_BF16_INT8_MAX_ROWS). With `quantization="int4"` the LM head (and a tied embedding) stays int8, as llama.cpp's Q4 files keep the
-token embedding at 8 bits or more: it is the largest matrix of a small model and the most sensitive.
+int4pack_mm within float32 rounding (NATIVE_INT4_MAX_ROWS, NATIVE_INT8_MAX_ROWS). With `quantization="int4"`
+the LM head (and a tied embedding) stays int8, as llama.cpp's Q4 files keep the token embedding at 8 bits or
+more: it is the largest matrix of a small model and the most sensitive.
 """
 
 from __future__ import annotations
@@ -113,12 +114,12 @@ does, so that a row's output never depends on its batch; both are at least as fa
 measured (a float GEMM over dequantized weights wins from a few hundred rows but would round differently;
 BENCHMARKS.md, "Native CPU matmuls on bfloat16 activations")."""
 NATIVE_INT8_MAX_ROWS = sys.maxsize
-"""Largest batch the native int8 kernel takes (cpu_matmul="native"): every batch (faster than the dequantize +
-GEMM path at every size measured above), so that a row's output never depends on its batch."""
-NATIVE_BF16_INT8_MAX_ROWS = 32
-"""Largest batch the bfloat16-activation int8 kernel takes in a layer (cpu_matmul="native-bf16"), as
-INT8PACK_MAX_ROWS for int8pack_mm (the same arithmetic); larger ones take the GEMM path. As an LM head it takes
-every batch (INT8PACK_HEAD_MAX_ROWS)."""
+"""Largest batch the native int8 kernels take (cpu_matmul="native" / "native-bf16"): every batch, so that a row's
+output never depends on its batch (a prompt's rows are a decode step's). Both are faster than the dequantize +
+GEMM path at every size measured: the bfloat16-activation one (2 threads, timed by hand on Zen 4) took 1.45 /
+3.49 / 14.8 / 66.3 ms for a layer's 4 linears at 64 / 128 / 512 / 2048 rows against 3.97 / 6.15 / 21.0 / 78.4.
+Past INT8PACK_MAX_ROWS, where the torch build (cpu_matmul="torch") takes that GEMM path, "native-bf16" keeps
+int8pack_mm's arithmetic instead of that path's float32 one."""
 
 
 class FloatLinear:
@@ -199,7 +200,7 @@ class Int8Linear:
         in_features = qweight.shape[1]
         self.native = _native_q8(qweight, self.scale, cpu_matmul)
         """The native kernel (kernels.cpu_matmul) batches of up to native_max_rows rows take, or None."""
-        self.native_max_rows = NATIVE_BF16_INT8_MAX_ROWS if cpu_matmul == "native-bf16" else NATIVE_INT8_MAX_ROWS
+        self.native_max_rows = NATIVE_INT8_MAX_ROWS
         self.use_int8pack = (self.native is None and qweight.device.type == "cpu"
                              and in_features % _INT8PACK_K_MULTIPLE == 0
                              and torch.backends.cpu.get_cpu_capability() in _INT8PACK_CPU_CAPABILITIES)
@@ -234,7 +235,7 @@ class Int8Linear:
 
     def forward(self, x: torch.Tensor, max_rows: int | None = None) -> torch.Tensor:
         """x: [M, in] -> [M, out] in x.dtype; with cpu_matmul="native" / "native-bf16" the native kernel up to
-        `max_rows` rows (NATIVE_INT8_MAX_ROWS / NATIVE_BF16_INT8_MAX_ROWS), else int8pack_mm up to `max_rows` rows
+        `max_rows` rows (NATIVE_INT8_MAX_ROWS), else int8pack_mm up to `max_rows` rows
         (INT8PACK_MAX_ROWS); beyond, the dequantize + GEMM path."""
         if self._takes_native(x, self.native_max_rows if max_rows is None else max_rows):
             out = self.native(x)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import quant
 from engine.quant import Int4Linear, Int8Linear
 from engine.sampling_params import SamplingParams
 from kernels import cpu_matmul as cm
@@ -191,6 +192,20 @@ def test_matches_torch_int4pack_and_int8pack(layer0, name):
         step = torch.maximum(got.abs(), expected.abs()) * 2.0 ** -7                 # a bfloat16 step, at most
         assert ((got - expected).abs() <= step).all()
         assert (got != expected).float().mean() < 0.01
+
+
+def test_int8_layers_take_the_bf16_kernel_at_every_batch():
+    """An int8 layer on cpu_matmul="native-bf16" runs q8-bf16 for a prefill's batch too (past int8pack_mm's 32
+    rows, where the torch build takes the float32 GEMM path): a prompt's rows are the same bits as each row alone,
+    the way a decode step computes it."""
+    g = torch.Generator().manual_seed(3)
+    lin = Int8Linear.quantize(torch.randn(256, 576, generator=g) * 0.05, torch.randn(256, generator=g) * 0.1,
+                              cpu_matmul="native-bf16")
+    assert lin.native.kind == "q8-bf16"
+    x = torch.randn(quant.INT8PACK_MAX_ROWS + 70, 576, generator=g)
+    batched = lin.forward(x)
+    for i in (0, 31, 32, 101):
+        assert torch.equal(lin.forward(x[i:i + 1]), batched[i:i + 1]), i
 
 
 def test_linears_use_the_bf16_kernels(llm):
