@@ -3,10 +3,12 @@
 tokens, all due at once) run by one engine, step by step, with every part of a step timed.
 
     python bench/bench_step_batch.py [--batch-size 32] [--threads 1,2] [--prompt-len 128] [--output-len 64]
-        [--repeats 2] [--cpu-matmul native-bf16|native|torch] [--out bench/results/step_batch.json]
+        [--repeats 2] [--cpu-matmul native-bf16|native|torch] [--quantization int8|int4]
+        [--out bench/results/step_batch.json]
 
 Per thread count an engine is built as the suite builds pdserve-engine (EngineConfig(model, num_threads,
-kv_cache_memory=2 GiB; --cpu-matmul its kernels, the default's unless given), on a short-lived thread) and stepped
+kv_cache_memory=2 GiB; --cpu-matmul its kernels, the default's unless given; --quantization requantizes the
+weights, as pdserve-engine-int8 / -int4 do), on a short-lived thread) and stepped
 on one thread, as a worker's loop does. Each repeat runs the whole scenario twice, first without timers (the step
 times and the scenario's output tokens/s: what the suite measures, without its HTTP-free backend's bookkeeping)
 and then with them; the tables are the median over repeats. Timed, each as exclusive wall time of the step's part
@@ -49,7 +51,7 @@ import torch
 
 import kernels
 from engine import model_runner, quant
-from engine.config import CPU_MATMULS, KV_CACHE_DTYPES, EngineConfig
+from engine.config import CPU_MATMULS, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from engine.engine_loop import (
     EngineLoop,
     RequestStream,
@@ -167,7 +169,8 @@ def run_scenario(engine, args, seed: int, timers: StepTimers | None) -> dict:
 
 def measure(threads: int, args) -> dict:
     config = EngineConfig(model=str(fetch_default_model()), num_threads=threads, kv_cache_memory=2 * 2**30,
-                          cpu_matmul=args.cpu_matmul, kv_cache_dtype=args.kv_cache_dtype)
+                          cpu_matmul=args.cpu_matmul, kv_cache_dtype=args.kv_cache_dtype,
+                          quantization=args.quantization)
     engine = build_engine(config, progress=False)
     timers = StepTimers()
     result: dict = {}
@@ -210,10 +213,11 @@ def table(results: list[dict], args, bandwidth: float) -> str:
     lines = [(f"### Batch-{args.batch_size} steps of the {args.batch_size}-stream scenario, ms per step "
               f"({datetime.date.today()}, {cpu_model()}, copy {bandwidth / 1e9:.1f} GB/s, torch {torch.__version__}, "
               f"SmolLM2-135M Q4_1, EngineConfig defaults, cpu_matmul {args.cpu_matmul}, kv_cache_dtype "
-              f"{args.kv_cache_dtype})"), "",
+              f"{args.kv_cache_dtype}, quantization {args.quantization})"), "",
              (f"Command: `python bench/bench_step_batch.py --batch-size {args.batch_size} --threads "
               f"{','.join(map(str, args.threads))} --prompt-len {args.prompt_len} --output-len {args.output_len} "
-              f"--repeats {args.repeats} --cpu-matmul {args.cpu_matmul} --kv-cache-dtype {args.kv_cache_dtype}`"), "",
+              f"--repeats {args.repeats} --cpu-matmul {args.cpu_matmul} --kv-cache-dtype {args.kv_cache_dtype}"
+              + (f" --quantization {args.quantization}" if args.quantization else "") + "`"), "",
              "| threads | steps | " + " | ".join(cols) + " |", "|---|---|" + "---:|" * len(cols)]
     for res in results:
         for kind, row in res["rows"].items():
@@ -238,6 +242,8 @@ def main() -> None:
                         help="EngineConfig.cpu_matmul (the default's unless given)")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=EngineConfig.kv_cache_dtype,
                         help="EngineConfig.kv_cache_dtype (the default's unless given)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                        help="EngineConfig.quantization (none unless given: the GGUF's codes kept)")
     parser.add_argument("--out", default="bench/results/step_batch.json")
     args = parser.parse_args()
     if args.batch_size < 1 or args.prompt_len < 1 or args.output_len < 2 or args.repeats < 1:
