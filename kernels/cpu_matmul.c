@@ -224,10 +224,9 @@ static inline float round_bf16(float v) {
 #define NC 2          /* weight rows per tile of the AVX2 and scalar q8 bfloat16 kernels (each read once per tile) */
 #define NC_Q8B 4      /* weight rows per tile of the AVX512 q8 bfloat16 kernel: each x load feeds four FMAs */
 #define MT_Q8B 6      /* x rows per pass of the AVX512 q8 bfloat16 tile */
-#define MT_Q8B3 4     /* x rows per pass of the level-3 q8 tile up to Q8B3_FEW_ROWS rows (MT_Q8B from there):
-                         4 x 4 sums fill one reduce_add16 where 4 x 6 padded two (Zen 4, interleaved: the LM head
-                         at 32 and 64 rows 0.91x / 0.87x the time); at 512 rows 6 a pass stays 10-18% faster */
-#define Q8B3_FEW_ROWS 64
+#define MT_Q8B3 4     /* x rows per pass of the level-3 q8 tile: 4 x 4 sums fill one reduce_add16 where 4 x 6
+                         padded two (Zen 4, one thread, 1536 x 576 weights: 512 rows 0.88x the time of 6 a pass,
+                         and the LM head at 32 and 64 rows 0.91x / 0.87x) */
 #define NB_Q8B 8      /* weight rows per block of the q8 bfloat16 kernels (dequantized, 18 KB at K = 576: in L1) */
 #define Q8B_DEQUANT_ROWS 12  /* from this many rows of x the AVX512 q8 bfloat16 path dequantizes each block once */
 
@@ -696,8 +695,8 @@ AVX512_TARGET static inline __attribute__((always_inline)) void q8b_avx512_store
 }
 
 AVX512_TARGET static inline __attribute__((always_inline)) void q8b_avx512_tile(
-        const int8_t *w, const float *ws, const float *W, const float *xb, int64_t XS, int64_t n, const int C,
-        int64_t i0, const int R, int64_t K, int64_t N, int round_out, float *y) {
+        const int8_t *w, const float *ws, const float *W, const int from_tile, const float *xb, int64_t XS, int64_t n,
+        const int C, int64_t i0, const int R, int64_t K, int64_t N, int round_out, float *y) {
     __m512 acc[NC_Q8B][MT_Q8B];
     for (int c = 0; c < C; c++)
         for (int r = 0; r < R; r++) acc[c][r] = _mm512_setzero_ps();
@@ -706,7 +705,7 @@ AVX512_TARGET static inline __attribute__((always_inline)) void q8b_avx512_tile(
         for (int r = 0; r < R; r++) xv[r] = _mm512_loadu_ps(xb + (i0 + r) * XS + k);
         for (int c = 0; c < C; c++) {
             __m512 wv;
-            if (W) {
+            if (from_tile) {
                 wv = _mm512_loadu_ps(W + c * K + k);
             } else {
                 const int8_t *wp = w + (n + c) * K + k;
@@ -755,7 +754,9 @@ PD_TILE_FN(q8b_avx2, AVX2_TARGET, CALL_Q8B_AVX2)
  * accumulators, and each x load feeds C FMAs (with (2, 8) the loads of x bounded the LM head at 32 rows to 55%
  * of the FMA peak). Each output's sum is the same whatever the tile: lanes over k in order, then
  * _mm512_reduce_add_ps. */
-#define CALL_Q8B_AVX512(c, r) q8b_avx512_tile(w, ws, W, xb, K, n, c, i0, r, K, N, round_out, y)
+#define CALL_Q8B_AVX512(c, r)                                                                                  \
+    if (W) q8b_avx512_tile(w, ws, W, 1, xb, K, n, c, i0, r, K, N, round_out, y);                               \
+    else q8b_avx512_tile(w, ws, NULL, 0, xb, K, n, c, i0, r, K, N, round_out, y)
 #define CALL_Q8B_AVX512_R(c)                                                                                   \
     switch (R) { case 1: CALL_Q8B_AVX512(c, 1); break; case 2: CALL_Q8B_AVX512(c, 2); break;                  \
                  case 3: CALL_Q8B_AVX512(c, 3); break; case 4: CALL_Q8B_AVX512(c, 4); break;                  \
@@ -768,8 +769,10 @@ AVX512_TARGET static void q8b_avx512(const int8_t *w, const float *ws, const flo
 /* q8 at level 3: each output y = ws[n] * reduce_add16(lanes), lane l summing, for every 32 inputs k0 in order,
  * x[k0 + 2l + 1] w[..] then x[k0 + 2l] w[..] (vdpbf16ps on x's and the row's bfloat16 pairs in natural order: w
  * in [-127, 127] is a bfloat16 value, its products with x exact). The row's codes are converted in registers,
- * or (Wb, not NULL) read from a block dequantized once to bfloat16, [C][K]. Not int8pack_mm's order: its sums
- * differ from levels 2 and 1 by float32 rounding (each level is batch invariant on its own). */
+ * or (from_tile) read from Wb, a block dequantized once to bfloat16, [C][K]: a compile-time choice, so that each
+ * loop has only its own registers (one loop with both branches kept its x vectors on the stack: 1.2x the time at
+ * 512 rows; the same for the level-2 tile). Not int8pack_mm's order: its sums differ from levels 2 and 1 by
+ * float32 rounding (each level is batch invariant on its own). */
 AVX512BF16_TARGET static inline __m512i q8b_bf16_weights(const int8_t *wp) {
     __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)wp)));
     __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wp + 16))));
@@ -777,8 +780,8 @@ AVX512BF16_TARGET static inline __m512i q8b_bf16_weights(const int8_t *wp) {
 }
 
 AVX512BF16_TARGET static inline __attribute__((always_inline)) void q8b_bf16dot_tile(
-        const int8_t *w, const float *ws, const uint16_t *Wb, const uint16_t *xh, int64_t n, const int C, int64_t i0,
-        const int R, int64_t K, int64_t N, int round_out, float *y) {
+        const int8_t *w, const float *ws, const uint16_t *Wb, const int from_tile, const uint16_t *xh, int64_t n,
+        const int C, int64_t i0, const int R, int64_t K, int64_t N, int round_out, float *y) {
     __m512 acc[NC_Q8B][MT_Q8B];
     for (int c = 0; c < C; c++)
         for (int r = 0; r < R; r++) acc[c][r] = _mm512_setzero_ps();
@@ -787,7 +790,7 @@ AVX512BF16_TARGET static inline __attribute__((always_inline)) void q8b_bf16dot_
         for (int r = 0; r < R; r++) xv[r] = _mm512_loadu_si512((const void *)(xh + (i0 + r) * K + k));
         for (int c = 0; c < C; c++) {
             __m512i wv;
-            if (Wb) {
+            if (from_tile) {
                 wv = _mm512_loadu_si512((const void *)(Wb + c * K + k));
             } else {
                 const int8_t *wp = w + (n + c) * K + k;
@@ -814,11 +817,12 @@ AVX512BF16_TARGET static void q8b_bf16_dequant(const int8_t *w, int64_t n, int64
     }
 }
 
-#define CALL_Q8B_BF16(c, r) q8b_bf16dot_tile(w, ws, Wb, xh, n, c, i0, r, K, N, round_out, y)
+#define CALL_Q8B_BF16(c, r)                                                                                    \
+    if (Wb) q8b_bf16dot_tile(w, ws, Wb, 1, xh, n, c, i0, r, K, N, round_out, y);                               \
+    else q8b_bf16dot_tile(w, ws, NULL, 0, xh, n, c, i0, r, K, N, round_out, y)
 #define CALL_Q8B_BF16_R(c)                                                                                     \
     switch (R) { case 1: CALL_Q8B_BF16(c, 1); break; case 2: CALL_Q8B_BF16(c, 2); break;                      \
-                 case 3: CALL_Q8B_BF16(c, 3); break; case 4: CALL_Q8B_BF16(c, 4); break;                      \
-                 case 5: CALL_Q8B_BF16(c, 5); break; default: CALL_Q8B_BF16(c, 6); break; }
+                 case 3: CALL_Q8B_BF16(c, 3); break; default: CALL_Q8B_BF16(c, MT_Q8B3); break; }
 AVX512BF16_TARGET static void q8b_bf16dot(const int8_t *w, const float *ws, const uint16_t *Wb, const uint16_t *xh,
                                           int64_t n, int C, int64_t i0, int R, int64_t K, int64_t N, int round_out,
                                           float *y) {
@@ -1696,13 +1700,13 @@ static float *weight_tile(size_t floats) {
     return wtile;
 }
 
-/* q8-bf16 over weight rows b * NB_Q8B .. (b + 1) * NB_Q8B - 1: MT_Q8B (AVX512) or MT rows of x per pass, NC_Q8B (AVX512)
- * or NC weight rows per tile. From Q8B_DEQUANT_ROWS rows of x the AVX512 path dequantizes the block once into
+/* q8-bf16 over weight rows b * NB_Q8B .. (b + 1) * NB_Q8B - 1: MT_Q8B3 (AVX512-BF16), MT_Q8B (AVX512) or MT rows of
+ * x per pass, NC_Q8B (AVX512) or NC weight rows per tile. From Q8B_DEQUANT_ROWS rows of x the AVX512 path dequantizes the block once into
  * the thread's tile and every pass reads it (each output the same sum in the same order). */
 static void run_block_q8b(const struct job *j, int64_t b) {
     const int64_t M = j->M, K = j->K, N = j->N;
     const int64_t n1 = (b + 1) * NB_Q8B < N ? (b + 1) * NB_Q8B : N;
-    const int64_t mt = j->isa == 3 && M <= Q8B3_FEW_ROWS ? MT_Q8B3 : j->isa >= 2 ? MT_Q8B : MT;
+    const int64_t mt = j->isa == 3 ? MT_Q8B3 : j->isa >= 2 ? MT_Q8B : MT;
 #if PD_X86
     float *W = NULL;  /* level 2: float32 [n1 - n][K]; level 3: bfloat16, the same tile reused */
     if (j->isa >= 2 && M >= Q8B_DEQUANT_ROWS && (W = weight_tile((size_t)(NB_Q8B * K)))) {
