@@ -116,7 +116,7 @@ def test_rows_are_batch_and_thread_invariant(layer0, name, isa):
         assert torch.equal(run(kind, x, args, nthreads=nthreads, isa=isa), together)
     # From Q4P_DEQUANT_ROWS (32) rows the AVX512 q4 path reads a dequantized tile instead, 3 rows a pass (35: 11
     # passes of 3 and one of 2); the AVX512 q8 one from 12 rows, 6 a pass (5 passes of 6 and one of 5), at
-    # ISA_AVX512_BF16 4 a pass up to 64 rows (8 of 4 and one of 3) and 6 from 65 (70: 11 of 6 and one of 4).
+    # ISA_AVX512_BF16 4 a pass (35: 8 of 4 and one of 3; 70: 17 of 4 and one of 2).
     # On AVX2 the q4 path reads chunks of 64 inputs dequantized from 64 rows, 6 a pass (70: 11 of 6, one of 4).
     for copies in (5, 10):
         many = x.repeat(copies, 1)                                                   # [35 or 70, in]
