@@ -1,8 +1,9 @@
 """Two builds of kernels/cpu_matmul.c side by side in one process: the working tree's and the one at a git
 revision, on the default model's int4 layer shapes (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536;
 random codes in int4pack's 64-row layout, or 32-row with --block-rows 32: torch's AVX2 packing; with --int8-layers
-int8 weights with a scale per output row, the `quantization="int8"` mode's) and its 49152x576 int8 LM head, q4-bf16 / q8-bf16 (or, with --int8-activations, q4 / q8: `--cpu-matmul native`'s kinds) at each build's
-best ISA, timed in interleaved rounds (best of each); prints the table. --layers N holds N copies of the layer's
+int8 weights with a scale per output row, the `quantization="int8"` mode's) and its 49152x576 int8 LM head,
+q4-bf16 / q8-bf16 (or, with --int8-activations, q4 / q8: `--cpu-matmul native`'s kinds) at each build's best ISA,
+timed in interleaved rounds (best of each); prints the table. --layers N holds N copies of the layer's
 weights and a pass runs them all, as a step runs the model's 30 layers: the codes come from memory, not from a
 cache one layer fits in (what a step's first read of each weight costs is then in the figures).
 

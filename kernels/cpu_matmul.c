@@ -770,9 +770,9 @@ AVX512_TARGET static void q8b_avx512(const int8_t *w, const float *ws, const flo
  * x[k0 + 2l + 1] w[..] then x[k0 + 2l] w[..] (vdpbf16ps on x's and the row's bfloat16 pairs in natural order: w
  * in [-127, 127] is a bfloat16 value, its products with x exact). The row's codes are converted in registers,
  * or (from_tile) read from Wb, a block dequantized once to bfloat16, [C][K]: a compile-time choice, so that each
- * loop has only its own registers (one loop with both branches kept its x vectors on the stack: 1.2x the time at
- * 512 rows; the same for the level-2 tile). Not int8pack_mm's order: its sums differ from levels 2 and 1 by
- * float32 rounding (each level is batch invariant on its own). */
+ * loop has only its own registers (one loop with both branches kept its x vectors on the stack: 1.24x the time
+ * at 512 rows, one thread; the level-2 tile, split the same way, 1.06x). Not int8pack_mm's order: its sums
+ * differ from levels 2 and 1 by float32 rounding (each level is batch invariant on its own). */
 AVX512BF16_TARGET static inline __m512i q8b_bf16_weights(const int8_t *wp) {
     __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)wp)));
     __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(wp + 16))));
@@ -1700,9 +1700,10 @@ static float *weight_tile(size_t floats) {
     return wtile;
 }
 
-/* q8-bf16 over weight rows b * NB_Q8B .. (b + 1) * NB_Q8B - 1: MT_Q8B3 (AVX512-BF16), MT_Q8B (AVX512) or MT rows of
- * x per pass, NC_Q8B (AVX512) or NC weight rows per tile. From Q8B_DEQUANT_ROWS rows of x the AVX512 path dequantizes the block once into
- * the thread's tile and every pass reads it (each output the same sum in the same order). */
+/* q8-bf16 over weight rows b * NB_Q8B .. (b + 1) * NB_Q8B - 1: MT_Q8B3 (AVX512-BF16), MT_Q8B (AVX512) or MT rows
+ * of x per pass, NC_Q8B (AVX512) or NC weight rows per tile. From Q8B_DEQUANT_ROWS rows of x the AVX512 path
+ * dequantizes the block once into the thread's tile and every pass reads it (each output the same sum in the same
+ * order). */
 static void run_block_q8b(const struct job *j, int64_t b) {
     const int64_t M = j->M, K = j->K, N = j->N;
     const int64_t n1 = (b + 1) * NB_Q8B < N ? (b + 1) * NB_Q8B : N;
