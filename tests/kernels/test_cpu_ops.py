@@ -336,12 +336,19 @@ def lm_head_case(vocab: int, hidden: int, rows: int, bias: bool):
     return qweight, scale, (torch.randn(vocab) if bias else None), x, logits
 
 
+def strided_copy(t: torch.Tensor) -> torch.Tensor:
+    """t's values in rows of a wider tensor, as lm_head_case's logits (a .clone() of those is contiguous)."""
+    return torch.empty(t.shape[0], t.shape[1] + 8)[:, 3:3 + t.shape[1]].copy_(t)
+
+
 @pytest.mark.parametrize("hidden", [576, 100])     # the default model's width; one with a tail past 16 lanes
 @pytest.mark.parametrize("bias", [False, True])
 def test_recompute_logits_int8_matches_the_reference(hidden, bias):
     qweight, scale, b, x, logits = lm_head_case(3000, hidden, 33, bias)
     ids = cpu_ops.top_k_indices(logits, 16)
-    got = cpu_ops.recompute_logits_int8(logits.clone(), x, qweight, scale, b, ids)
+    out = strided_copy(logits)
+    assert out.stride(0) == logits.shape[1] + 8
+    got = cpu_ops.recompute_logits_int8(out, x, qweight, scale, b, ids)
     want = ref.recompute_logits_int8_ref(logits.clone(), x, qweight, scale, b, ids)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     untouched = torch.ones_like(logits, dtype=torch.bool).scatter_(1, ids, False)
