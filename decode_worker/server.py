@@ -19,6 +19,7 @@ from engine.engine_loop import EngineLoop, build_engine
 from engine.llm_engine import LLMEngine
 from kvstore.transfer_service import KvTransferServicer, add_kv_transfer_servicer
 from protos.pdserve.v1 import kv_transfer_pb2, worker_pb2, worker_pb2_grpc
+from protos.gc_tuning import freeze_startup_heap
 from protos.service_runtime import (Registration, WorkerHandle, WorkerServer, log_internal_security,
                                     share_cpus, wait_for_termination)
 from protos.worker_metrics import WorkerMetrics, model_name, serve_metrics
@@ -61,4 +62,5 @@ def start_server(config: DecodeWorkerConfig, engine_config: EngineConfig,
 
 def serve(config: DecodeWorkerConfig, engine_config: EngineConfig) -> None:
     handle = start_server(config, engine_config)
+    freeze_startup_heap()
     wait_for_termination(lambda: handle.stop(grace_s=config.drain_timeout_s))

@@ -22,6 +22,9 @@ Requests, both APIs (label api: "grpc" or "http"; endpoint: generate, chat, comp
 Workers, as last reported to the prefix index (refreshed on each scrape; label worker, role):
     pdserve_worker_running_seqs, pdserve_worker_waiting_seqs (queue depth),
     pdserve_worker_kv_blocks_used, pdserve_worker_kv_blocks_free
+The process (protos.gc_tuning.register_process_collectors):
+    process_*, python_gc_*                           prometheus_client's process and garbage-collector metrics
+    pdserve_gc_frozen_objects                        objects frozen out of the collector's walks once it served
 
 "Finished" means the stream ended with a finish reason (length, stop token or stop string); cancelled and failed
 requests count only in pdserve_requests_total and, for tokens they did get, the TTFT / ITL / generation counts.
@@ -38,6 +41,7 @@ from prometheus_client.registry import Collector
 
 from gateway.request_types import OutputChunk, RequestTrace
 from kvstore.local_index import WorkerInfo
+from protos.gc_tuning import register_process_collectors
 
 # Buckets as vLLM's (seconds), so dashboards built for it read these too.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -84,6 +88,7 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        register_process_collectors(r)
         self.requests = Counter("pdserve_requests", "Requests by API, endpoint and final status code",
                                 ["api", "endpoint", "code"], registry=r)
         self.in_flight = Gauge("pdserve_requests_in_flight", "Requests between arrival and their last byte", ["api"],

@@ -75,6 +75,7 @@ from gateway.validation import ModelSpec, max_bytes_per_token
 from gateway.worker_client import ChannelPool
 from kvstore.hashing import root_hash
 from kvstore.index import PrefixIndex
+from protos.gc_tuning import freeze_startup_heap
 from protos.tls import https_ssl_context, public_server_credentials
 from protos.pdserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -436,6 +437,7 @@ def serve(config: GatewayConfig) -> None:
 
     async def main() -> None:
         parts = await _start(config, model, tokenizer)
+        freeze_startup_heap()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -48,6 +48,7 @@ from pdserve.client import Chunk, Client, Completion, PdserveError, collect
 from pdserve.launch_plan import ClusterError
 from pdserve.launcher import LocalCluster, LocalClusterConfig
 from prefill_worker.config import PrefillWorkerConfig
+from protos.gc_tuning import pause_collection
 from protos.tls import CertificateError, ClusterCA, TlsFiles
 
 _SERVER_COMMANDS = ("gateway", "prefill-worker", "decode-worker")
@@ -326,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     if (why := shadowed_kernels()) is not None:
         _err(f"pdserve: error: {why}")
         return 2
+    if args.command in _SERVER_COMMANDS:
+        pause_collection()  # until it serves: the start's heap is then frozen (protos.gc_tuning)
     verbose = args.verbose or args.command in _SERVER_COMMANDS
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

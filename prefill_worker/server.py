@@ -21,6 +21,7 @@ from prefill_worker.destinations import DecodeDestinations
 from prefill_worker.service import PrefillWorkerServicer
 from prefill_worker.worker import PrefillWorker
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from protos.gc_tuning import freeze_startup_heap
 from protos.service_runtime import (Registration, WorkerHandle, WorkerServer, log_internal_security,
                                     share_cpus, wait_for_termination)
 from protos.worker_metrics import WorkerMetrics, model_name, serve_metrics
@@ -62,4 +63,5 @@ def start_server(config: PrefillWorkerConfig, engine_config: EngineConfig,
 
 def serve(config: PrefillWorkerConfig, engine_config: EngineConfig) -> None:
     handle = start_server(config, engine_config)
+    freeze_startup_heap()
     wait_for_termination(lambda: handle.stop(grace_s=config.drain_timeout_s))

@@ -29,6 +29,9 @@ Fed from the service edge:
                                                   status other than OK or CANCELLED (the caller's choice);
                                                   reason: the status name (UNAVAILABLE while draining,
                                                   RESOURCE_EXHAUSTED when full, FAILED_PRECONDITION, ...)
+The process (protos.gc_tuning.register_process_collectors; no model_name or role labels):
+    process_*, python_gc_*                prometheus_client's process and garbage-collector metrics
+    pdserve_gc_frozen_objects             objects frozen out of the collector's walks once the worker served
 
 Label values that are known in advance start at 0, so every series exists from the first scrape.
 """
@@ -50,6 +53,7 @@ from engine.llm_engine import EngineStats, LLMEngine
 from engine.model_fetch import resolve_model_path
 from kvstore.transfer_manifest import TransferManifest
 from kvstore.transfer_service import KvReceiver, ReceivedBlocks, ReceiveTarget
+from protos.gc_tuning import register_process_collectors
 
 LABELS = ("model_name", "role")
 TRANSPORTS = ("grpc", "shm")
@@ -141,6 +145,7 @@ class WorkerMetrics:
         values = (model, role)
         self._load = _LoadCollector(values, LoadSnapshot.of(engine))
         r.register(self._load)
+        register_process_collectors(r)
         self.step_seconds = Histogram("pdserve_engine_step_seconds", "Duration of one engine step that ran the model",
                                       LABELS, buckets=STEP_BUCKETS, registry=r).labels(*values)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded)",
