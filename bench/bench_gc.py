@@ -1,6 +1,7 @@
 """What Python's cyclic garbage collector costs a decode worker, with and without protos.gc_tuning.
 
     python bench/bench_gc.py [--repeats 5] [--threads 2] [--out bench/results/gc.md]
+                             [--up-rounds 3 --before-tree PATH]
 
 Each sample is a fresh process that starts as a `pdserve decode-worker` does, without its servers: it imports the
 worker's modules and builds the engine (the default model, EngineConfig defaults, 1 GiB of KV cache), either with
@@ -14,6 +15,11 @@ commands do now), then freezes the heap (`freeze_startup_heap`). Modes alternate
                            server that never froze) and after (what it costs now)
 
 The table gives each mode's median over its processes; the machine's CPU model is recorded.
+
+With --before-tree (a checkout of a commit before protos.gc_tuning, e.g. `git worktree add /tmp/before 6c3dcfb`):
+the README's first command, `pdserve up --once "What is the capital of France?"` (the whole local cluster started,
+one answer, stopped), timed end to end --up-rounds times with that tree's code and this one's, alternating, each
+run a fresh `python -m pdserve` with PYTHONPATH at its tree, the answer checked.
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,11 +91,29 @@ def sample(mode: str, threads: int) -> dict:
     return row
 
 
+UP_MESSAGE = "What is the capital of France?"
+
+
+def up_seconds(tree: Path) -> float:
+    """Wall seconds of `pdserve up --once UP_MESSAGE` run from `tree`'s code."""
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "pdserve", "up", "--once", UP_MESSAGE, "--port", "0",
+                          "--http-port", "0"], cwd="/", env={**os.environ, "PYTHONPATH": str(tree)},
+                         capture_output=True, text=True, check=True, timeout=600)
+    seconds = time.perf_counter() - start
+    if "Paris" not in out.stdout:
+        raise RuntimeError(f"unexpected answer from {tree}: {out.stdout!r}")
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="processes per mode")
     parser.add_argument("--threads", type=int, default=2, help="engine threads of each process")
     parser.add_argument("--out", default="bench/results/gc.md")
+    parser.add_argument("--before-tree", type=Path, default=None,
+                        help="a checkout of an earlier commit: time `pdserve up --once` with its code and this one's")
+    parser.add_argument("--up-rounds", type=int, default=3, help="`pdserve up --once` runs per tree")
     args = parser.parse_args()
     samples: dict[str, list[dict]] = {mode: [] for mode in MODES}
     for i in range(args.repeats):
@@ -107,13 +133,28 @@ def main() -> None:
                      + " |")
     ratio = medians["paused"]["start_s"] / medians["collector on"]["start_s"]
     lines += ["", f"Start (import + build), paused / collector on: {ratio:.2f}x."]
+    up: dict[str, list[float]] = {}
+    if args.before_tree is not None:
+        trees = {"before": args.before_tree.resolve(), "this tree": REPO}
+        up = {name: [] for name in trees}
+        for i in range(args.up_rounds):
+            for name, tree in trees.items():
+                up[name].append(up_seconds(tree))
+                print(f"up round {i + 1}/{args.up_rounds} {name}: {up[name][-1]:.1f} s", flush=True)
+        before, now = statistics.median(up["before"]), statistics.median(up["this tree"])
+        command += f" --before-tree {args.before_tree} --up-rounds {args.up_rounds}"
+        lines[2] = f"Command: `{command}`"
+        lines += ["", f"`pdserve up --once \"{UP_MESSAGE}\"`, wall seconds (median of {args.up_rounds}, runs "
+                  f"alternating): before ({args.before_tree}) {before:.1f} "
+                  f"({', '.join(f'{x:.1f}' for x in up['before'])}), this tree {now:.1f} "
+                  f"({', '.join(f'{x:.1f}' for x in up['this tree'])}): {now / before:.2f}x."]
     text = "\n".join(lines) + "\n"
     print(text)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     out.with_suffix(".json").write_text(json.dumps({"command": command, "cpu": cpu_model(), "samples": samples,
-                                                    "medians": medians}, indent=1))
+                                                    "medians": medians, "up_seconds": up}, indent=1))
 
 
 if __name__ == "__main__":
