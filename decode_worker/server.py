@@ -61,6 +61,7 @@ def start_server(config: DecodeWorkerConfig, engine_config: EngineConfig,
 
 
 def serve(config: DecodeWorkerConfig, engine_config: EngineConfig) -> None:
-    handle = start_server(config, engine_config)
-    freeze_startup_heap()
+    engine = build_engine(engine_config, progress=False)
+    freeze_startup_heap()  # before it is reachable: the freeze's collection delays no request
+    handle = start_server(config, engine_config, engine)
     wait_for_termination(lambda: handle.stop(grace_s=config.drain_timeout_s))

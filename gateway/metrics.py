@@ -24,7 +24,7 @@ Workers, as last reported to the prefix index (refreshed on each scrape; label w
     pdserve_worker_kv_blocks_used, pdserve_worker_kv_blocks_free
 The process (protos.gc_tuning.register_process_collectors):
     process_*, python_gc_*                           prometheus_client's process and garbage-collector metrics
-    pdserve_gc_frozen_objects                        objects frozen out of the collector's walks once it served
+    pdserve_gc_frozen_objects                        objects frozen out of the collector's walks before it served
 
 "Finished" means the stream ended with a finish reason (length, stop token or stop string); cancelled and failed
 requests count only in pdserve_requests_total and, for tokens they did get, the TTFT / ITL / generation counts.

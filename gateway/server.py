@@ -434,10 +434,10 @@ async def _drain(parts: _Parts, grace_s: float) -> None:
 def serve(config: GatewayConfig) -> None:
     """Run the gateway until SIGTERM or SIGINT, then drain (see module doc)."""
     model, tokenizer = load_model_spec(config)
+    freeze_startup_heap()  # before it is reachable: the freeze's collection delays no request
 
     async def main() -> None:
         parts = await _start(config, model, tokenizer)
-        freeze_startup_heap()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -29,15 +29,19 @@ from protos.worker_metrics import WorkerMetrics, model_name, serve_metrics
 log = logging.getLogger(__name__)
 
 
-def start_server(config: PrefillWorkerConfig, engine_config: EngineConfig,
-                 engine: LLMEngine | None = None) -> WorkerHandle:
+def build_prefill_engine(config: PrefillWorkerConfig, engine_config: EngineConfig) -> LLMEngine:
+    """The prefill worker's engine, once the shared-memory segments of dead senders are gone: a KV cache the decode
+    worker copies from in place, when the KV may go over shm (kvstore.shm_cache), and the digests of the blocks
+    taken as prefill writes them (engine.kv_digests), which every push sends."""
     orphans = remove_orphaned_segments()
     if orphans:
         log.warning("removed %d shared-memory segment(s) left by dead senders: %s", len(orphans), ", ".join(orphans))
-    # a KV cache the decode worker copies from in place, when the KV may go over shm (kvstore.shm_cache), and
-    # the digests of the blocks taken as prefill writes them (engine.kv_digests), which every push sends
-    engine = engine or build_engine(engine_config, progress=False, kv_cache_in_shm=config.transport != "grpc",
-                                    kv_digests=True)
+    return build_engine(engine_config, progress=False, kv_cache_in_shm=config.transport != "grpc", kv_digests=True)
+
+
+def start_server(config: PrefillWorkerConfig, engine_config: EngineConfig,
+                 engine: LLMEngine | None = None) -> WorkerHandle:
+    engine = engine or build_prefill_engine(config, engine_config)
     loop = EngineLoop(engine)
     log_internal_security(log, "prefill worker", config.tls_files, config.insecure_internal)
     server = WorkerServer(config.host, config.port, tls=config.tls_files, health_port=config.health_port)
@@ -62,6 +66,7 @@ def start_server(config: PrefillWorkerConfig, engine_config: EngineConfig,
 
 
 def serve(config: PrefillWorkerConfig, engine_config: EngineConfig) -> None:
-    handle = start_server(config, engine_config)
-    freeze_startup_heap()
+    engine = build_prefill_engine(config, engine_config)
+    freeze_startup_heap()  # before it is reachable: the freeze's collection delays no request
+    handle = start_server(config, engine_config, engine)
     wait_for_termination(lambda: handle.stop(grace_s=config.drain_timeout_s))

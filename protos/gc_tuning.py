@@ -7,11 +7,13 @@ GIL: a worker holds ~230,000 of them once torch, grpc and the model's modules ar
 it keeps until it exits, so those walks find nothing to free.
 
     pause_collection()     first thing in a server command (`pdserve gateway | prefill-worker | decode-worker`):
-                           the collector stays off while it imports, loads the model and starts its servers;
-                           reference counting still frees everything that is not in a cycle
-    freeze_startup_heap()  once it serves: one collection (the start's cyclic garbage), then gc.freeze() moves every
-                           object left into the permanent generation, which no later collection walks, and the
-                           collector back on, at Python's thresholds, for the objects requests make
+                           the collector stays off while it imports and loads the model; reference counting
+                           still frees everything that is not in a cycle
+    freeze_startup_heap()  once it has loaded what it keeps (a worker's engine, the gateway's tokenizer), before its
+                           servers start, so that no request waits for it: one collection (the start's cyclic
+                           garbage), then gc.freeze() moves every object left into the permanent generation, which
+                           no later collection walks, and the collector back on, at Python's thresholds, for the
+                           objects the servers and requests make
 
 A frozen object is still freed when its reference count drops to zero; only a cycle among frozen objects stays
 until exit (the start's own cycles were collected just before). Every server entry point (`serve`) calls
@@ -58,7 +60,7 @@ class FrozenObjectsCollector(Collector):
 
     def collect(self):
         yield GaugeMetricFamily("pdserve_gc_frozen_objects",
-                                "Objects frozen out of the garbage collector's walks when the process began serving",
+                                "Objects frozen out of the garbage collector's walks before the process began serving",
                                 value=gc.get_freeze_count())
 
 

@@ -31,7 +31,7 @@ Fed from the service edge:
                                                   RESOURCE_EXHAUSTED when full, FAILED_PRECONDITION, ...)
 The process (protos.gc_tuning.register_process_collectors; no model_name or role labels):
     process_*, python_gc_*                prometheus_client's process and garbage-collector metrics
-    pdserve_gc_frozen_objects             objects frozen out of the collector's walks once the worker served
+    pdserve_gc_frozen_objects             objects frozen out of the collector's walks before the worker served
 
 Label values that are known in advance start at 0, so every series exists from the first scrape.
 """
