@@ -3,7 +3,7 @@ process starts, then the heap it started with frozen.
 
 A full (generation-2) collection walks every object the collector tracks, stopping every thread that needs the
 GIL: a worker holds ~230,000 of them once torch, grpc and the model's modules are loaded, and one such walk took
-~110 ms on a 2-core AMD EPYC, 8 of them while a worker started (bench/bench_gc.py). What a server loads at start
+~100 ms on a 2-core AMD EPYC, 8 of them while a worker started (bench/bench_gc.py). What a server loads at start
 it keeps until it exits, so those walks find nothing to free.
 
     pause_collection()     first thing in a server command (`pdserve gateway | prefill-worker | decode-worker`):
