@@ -122,7 +122,8 @@ def main() -> None:
             print(f"round {i + 1}/{args.repeats} {mode}: start {samples[mode][-1]['start_s']:.2f} s", flush=True)
     medians = {mode: {key: statistics.median(s[key] for s in rows) for key, _, _ in COLUMNS}
                for mode, rows in samples.items()}
-    command = f"python bench/bench_gc.py --repeats {args.repeats} --threads {args.threads}"
+    command = f"python bench/bench_gc.py --repeats {args.repeats} --threads {args.threads}" + (
+        f" --before-tree {args.before_tree} --up-rounds {args.up_rounds}" if args.before_tree is not None else "")
     lines = [f"### A decode worker's start and its collector ({datetime.date.today()}, {cpu_model()}, "
              f"{args.threads} engine threads, median of {args.repeats} processes per mode)", "",
              f"Command: `{command}`", "",
@@ -142,8 +143,6 @@ def main() -> None:
                 up[name].append(up_seconds(tree))
                 print(f"up round {i + 1}/{args.up_rounds} {name}: {up[name][-1]:.1f} s", flush=True)
         before, now = statistics.median(up["before"]), statistics.median(up["this tree"])
-        command += f" --before-tree {args.before_tree} --up-rounds {args.up_rounds}"
-        lines[2] = f"Command: `{command}`"
         lines += ["", f"`pdserve up --once \"{UP_MESSAGE}\"`, wall seconds (median of {args.up_rounds}, runs "
                   f"alternating): before ({args.before_tree}) {before:.1f} "
                   f"({', '.join(f'{x:.1f}' for x in up['before'])}), this tree {now:.1f} "
