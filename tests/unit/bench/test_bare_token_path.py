@@ -1,0 +1,39 @@
+"""The bare Python-grpc token path that bench/bench_cluster.py runs beside the engine: real processes, real sockets."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from pdserve.bench.bare_token_path import BareTokenPath
+
+
+@pytest.fixture(scope="module")
+def bare():
+    with BareTokenPath() as path:
+        yield path
+
+
+@pytest.mark.parametrize("hops", [2, 3])
+def test_every_message_arrives_at_its_pace(bare, hops):
+    start = time.perf_counter()
+    assert bare.stream(20, 0.005, hops=hops) == 20
+    assert time.perf_counter() - start >= 20 * 0.005  # paced by the source, not sent in one burst
+
+
+@pytest.mark.parametrize("hops", [2, 3])
+def test_stop_cancels_a_stream_at_its_next_message(bare, hops):
+    stop = threading.Event()
+    stop.set()
+    assert bare.stream(1 << 30, 0.001, hops=hops, stop=stop) == 1
+    assert bare.stream(3, 0.0, hops=hops) == 3  # the cancelled call left both processes serving
+
+
+def test_close_ends_both_processes():
+    path = BareTokenPath()
+    processes = [path._source, path._relay]
+    assert all(p.is_alive() for p in processes) and set(path.pids.values()) == {p.pid for p in processes}
+    path.close()
+    assert not any(p.is_alive() for p in processes)
