@@ -20,9 +20,13 @@ same decode threads", for float32 weights and for --keep-quantized-weights: per 
 its own thread in a spawned process of its own, as the serving suite runs it, no RPC, the same threads: in
 this process, which has started the cluster and holds gRPC channels, its OpenMP threads spun at 2 threads and
 a token took 5x its CPU), and one colocated cluster (one decode worker with the engine's threads, prefilling
-locally, behind a gateway of its own: the same serving stack without disaggregation), then `--rounds` rounds,
-each one request to the engine, one through the 1P+1D gateway, one calling the workers directly and one through
-the colocated gateway, every request on a prompt of its own.
+locally, behind a gateway of its own: the same serving stack without disaggregation), and the bare token path
+of pdserve/bench/bare_token_path.py (a sync grpc server -> a grpc.aio relay -> a sync client in this process, no
+pdserve code), then `--rounds` rounds, each one request to the engine, one through the 1P+1D gateway, one
+calling the workers directly, one through the colocated gateway, and two more to the engine while the bare
+path carries one 48-byte message per token at the engine's token rate, through all three processes (the
+gateway's shape) and straight from the source (the direct one's): what Python grpc's message passing alone
+costs the step on the same CPUs, beside what the cluster's rows cost it. Every request is on a prompt of its own.
 TPOT is taken from the stream: (arrival of the last token - arrival of the first) / (tokens - 1); the ratio
 is the median cluster TPOT over the median engine TPOT of the same run (and the median of the per-round
 ratios); 1P+1D via its gateway is also divided by colocated via its own, which separates what disaggregation
@@ -52,6 +56,7 @@ import json
 import multiprocessing
 import os
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -67,6 +72,7 @@ from engine.sampling_params import SamplingParams
 from kvstore.malloc_tuning import keep_freed_memory_for_reuse
 from pdserve.bench import cpumeter, roofline
 from pdserve.bench.backends import Backend, PdserveBackend, new_record
+from pdserve.bench.bare_token_path import BareTokenPath
 from pdserve.bench.inprocess import EngineBackend
 from pdserve.bench.metrics import RequestRecord
 from pdserve.bench.workloads import BenchRequest
@@ -268,10 +274,36 @@ class EngineProcess(Backend):
         self._pool.shutdown()
 
 
+class EngineBesideBarePath(Backend):
+    """The engine process's requests, each run while a bare Python-grpc token stream (pdserve.bench.bare_token_path,
+    `hops` processes) carries one message per token at the engine's token rate: the gap between messages is the
+    TPOT of this backend's previous request (`gap_s` before the first). The stream starts with the request and is
+    cancelled when it ends."""
+
+    def __init__(self, engine: EngineProcess, path: BareTokenPath, hops: int, name: str,
+                 gap_s: float = 0.01) -> None:
+        self.engine, self.path, self.hops, self.name, self.gap_s = engine, path, hops, name, gap_s
+
+    async def send(self, request: BenchRequest) -> RequestRecord:
+        stop = threading.Event()
+        streaming = asyncio.get_running_loop().run_in_executor(None, self.path.stream, 1 << 30, self.gap_s,
+                                                               self.hops, stop)
+        try:
+            record = await self.engine.send(request)
+        finally:
+            stop.set()
+            await streaming
+        if record.success and record.output_len > 1:
+            self.gap_s = record.tpot_s
+        return record
+
+
 WEIGHT_MODES = {"float32": False, "kept GGUF codes": True}
 """Weights mode -> EngineConfig.keep_quantized_weights (the same in the engine and in every worker)."""
 ENGINE, GATEWAY, DIRECT = "one-process engine", "1P+1D via gateway", "1P+1D workers direct"
 COLOCATED = "colocated via gateway"
+BARE_GATEWAY = "engine beside a bare grpc token path, 3 processes"
+BARE_DIRECT = "engine beside a bare grpc token path, 2 processes"
 
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
@@ -311,7 +343,7 @@ async def interleave(backends: list[Backend], rounds: list[list[BenchRequest]],
 def tpot_vs_engine(model_path: Path, threads: int, num_rounds: int, prompt_len: int, new_tokens: int,
                    lend: bool = False) -> dict:
     """Issue 16's 1P+1D batch-1 TPOT goal, per weights mode (module docstring). Returns the figures."""
-    systems = (ENGINE, GATEWAY, DIRECT, COLOCATED)
+    systems = (ENGINE, GATEWAY, DIRECT, COLOCATED, BARE_GATEWAY, BARE_DIRECT)
     prompts = iter(make_prompts(model_path, (num_rounds + 1) * len(systems) * len(WEIGHT_MODES), prompt_len))
     figures = {"meta": {"date": datetime.date.today().isoformat(), "machine": roofline.machine_info().to_dict(),
                         "model": str(model_path), "threads": threads, "lend": lend, "rounds": num_rounds,
@@ -336,14 +368,17 @@ def tpot_vs_engine(model_path: Path, threads: int, num_rounds: int, prompt_len: 
             gateway_args=(), lend_idle_cpus=False)
         rounds = [[BenchRequest(f"{mode}-{i}-{j}", tuple(next(prompts)), new_tokens) for j in range(len(systems))]
                   for i in range(num_rounds + 1)]
-        with LocalCluster(cluster_config) as cluster, LocalCluster(colocated_config) as colocated:
+        with (LocalCluster(cluster_config) as cluster, LocalCluster(colocated_config) as colocated,
+              BareTokenPath() as bare):
             engine = EngineProcess(dataclasses.replace(engine_config, num_threads=decode_threads), name=ENGINE)
             try:
                 backends = [engine, PdserveBackend(cluster.gateway_target, name=GATEWAY),
                             DirectBackend(cluster.workers, cluster.tls_files.get("gateway"), name=DIRECT),
-                            PdserveBackend(colocated.gateway_target, name=COLOCATED)]
+                            PdserveBackend(colocated.gateway_target, name=COLOCATED),
+                            EngineBesideBarePath(engine, bare, 3, BARE_GATEWAY),
+                            EngineBesideBarePath(engine, bare, 2, BARE_DIRECT)]
                 pids = {"this process": os.getpid(), "engine": engine.pid, **cluster.pids, "redis": cluster.redis_pid,
-                        **{f"colocated {name}": pid for name, pid in colocated.pids.items()}}
+                        **{f"colocated {name}": pid for name, pid in colocated.pids.items()}, **bare.pids}
                 records = asyncio.run(interleave(backends, rounds, pids))
             finally:
                 engine.shutdown()
@@ -360,7 +395,7 @@ def tpot_vs_engine(model_path: Path, threads: int, num_rounds: int, prompt_len: 
                                                                               for _, cpu in measured)
                                                    for process in pids}}
         base = rows[ENGINE]["tpot_p50_ms"]
-        for name in (GATEWAY, DIRECT, COLOCATED):
+        for name in (GATEWAY, DIRECT, COLOCATED, BARE_GATEWAY, BARE_DIRECT):
             rows[name]["tpot_ratio"] = rows[name]["tpot_p50_ms"] / base
             rows[name]["tpot_ratio_paired_p50"] = statistics.median(
                 c / e for c, e in zip(rows[name]["tpot_ms"], rows[ENGINE]["tpot_ms"]))

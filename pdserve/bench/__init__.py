@@ -10,6 +10,7 @@
     roofline.py   weight bytes per token, copy bandwidth, machine description
     suite.py      `--suite cpu`: every system, every scenario, one run
     report.py     the suite's markdown tables
+    bare_token_path.py  a batch-1 token stream of pdserve's shape over bare Python grpc (bench_cluster.py)
     cli.py        the `pdserve bench` subcommand
 
 Nothing here is imported by the serving path; the `bench` extra (matplotlib, transformers) loads only when used.
