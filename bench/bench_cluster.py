@@ -292,8 +292,10 @@ class EngineBesideBarePath(Backend):
             record = await self.engine.send(request)
         finally:
             stop.set()
-            await streaming
-        if record.success and record.output_len > 1:
+            await asyncio.wait([streaming])
+        if streaming.exception() is not None:  # the engine ran without the path beside it: not this row's figure
+            record.success, record.error = False, f"bare token path: {streaming.exception()!r}"
+        elif record.success and record.output_len > 1:
             self.gap_s = record.tpot_s
         return record
 

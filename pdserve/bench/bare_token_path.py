@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import queue
 import threading
 import time
 from concurrent import futures
@@ -90,17 +91,28 @@ class BareTokenPath:
     def __init__(self) -> None:
         context = multiprocessing.get_context("spawn")
         ports = context.Queue()
-        self._source = context.Process(target=_run_source, args=(ports,), name="bare-path-source", daemon=True)
-        self._source.start()
-        source_port = ports.get(timeout=60)
-        self._relay = context.Process(target=_run_relay, args=(source_port, ports), name="bare-path-relay",
-                                      daemon=True)
-        self._relay.start()
-        relay_port = ports.get(timeout=60)
-        self._channels = {2: grpc.insecure_channel(f"127.0.0.1:{source_port}"),
-                          3: grpc.insecure_channel(f"127.0.0.1:{relay_port}")}
-        self.pids = {"bare path source": self._source.pid, "bare path relay": self._relay.pid}
-        self.stream(2, 0.0, hops=3)  # both hops connected before anything is timed
+        self._channels: dict[int, grpc.Channel] = {}
+        self._processes: list[multiprocessing.Process] = []
+        try:
+            source_port = self._start(context, ports, _run_source, "bare-path-source")
+            relay_port = self._start(context, ports, _run_relay, "bare-path-relay", source_port)
+            self._channels = {2: grpc.insecure_channel(f"127.0.0.1:{source_port}"),
+                              3: grpc.insecure_channel(f"127.0.0.1:{relay_port}")}
+            self.stream(2, 0.0, hops=3)  # both hops connected before anything is timed
+        except BaseException:
+            self.close()
+            raise
+        self.pids = {"bare path source": self._processes[0].pid, "bare path relay": self._processes[1].pid}
+
+    def _start(self, context, ports, target, name: str, *args) -> int:
+        """Start `target(*args, ports)` as a process; returns the port its server listens on."""
+        process = context.Process(target=target, args=(*args, ports), name=name, daemon=True)
+        process.start()
+        self._processes.append(process)
+        try:
+            return ports.get(timeout=60)
+        except queue.Empty:
+            raise RuntimeError(f"{name} did not start (exit code {process.exitcode})") from None
 
     def stream(self, n: int, gap_s: float, hops: int = 3, stop: threading.Event | None = None) -> int:
         """Read `n` messages sent one every `gap_s` over `hops` processes (3: through the relay, 2: straight from
@@ -118,7 +130,7 @@ class BareTokenPath:
     def close(self) -> None:
         for channel in self._channels.values():
             channel.close()
-        for process in (self._relay, self._source):
+        for process in reversed(self._processes):
             process.terminate()
             process.join(timeout=10)
 

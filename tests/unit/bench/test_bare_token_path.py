@@ -33,7 +33,8 @@ def test_stop_cancels_a_stream_at_its_next_message(bare, hops):
 
 def test_close_ends_both_processes():
     path = BareTokenPath()
-    processes = [path._source, path._relay]
-    assert all(p.is_alive() for p in processes) and set(path.pids.values()) == {p.pid for p in processes}
+    processes = list(path._processes)
+    assert len(processes) == 2 and all(p.is_alive() for p in processes)
+    assert set(path.pids.values()) == {p.pid for p in processes}
     path.close()
     assert not any(p.is_alive() for p in processes)
